@@ -1,0 +1,90 @@
+"""attnkit: efficient attention mechanisms behind one contract and one registry.
+
+    >>> import attnkit, torch
+    >>> attn = attnkit.build("softmax")
+    >>> q = k = v = torch.randn(2, 4, 16, 8)      # (B, H, L, D)
+    >>> attn(q, k, v, causal=True).shape
+    torch.Size([2, 4, 16, 8])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._version import API_VERSION, __version__
+from .attention import Attention
+from .errors import (
+    AmbiguousNameError,
+    AttnkitError,
+    BackendUnavailableError,
+    InvalidInputError,
+    PluginLoadError,
+    UnknownAttentionError,
+    UnsupportedFeatureError,
+    UsageError,
+)
+from .hookspecs import hookimpl
+from .layers import MultiHeadAttention, Transformer, TransformerBlock
+from .registry import default_registry
+from .spec import AttentionSpec, Capabilities, OptionSpec, Paper
+
+__all__ = [
+    "API_VERSION", "__version__", "Attention", "AttentionSpec", "Capabilities", "OptionSpec", "Paper",
+    "MultiHeadAttention", "Transformer", "TransformerBlock", "hookimpl",
+    "build", "get_spec", "available", "register", "unregister", "registered", "plugin", "plugins", "reload",
+    "AttnkitError", "InvalidInputError", "UnknownAttentionError", "UnsupportedFeatureError",
+    "AmbiguousNameError", "PluginLoadError", "BackendUnavailableError", "UsageError",
+]
+
+
+def build(name: str, **options: Any) -> Attention:
+    """Construct the attention registered as ``name`` (or ``family/name``, ``dist:name``).
+
+    Example: ``attnkit.build("performer", num_heads=8, head_dim=64, num_features=256)``.
+
+    Raises:
+        UnknownAttentionError: no such name; the message suggests close ones.
+        AmbiguousNameError: two distributions provide the name.
+        InvalidInputError: an option the implementation does not take.
+    """
+    return default_registry().build(name, **options)
+
+
+def get_spec(name: str) -> AttentionSpec:
+    """The :class:`AttentionSpec` registered as ``name``."""
+    return default_registry().resolve(name)
+
+
+def available(**capability_filters: Any) -> list[AttentionSpec]:
+    """Registered specs matching every filter, e.g. ``available(causal=True, streaming="exact")``."""
+    return default_registry().available(**capability_filters)
+
+
+def register(spec_or_class: Any, **spec_fields: Any) -> AttentionSpec:
+    """Register an implementation in this process (an :class:`AttentionSpec`, or a class plus ``name=``)."""
+    return default_registry().register(spec_or_class, **spec_fields)
+
+
+def unregister(spec_or_name: AttentionSpec | str) -> None:
+    """Remove an in-process registration."""
+    default_registry().unregister(spec_or_name)
+
+
+def registered(spec_or_class: Any, **spec_fields: Any):
+    """Context manager: register for a ``with`` block, always unregister after."""
+    return default_registry().registered(spec_or_class, **spec_fields)
+
+
+def plugin(obj: Any, *, name: str = "local-plugin", **kwargs: Any):
+    """Context manager: load a plugin object (hook implementations) for a ``with`` block."""
+    return default_registry().plugin(obj, name=name, **kwargs)
+
+
+def plugins() -> list:
+    """Records of every discovered plugin: name, distribution, version, status, error."""
+    return default_registry().plugin_records()
+
+
+def reload() -> None:
+    """Forget loaded plugins so the next use discovers them again."""
+    default_registry().reload()

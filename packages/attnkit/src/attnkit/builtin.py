@@ -1,0 +1,37 @@
+"""The core's own implementations, registered through the same hook as any plugin."""
+
+from __future__ import annotations
+
+from ._version import API_VERSION
+from .hookspecs import hookimpl
+from .spec import AttentionSpec, Capabilities, Paper
+
+ATTNKIT_API_VERSION = API_VERSION
+
+SOFTMAX = AttentionSpec(
+    name="softmax",
+    aliases=("exact", "sdpa"),
+    factory="attnkit.softmax:SoftmaxAttention",
+    family="core",
+    summary="Exact scaled dot-product attention (SDPA fast path, naive reference).",
+    paper=Paper("Vaswani et al.", 2017, "Attention Is All You Need", "1706.03762"),
+    exact=True,
+    capabilities=Capabilities(
+        causal=True,
+        key_padding_mask=True,
+        attn_mask=True,
+        cross=True,
+        causal_cross=True,
+        streaming="exact",
+        dtypes=("float16", "bfloat16", "float32", "float64"),
+        backends=("sdpa", "torch"),
+        time="O(L·S·D)",
+        memory="O(L·S) torch path; O(L) with flash SDPA",
+    ),
+)
+
+
+@hookimpl
+def attnkit_register_attention(register):
+    """Register exact softmax attention."""
+    register(SOFTMAX)

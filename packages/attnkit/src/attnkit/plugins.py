@@ -1,0 +1,125 @@
+"""Plugin discovery and loading.
+
+Plugins are modules named by entry points in the ``attnkit.plugins`` group.
+Loading is per-plugin isolated: a plugin that fails to import, has a bad hook,
+or was built for another API major version is recorded with its error and
+skipped; the rest keep working. Environment variables, read at load time:
+
+* ``ATTNKIT_PLUGINS``: comma-separated allow-list of plugin (entry-point) or
+  distribution names; set but empty means no external plugin.
+* ``ATTNKIT_DISABLE_PLUGINS``: comma-separated block-list.
+* ``ATTNKIT_STRICT_PLUGINS=1``: a load failure raises :class:`PluginLoadError`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+
+from ._version import API_VERSION
+from .errors import PluginLoadError
+
+ENTRY_POINT_GROUP = "attnkit.plugins"
+ENV_ALLOW = "ATTNKIT_PLUGINS"
+ENV_BLOCK = "ATTNKIT_DISABLE_PLUGINS"
+ENV_STRICT = "ATTNKIT_STRICT_PLUGINS"
+
+
+@dataclass
+class PluginRecord:
+    """What happened to one plugin: ``loaded``, ``broken``, ``blocked`` or ``skipped``."""
+
+    name: str
+    distribution: str
+    version: str
+    module: str
+    status: str
+    error: str = ""
+    object: Any = None
+
+    def as_dict(self) -> dict[str, str]:
+        return {k: getattr(self, k) for k in ("name", "distribution", "version", "module", "status", "error")}
+
+
+def _env_list(var: str) -> list[str] | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+def strict() -> bool:
+    return os.environ.get(ENV_STRICT, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_api_version(module: ModuleType | Any, plugin: str) -> str | None:
+    """None when the plugin's declared API version fits, else the reason."""
+    declared = getattr(module, "ATTNKIT_API_VERSION", None)
+    if declared is None:
+        return None
+    try:
+        major = int(str(declared).split(".")[0])
+    except ValueError:
+        return f"ATTNKIT_API_VERSION must be an int, got {declared!r}"
+    if major != API_VERSION:
+        if major > API_VERSION:
+            fix = "upgrade attnkit (pip install -U attnkit)"
+        else:
+            fix = f"upgrade the plugin (pip install -U {plugin}) to one built for API {API_VERSION}"
+        return (f"built for attnkit plugin API {major}, this attnkit provides API {API_VERSION}: {fix}")
+    return None
+
+
+def discover() -> list[tuple[PluginRecord, metadata.EntryPoint | None]]:
+    """Entry points of the group, with their allow/block status (nothing imported)."""
+    allow = _env_list(ENV_ALLOW)
+    block = set(_env_list(ENV_BLOCK) or [])
+    found = []
+    seen = set()
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        dist_name = dist.metadata["Name"] if dist is not None else ""
+        version = dist.version if dist is not None else ""
+        key = (ep.name, ep.value)
+        if key in seen:  # the same distribution seen twice on sys.path
+            continue
+        seen.add(key)
+        rec = PluginRecord(ep.name, dist_name or "", version or "", ep.value, "pending")
+        names = {ep.name, dist_name}
+        if names & block:
+            rec.status, rec.error = "blocked", f"blocked by {ENV_BLOCK}"
+        elif allow is not None and not names & set(allow):
+            rec.status, rec.error = "blocked", f"not in {ENV_ALLOW}"
+        found.append((rec, ep))
+    return found
+
+
+def load_entry_point(rec: PluginRecord, ep: metadata.EntryPoint) -> None:
+    """Import one plugin module into ``rec.object`` or record why it failed."""
+    try:
+        module = ep.load()
+    except BaseException as exc:  # noqa: BLE001 - a plugin must never take the others down
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        fail(rec, f"import failed: {type(exc).__name__}: {exc}")
+        return
+    reason = check_api_version(module, rec.distribution or rec.name)
+    if reason is not None:
+        rec.status, rec.error = "skipped", reason
+        warnings.warn(f"attnkit plugin {rec.name!r} skipped: {reason}", RuntimeWarning, stacklevel=3)
+        if strict():
+            raise PluginLoadError(rec.name, reason)
+        return
+    rec.object = module
+    rec.status = "loaded"
+
+
+def fail(rec: PluginRecord, reason: str) -> None:
+    """Mark a plugin broken; raise under ATTNKIT_STRICT_PLUGINS."""
+    rec.status, rec.error = "broken", reason
+    if strict():
+        raise PluginLoadError(rec.name, reason)

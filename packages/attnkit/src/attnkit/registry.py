@@ -1,0 +1,368 @@
+"""The registry: specs from plugins and in-process registrations, lookup, build.
+
+Loading is lazy (first use) and cached; :func:`reload` forgets it (after a
+``pip install`` in the same process, or in tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import threading
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import pluggy
+
+from . import hookspecs
+from ._version import __version__
+from .errors import (
+    AmbiguousNameError,
+    InvalidInputError,
+    PluginLoadError,
+    UnknownAttentionError,
+)
+from .plugins import PluginRecord, check_api_version, discover, fail, load_entry_point
+from .spec import AttentionSpec, Capabilities
+
+LOCAL = "local"  # plugin/distribution name of in-process registrations
+_SPEC_FIELDS = {f.name for f in dataclasses.fields(AttentionSpec)}
+_CAP_FIELDS = {f.name for f in dataclasses.fields(Capabilities)}
+
+
+def make_spec(spec_or_class: Any, fields: dict[str, Any]) -> AttentionSpec:
+    """Turn ``register``'s arguments into an :class:`AttentionSpec`."""
+    unknown = set(fields) - _SPEC_FIELDS
+    if unknown:
+        raise InvalidInputError(
+            f"register: unknown spec field(s) {sorted(unknown)}; valid fields: {sorted(_SPEC_FIELDS)}"
+        )
+    if isinstance(spec_or_class, AttentionSpec):
+        return dataclasses.replace(spec_or_class, **fields) if fields else spec_or_class
+    from .attention import Attention
+
+    if inspect.isclass(spec_or_class) and issubclass(spec_or_class, Attention):
+        cls = spec_or_class
+        if "name" not in fields:
+            raise InvalidInputError(f"register: registering class {cls.__name__} needs name=..., got none")
+        doc = (inspect.getdoc(cls) or "").strip().splitlines()
+        defaults = {
+            "factory": cls,
+            "family": "custom",
+            "summary": doc[0] if doc else cls.__name__,
+            "capabilities": cls.capabilities or Capabilities(),
+        }
+        return AttentionSpec(**{**defaults, **fields})
+    raise InvalidInputError(
+        "register: expected an AttentionSpec or an attnkit.Attention subclass, "
+        f"got {type(spec_or_class).__name__} {spec_or_class!r}"[:200]
+    )
+
+
+class Registry:
+    """Holds the plugin manager, plugin records and specs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._loaded = False
+        self._pm: pluggy.PluginManager | None = None
+        self._records: dict[str, PluginRecord] = {}
+        self._plugin_specs: dict[str, list[AttentionSpec]] = {}
+        self._local: list[AttentionSpec] = []
+
+    # -------------------------------------------------------------- loading
+    def _new_manager(self) -> pluggy.PluginManager:
+        pm = pluggy.PluginManager("attnkit")
+        pm.add_hookspecs(hookspecs)
+        return pm
+
+    def _ensure_loaded(self) -> None:
+        if self._loaded:
+            return
+        with self._lock:
+            if self._loaded:
+                return
+            self._pm = self._new_manager()
+            self._records = {}
+            self._plugin_specs = {}
+            from . import builtin
+
+            self._add(builtin, PluginRecord("attnkit", "attnkit", __version__, builtin.__name__, "loaded"))
+            for rec, ep in discover():
+                if rec.name in self._records:
+                    fail(rec, f"another plugin is already registered as {rec.name!r}")
+                    self._records[f"{rec.name}@{rec.distribution}"] = rec
+                    continue
+                if rec.status == "blocked":
+                    self._records[rec.name] = rec
+                    continue
+                load_entry_point(rec, ep)
+                if rec.status == "loaded":
+                    self._add(rec.object, rec)
+                else:
+                    self._records[rec.name] = rec
+            self._loaded = True
+
+    def _add(self, obj: Any, rec: PluginRecord) -> None:
+        """Register a plugin object with pluggy and collect its specs, isolated."""
+        assert self._pm is not None
+        self._records[rec.name] = rec
+        rec.object = obj
+        try:
+            self._pm.register(obj, name=rec.name)
+        except Exception as exc:  # pluggy validation: a malformed hook
+            fail(rec, f"invalid hook implementation: {exc}")
+            return
+        collected: list[AttentionSpec] = []
+
+        def register(spec_or_class: Any, **fields: Any) -> AttentionSpec:
+            spec = make_spec(spec_or_class, fields)
+            spec = dataclasses.replace(
+                spec, plugin=rec.name, distribution=rec.distribution, version=rec.version
+            )
+            for other in collected:
+                if {other.name, *other.aliases} & {spec.name, *spec.aliases}:
+                    raise InvalidInputError(
+                        f"register: plugin {rec.name!r} registers {spec.name!r} twice (or an alias clashes "
+                        f"with {other.name!r})"
+                    )
+            collected.append(spec)
+            return spec
+
+        for impl in self._pm.hook.attnkit_register_attention.get_hookimpls():
+            if impl.plugin_name != rec.name:
+                continue
+            try:
+                impl.function(**{a: register for a in impl.argnames})
+            except PluginLoadError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - isolation
+                self._pm.unregister(name=rec.name)
+                fail(rec, f"attnkit_register_attention raised {type(exc).__name__}: {exc}")
+                return
+        self._plugin_specs[rec.name] = collected
+
+    def reload(self) -> None:
+        """Forget loaded plugins; the next use discovers them again. In-process registrations stay."""
+        with self._lock:
+            self._loaded = False
+            self._pm = None
+
+    # ------------------------------------------------------------- querying
+    def plugin_records(self) -> list[PluginRecord]:
+        self._ensure_loaded()
+        return list(self._records.values())
+
+    def broken(self) -> list[PluginRecord]:
+        return [r for r in self.plugin_records() if r.status in ("broken", "skipped")]
+
+    def specs(self) -> list[AttentionSpec]:
+        """Every registered spec (plugins, then in-process), in registration order."""
+        self._ensure_loaded()
+        out = [s for specs in self._plugin_specs.values() for s in specs]
+        return out + list(self._local)
+
+    def resolve(self, name: str) -> AttentionSpec:
+        """The spec for ``name``, an alias, ``family/name`` or ``distribution:name``.
+
+        Raises:
+            UnknownAttentionError: no such name (suggests close ones).
+            AmbiguousNameError: two distributions provide it.
+        """
+        if not isinstance(name, str) or not name:
+            raise InvalidInputError(f"name: expected a registered attention name (str), got {name!r}")
+        all_specs = self.specs()
+        key = name.strip().lower()
+        qual_dist = qual_family = None
+        if ":" in key:
+            qual_dist, _, key = key.partition(":")
+        elif "/" in key:
+            qual_family, _, key = key.partition("/")
+        cands = [s for s in all_specs if key == s.name or key in s.aliases]
+        if qual_dist is not None:
+            cands = [s for s in cands if qual_dist in (s.distribution.lower(), s.plugin.lower())]
+        if qual_family is not None:
+            cands = [s for s in cands if s.family == qual_family]
+        if not cands:
+            known = {n for s in all_specs for n in (s.name, *s.aliases)}
+            raise UnknownAttentionError(name, known, broken=[r.name for r in self.broken()])
+        if len(cands) > 1:
+            raise AmbiguousNameError(key, [(s.distribution or s.plugin, s.family) for s in cands])
+        return cands[0]
+
+    def spec_for_class(self, cls: type) -> AttentionSpec | None:
+        path = f"{cls.__module__}:{cls.__qualname__}"
+        for s in self.specs():
+            if s.factory is cls or s.factory == path:
+                return s
+        return None
+
+    def available(self, **filters: Any) -> list[AttentionSpec]:
+        """Specs whose capabilities match every filter.
+
+        Filters: any :class:`Capabilities` field (bools compare equal;
+        ``streaming=True`` means any streaming, a string compares equal;
+        ``dtypes=``/``backends=`` test membership), and ``family``, ``exact``,
+        ``distribution``, ``plugin``.
+        """
+        valid = _CAP_FIELDS | {"family", "exact", "distribution", "plugin"}
+        unknown = set(filters) - valid
+        if unknown:
+            raise InvalidInputError(
+                f"available: unknown filter(s) {sorted(unknown)}; valid filters: {sorted(valid)}"
+            )
+        out = []
+        for s in self.specs():
+            if all(_matches(s, k, v) for k, v in filters.items()):
+                out.append(s)
+        return out
+
+    # ------------------------------------------------------------- building
+    def build(self, name: str, **options: Any) -> Any:
+        """Construct the implementation registered as ``name`` with ``options``.
+
+        Raises:
+            UnknownAttentionError, AmbiguousNameError: see :meth:`resolve`.
+            InvalidInputError: an option the implementation does not take.
+            PluginLoadError: the implementation's module cannot be imported.
+        """
+        from .attention import Attention
+
+        spec = self.resolve(name)
+        try:
+            factory = spec.load_factory()
+        except Exception as exc:
+            raise PluginLoadError(
+                spec.plugin or spec.name, f"cannot import {spec.factory_path}: {type(exc).__name__}: {exc}"
+            ) from exc
+        _check_options(spec, factory, options)
+        obj = factory(**{**spec.defaults, **options})
+        if not isinstance(obj, Attention):
+            raise PluginLoadError(
+                spec.plugin or spec.name,
+                f"factory {spec.factory_path} returned {type(obj).__name__}, not an attnkit.Attention",
+            )
+        obj.spec = spec
+        return obj
+
+    # ------------------------------------------------------- in-process use
+    def register(self, spec_or_class: Any, **fields: Any) -> AttentionSpec:
+        """Register an implementation in this process (notebooks, tests)."""
+        spec = make_spec(spec_or_class, fields)
+        spec = dataclasses.replace(spec, plugin=LOCAL, distribution=LOCAL, version="")
+        with self._lock:
+            for other in self._local:
+                if {other.name, *other.aliases} & {spec.name, *spec.aliases}:
+                    raise InvalidInputError(
+                        f"register: {spec.name!r} is already registered in this process; "
+                        "unregister it first or use attnkit.registered(...) as a context manager"
+                    )
+            self._local.append(spec)
+        return spec
+
+    def unregister(self, spec_or_name: AttentionSpec | str) -> None:
+        """Remove an in-process registration."""
+        with self._lock:
+            before = len(self._local)
+            if isinstance(spec_or_name, AttentionSpec):
+                self._local = [s for s in self._local if s is not spec_or_name and s != spec_or_name]
+            else:
+                self._local = [s for s in self._local if s.name != spec_or_name]
+            if len(self._local) == before:
+                raise InvalidInputError(f"unregister: {spec_or_name!r} is not registered in this process")
+
+    @contextlib.contextmanager
+    def registered(self, spec_or_class: Any, **fields: Any) -> Iterator[AttentionSpec]:
+        """Register for the duration of a ``with`` block; always unregisters."""
+        spec = self.register(spec_or_class, **fields)
+        try:
+            yield spec
+        finally:
+            with contextlib.suppress(InvalidInputError):
+                self.unregister(spec)
+
+    @contextlib.contextmanager
+    def plugin(self, obj: Any, *, name: str = LOCAL + "-plugin", distribution: str = LOCAL,
+               version: str = "") -> Iterator[PluginRecord]:
+        """Load a plugin object (module or instance with hook implementations) for a ``with`` block."""
+        self._ensure_loaded()
+        if name in self._records:
+            raise InvalidInputError(f"plugin: a plugin named {name!r} is already loaded")
+        rec = PluginRecord(name, distribution, version, getattr(obj, "__name__", type(obj).__name__), "loaded")
+        reason = check_api_version(obj, name)
+        with self._lock:
+            if reason is not None:
+                rec.status, rec.error = "skipped", reason
+                self._records[name] = rec
+            else:
+                self._add(obj, rec)
+        try:
+            yield rec
+        finally:
+            with self._lock:
+                self._records.pop(name, None)
+                self._plugin_specs.pop(name, None)
+                if self._pm is not None and self._pm.has_plugin(name):
+                    self._pm.unregister(name=name)
+
+    # ------------------------------------------------------------- commands
+    def call_command_hooks(self, cli: Any) -> None:
+        """Let every loaded plugin add CLI commands; a failing plugin is marked broken."""
+        self._ensure_loaded()
+        assert self._pm is not None
+        for impl in self._pm.hook.attnkit_register_commands.get_hookimpls():
+            rec = self._records.get(impl.plugin_name)
+            try:
+                impl.function(**{a: cli for a in impl.argnames})
+            except PluginLoadError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - isolation
+                if rec is not None:
+                    fail(rec, f"attnkit_register_commands raised {type(exc).__name__}: {exc}")
+
+
+def _matches(spec: AttentionSpec, key: str, want: Any) -> bool:
+    if key in ("family", "exact", "distribution", "plugin"):
+        return getattr(spec, key) == want
+    have = getattr(spec.capabilities, key)
+    if key == "streaming":
+        if want is True:
+            return have is not None
+        if want is False or want is None:
+            return have is None
+        return have == want
+    if isinstance(have, tuple):
+        return want in have
+    return have == want
+
+
+def _check_options(spec: AttentionSpec, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items() if n != "self" and p.kind != p.VAR_POSITIONAL]
+    unknown = [o for o in options if o not in valid]
+    if unknown:
+        import difflib
+
+        hints = []
+        for o in unknown:
+            close = difflib.get_close_matches(o, valid, n=1)
+            hints.append(f"{o!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise InvalidInputError(
+            f"build({spec.name!r}): unknown option(s) {', '.join(hints)}; "
+            f"{spec.name!r} takes: {', '.join(valid)}"
+        )
+
+
+_DEFAULT = Registry()
+
+
+def default_registry() -> Registry:
+    """The process-wide registry used by :func:`attnkit.build` and friends."""
+    return _DEFAULT

@@ -1,0 +1,311 @@
+"""Specs: what an implementation is, what it can do, and how to build it.
+
+A spec is plain data. Its ``factory`` is an import path string
+(``"pkg.module:Class"``), so listing and filtering never import kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable
+
+from .errors import InvalidInputError
+
+STREAMING_KINDS = ("exact", "segment")
+KNOWN_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an implementation can honour.
+
+    Attributes:
+        causal: accepts ``causal=True``.
+        noncausal: accepts ``causal=False`` (False for causal-only recurrences).
+        key_padding_mask: honours a ``(B, S)`` bool key padding mask.
+        attn_mask: honours an arbitrary bool or additive ``attn_mask``.
+        cross: accepts L != S (cross-attention) when not causal.
+        causal_cross: accepts ``causal=True`` with L != S (bottom-right aligned:
+            query i sits at absolute position ``S - L + i``).
+        streaming: ``"exact"`` (step outputs equal the causal forward),
+            ``"segment"`` (segment memory with its own semantics) or None.
+        varlen: accepts variable-length (packed) batches.
+        dtypes: floating dtypes accepted, as names (``"float32"``).
+        backends: backends in order of preference (``"torch"`` first-class).
+        forward_only_backends: backends without a backward; skipped by
+            automatic dispatch when a gradient is needed.
+        time, memory: complexity, e.g. ``"O(L·M·D)"``.
+    """
+
+    causal: bool = True
+    noncausal: bool = True
+    key_padding_mask: bool = True
+    attn_mask: bool = False
+    cross: bool = True
+    causal_cross: bool = False
+    streaming: str | None = None
+    varlen: bool = False
+    dtypes: tuple[str, ...] = ("float32", "float64")
+    backends: tuple[str, ...] = ("torch",)
+    forward_only_backends: tuple[str, ...] = ()
+    time: str = ""
+    memory: str = ""
+
+    def __post_init__(self) -> None:
+        if self.streaming is not None and self.streaming not in STREAMING_KINDS:
+            raise InvalidInputError(
+                f"Capabilities.streaming must be one of {STREAMING_KINDS} or None, got {self.streaming!r}"
+            )
+        for d in self.dtypes:
+            if d not in KNOWN_DTYPES:
+                raise InvalidInputError(
+                    f"Capabilities.dtypes must name floating dtypes from {KNOWN_DTYPES}, got {d!r}"
+                )
+        if not self.backends or "torch" not in self.backends:
+            raise InvalidInputError(
+                f"Capabilities.backends must include 'torch' (the readable path), got {self.backends!r}"
+            )
+        if not (self.causal or self.noncausal):
+            raise InvalidInputError("Capabilities: at least one of causal / noncausal must be True")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Paper:
+    """Where a mechanism comes from."""
+
+    authors: str
+    year: int
+    title: str
+    arxiv: str = ""
+
+    def __str__(self) -> str:
+        s = f"{self.authors} ({self.year}). {self.title}."
+        return s + (f" arXiv:{self.arxiv}" if self.arxiv else "")
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One constructor option: name, type (as text), default and help."""
+
+    name: str
+    type: str
+    default: Any
+    help: str = ""
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A registered implementation.
+
+    Attributes:
+        name: lower-case, ``-`` separated registry name.
+        factory: ``"pkg.module:Class"`` import path, or the class itself
+            (in-process registration).
+        family: ``"core"``, ``"sparse"``, ``"kernelized"``, ``"lowrank"``,
+            ``"memory"``, ``"adaptive"`` or a third party's own.
+        summary: one line.
+        capabilities: see :class:`Capabilities`.
+        aliases: other names that select this spec.
+        paper: the source.
+        exact: equals softmax attention.
+        approximation: what it approximates and how (when not exact).
+        error_bound: maximal relative error of the output against exact
+            softmax attention on the conformance kit's stated input
+            distribution, with the default options; None when the mechanism
+            is not an approximation of softmax attention.
+        defaults: keyword arguments given to the factory before the user's.
+        options: explicit options schema; None derives it from the factory's
+            signature and its docstring's ``Args:`` section.
+        plugin, distribution, version: filled in by the registry.
+    """
+
+    name: str
+    factory: str | type
+    family: str
+    summary: str
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    aliases: tuple[str, ...] = ()
+    paper: Paper | None = None
+    exact: bool = False
+    approximation: str = ""
+    error_bound: float | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    options: tuple[OptionSpec, ...] | None = None
+    plugin: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        for what, value in [("name", self.name)] + [("aliases", a) for a in self.aliases]:
+            if not isinstance(value, str) or not _NAME_RE.match(value):
+                raise InvalidInputError(
+                    f"AttentionSpec.{what} must be lower-case words joined by '-' "
+                    f"(e.g. 'sliding-window'), got {value!r}"
+                )
+        if not isinstance(self.family, str) or not _NAME_RE.match(self.family):
+            raise InvalidInputError(
+                f"AttentionSpec.family must be a lower-case name (e.g. 'sparse'), got {self.family!r}"
+            )
+        if isinstance(self.factory, str):
+            if ":" not in self.factory:
+                raise InvalidInputError(
+                    f"AttentionSpec.factory must be 'module.path:ClassName', got {self.factory!r}"
+                )
+        elif not callable(self.factory):
+            raise InvalidInputError(
+                f"AttentionSpec.factory must be an import path string or a class, got {type(self.factory).__name__}"
+            )
+        if not isinstance(self.capabilities, Capabilities):
+            raise InvalidInputError(
+                f"AttentionSpec.capabilities must be a Capabilities, got {type(self.capabilities).__name__}"
+            )
+        if self.error_bound is not None and not self.error_bound > 0:
+            raise InvalidInputError(f"AttentionSpec.error_bound must be > 0 or None, got {self.error_bound!r}")
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+
+    # -- derived ---------------------------------------------------------
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.family}/{self.name}"
+
+    @property
+    def factory_path(self) -> str:
+        if isinstance(self.factory, str):
+            return self.factory
+        return f"{self.factory.__module__}:{self.factory.__qualname__}"
+
+    def load_factory(self) -> Callable[..., Any]:
+        """Import and return the factory (imports the mechanism's module)."""
+        if not isinstance(self.factory, str):
+            return self.factory
+        module_name, _, attr = self.factory.partition(":")
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def resolved_options(self) -> tuple[OptionSpec, ...]:
+        """The options schema: explicit, or derived from the factory."""
+        if self.options is not None:
+            return self.options
+        opts = derive_options(self.load_factory())
+        return tuple(
+            dataclasses.replace(o, default=self.defaults[o.name], required=False)
+            if o.name in self.defaults else o
+            for o in opts
+        )
+
+    def as_dict(self, *, with_options: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "qualified_name": self.qualified_name,
+            "aliases": list(self.aliases),
+            "family": self.family,
+            "summary": self.summary,
+            "exact": self.exact,
+            "approximation": self.approximation,
+            "error_bound": self.error_bound,
+            "paper": dataclasses.asdict(self.paper) if self.paper else None,
+            "factory": self.factory_path,
+            "defaults": _jsonable(dict(self.defaults)),
+            "capabilities": self.capabilities.as_dict(),
+            "plugin": self.plugin,
+            "distribution": self.distribution,
+            "version": self.version,
+        }
+        if with_options:
+            d["options"] = [
+                {**dataclasses.asdict(o), "default": _jsonable(o.default)} for o in self.resolved_options()
+            ]
+        return d
+
+
+def _jsonable(x: Any) -> Any:
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(i) for i in x]
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    return repr(x)
+
+
+_BASE_OPTION_HELP = {
+    "num_heads": "number of heads H (needed by mechanisms with per-head parameters or state)",
+    "head_dim": "head dimension D (needed by mechanisms with parameters or features drawn for D)",
+    "scale": "softmax temperature; None means 1/sqrt(D)",
+    "backend": "'auto' picks the fastest backend for the tensors' device; or force one by name",
+}
+
+
+def _docstring_args(obj: Any) -> dict[str, str]:
+    """Parse a Google-style ``Args:`` section of the class or __init__ docstring."""
+    helps: dict[str, str] = {}
+    for doc in (inspect.getdoc(obj) or "", inspect.getdoc(getattr(obj, "__init__", None)) or ""):
+        lines = doc.splitlines()
+        in_args = False
+        current = None
+        indent = None
+        for line in lines:
+            stripped = line.strip()
+            if stripped in ("Args:", "Arguments:", "Parameters:"):
+                in_args, current, indent = True, None, None
+                continue
+            if not in_args:
+                continue
+            if stripped and not line.startswith(" ") and stripped.endswith(":"):
+                in_args = False  # next section
+                continue
+            if not stripped:
+                continue
+            lead = len(line) - len(line.lstrip())
+            m = re.match(r"^(\w+)(?:\s*\(([^)]*)\))?\s*:\s*(.*)$", stripped)
+            if m and (indent is None or lead <= indent):
+                indent = lead
+                current = m.group(1)
+                helps[current] = m.group(3).strip()
+            elif current is not None:
+                helps[current] = (helps[current] + " " + stripped).strip()
+    return helps
+
+
+def derive_options(factory: Any) -> tuple[OptionSpec, ...]:
+    """Options from a factory's constructor signature and ``Args:`` docstring."""
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return ()
+    helps = _docstring_args(factory)
+    opts = []
+    for p in sig.parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        ann = p.annotation
+        if ann is inspect.Parameter.empty:
+            type_text = type(p.default).__name__ if p.default not in (inspect.Parameter.empty, None) else "any"
+        elif isinstance(ann, str):
+            type_text = ann
+        else:
+            type_text = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+        required = p.default is inspect.Parameter.empty
+        opts.append(OptionSpec(
+            name=p.name,
+            type=type_text,
+            default=None if required else p.default,
+            help=helps.get(p.name) or _BASE_OPTION_HELP.get(p.name, ""),
+            required=required,
+        ))
+    return tuple(opts)
