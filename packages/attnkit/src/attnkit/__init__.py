@@ -31,7 +31,7 @@ from .spec import AttentionSpec, Capabilities, OptionSpec, Paper
 __all__ = [
     "API_VERSION", "__version__", "Attention", "AttentionSpec", "Capabilities", "OptionSpec", "Paper",
     "MultiHeadAttention", "Transformer", "TransformerBlock", "hookimpl",
-    "build", "get_spec", "available", "register", "unregister", "registered", "plugin", "plugins", "reload",
+    "build", "get_spec", "available", "register", "unregister", "registered", "plugin", "plugin_records", "reload",
     "AttnkitError", "InvalidInputError", "UnknownAttentionError", "UnsupportedFeatureError",
     "AmbiguousNameError", "PluginLoadError", "BackendUnavailableError", "UsageError",
 ]
@@ -80,7 +80,7 @@ def plugin(obj: Any, *, name: str = "local-plugin", **kwargs: Any):
     return default_registry().plugin(obj, name=name, **kwargs)
 
 
-def plugins() -> list:
+def plugin_records() -> list:
     """Records of every discovered plugin: name, distribution, version, status, error."""
     return default_registry().plugin_records()
 

@@ -10,7 +10,7 @@ ATTNKIT_API_VERSION = API_VERSION
 
 SOFTMAX = AttentionSpec(
     name="softmax",
-    aliases=("exact", "sdpa"),
+    aliases=("exact",),
     factory="attnkit.softmax:SoftmaxAttention",
     family="core",
     summary="Exact scaled dot-product attention (SDPA fast path, naive reference).",

@@ -1,0 +1,1 @@
+"""Plugin modules that the registry tests load through fake entry points."""
