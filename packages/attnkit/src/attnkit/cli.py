@@ -143,9 +143,9 @@ def _parse_option(text: str) -> tuple[str, Any]:
 
 
 def _cmd_check(args: argparse.Namespace, reg: Registry) -> int:
+    options = dict(_parse_option(o) for o in args.option)
     from .testing.checks import run_conformance
 
-    options = dict(_parse_option(o) for o in args.option)
     names = args.names or [s.name for s in reg.specs()]
     failed = 0
     reports = []
