@@ -144,7 +144,7 @@ def test_gradcheck_float64():
     for backend in ("sdpa", "torch"):
         attn = attnkit.build("softmax", backend=backend)
         assert torch.autograd.gradcheck(
-            lambda a, b, c: attn(a, b, c, causal=True, key_padding_mask=kpm), (q, k, v)
+            lambda a, b, c, attn=attn: attn(a, b, c, causal=True, key_padding_mask=kpm), (q, k, v)
         )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ._version import __version__
 from .errors import AttnkitError, InvalidInputError, UsageError

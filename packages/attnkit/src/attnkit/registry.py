@@ -10,8 +10,8 @@ import contextlib
 import dataclasses
 import inspect
 import threading
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pluggy
 

@@ -10,10 +10,10 @@ import dataclasses
 import importlib
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 from .errors import InvalidInputError
 

@@ -1,0 +1,109 @@
+"""Sessions for attnkit: lint, per-package tests, integration, kernels, demo.
+
+``nox`` with no arguments runs what CI needs (every session but ``demo``).
+Every install goes through ``constraints.txt`` (the local CPU torch wheel).
+Sessions run on the interpreter nox runs under; no version list to miss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+CORE = str(ROOT / "packages" / "attnkit")
+LAB = str(ROOT / "packages" / "attnkit-lab")
+PLUGINS = sorted(p.name for p in (ROOT / "plugins").glob("*") if (p / "pyproject.toml").exists())
+FIXTURES = ROOT / "integration_tests" / "fixtures"
+
+nox.options.sessions = ["lint", "tests", "lab", "plugin", "integration", "kernels"]
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = False
+
+
+def install(session: nox.Session, *args: str) -> None:
+    session.install(*CONSTRAINTS, *args)
+
+
+def pytest(session: nox.Session, *args: str) -> None:
+    """Run pytest; 'no tests collected' (exit 5) counts as a failure."""
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *args, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository."""
+    install(session, "ruff")
+    session.run("ruff", "check", str(ROOT))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The core package alone."""
+    install(session, "-e", f"{CORE}[testing]")
+    pytest(session, str(ROOT / "packages" / "attnkit" / "tests"))
+
+
+@nox.session
+def lab(session: nox.Session) -> None:
+    """The lab with only the core (it must work with softmax alone)."""
+    if not (ROOT / "packages" / "attnkit-lab" / "pyproject.toml").exists():
+        session.skip("packages/attnkit-lab does not exist yet")
+    install(session, "-e", f"{CORE}[testing]", "-e", LAB)
+    pytest(session, str(ROOT / "packages" / "attnkit-lab" / "tests"))
+
+
+@nox.session
+@nox.parametrize("name", PLUGINS or ["none"])
+def plugin(session: nox.Session, name: str) -> None:
+    """One plugin in its own venv with only the core: catches undeclared dependencies."""
+    if name == "none":
+        session.skip("no plugin in plugins/ yet")
+    path = ROOT / "plugins" / name
+    install(session, "-e", f"{CORE}[testing]", "-e", str(path))
+    session.env["ATTNKIT_STRICT_PLUGINS"] = "1"
+    pytest(session, str(path / "tests"), "-m", "not triton")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Everything installed, strict plugin loading, the third-party fixture installed with pip."""
+    pkgs = [f"{CORE}[testing]"] + ([LAB] if Path(LAB, "pyproject.toml").exists() else [])
+    pkgs += [str(ROOT / "plugins" / p) for p in PLUGINS]
+    install(session, *[a for p in pkgs for a in ("-e", p)])
+    install(session, str(FIXTURES / "attnkit-thirdparty"))
+    session.env["ATTNKIT_STRICT_PLUGINS"] = "1"
+    session.env["ATTNKIT_FIXTURES"] = str(FIXTURES)
+    session.env["ATTNKIT_CONSTRAINTS"] = CONSTRAINTS[1]
+    session.run("attnkit", "list")
+    pytest(session, str(ROOT / "integration_tests"))
+
+
+@nox.session
+def kernels(session: nox.Session) -> None:
+    """Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU tensors, from every plugin."""
+    plugins = [a for p in PLUGINS for a in ("-e", str(ROOT / "plugins" / p))]
+    install(session, "-e", f"{CORE}[testing]", "triton", *plugins)
+    session.env["TRITON_INTERPRET"] = "1"
+    dirs = [str(ROOT / "plugins" / p / "tests") for p in PLUGINS]
+    if not dirs:
+        session.skip("no plugin ships kernels yet")
+    pytest(session, *dirs, "-m", "triton")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: the lab's quick demo (bench, error, train) with every package installed."""
+    pkgs = [CORE] + [str(ROOT / "plugins" / p) for p in PLUGINS]
+    if Path(LAB, "pyproject.toml").exists():
+        pkgs.append(LAB)
+    install(session, *[a for p in pkgs for a in ("-e", p)])
+    session.run("attnkit", "list")
+    if Path(LAB, "pyproject.toml").exists():
+        session.run("attnkit", "demo", "--preset", "quick", *session.posargs)
+    else:  # before the lab exists: a short build-and-run example
+        session.run("python", "-c", (
+            "import torch, attnkit; a = attnkit.build('softmax'); q = torch.randn(1, 2, 8, 4); "
+            "print('softmax', tuple(a(q, q, q, causal=True).shape))"))
