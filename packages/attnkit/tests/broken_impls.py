@@ -1,0 +1,274 @@
+"""Deliberately broken attention implementations that the conformance kit must catch.
+
+Each class breaks one rule of the contract (DESIGN.md section 2) and is
+otherwise an ordinary softmax attention, so the check that catches it is the
+one aimed at that rule. They are registered only inside tests, with
+``attnkit.registered(...)``; :data:`CASES` says how (spec fields) and which
+check must fail. Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit import Attention, Capabilities
+from attnkit.masks import causal_keep
+from attnkit.reference import naive_attention
+
+BASIC = Capabilities()  # causal, noncausal, key padding, cross; float32/float64; torch backend
+
+
+class NaiveAttention(Attention):
+    """Correct softmax attention (the base the broken ones change one thing in), with a KV cache."""
+
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+                 key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> Tensor:
+        return naive_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                               attn_mask=attn_mask, scale=self.get_scale(q))
+
+    def _init_state(self, batch: int, *, device: Any, dtype: Any) -> dict[str, Any]:
+        return {"k": None, "v": None}
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        keys = k if state["k"] is None else torch.cat([state["k"], k], 2)
+        values = v if state["v"] is None else torch.cat([state["v"], v], 2)
+        out = self._forward(q, keys, values, causal=True, key_padding_mask=None, attn_mask=None)
+        return out, {"k": keys, "v": values}
+
+
+# ------------------------------------------------------------ the five of the issue
+class LeakyFutureAttention(NaiveAttention):
+    """Off-by-one causal mask: query i also sees key i + 1 (leaks the future)."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if causal:
+            L, S = q.shape[-2], k.shape[-2]
+            leak = causal_keep(L, S, device=q.device) | causal_keep(L, S, device=q.device).roll(1, dims=1)
+            attn_mask = leak if attn_mask is None else attn_mask & leak
+        return naive_attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                               scale=self.get_scale(q))
+
+
+class IgnoresPaddingAttention(NaiveAttention):
+    """Declares key_padding_mask but drops it without a word."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        return naive_attention(q, k, v, causal=causal, attn_mask=attn_mask, scale=self.get_scale(q))
+
+
+class NaNOnMaskedRowAttention(NaiveAttention):
+    """Textbook masked softmax: a fully masked row is softmax(all -inf) = NaN."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        scores = q @ k.transpose(-2, -1) * self.get_scale(q)
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+        if causal:
+            keep = causal_keep(q.shape[-2], k.shape[-2], device=q.device)
+        if key_padding_mask is not None:
+            keep = keep & key_padding_mask[:, None, None, :]
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v
+
+
+class StreamingMismatchAttention(NaiveAttention):
+    """Declares exact streaming, but each step forgets the earlier chunks (no KV cache)."""
+
+    def _step(self, q, k, v, state):
+        out = self._forward(q, k, v, causal=True, key_padding_mask=None, attn_mask=None)
+        return out, state
+
+
+class ClaimsAttnMaskAttention(NaiveAttention):
+    """Claims the attn_mask capability it lacks: the mask is accepted and ignored."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        return naive_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                               scale=self.get_scale(q))
+
+
+# ------------------------------------------------------------------ more faults
+class NaNGradOnMaskedRowAttention(NaiveAttention):
+    """Zeros in the forward of a fully masked row, but NaN gradients (the torch.where trap)."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        scores = q @ k.transpose(-2, -1) * self.get_scale(q)
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+        if causal:
+            keep = causal_keep(q.shape[-2], k.shape[-2], device=q.device)
+        if key_padding_mask is not None:
+            keep = keep & key_padding_mask[:, None, None, :]
+        additive = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+        weights = torch.softmax(scores + additive, -1)
+        weights = torch.where(keep.any(-1, keepdim=True), weights, torch.zeros((), dtype=q.dtype))
+        return weights @ v
+
+
+class ClaimsCrossAttention(NaiveAttention):
+    """Claims cross-attention but builds an (L, L) bias, so L != S crashes."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        L = q.shape[-2]
+        bias = torch.zeros(L, L, dtype=q.dtype, device=q.device)
+        scores = q @ k.transpose(-2, -1) * self.get_scale(q) + bias
+        if causal:
+            scores = scores.masked_fill(~causal_keep(L, L, device=q.device), float("-inf"))
+        return torch.softmax(scores, -1) @ v
+
+
+class NoRefusalAttention(NaiveAttention):
+    """Declares no key padding, skips the base class's validation and ignores the mask."""
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, attn_mask=None):
+        return naive_attention(q, k, v, causal=causal, scale=self.get_scale(q))
+
+
+class WrongScaleAttention(NaiveAttention):
+    """Claims to be exact but scales by 1/D instead of 1/sqrt(D)."""
+
+    def get_scale(self, q):
+        return 1.0 / q.shape[-1]
+
+
+class WrongDtypeAttention(NaiveAttention):
+    """Always returns float32."""
+
+    def _forward(self, q, k, v, **kw):
+        return super()._forward(q, k, v, **kw).float()
+
+
+class BatchMixingAttention(NaiveAttention):
+    """Centres the values with their mean over the whole batch."""
+
+    def _forward(self, q, k, v, **kw):
+        return super()._forward(q, k, v - v.mean(dim=(0, 2), keepdim=True), **kw)
+
+
+class UniformAttention(NaiveAttention):
+    """An "approximation" that averages the visible values: far outside any honest bound."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        return naive_attention(q * 0, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+
+class SlightlyNoisyAttention(NaiveAttention):
+    """A fair approximation: exact attention plus a fixed 0.1 % perturbation (within bound 0.01)."""
+
+    def _forward(self, q, k, v, **kw):
+        out = super()._forward(q, k, v, **kw)
+        return out * (1 + 1e-3 * torch.cos(torch.arange(out.shape[-1], dtype=out.dtype, device=out.device)))
+
+
+class FeaturesNotInBufferAttention(NaiveAttention):
+    """Random features drawn at build time but kept as a plain attribute, so state_dict loses them."""
+
+    def __init__(self, *, num_heads=None, head_dim=None, scale=None, backend="auto"):
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.features = torch.randn(head_dim, head_dim, dtype=torch.float64)
+
+    def _forward(self, q, k, v, **kw):
+        f = self.features.to(q.dtype)
+        return super()._forward(q @ f, k @ f, v, **kw)
+
+
+class NondeterministicAttention(NaiveAttention):
+    """Redraws a random perturbation on every call, even in eval mode."""
+
+    def _forward(self, q, k, v, **kw):
+        return super()._forward(q + 0.1 * torch.randn_like(q), k, v, **kw)
+
+
+class BackendMismatchAttention(NaiveAttention):
+    """Offers a second backend ('fake') whose result is 1 % off the torch path."""
+
+    def _forward(self, q, k, v, **kw):
+        out = super()._forward(q, k, v, **kw)
+        return out * 1.01 if self.resolve_backend(q, k, v) == "fake" else out
+
+
+class DetachedKeysAttention(NaiveAttention):
+    """Cuts the gradient to the keys: the forward is right, the backward is not."""
+
+    def _forward(self, q, k, v, **kw):
+        return super()._forward(q, k.detach(), v, **kw)
+
+
+class _MaskFreeBackward(torch.autograd.Function):
+    """Forward honours the padding; backward recomputes without it (a custom-kernel bug)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kpm, causal, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.causal, ctx.scale = causal, scale
+        return naive_attention(q, k, v, causal=causal, key_padding_mask=kpm, scale=scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = naive_attention(q, k, v, causal=ctx.causal, scale=ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad)
+        return gq, gk, gv, None, None, None
+
+
+class PaddingGradLeakAttention(NaiveAttention):
+    """Right forward, but its backward ignores key padding: padded keys get gradients."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if key_padding_mask is None:
+            return super()._forward(q, k, v, causal=causal, key_padding_mask=None, attn_mask=attn_mask)
+        return _MaskFreeBackward.apply(q, k, v, key_padding_mask, causal, self.get_scale(q))
+
+
+@dataclass(frozen=True)
+class BrokenCase:
+    """How to register one broken class and which check must catch it (message regex)."""
+
+    cls: type
+    name: str
+    check: str
+    message: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+CASES: list[BrokenCase] = [
+    # the five of the issue
+    BrokenCase(LeakyFutureAttention, "broken-leak", "causality", "leaks the future",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(IgnoresPaddingAttention, "broken-ignores-padding", "key_padding",
+               "key_padding_mask is not honoured", {"exact": True, "capabilities": BASIC}),
+    BrokenCase(NaNOnMaskedRowAttention, "broken-nan-row", "fully_masked_rows", "non-finite",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(StreamingMismatchAttention, "broken-streaming", "streaming",
+               r"chunk=1.*differ from forward\(causal=True\)",
+               {"exact": True, "capabilities": Capabilities(streaming="exact")}),
+    BrokenCase(ClaimsAttnMaskAttention, "broken-claims-mask", "attn_mask", "attn_mask is not honoured",
+               {"exact": True, "capabilities": Capabilities(attn_mask=True)}),
+    # more faults, one per remaining check
+    BrokenCase(NaNGradOnMaskedRowAttention, "broken-nan-grad", "fully_masked_rows",
+               r"gradient|\.grad has .* non-finite", {"exact": True, "capabilities": BASIC}),
+    BrokenCase(ClaimsCrossAttention, "broken-claims-cross", "cross_attention", "raised RuntimeError",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(NoRefusalAttention, "broken-no-refusal", "refusals", "accepted silently",
+               {"exact": True, "capabilities": Capabilities(key_padding_mask=False)}),
+    BrokenCase(WrongScaleAttention, "broken-scale", "reference", "output vs float64 reference",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(WrongDtypeAttention, "broken-dtype", "shapes_dtypes", "output dtype torch.float32",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(BatchMixingAttention, "broken-batch-mixing", "batch_independence", "batch element 0",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(UniformAttention, "broken-error-bound", "error_bound", "exceeds the declared error_bound",
+               {"exact": False, "error_bound": 0.01, "capabilities": BASIC}),
+    BrokenCase(FeaturesNotInBufferAttention, "broken-state-dict", "state_dict", "not a buffer",
+               {"exact": False, "capabilities": BASIC}),
+    BrokenCase(NondeterministicAttention, "broken-nondeterministic", "determinism", "second call",
+               {"exact": False, "capabilities": BASIC}),
+    BrokenCase(BackendMismatchAttention, "broken-backend", "backends", "backend='fake' vs 'torch'",
+               {"exact": True, "capabilities": Capabilities(backends=("torch", "fake"))}),
+    BrokenCase(PaddingGradLeakAttention, "broken-padding-grad", "gradients", "at padded key positions",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(DetachedKeysAttention, "broken-gradcheck", "gradcheck", r"gradcheck .* failed .*Jacobian mismatch",
+               {"exact": True, "capabilities": BASIC}),
+]
