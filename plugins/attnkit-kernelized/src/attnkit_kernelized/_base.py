@@ -1,0 +1,194 @@
+"""What the four kernelized attentions share: validation, masking, normalisation, dispatch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit import Attention
+from attnkit.errors import InvalidInputError
+
+from . import chunked
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> int | None:
+    """``value`` as an int >= ``minimum``; InvalidInputError naming ``name`` otherwise."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise InvalidInputError(f"{name}: expected {expected}, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise InvalidInputError(f"{name}: expected one of {list(choices)}, got {value!r}")
+    return value
+
+
+def normalize(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` where ``den != 0``; 0 where ``den == 0`` (a query that sees no key).
+
+    Gradients stay finite: the masked branch never divides by 0.
+    """
+    empty = den == 0
+    out = num / torch.where(empty, torch.ones_like(den), den).unsqueeze(-1)
+    return out.masked_fill(empty.unsqueeze(-1), 0.0)
+
+
+def key_mask(key_padding_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``(B, 1, S, 1)`` multiplier: 1 for real keys, 0 for padded ones (or None)."""
+    if key_padding_mask is None:
+        return None
+    return key_padding_mask[:, None, :, None].to(dtype)
+
+
+class KernelizedAttention(Attention):
+    """Base of the kernelized attentions: ``phi(q) (phi(k)^T v) / phi(q) . sum phi(k)``.
+
+    Subclasses provide :meth:`feature_pair`. This class validates the head
+    dimension, zeroes ``phi(k)`` and ``v`` at padded keys (padded keys add
+    nothing to the sums), computes the non-causal form with two matmuls and
+    the causal form on the resolved backend (``torch`` chunked form, ``numba``
+    CPU kernel, ``triton`` CUDA kernel), normalises with a guarded
+    denominator, and streams through the state ``{"S": (B, H, M, E),
+    "z": (B, H, M)}``.
+    """
+
+    #: head_dim is required (features or parameters are drawn for it)
+    _needs_head_dim = True
+
+    def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
+                 scale: float | None = None, backend: str = "auto", chunk_size: int = 64) -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        if self._needs_head_dim and head_dim is None:
+            raise InvalidInputError(
+                f"{type(self).__name__}: head_dim: expected the head dimension D (an int >= 1) to draw "
+                "features or parameters for, got None"
+            )
+        self.chunk_size = check_int("chunk_size", chunk_size)
+
+    # ------------------------------------------------------------- hooks
+    def feature_pair(self, q: Tensor, k: Tensor, *, causal: bool,
+                     key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(phi(q) (B, H, L, M), phi(k) (B, H, S, M))``; padded keys may hold anything (zeroed later)."""
+        raise NotImplementedError
+
+    @property
+    def feature_dim(self) -> int:  # pragma: no cover - overridden
+        """M, the number of features per head."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------- validation
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:
+        """Kernelized attention.
+
+        Args:
+            q: queries ``(B, H, L, D)``.
+            k: keys ``(B, H, S, D)``.
+            v: values ``(B, H, S, E)``.
+            causal: query ``t`` sees keys ``j <= t`` (needs L == S).
+            key_padding_mask: bool ``(B, S)``, True = a real token; padded keys
+                add nothing to the sums.
+            attn_mask: not supported: the kernel form sums over keys before it
+                meets a query, so it cannot drop (query, key) pairs.
+
+        Returns:
+            ``(B, H, L, E)``, the dtype of ``q``; rows that see no key are 0.
+
+        Raises:
+            InvalidInputError: bad shapes/dtypes, or a head dim other than ``head_dim``.
+            UnsupportedFeatureError: ``attn_mask``, ``causal=True`` with L != S,
+                or a mode the mechanism lacks.
+        """
+        if attn_mask is not None:
+            got = (f"a {attn_mask.dtype} tensor of shape {tuple(attn_mask.shape)}"
+                   if isinstance(attn_mask, Tensor) else repr(attn_mask)[:80])
+            self._refuse(
+                "attn_mask",
+                "a kernelized attention sums phi(k) v^T over keys before any query sees them, so it can "
+                "only drop whole keys (pass key_padding_mask, bool (B, S)) and the future (causal=True); "
+                f"expected attn_mask=None, got {got}",
+                attn_mask=True,
+            )
+        return super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+    def check_head_dim(self, q: Tensor, where: str = "forward") -> None:
+        D = q.shape[-1]
+        if self.head_dim is not None and D != self.head_dim:
+            raise InvalidInputError(
+                f"{where}: {self.impl_name!r} was built with head_dim={self.head_dim} (its features/"
+                f"parameters were drawn for that size), expected q and k with last dimension "
+                f"{self.head_dim}, got {D} (q {tuple(q.shape)}); build it with head_dim={D}"
+            )
+
+    # ----------------------------------------------------------- forward
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+                 key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> Tensor:
+        self.check_head_dim(q)
+        phi_q, phi_k = self.feature_pair(q, k, causal=causal, key_padding_mask=key_padding_mask)
+        keep = key_mask(key_padding_mask, phi_k.dtype)
+        if keep is not None:
+            phi_k = phi_k * keep
+            v = v * keep
+        if causal:
+            num, den = self.causal_num_den(phi_q, phi_k, v)
+        else:
+            num, den = chunked.noncausal_linear(phi_q, phi_k, v)
+        return normalize(num, den)
+
+    def causal_num_den(self, phi_q: Tensor, phi_k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Causal numerator and denominator on the resolved backend."""
+        backend = self.resolve_backend(phi_q, phi_k, v)
+        if backend == "numba":
+            from .kernels import causal_linear_numba
+
+            return causal_linear_numba(phi_q, phi_k, v)
+        if backend == "triton":
+            from .kernels import causal_linear_triton
+
+            return causal_linear_triton(phi_q, phi_k, v)
+        num, den, _ = chunked.causal_linear(phi_q, phi_k, v, chunk=self.chunk_size)
+        return num, den
+
+    # --------------------------------------------------------- streaming
+    def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+        dtype = dtype or torch.get_default_dtype()
+        H = self.num_heads or 1
+        M = self.feature_dim
+        E = self.head_dim or 1
+        return {"S": torch.zeros(batch, H, M, E, device=device, dtype=dtype),
+                "z": torch.zeros(batch, H, M, device=device, dtype=dtype), "t": 0}
+
+    def _fit_state(self, state: Any, q: Tensor, v: Tensor, M: int) -> tuple[Tensor, Tensor]:
+        """The state's tensors, reshaped to this step's (B, H, E) if it is still empty."""
+        if not isinstance(state, dict) or "S" not in state or "z" not in state:
+            raise InvalidInputError(
+                f"step: state must be the dict returned by init_state()/step() of {self.impl_name!r}, "
+                f"got {type(state).__name__}"
+            )
+        S, z = state["S"], state["z"]
+        B, H, _, _ = q.shape
+        E = v.shape[-1]
+        want = (B, H, M, E)
+        if tuple(S.shape) != want:
+            if state.get("t", 0) == 0:  # a fresh state: adopt this step's H and E
+                S = q.new_zeros(want)
+                z = q.new_zeros(B, H, M)
+            else:
+                raise InvalidInputError(
+                    f"step: the state holds S of shape {tuple(S.shape)} = (B, H, M, E), expected {want} "
+                    f"for q {tuple(q.shape)} and v {tuple(v.shape)}"
+                )
+        return S.to(q.dtype), z.to(q.dtype)
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+        self.check_head_dim(q, "step")
+        phi_q, phi_k = self.feature_pair(q, k, causal=True)
+        S, z = self._fit_state(state, q, v, phi_q.shape[-1])
+        num, den, (S, z) = chunked.causal_linear(phi_q, phi_k, v, chunk=self.chunk_size, state=(S, z))
+        return normalize(num, den), {"S": S, "z": z, "t": state.get("t", 0) + q.shape[2]}

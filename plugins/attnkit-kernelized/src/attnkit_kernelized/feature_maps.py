@@ -1,0 +1,182 @@
+"""Feature maps phi: R^D -> R^M of the kernelized attentions, and random-feature draws.
+
+Deterministic maps (``linear`` and ``fast-weight``), applied to the last dim:
+
+* ``elu``: ``elu(x) + 1`` (Katharopoulos et al. 2020), M = D, positive.
+* ``relu``: ``relu(x)``, M = D, non-negative (a row of zeros is possible).
+* ``softplus``: ``log(1 + e^x)``, M = D, positive.
+* ``dpfp``: DPFP-nu (Schlag et al. 2021): with ``r = relu([x, -x])`` (2D),
+  ``phi = [r * roll(r, 1), ..., r * roll(r, nu)]``, M = 2·D·nu, non-negative.
+
+Random features (``performer`` and ``rfa``), for a projection ``W`` of shape
+``(M, D)`` drawn by :func:`draw_gaussian_features`:
+
+* :func:`favor_positive`: FAVOR+ positive features
+  ``phi(x) = exp(W x - |x|^2 / 2) / sqrt(M)``, so that
+  ``E[phi(x) . phi(y)] = exp(x . y)`` (Choromanski et al. 2021, Lemma 1).
+* :func:`favor_trig`: the Performer v1 trigonometric map
+  ``phi(x) = exp(|x|^2 / 2) / sqrt(M) [sin(W x), cos(W x)]`` (2M features,
+  unbiased for ``exp(x . y)`` but not positive).
+* :func:`favor_generalized`: the generalized kernel ``relu(W x) + eps``.
+* :func:`random_fourier`: ``sqrt(1/M) [sin(W x), cos(W x)]`` (RFA), an
+  estimate of the Gaussian kernel ``exp(-|x - y|^2 / 2)`` for W ~ N(0, I).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FeatureMap = Callable[[Tensor], Tensor]
+
+#: Names of the deterministic feature maps accepted by ``feature_map=``.
+DETERMINISTIC_MAPS = ("elu", "relu", "softplus", "dpfp")
+
+
+def elu_feature_map(x: Tensor) -> Tensor:
+    """``elu(x) + 1``: (..., D) -> (..., D), values > 0."""
+    return F.elu(x) + 1.0
+
+
+def relu_feature_map(x: Tensor) -> Tensor:
+    """``relu(x)``: (..., D) -> (..., D), values >= 0."""
+    return F.relu(x)
+
+
+def softplus_feature_map(x: Tensor) -> Tensor:
+    """``softplus(x)``: (..., D) -> (..., D), values > 0."""
+    return F.softplus(x)
+
+
+def dpfp_feature_map(x: Tensor, nu: int = 1) -> Tensor:
+    """DPFP-nu (deterministic parameter-free projection, Schlag et al. 2021, eq. 34).
+
+    Args:
+        x: ``(..., D)``.
+        nu: number of rolls, >= 1.
+
+    Returns:
+        ``(..., 2·D·nu)``, values >= 0.
+    """
+    r = F.relu(torch.cat([x, -x], dim=-1))
+    return torch.cat([r * torch.roll(r, shifts=i, dims=-1) for i in range(1, nu + 1)], dim=-1)
+
+
+def deterministic_feature_map(name: str, *, nu: int = 1) -> FeatureMap:
+    """The map called ``name`` (one of :data:`DETERMINISTIC_MAPS`).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name == "elu":
+        return elu_feature_map
+    if name == "relu":
+        return relu_feature_map
+    if name == "softplus":
+        return softplus_feature_map
+    if name == "dpfp":
+        return lambda x: dpfp_feature_map(x, nu)
+    raise ValueError(f"feature_map: expected one of {list(DETERMINISTIC_MAPS)}, got {name!r}")
+
+
+def feature_dim(name: str, head_dim: int, *, nu: int = 1) -> int:
+    """Number of features M that the deterministic map ``name`` gives for ``head_dim`` inputs."""
+    return 2 * head_dim * nu if name == "dpfp" else head_dim
+
+
+# ----------------------------------------------------------- random features
+def draw_gaussian_features(num_features: int, dim: int, *, orthogonal: bool = True,
+                           generator: torch.Generator | None = None,
+                           dtype: torch.dtype = torch.float32) -> Tensor:
+    """Random projection ``W`` of shape ``(num_features, dim)`` with rows marginally N(0, I).
+
+    With ``orthogonal=True`` the rows are orthogonal in blocks of ``dim``
+    (QR of Gaussian blocks), each row rescaled by the norm of an independent
+    Gaussian vector so its length follows the chi distribution of a Gaussian
+    row (the Performer's positive orthogonal random features, ORF).
+
+    Args:
+        num_features: M >= 1.
+        dim: D >= 1.
+        orthogonal: ORF (True) or i.i.d. Gaussian rows (False).
+        generator: the random source (None = torch's global RNG).
+        dtype: dtype of the result (drawn in float64).
+    """
+    if not orthogonal:
+        return torch.randn(num_features, dim, generator=generator, dtype=torch.float64).to(dtype)
+    blocks = []
+    for _ in range(-(-num_features // dim)):
+        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        qmat, r = torch.linalg.qr(g)
+        # sign fix so the draw is Haar-distributed
+        qmat = qmat * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()).double())
+        blocks.append(qmat.T)
+    w = torch.cat(blocks, dim=0)[:num_features]
+    norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
+    return (w * norms).to(dtype)
+
+
+def favor_positive(x: Tensor, w: Tensor, *, stabilizer: Tensor | None = None) -> Tensor:
+    """FAVOR+ positive random features ``exp(W x - |x|^2/2 - c) / sqrt(M)``.
+
+    Args:
+        x: ``(..., D)``, already multiplied by ``sqrt(scale)``.
+        w: ``(M, D)``.
+        stabilizer: a constant ``c`` broadcastable to ``(..., M)`` subtracted
+            in the exponent (detached by the caller); None = 0, which gives the
+            unbiased estimate ``E[phi(x) . phi(y)] = exp(x . y)``.
+
+    Returns:
+        ``(..., M)``, values > 0.
+    """
+    logits = favor_logits(x, w)
+    if stabilizer is not None:
+        logits = logits - stabilizer
+    return torch.exp(logits - 0.5 * math.log(w.shape[0]))
+
+
+def favor_logits(x: Tensor, w: Tensor) -> Tensor:
+    """``W x - |x|^2 / 2``: the exponent of :func:`favor_positive`, ``(..., M)``."""
+    return x @ w.transpose(0, 1) - 0.5 * (x * x).sum(-1, keepdim=True)
+
+
+def favor_trig(x: Tensor, w: Tensor, *, stabilizer: Tensor | None = None,
+               drop_norm: bool = False) -> Tensor:
+    """Performer v1 trigonometric features ``exp(|x|^2/2 - c) / sqrt(M) [sin(W x), cos(W x)]``.
+
+    Args:
+        x: ``(..., D)``; w: ``(M, D)``.
+        stabilizer: ``c`` broadcastable to ``(..., 1)``; None = 0.
+        drop_norm: leave out the ``exp(|x|^2/2)`` factor (valid for queries,
+            where it is a per-row constant that cancels in the normalisation).
+
+    Returns:
+        ``(..., 2M)``; not positive, so the attention denominator can vanish.
+    """
+    proj = x @ w.transpose(0, 1)
+    feats = torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1) * w.shape[0] ** -0.5
+    if drop_norm:
+        return feats
+    log_norm = 0.5 * (x * x).sum(-1, keepdim=True)
+    if stabilizer is not None:
+        log_norm = log_norm - stabilizer
+    return feats * torch.exp(log_norm)
+
+
+def favor_generalized(x: Tensor, w: Tensor, *, kernel: FeatureMap = F.relu, eps: float = 1e-3) -> Tensor:
+    """Performer generalized-kernel features ``kernel(W x) + eps`` (no softmax estimate), ``(..., M)``."""
+    return kernel(x @ w.transpose(0, 1)) + eps
+
+
+def random_fourier(x: Tensor, w: Tensor) -> Tensor:
+    """Random Fourier features ``sqrt(1/M) [sin(W x), cos(W x)]`` (RFA), ``(..., 2M)``.
+
+    ``phi(x) . phi(y) = (1/M) sum_i cos(w_i . (x - y))``, an unbiased estimate
+    of ``exp(-|x - y|^2 / 2)`` for rows ``w_i ~ N(0, I)``.
+    """
+    proj = x @ w.transpose(0, 1)
+    return torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1) * w.shape[0] ** -0.5

@@ -1,0 +1,109 @@
+"""``torch.autograd.Function`` wrappers of the numba CPU kernels.
+
+Tensors cross into numba as zero-copy NumPy views of contiguous CPU tensors
+``(B*H, L, ·)``; results come back with :func:`torch.from_numpy` (no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import causal_numba as K
+
+_DELTA_CHUNK = 64
+
+
+def _np(x: Tensor, N: int):
+    """A (N, L, ·) contiguous NumPy view of a CPU tensor (B, H, L, ·)."""
+    return x.detach().reshape(N, *x.shape[2:]).contiguous().numpy()
+
+
+class _CausalLinear(torch.autograd.Function):
+    """num_t = sum_{j<=t} (phi_q_t . phi_k_j) v_j, den_t = sum_{j<=t} phi_q_t . phi_k_j."""
+
+    @staticmethod
+    def forward(ctx, phi_q: Tensor, phi_k: Tensor, v: Tensor, chunk: int):
+        B, H, L, M = phi_q.shape
+        E = v.shape[-1]
+        N = B * H
+        out, den = K.causal_product(_np(phi_q, N), _np(phi_k, N), _np(v, N), chunk=chunk, with_den=True)
+        ctx.save_for_backward(phi_q, phi_k, v)
+        ctx.chunk = chunk
+        return (torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(den).view(B, H, L))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_num: Tensor | None, g_den: Tensor | None):
+        phi_q, phi_k, v = ctx.saved_tensors
+        B, H, L, M = phi_q.shape
+        E = v.shape[-1]
+        N = B * H
+        chunk = ctx.chunk
+        if g_num is None:
+            g_num = torch.zeros_like(v)
+        g = g_num
+        vv = v
+        if g_den is not None:
+            # the denominator is the product with a column of ones appended to v
+            g = torch.cat([g_num, g_den.unsqueeze(-1)], dim=-1)
+            vv = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
+        q_, k_, g_, vv_ = _np(phi_q, N), _np(phi_k, N), _np(g, N), _np(vv, N)
+        dq = K.causal_product(g_, vv_, k_, chunk=chunk)
+        dk = K.causal_product(vv_, g_, q_, reverse=True, chunk=chunk)
+        dv = K.causal_product(k_, q_, _np(g_num, N), reverse=True, chunk=chunk)
+        return (torch.from_numpy(dq).view(B, H, L, M), torch.from_numpy(dk).view(B, H, L, M),
+                torch.from_numpy(dv).view(B, H, L, E), None)
+
+
+def causal_linear_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, chunk: int | None = None
+                        ) -> tuple[Tensor, Tensor]:
+    """Numerator ``(B, H, L, E)`` and denominator ``(B, H, L)`` of causal linear attention (numba).
+
+    Args:
+        phi_q, phi_k: ``(B, H, L, M)`` float32/float64 CPU tensors.
+        v: ``(B, H, L, E)``.
+        chunk: positions per kernel block (default :data:`causal_numba.DEFAULT_CHUNK`).
+    """
+    return _CausalLinear.apply(phi_q, phi_k, v, int(chunk or K.DEFAULT_CHUNK))
+
+
+class _CausalDelta(torch.autograd.Function):
+    """Delta-rule fast weights, out_t = S_t^T phi_q_t."""
+
+    @staticmethod
+    def forward(ctx, phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, chunk: int):
+        B, H, L, M = phi_q.shape
+        E = v.shape[-1]
+        N = B * H
+        b = beta.detach().reshape(N, L).contiguous().numpy()
+        out, ckpt = K._delta_forward(_np(phi_q, N), _np(phi_k, N), _np(v, N), b, chunk)
+        ctx.save_for_backward(phi_q, phi_k, v, beta)
+        ctx.ckpt = ckpt
+        ctx.chunk = chunk
+        return torch.from_numpy(out).view(B, H, L, E)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor):
+        phi_q, phi_k, v, beta = ctx.saved_tensors
+        B, H, L, M = phi_q.shape
+        E = v.shape[-1]
+        N = B * H
+        b = beta.detach().reshape(N, L).contiguous().numpy()
+        dq, dk, dv, db = K._delta_backward(_np(phi_q, N), _np(phi_k, N), _np(v, N), b, ctx.ckpt,
+                                           _np(g, N), ctx.chunk)
+        return (torch.from_numpy(dq).view(B, H, L, M), torch.from_numpy(dk).view(B, H, L, M),
+                torch.from_numpy(dv).view(B, H, L, E), torch.from_numpy(db).view(B, H, L), None)
+
+
+def causal_delta_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *, chunk: int | None = None
+                       ) -> Tensor:
+    """Delta-rule fast-weight output ``(B, H, L, E)`` (numba; per-position recurrence, checkpointed
+    every ``chunk`` positions for the backward pass).
+
+    Args:
+        phi_q, phi_k: ``(B, H, L, M)``; v: ``(B, H, L, E)``; beta: ``(B, H, L)``.
+    """
+    return _CausalDelta.apply(phi_q, phi_k, v, beta, int(chunk or _DELTA_CHUNK))

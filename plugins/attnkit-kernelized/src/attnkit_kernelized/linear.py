@@ -1,0 +1,80 @@
+"""``linear``: linear attention with a deterministic feature map (Katharopoulos et al. 2020).
+
+``out_i = phi(q_i)^T sum_j phi(k_j) v_j^T / phi(q_i) . sum_j phi(k_j)``, with
+``phi(x) = elu(x) + 1`` by default. O(L·M·E) time; the causal form is a
+prefix sum whose running state ``(S, z)`` streams exactly.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnkit.errors import InvalidInputError
+
+from ._base import KernelizedAttention, check_choice, check_int
+from .feature_maps import DETERMINISTIC_MAPS, deterministic_feature_map, feature_dim
+
+
+class LinearAttention(KernelizedAttention):
+    """Linear attention, ``phi(q) (phi(k)^T v) / (phi(q) . sum_j phi(k_j))``.
+
+    Shapes as in :func:`torch.nn.functional.scaled_dot_product_attention`:
+    q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+    Non-causal (also cross-attention, L != S) and causal (L == S; a prefix
+    sum, run by the numba kernel on CPU tensors, triton on CUDA tensors, or
+    the chunked torch form). Key padding zeroes ``phi(k)`` and ``v`` at
+    padded keys; a query that sees no key gives 0. ``attn_mask`` is refused.
+
+    Args:
+        num_heads: number of heads H (used to size the streaming state).
+        head_dim: head dimension D; None accepts any D (no parameters depend on it).
+        scale: None (default) applies no scaling, as in the paper; a float
+            multiplies q and k by ``sqrt(scale)`` before the feature map.
+        backend: ``"auto"`` (numba for causal CPU tensors, triton for causal
+            CUDA tensors, else torch), or one of ``"torch"``, ``"numba"``, ``"triton"``.
+        feature_map: ``"elu"`` (elu(x) + 1, the paper's), ``"relu"``,
+            ``"softplus"`` or ``"dpfp"`` (Schlag et al. 2021; 2·D·dpfp_nu features).
+        dpfp_nu: rolls of the ``"dpfp"`` map (must stay 1 with the other maps).
+        chunk_size: positions per chunk of the torch causal form.
+
+    Raises:
+        InvalidInputError: an option out of range (named in the message).
+    """
+
+    _needs_head_dim = False
+
+    def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
+                 scale: float | None = None, backend: str = "auto", feature_map: str = "elu",
+                 dpfp_nu: int = 1, chunk_size: int = 64) -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend,
+                         chunk_size=chunk_size)
+        self.feature_map = check_choice("feature_map", feature_map, DETERMINISTIC_MAPS)
+        self.dpfp_nu = check_int("dpfp_nu", dpfp_nu)
+        if dpfp_nu != 1 and feature_map != "dpfp":
+            raise InvalidInputError(
+                f"dpfp_nu: only the 'dpfp' feature map takes it, got dpfp_nu={dpfp_nu} with feature_map={feature_map!r}"
+            )
+        self._phi = deterministic_feature_map(feature_map, nu=self.dpfp_nu)
+
+    @property
+    def feature_dim(self) -> int:
+        """M, the number of features per head (``head_dim`` must be set to know it)."""
+        return feature_dim(self.feature_map, self.head_dim or 1, nu=self.dpfp_nu)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, feature_map={self.feature_map!r}"
+
+    def feature_pair(self, q: Tensor, k: Tensor, *, causal: bool,
+                     key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(phi(q), phi(k))`` of shapes ``(B, H, L, M)`` and ``(B, H, S, M)``."""
+        if self.scale is not None:
+            s = self.scale ** 0.5
+            q, k = q * s, k * s
+        return self._phi(q), self._phi(k)
+
+    def _init_state(self, batch, *, device, dtype):
+        state = super()._init_state(batch, device=device, dtype=dtype)
+        if self.head_dim is None:  # M unknown until the first step
+            state["S"] = state["S"][:, :, :0]
+            state["z"] = state["z"][:, :, :0]
+        return state
