@@ -90,6 +90,14 @@ class ClaimsAttnMaskAttention(NaiveAttention):
 
 
 # ------------------------------------------------------------------ more faults
+class ClaimsStreamingAttention(Attention):
+    """Claims exact streaming but implements only the parallel form."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        return naive_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                               attn_mask=attn_mask, scale=self.get_scale(q))
+
+
 class NaNGradOnMaskedRowAttention(NaiveAttention):
     """Zeros in the forward of a fully masked row, but NaN gradients (the torch.where trap)."""
 
@@ -247,6 +255,9 @@ CASES: list[BrokenCase] = [
     BrokenCase(ClaimsAttnMaskAttention, "broken-claims-mask", "attn_mask", "attn_mask is not honoured",
                {"exact": True, "capabilities": Capabilities(attn_mask=True)}),
     # more faults, one per remaining check
+    BrokenCase(ClaimsStreamingAttention, "broken-claims-streaming", "streaming",
+               "init_state/step raised NotImplementedError",
+               {"exact": True, "capabilities": Capabilities(streaming="exact")}),
     BrokenCase(NaNGradOnMaskedRowAttention, "broken-nan-grad", "fully_masked_rows",
                r"gradient|\.grad has .* non-finite", {"exact": True, "capabilities": BASIC}),
     BrokenCase(ClaimsCrossAttention, "broken-claims-cross", "cross_attention", "raised RuntimeError",

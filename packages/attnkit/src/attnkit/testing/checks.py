@@ -193,7 +193,7 @@ class ConformanceConfig:
     def caps(self) -> Capabilities:
         return self.spec.capabilities
 
-    def test_dtypes(self) -> list[str]:
+    def tested_dtypes(self) -> list[str]:
         """Dtype names to test: the configured ones, else every declared one."""
         declared = list(self.caps.dtypes)
         if self.dtypes is None:
@@ -274,12 +274,15 @@ def _padding_mask(B: int, S: int, device: torch.device) -> Tensor:
 
 
 def _parity_mask(B: int, H: int, L: int, S: int, device: torch.device) -> Tensor:
-    """Bool ``(B, H, L, S)``: query i of (b, h) may see key j iff ``(i + b + h) % 2 == j % 2``."""
+    """Bool ``(B, H, L, S)``: query i of (b, h) may see key j iff ``j == 0`` or ``(i + b + h) % 2 == j % 2``.
+
+    Key 0 is visible to every query, so no row is fully masked, causal or not.
+    """
     i = torch.arange(L, device=device)[None, None, :, None]
     j = torch.arange(S, device=device)[None, None, None, :]
     b = torch.arange(B, device=device)[:, None, None, None]
     h = torch.arange(H, device=device)[None, :, None, None]
-    return (i + b + h) % 2 == j % 2
+    return ((i + b + h) % 2 == j % 2) | (j == 0)
 
 
 def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -327,7 +330,7 @@ class _Ctx:
 
     # -- dtypes and modes
     def dtypes(self) -> list[torch.dtype]:
-        return [DTYPES[n] for n in self.cfg.test_dtypes()]
+        return [DTYPES[n] for n in self.cfg.tested_dtypes()]
 
     def precise(self) -> torch.dtype:
         """float64 where declared (tight tolerances for invariance checks), else float32, else the first."""
@@ -693,9 +696,9 @@ def check_fully_masked_rows(cfg: ConformanceConfig) -> None:
 def check_attn_mask(cfg: ConformanceConfig) -> None:
     """A declared ``attn_mask`` is honoured: masked-out (query, key) pairs have no influence.
 
-    The mask ``(B, H, L, S)`` lets query i of (b, h) see key j iff
-    ``(i + b + h) % 2 == j % 2``; perturbing the keys/values of one parity
-    must leave the rows that may not see them unchanged. Bool and additive
+    The mask ``(B, H, L, S)`` lets query i of (b, h) see key j iff j = 0 or
+    ``(i + b + h) % 2 == j % 2``; perturbing the keys/values j >= 1 of one
+    parity must leave the rows that may not see them unchanged. Bool and additive
     (0 / -inf) forms agree, and an ``(L, S)`` mask equals its expansion.
     Every declared causal mode, self- and (when declared) cross-attention.
     """
@@ -715,16 +718,17 @@ def check_attn_mask(cfg: ConformanceConfig) -> None:
         case = _case(causal=causal, L=L, S=S, dtype=dname, attn_mask="<bool parity (B, H, L, S)>")
         base = c.call(attn, case, q, k, v, causal=causal, attn_mask=mask)
         c.finite(base, case, "output")
-        j_parity = (torch.arange(S, device=c.device) % 2)[None, None, :, None]
+        j = torch.arange(S, device=c.device)[None, None, :, None]
         i_parity = ((torch.arange(L, device=c.device)[None, None, :] + torch.arange(B, device=c.device)
                      [:, None, None] + torch.arange(H, device=c.device)[None, :, None]) % 2)
         for p in (0, 1):
-            k2 = _perturb(k, j_parity == p, seed=700 + 2 * n + p)
-            v2 = _perturb(v, j_parity == p, seed=800 + 2 * n + p)
+            keys = (j % 2 == p) & (j >= 1)
+            k2 = _perturb(k, keys, seed=700 + 2 * n + p)
+            v2 = _perturb(v, keys, seed=800 + 2 * n + p)
             out = c.call(attn, case, q, k2, v2, causal=causal, attn_mask=mask)
             blind = (i_parity != p)[..., None]  # rows that may not see parity-p keys
             c.close(torch.where(blind, out, base), base,
-                    f"{case}: perturbing keys/values at {'even' if p == 0 else 'odd'} positions changed "
+                    f"{case}: perturbing keys/values at {'even' if p == 0 else 'odd'} positions >= 1 changed "
                     "query rows the mask forbids from seeing them, so attn_mask is not honoured",
                     dtype=dt, what="rows that may not see them", against="unperturbed")
         add = _bool_to_additive(mask, dt)
@@ -798,6 +802,10 @@ def _reference_cases(c: _Ctx, dt: torch.dtype) -> list[tuple[str, int, int, dict
             bias = _noise_like(torch.empty(c.B, 1, c.L, c.L, dtype=dt, device=c.device), 1000, 1.0)
             out.append((_case(causal=causal, attn_mask=f"<additive {dname} bias (B, 1, L, S)>"), c.L, c.L,
                         {"causal": causal, "attn_mask": bias}))
+            if caps.key_padding_mask:
+                out.append((_case(causal=causal, key_padding_mask="<padded>", attn_mask="<additive bias>"),
+                            c.L, c.L, {"causal": causal, "attn_mask": bias,
+                                       "key_padding_mask": _padding_mask(c.B, c.L, c.device)}))
     for L, S in ((c.L, c.S), (c.S, c.L)):
         if caps.cross and caps.noncausal:
             out.append((_case(causal=False), L, S, {"causal": False}))
