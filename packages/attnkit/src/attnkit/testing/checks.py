@@ -409,11 +409,12 @@ class _Ctx:
         e = expected.detach().to(torch.float64)
         if a.shape != e.shape:
             self.fail(f"{case}: {what} has shape {tuple(a.shape)}, {against} {tuple(e.shape)}")
-        bad_a = ~torch.isfinite(a) & torch.isfinite(e)
-        if bool(bad_a.any()):
-            idx = tuple(int(i) for i in bad_a.nonzero()[0])
-            self.fail(f"{case}: {what} has {int(bad_a.sum())} non-finite value(s), e.g. {a[idx].item()} "
-                      f"at index {idx} where {against} is {e[idx].item():.6g}")
+        for t, label, other in ((a, what, e), (e, against, a)):
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                idx = tuple(int(i) for i in bad.nonzero()[0])
+                self.fail(f"{case}: {label} has {int(bad.sum())} non-finite value(s), e.g. {t[idx].item()} "
+                          f"at index {idx} (the other side: {other[idx].item():.6g})")
         diff = (a - e).abs().nan_to_num(nan=math.inf)
         excess = diff - (atol + rtol * e.abs())
         if bool((excess > 0).any()):
