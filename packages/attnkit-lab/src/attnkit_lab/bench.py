@@ -1,0 +1,343 @@
+"""``attnkit bench``: time and peak memory against exact SDPA over a sweep of lengths.
+
+For each length every implementation and the exact baseline
+(``torch.nn.functional.scaled_dot_product_attention``) get the same inputs
+``q, k, v ~ N(0, 1)`` of shape (B, H, L, D). Per mode (``fwd``: forward under
+``torch.no_grad()``, module in eval mode; ``fwdbwd``: forward and backward of
+``(out * g).sum()`` for a fixed random ``g``, module in train mode):
+
+1. first call, timed on its own and reported as ``first_call_s`` (it includes
+   one-off costs such as numba compilation); a refusal (this length, causal,
+   dtype...) is recorded as ``skipped`` and the sweep goes on; running out of
+   memory is ``oom``; a first call longer than ``time_limit`` is ``timeout``.
+   After ``oom`` or ``timeout`` longer lengths of that implementation are not
+   tried (recorded as such);
+2. ``warmup - 1`` more untimed calls;
+3. ``repeats`` rounds; each round times every implementation once, in an
+   order rotated every round, so drift of the machine (other load, clocks)
+   hits all of them alike. The median is reported with the quartiles;
+4. one more call measures peak memory (see :mod:`attnkit_lab.measure`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import names as names_mod
+from .measure import MEMORY_METHOD, peak_memory, time_call
+from .progress import Progress
+from .results import RunDir, environment, fmt_bytes, fmt_seconds, format_table, machine_line
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MODES = ("fwd", "fwdbwd")
+
+
+@dataclass
+class BenchSettings:
+    """What to measure. ``lengths`` are sequence lengths L (= S)."""
+
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192])
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    causal: bool = False
+    repeats: int = 5
+    warmup: int = 1
+    time_limit: float = 10.0
+    modes: tuple[str, ...] = MODES
+    memory: bool = True
+    seed: int = 0
+
+
+@dataclass
+class _Candidate:
+    label: str
+    call: Callable[..., torch.Tensor]
+    module: torch.nn.Module | None = None
+    stopped: str = ""     # reason longer lengths are not tried
+
+
+def _status_of(exc: BaseException) -> str:
+    if names_mod.is_oom(exc):
+        return "oom"
+    if names_mod.is_refusal(exc):
+        return "skipped"
+    return "error"
+
+
+def _make_call(c: _Candidate, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               g: torch.Tensor) -> Callable[[], None]:
+    if mode == "fwd":
+        if c.module is not None:
+            c.module.eval()
+
+        def fwd() -> None:
+            with torch.no_grad():
+                c.call(q, k, v)
+        return fwd
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    if c.module is not None:
+        c.module.train()
+
+    def fwdbwd() -> None:
+        out = c.call(qg, kg, vg)
+        out.backward(g)
+        qg.grad = kg.grad = vg.grad = None
+        if c.module is not None:
+            c.module.zero_grad(set_to_none=True)
+    return fwdbwd
+
+
+def crossover(points: list[tuple[int, float]]) -> dict[str, Any]:
+    """Where an implementation becomes faster than SDPA.
+
+    ``points``: (length, time ratio to SDPA). The crossover is the shortest
+    measured length from which it is faster at every longer measured length;
+    ``estimate`` interpolates in log-log between the last slower and the first
+    faster length.
+    """
+    pts = sorted((L, r) for L, r in points if r is not None and r > 0 and math.isfinite(r))
+    if not pts:
+        return {"length": None, "estimate": None, "text": "n/a"}
+    slower = [i for i, (_, r) in enumerate(pts) if r >= 1]
+    if not slower:
+        return {"length": pts[0][0], "estimate": None, "text": f"≤ {pts[0][0]} (faster at every length measured)"}
+    i = slower[-1]
+    if i == len(pts) - 1:
+        return {"length": None, "estimate": None, "text": f"> {pts[-1][0]} (not faster at the longest length)"}
+    (L0, r0), (L1, r1) = pts[i], pts[i + 1]
+    t = math.log(r0) / (math.log(r0) - math.log(r1))
+    est = math.exp(math.log(L0) + t * (math.log(L1) - math.log(L0)))
+    return {"length": L1, "estimate": est, "text": f"≈ {est:,.0f} (slower at {L0}, faster from {L1})"}
+
+
+def _module_call(mod: torch.nn.Module, causal: bool) -> Callable[..., torch.Tensor]:
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return mod(q, k, v, causal=causal)
+    return call
+
+
+def _sdpa(causal: bool) -> Callable[..., torch.Tensor]:
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return call
+
+
+def run_bench(choices: list[names_mod.AttentionChoice], settings: BenchSettings, out: RunDir, *,
+              show_progress: bool = True, preset: str | None = None, strict_build: bool = True) -> dict[str, Any]:
+    """Measure ``choices`` against SDPA and write results into ``out`` (an opened RunDir).
+
+    ``strict_build``: a choice that cannot be built is a usage error (names
+    given explicitly); otherwise it is recorded as skipped (default sweep).
+    """
+    device = torch.device(settings.device)
+    dtype = DTYPES[settings.dtype]
+    records: list[dict[str, Any]] = []
+    candidates = [_Candidate("sdpa", _sdpa(settings.causal))]
+    build_failures: dict[str, str] = {}
+    for i, ch in enumerate(choices):
+        try:
+            mod = names_mod.build(ch, num_heads=settings.heads, head_dim=settings.head_dim, seed=settings.seed + i)
+            mod = mod.to(device=device, dtype=dtype)
+        except Exception as e:  # noqa: BLE001
+            if strict_build:
+                raise names_mod.UsageError(f"cannot build {ch.label!r}: {e}") from None
+            build_failures[ch.label] = names_mod.describe_error(e)
+            continue
+        candidates.append(_Candidate(ch.label, _module_call(mod, settings.causal), mod))
+    for label, why in build_failures.items():
+        for L in settings.lengths:
+            for mode in settings.modes:
+                records.append({"label": label, "length": L, "mode": mode, "status": "skipped",
+                                "note": f"cannot build: {why}"})
+
+    total = len(settings.lengths) * len(settings.modes)
+    gen = torch.Generator(device="cpu")
+    with Progress(total, "bench", enabled=show_progress) as bar:
+        for L in settings.lengths:
+            gen.manual_seed(settings.seed * 1_000_003 + L)
+            shape = (settings.batch, settings.heads, L, settings.head_dim)
+            q, k, v, g = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
+            for mode in settings.modes:
+                bar.set_postfix(L=L, mode=mode)
+                runnable: list[tuple[_Candidate, Callable[[], None], float]] = []
+                for c in candidates:
+                    rec = {"label": c.label, "length": L, "mode": mode}
+                    if c.stopped:
+                        records.append({**rec, "status": "skipped", "note": c.stopped})
+                        continue
+                    try:
+                        call = _make_call(c, mode, q, k, v, g)
+                        first = time_call(call, device)
+                    except Exception as e:  # noqa: BLE001 - one implementation never stops the sweep
+                        st = _status_of(e)
+                        records.append({**rec, "status": st, "note": names_mod.describe_error(e)})
+                        if st == "oom":
+                            c.stopped = f"not run: out of memory at L={L}"
+                        _free(device)
+                        continue
+                    if first > settings.time_limit:
+                        note = f"first call took {first:.2f} s > --time-limit {settings.time_limit:g} s"
+                        records.append({**rec, "status": "timeout", "first_call_s": first, "note": note})
+                        c.stopped = f"not run: exceeded the time limit at L={L}"
+                        continue
+                    runnable.append((c, call, first))
+                times: dict[str, list[float]] = {c.label: [] for c, _, _ in runnable}
+                failed: dict[str, str] = {}
+                try:
+                    for _, call, _ in runnable:
+                        for _ in range(max(0, settings.warmup - 1)):
+                            call()
+                    for r in range(settings.repeats):
+                        order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
+                        for c, call, _ in order:
+                            if c.label in failed:
+                                continue
+                            try:
+                                times[c.label].append(time_call(call, device))
+                            except Exception as e:  # noqa: BLE001
+                                failed[c.label] = names_mod.describe_error(e)
+                except Exception as e:  # noqa: BLE001 - a warm-up failure
+                    for c, _, _ in runnable:
+                        failed.setdefault(c.label, names_mod.describe_error(e))
+                for c, call, first in runnable:
+                    rec = {"label": c.label, "length": L, "mode": mode, "first_call_s": first}
+                    if c.label in failed:
+                        records.append({**rec, "status": "error", "note": failed[c.label]})
+                        continue
+                    ts = sorted(times[c.label])
+                    quart = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
+                    q1, q3 = quart[0], quart[2]
+                    rec.update(status="ok", median_s=statistics.median(ts), min_s=ts[0], q1_s=q1, q3_s=q3,
+                               repeats=len(ts))
+                    if settings.memory:
+                        try:
+                            rec["peak_bytes"] = peak_memory(call, device)
+                        except Exception as e:  # noqa: BLE001
+                            rec["note"] = f"memory not measured: {names_mod.describe_error(e)}"
+                    records.append(rec)
+                bar.update(1)
+            del q, k, v, g
+            _free(device)
+
+    labels = [c.label for c in candidates[1:]] + list(build_failures)
+    _add_ratios(records)
+    summary = _summaries(records, labels, settings)
+    env = environment(str(device))
+    payload = {
+        "command": "bench",
+        "preset": preset,
+        "settings": asdict(settings),
+        "baseline": "torch.nn.functional.scaled_dot_product_attention",
+        "memory_method": MEMORY_METHOD.get(device.type, ""),
+        "environment": env,
+        "labels": labels,
+        "crossover": summary,
+        "records": records,
+    }
+    text = render_tables(records, labels, settings, summary, env)
+    out.write_json("results.json", payload)
+    out.write_csv("results.csv", records, ["label", "length", "mode", "status", "median_s", "min_s", "q1_s", "q3_s",
+                                           "repeats", "first_call_s", "peak_bytes", "time_ratio", "memory_ratio",
+                                           "note"])
+    out.write_text("table.md", text)
+    if any(r["status"] == "ok" for r in records):
+        from .plotting import bench_figure
+
+        bench_figure(out.file("bench.png"), records, labels, _title(settings, env), settings.modes, settings.memory)
+    print(text)
+    return payload
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _add_ratios(records: list[dict[str, Any]]) -> None:
+    base = {(r["length"], r["mode"]): r for r in records if r["label"] == "sdpa" and r["status"] == "ok"}
+    for r in records:
+        b = base.get((r["length"], r["mode"]))
+        if r["label"] == "sdpa" or r["status"] != "ok" or b is None:
+            continue
+        r["time_ratio"] = r["median_s"] / b["median_s"] if b["median_s"] else None
+        if r.get("peak_bytes") is not None and b.get("peak_bytes"):
+            r["memory_ratio"] = r["peak_bytes"] / b["peak_bytes"]
+
+
+def _summaries(records: list[dict[str, Any]], labels: list[str], settings: BenchSettings) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label in labels:
+        per = {}
+        for mode in settings.modes:
+            pts = [(r["length"], r.get("time_ratio")) for r in records
+                   if r["label"] == label and r["mode"] == mode and r["status"] == "ok"]
+            per[mode] = crossover(pts)
+        firsts = [r for r in records if r["label"] == label and r.get("first_call_s") is not None]
+        per["first_call_s"] = min(firsts, key=lambda r: r["length"])["first_call_s"] if firsts else None
+        out[label] = per
+    return out
+
+
+def _title(settings: BenchSettings, env: dict[str, Any]) -> str:
+    return (f"B={settings.batch}, H={settings.heads}, D={settings.head_dim}, {settings.dtype}, "
+            f"{'causal' if settings.causal else 'non-causal'}, {env.get('device')}; medians of {settings.repeats}")
+
+
+def _cell(r: dict[str, Any] | None, key: str, ratio_key: str | None) -> str:
+    if r is None:
+        return "—"
+    if r["status"] != "ok":
+        return r["status"]
+    val = fmt_seconds(r.get(key)) if key == "median_s" else fmt_bytes(r.get(key))
+    if ratio_key and r.get(ratio_key) is not None:
+        val += f" ({r[ratio_key]:.2f}×)"
+    return val
+
+
+def render_tables(records: list[dict[str, Any]], labels: list[str], settings: BenchSettings,
+                  summary: dict[str, Any], env: dict[str, Any]) -> str:
+    """Markdown: a time and a memory table per mode, the crossover table and notes."""
+    index = {(r["label"], r["length"], r["mode"]): r for r in records}
+    parts = [f"# attnkit bench\n\n{_title(settings, env)}\n\nMachine: {machine_line(env)}\n\n"
+             f"Command: `{env['command']}`\n\nCells: median (ratio to SDPA; < 1 is faster / smaller)."]
+    cols = ["L", "SDPA"] + labels
+    for mode in settings.modes:
+        for key, ratio, what in (("median_s", "time_ratio", "time"), ("peak_bytes", "memory_ratio", "peak memory")):
+            if key == "peak_bytes" and not settings.memory:
+                continue
+            rows = []
+            for L in settings.lengths:
+                rows.append([L, _cell(index.get(("sdpa", L, mode)), key, None)]
+                            + [_cell(index.get((lb, L, mode)), key, ratio) for lb in labels])
+            table = format_table(rows, cols, align="r" * len(cols))
+            parts.append(f"## {MODE_NAMES.get(mode, mode)}: {what}\n\n" + table)
+    rows = [[lb] + [summary[lb][m]["text"] for m in settings.modes]
+            + [fmt_seconds(summary[lb]["first_call_s"])] for lb in labels]
+    parts.append("## Crossover length (faster than SDPA from)\n\n"
+                 + format_table(rows, ["attention"] + [MODE_NAMES.get(m, m) for m in settings.modes]
+                                + ["first call (shortest L)"], align="l" * (len(settings.modes) + 2)))
+    notes = [r for r in records if r["status"] != "ok" and r.get("note")]
+    if notes:
+        seen = set()
+        lines = []
+        for r in notes:
+            key = (r["label"], r["status"], r["note"])
+            if key in seen:
+                continue
+            seen.add(key)
+            lines.append(f"- {r['label']} L={r['length']} {r['mode']}: {r['status']}: {r['note']}")
+        parts.append("## Not measured\n\n" + "\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+MODE_NAMES = {"fwd": "Forward", "fwdbwd": "Forward + backward"}

@@ -1,0 +1,114 @@
+"""The lab's model: embeddings + :class:`attnkit.Transformer` + a head.
+
+Every attention is trained inside the same model; only the attention module
+inside each block differs. Token and learned absolute position embeddings
+(as in Zoology's attention baseline) feed a pre-norm ``attnkit.Transformer``;
+the head is a linear layer per position (``tokens`` tasks) or over the
+mean-pooled real tokens (``classify`` tasks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import attnkit
+
+
+@dataclass
+class ModelConfig:
+    """Sizes of the lab model.
+
+    Attributes:
+        vocab_size: input vocabulary.
+        num_outputs: logits per position (``tokens``) or classes (``classify``).
+        max_len: longest input (learned position embeddings).
+        dim, depth, heads: Transformer width, blocks and heads (``dim % heads == 0``).
+        kind: ``"tokens"`` or ``"classify"``.
+        causal: causal self-attention.
+        attention: registry name.
+        attention_options: build options of the attention.
+        mlp_ratio, dropout: Transformer block settings.
+        token_shift: add a learned projection of the previous position's
+            embedding to each position (a width-2 causal convolution, like the
+            short convolutions of H3 and Based). It hands attention the
+            "previous token" feature that recall tasks need, which a model
+            otherwise learns slowly from absolute positions.
+    """
+
+    vocab_size: int
+    num_outputs: int
+    max_len: int
+    dim: int = 64
+    depth: int = 2
+    heads: int = 2
+    kind: str = "tokens"
+    causal: bool = True
+    attention: str = "softmax"
+    attention_options: dict[str, Any] = field(default_factory=dict)
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    token_shift: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LabModel(nn.Module):
+    """Sequence model for the lab's tasks.
+
+    Args:
+        config: see :class:`ModelConfig`.
+
+    Shapes: ``tokens`` (B, L) int64, ``key_padding_mask`` (B, L) bool (True =
+    real token) or None; output (B, L, num_outputs) for ``tokens`` tasks,
+    (B, num_outputs) for ``classify`` tasks.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.kind not in ("tokens", "classify"):
+            raise ValueError(f"ModelConfig.kind: expected 'tokens' or 'classify', got {config.kind!r}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.pos = nn.Embedding(config.max_len, config.dim)
+        self.drop = nn.Dropout(config.dropout)
+        self.shift = nn.Linear(config.dim, config.dim) if config.token_shift else None
+        self.body = attnkit.Transformer(
+            config.dim, config.depth, config.heads, attention=config.attention,
+            mlp_ratio=config.mlp_ratio, dropout=config.dropout,
+            attention_options=dict(config.attention_options),
+        )
+        self.head = nn.Linear(config.dim, config.num_outputs)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        B, L = tokens.shape
+        if L > self.config.max_len:
+            raise ValueError(f"tokens: length {L} exceeds the model's max_len {self.config.max_len}")
+        pos = torch.arange(L, device=tokens.device)
+        x = self.embed(tokens) + self.pos(pos)[None]
+        if self.shift is not None:
+            x = x + self.shift(F.pad(x, (0, 0, 1, 0))[:, :-1])
+        x = self.drop(x)
+        x = self.body(x, causal=self.config.causal, key_padding_mask=key_padding_mask)
+        if self.config.kind == "tokens":
+            return self.head(x)
+        if key_padding_mask is None:
+            pooled = x.mean(dim=1)
+        else:
+            w = key_padding_mask.to(x.dtype)[..., None]
+            pooled = (x * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
+        return self.head(pooled)
+
+    def attention_modules(self) -> list[attnkit.Attention]:
+        """The attention module of every block, in order."""
+        return [m for m in self.modules() if isinstance(m, attnkit.Attention)]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
