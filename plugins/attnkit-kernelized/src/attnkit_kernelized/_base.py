@@ -70,6 +70,11 @@ class KernelizedAttention(Attention):
                 "features or parameters for, got None"
             )
         self.chunk_size = check_int("chunk_size", chunk_size)
+        offered = type(self).capabilities.backends if type(self).capabilities else ("torch",)
+        if backend != "auto" and backend not in offered:
+            raise InvalidInputError(
+                f"backend: {type(self).__name__} offers {list(offered)} (or 'auto'), got {backend!r}"
+            )
 
     # ------------------------------------------------------------- hooks
     def feature_pair(self, q: Tensor, k: Tensor, *, causal: bool,

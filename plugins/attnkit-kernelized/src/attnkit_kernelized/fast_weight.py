@@ -34,6 +34,7 @@ from attnkit.errors import InvalidInputError
 from . import chunked
 from ._base import KernelizedAttention, check_choice, check_int, key_mask
 from .feature_maps import DETERMINISTIC_MAPS, deterministic_feature_map, feature_dim
+from .plugin import FAST_WEIGHT
 
 
 class FastWeightAttention(KernelizedAttention):
@@ -66,6 +67,8 @@ class FastWeightAttention(KernelizedAttention):
         InvalidInputError: an option out of range (named in the message).
     """
 
+    capabilities = FAST_WEIGHT.capabilities  # as registered; used when built without the registry
+
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", feature_map: str = "dpfp",
                  dpfp_nu: int = 1, normalize: bool = True, beta: float | None = None,
@@ -81,7 +84,8 @@ class FastWeightAttention(KernelizedAttention):
         self.dpfp_nu = check_int("dpfp_nu", dpfp_nu)
         if dpfp_nu != 1 and feature_map != "dpfp":
             raise InvalidInputError(
-                f"dpfp_nu: only the 'dpfp' feature map takes it, got dpfp_nu={dpfp_nu} with feature_map={feature_map!r}"
+                f"dpfp_nu: expected 1 unless feature_map='dpfp' (only DPFP takes it), "
+                f"got dpfp_nu={dpfp_nu} with feature_map={feature_map!r}"
             )
         self.normalize = bool(normalize)
         self._phi = deterministic_feature_map(feature_map, nu=self.dpfp_nu)

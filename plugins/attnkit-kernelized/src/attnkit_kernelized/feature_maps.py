@@ -108,14 +108,13 @@ def draw_gaussian_features(num_features: int, dim: int, *, orthogonal: bool = Tr
     """
     if not orthogonal:
         return torch.randn(num_features, dim, generator=generator, dtype=torch.float64).to(dtype)
-    blocks = []
-    for _ in range(-(-num_features // dim)):
-        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        qmat, r = torch.linalg.qr(g)
-        # sign fix so the draw is Haar-distributed
-        qmat = qmat * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()).double())
-        blocks.append(qmat.T)
-    w = torch.cat(blocks, dim=0)[:num_features]
+    n_blocks = -(-num_features // dim)
+    g = torch.randn(n_blocks, dim, dim, generator=generator, dtype=torch.float64)
+    qmat, r = torch.linalg.qr(g)
+    # sign fix so each block is Haar-distributed; rows of Q^T are orthonormal
+    sign = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
+    qmat = qmat * torch.where(sign == 0, torch.ones_like(sign), sign).unsqueeze(-2)
+    w = qmat.transpose(-1, -2).reshape(n_blocks * dim, dim)[:num_features]
     norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
     return (w * norms).to(dtype)
 

@@ -13,6 +13,7 @@ from attnkit.errors import InvalidInputError
 
 from ._base import KernelizedAttention, check_choice, check_int
 from .feature_maps import DETERMINISTIC_MAPS, deterministic_feature_map, feature_dim
+from .plugin import LINEAR
 
 
 class LinearAttention(KernelizedAttention):
@@ -41,6 +42,8 @@ class LinearAttention(KernelizedAttention):
         InvalidInputError: an option out of range (named in the message).
     """
 
+    capabilities = LINEAR.capabilities  # as registered; used when built without the registry
+
     _needs_head_dim = False
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
@@ -52,7 +55,8 @@ class LinearAttention(KernelizedAttention):
         self.dpfp_nu = check_int("dpfp_nu", dpfp_nu)
         if dpfp_nu != 1 and feature_map != "dpfp":
             raise InvalidInputError(
-                f"dpfp_nu: only the 'dpfp' feature map takes it, got dpfp_nu={dpfp_nu} with feature_map={feature_map!r}"
+                f"dpfp_nu: expected 1 unless feature_map='dpfp' (only DPFP takes it), "
+                f"got dpfp_nu={dpfp_nu} with feature_map={feature_map!r}"
             )
         self._phi = deterministic_feature_map(feature_map, nu=self.dpfp_nu)
 

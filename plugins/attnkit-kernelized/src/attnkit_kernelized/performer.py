@@ -35,6 +35,7 @@ from attnkit.errors import InvalidInputError
 
 from ._base import KernelizedAttention, check_choice, check_int
 from .feature_maps import draw_gaussian_features
+from .plugin import PERFORMER
 
 FEATURE_MAPS = ("positive", "trig", "generalized")
 #: added to the generalized (relu) kernel's features, as in the reference code
@@ -79,6 +80,8 @@ class PerformerAttention(KernelizedAttention):
         InvalidInputError: ``num_features`` < 1, ``head_dim`` missing, or
             another option out of range (named in the message).
     """
+
+    capabilities = PERFORMER.capabilities  # as registered; used when built without the registry
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", num_features: int = 256,

@@ -34,6 +34,7 @@ from attnkit.errors import InvalidInputError
 from . import chunked
 from ._base import KernelizedAttention, check_choice, check_int, key_mask, normalize
 from .feature_maps import draw_gaussian_features
+from .plugin import RFA
 
 FEATURE_MAPS = ("trig", "positive")
 
@@ -71,6 +72,8 @@ class RandomFeatureAttention(KernelizedAttention):
     Raises:
         InvalidInputError: an option out of range (named in the message).
     """
+
+    capabilities = RFA.capabilities  # as registered; used when built without the registry
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", num_features: int = 64,
@@ -164,6 +167,7 @@ class RandomFeatureAttention(KernelizedAttention):
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
                  key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> Tensor:
         self.check_head_dim(q)
+        self.resolve_backend(q, k, v)  # validates a forced backend (torch is the only one)
         if not causal:
             return super()._forward(q, k, v, causal=False, key_padding_mask=key_padding_mask, attn_mask=None)
         out, _ = self._gated(q, k, v, key_padding_mask, None)

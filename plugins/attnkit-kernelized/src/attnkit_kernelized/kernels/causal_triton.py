@@ -114,6 +114,7 @@ class _CausalLinearTriton(torch.autograd.Function):
         num, den = causal_product(phi_q.reshape(N, L, M), phi_k.reshape(N, L, M), v.reshape(N, L, E),
                                   with_den=True, block_l=block_l)
         ctx.save_for_backward(phi_q, phi_k, v)
+        ctx.set_materialize_grads(False)  # an unused denominator arrives as None
         ctx.block_l = block_l
         return num.view(B, H, L, E), den.view(B, H, L)
 
