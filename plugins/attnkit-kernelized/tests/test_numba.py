@@ -130,3 +130,39 @@ def test_module_numba_backend_matches_torch_backend(name, opts, dtype):
         _close(got, want, dtype)
         for a, b in zip(_grads([got], [q, k, v]), _grads([want], [q, k, v])):
             _close(a, b, dtype, 10)
+
+
+def test_causal_product_state_in_and_out():
+    rng = np.random.default_rng(0)
+    x, y = rng.random((2, 30, 5)), rng.random((2, 30, 5))
+    w = rng.standard_normal((2, 30, 3))
+    out, den, state = causal_numba.causal_product(x, y, w, chunk=4, with_den=True, return_state=True)
+    o1, d1, st = causal_numba.causal_product(x[:, :11], y[:, :11], w[:, :11], chunk=4, with_den=True,
+                                             return_state=True)
+    o2, d2, st2 = causal_numba.causal_product(x[:, 11:], y[:, 11:], w[:, 11:], chunk=8, with_den=True,
+                                              state=st, return_state=True)
+    np.testing.assert_allclose(np.concatenate([o1, o2], 1), out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.concatenate([d1, d2], 1), den, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st2[0], np.einsum("nle,nlm->nem", w, y), rtol=1e-12)   # S^T = sum_j w_j y_j^T
+    np.testing.assert_allclose(st2[1], y.sum(1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,opts", [("linear", {}), ("performer", {"num_features": 12})])
+def test_no_grad_segmented_forward_matches_torch(name, opts, dtype):
+    """Without autograd the numba path runs segment by segment, carrying the state across segments."""
+    torch.manual_seed(0)
+    ref = attnkit.build(name, num_heads=2, head_dim=4, backend="torch", **opts).to(dtype)
+    fast = attnkit.build(name, num_heads=2, head_dim=4, **opts).to(dtype)
+    fast.load_state_dict(ref.state_dict())
+    fast.inference_segment = 7
+    q, k, v = (_rand((2, 2, 40, 4), s, dtype).detach() for s in (5, 6, 7))
+    kpm = torch.ones(2, 40, dtype=torch.bool)
+    kpm[0, :9] = False          # the first segment and a bit of the second see nothing
+    kpm[1, 20] = False
+    with torch.no_grad():
+        for key_padding_mask in (None, kpm):
+            want = ref(q, k, v, causal=True, key_padding_mask=key_padding_mask)
+            got = fast(q, k, v, causal=True, key_padding_mask=key_padding_mask)
+            _close(got, want, dtype)
+    assert (got[0, :, :9] == 0).all()

@@ -132,23 +132,56 @@ class KernelizedAttention(Attention):
             )
 
     # ----------------------------------------------------------- forward
+    #: positions per segment of the no-grad causal numba path
+    inference_segment = 1024
+
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
                  key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> Tensor:
         self.check_head_dim(q)
+        if causal and not self._needs_grad(q, k, v) and self.resolve_backend(q, k, v) == "numba":
+            return self._causal_numba_segments(q, k, v, key_padding_mask)
         phi_q, phi_k = self.feature_pair(q, k, causal=causal, key_padding_mask=key_padding_mask)
         keep = key_mask(key_padding_mask, phi_k.dtype)
         if keep is not None:
             phi_k = phi_k * keep
             v = v * keep
-        if causal:
-            num, den = self.causal_num_den(phi_q, phi_k, v)
-        else:
-            num, den = chunked.noncausal_linear(phi_q, phi_k, v)
-        return normalize(num, den)
+        backend = self.resolve_backend(phi_q, phi_k, v)   # also validates a forced backend
+        if not causal:  # two matmuls on every backend
+            return normalize(*chunked.noncausal_linear(phi_q, phi_k, v))
+        if backend == "numba":
+            from .kernels import causal_linear_attention_numba
 
-    def causal_num_den(self, phi_q: Tensor, phi_k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Causal numerator and denominator on the resolved backend."""
-        backend = self.resolve_backend(phi_q, phi_k, v)
+            return causal_linear_attention_numba(phi_q, phi_k, v)
+        return normalize(*self.causal_num_den(phi_q, phi_k, v, backend))
+
+    def _needs_grad(self, *tensors: Tensor) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in list(tensors) + list(self.parameters()))
+
+    def _causal_numba_segments(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """Causal forward without autograd: features and numba kernel one segment at a time, the prefix
+        state carried between segments (exact; only one segment's features exist at a time, and they
+        are consumed while still in cache)."""
+        from .kernels.numba_autograd import causal_linear_attention_numba_inference
+
+        B, H, L, _ = q.shape
+        out = q.new_empty(B, H, L, v.shape[-1])
+        state = None
+        seg = self.inference_segment
+        for s0 in range(0, L, seg):
+            s1 = min(L, s0 + seg)
+            kpm = None if key_padding_mask is None else key_padding_mask[:, s0:s1]
+            qs, ks, vs = q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1]
+            phi_q, phi_k = self.feature_pair(qs, ks, causal=True, key_padding_mask=kpm)
+            keep = key_mask(kpm, phi_k.dtype)
+            if keep is not None:
+                phi_k, vs = phi_k * keep, vs * keep
+            out[:, :, s0:s1], state = causal_linear_attention_numba_inference(phi_q, phi_k, vs, state)
+        return out
+
+    def causal_num_den(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, backend: str | None = None
+                       ) -> tuple[Tensor, Tensor]:
+        """Causal numerator ``(B, H, L, E)`` and denominator ``(B, H, L)`` on ``backend`` (default: resolved)."""
+        backend = backend or self.resolve_backend(phi_q, phi_k, v)
         if backend == "numba":
             from .kernels import causal_linear_numba
 

@@ -146,16 +146,20 @@ class PerformerAttention(KernelizedAttention):
         Padded keys are left out of the non-causal key stabiliser.
         """
         s = self.get_scale(q) ** 0.5
-        w = self.features.to(q.dtype).transpose(0, 1)          # (D, M)
-        x, y = q * s, k * s
         if self.feature_map == "generalized":
-            return F.relu(x @ w) + GENERALIZED_EPS, F.relu(y @ w) + GENERALIZED_EPS
+            w = self.features.to(q.dtype).transpose(0, 1)
+            return F.relu((q * s) @ w) + GENERALIZED_EPS, F.relu((k * s) @ w) + GENERALIZED_EPS
         if self.feature_map == "trig":
+            w = self.features.to(q.dtype).transpose(0, 1)
+            x, y = q * s, k * s
             return self._trig(x, w), self._trig_keys(y, w, causal, key_padding_mask)
-        # positive features; in-place ops on fresh matmul outputs keep big allocations to two
-        lq = x @ w
-        lq = lq.sub_(lq.detach().amax(-1, keepdim=True)).exp_()
-        lk = (y @ w).sub_(0.5 * (y * y).sum(-1, keepdim=True) + 0.5 * math.log(self.num_random))
+        # positive features. sqrt(scale) is folded into W, and the in-place ops on the fresh matmul
+        # outputs keep the big (B, H, L, M) allocations to one per side.
+        w = (self.features.to(q.dtype) * s).transpose(0, 1)           # (D, M)
+        lq = q @ w
+        lq = lq.sub_(lq.detach().amax(-1, keepdim=True)).exp_()       # per-query shift cancels
+        half_sq = torch.linalg.vector_norm(k, dim=-1, keepdim=True).square() * (0.5 * s * s)
+        lk = (k @ w).sub_(half_sq + 0.5 * math.log(self.num_random))  # W y - |y|^2/2 - log(M)/2
         if not causal:
             lk = lk.sub_(self._key_max(lk.detach(), key_padding_mask))
         return lq, lk.exp_()

@@ -23,6 +23,14 @@ def causal_linear_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, chunk: int |
     return fn(phi_q, phi_k, v, chunk=chunk)
 
 
+def causal_linear_attention_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, chunk: int | None = None
+                                  ) -> Tensor:
+    """Causal linear attention ``num / den`` with the numba CPU kernel (differentiable, fused division)."""
+    from .numba_autograd import causal_linear_attention_numba as fn
+
+    return fn(phi_q, phi_k, v, chunk=chunk)
+
+
 def causal_linear_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, chunk: int | None = None
                          ) -> tuple[Tensor, Tensor]:
     """Causal numerator and denominator with the triton kernel (differentiable)."""

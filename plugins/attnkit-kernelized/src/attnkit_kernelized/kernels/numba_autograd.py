@@ -70,6 +70,77 @@ def causal_linear_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, chunk: int |
     return _CausalLinear.apply(phi_q, phi_k, v, int(chunk or K.DEFAULT_CHUNK))
 
 
+class _CausalLinearNormalized(torch.autograd.Function):
+    """out_t = num_t / den_t (0 where den_t == 0), with the division fused into the kernel call."""
+
+    @staticmethod
+    def forward(ctx, phi_q: Tensor, phi_k: Tensor, v: Tensor, chunk: int):
+        B, H, L, M = phi_q.shape
+        E = v.shape[-1]
+        N = B * H
+        out, den = K.causal_product(_np(phi_q, N), _np(phi_k, N), _np(v, N), chunk=chunk, with_den=True)
+        K._normalize_rows(out, den)
+        out_t = torch.from_numpy(out).view(B, H, L, E)
+        den_t = torch.from_numpy(den).view(B, H, L)
+        ctx.save_for_backward(phi_q, phi_k, v, out_t, den_t)
+        ctx.chunk = chunk
+        return out_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor):
+        phi_q, phi_k, v, out, den = ctx.saved_tensors
+        B, H, L, M = phi_q.shape
+        E = v.shape[-1]
+        N = B * H
+        chunk = ctx.chunk
+        # out = num / den: d num = g / den, d den = -(g . out) / den; both 0 where den == 0
+        empty = den == 0
+        inv = torch.where(empty, torch.zeros_like(den), 1 / torch.where(empty, torch.ones_like(den), den))
+        g_num = g * inv.unsqueeze(-1)
+        g_den = -(g * out).sum(-1) * inv
+        g1 = torch.cat([g_num, g_den.unsqueeze(-1)], dim=-1)
+        v1 = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
+        q_, k_, g_, v_ = _np(phi_q, N), _np(phi_k, N), _np(g1, N), _np(v1, N)
+        dq = K.causal_product(g_, v_, k_, chunk=chunk)
+        dk = K.causal_product(v_, g_, q_, reverse=True, chunk=chunk)
+        dv = K.causal_product(k_, q_, _np(g_num, N), reverse=True, chunk=chunk)
+        return (torch.from_numpy(dq).view(B, H, L, M), torch.from_numpy(dk).view(B, H, L, M),
+                torch.from_numpy(dv).view(B, H, L, E), None)
+
+
+@torch.no_grad()
+def causal_linear_attention_numba_inference(phi_q: Tensor, phi_k: Tensor, v: Tensor,
+                                            state: tuple[Tensor, Tensor] | None, *, chunk: int | None = None
+                                            ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """No-grad causal linear attention that starts from and returns the state ``(S^T (B, H, E, M), z (B, H, M))``.
+
+    The forward pass of an attention module runs this segment by segment when
+    no gradient is needed, so the features of only one segment exist at a time.
+    """
+    B, H, L, M = phi_q.shape
+    E = v.shape[-1]
+    N = B * H
+    st = None if state is None else (state[0].reshape(N, E, M).numpy(), state[1].reshape(N, M).numpy())
+    out, den, (ST, z) = K.causal_product(_np(phi_q, N), _np(phi_k, N), _np(v, N), chunk=int(chunk or K.DEFAULT_CHUNK),
+                                         with_den=True, state=st, return_state=True)
+    K._normalize_rows(out, den)
+    return (torch.from_numpy(out).view(B, H, L, E),
+            (torch.from_numpy(ST).view(B, H, E, M), torch.from_numpy(z).view(B, H, M)))
+
+
+def causal_linear_attention_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, chunk: int | None = None
+                                  ) -> Tensor:
+    """Causal linear attention ``num / den`` ``(B, H, L, E)`` (numba; rows with no visible key are 0).
+
+    Args:
+        phi_q, phi_k: ``(B, H, L, M)`` float32/float64 CPU tensors.
+        v: ``(B, H, L, E)``.
+        chunk: positions per kernel block (default :data:`causal_numba.DEFAULT_CHUNK`).
+    """
+    return _CausalLinearNormalized.apply(phi_q, phi_k, v, int(chunk or K.DEFAULT_CHUNK))
+
+
 class _CausalDelta(torch.autograd.Function):
     """Delta-rule fast weights, out_t = S_t^T phi_q_t."""
 
