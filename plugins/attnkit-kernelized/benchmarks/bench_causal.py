@@ -1,0 +1,363 @@
+"""Benchmark the causal kernelized attentions against plain-torch and SDPA baselines.
+
+CPU (always): float32, (B, H, D) = (1, 8, 64), 256 random features, lengths
+1K..64K, forward (under ``torch.no_grad``) and forward+backward, for
+
+* ``performer`` and ``linear`` (automatic backend: the numba kernels on CPU),
+* ``performer-torch``: the same module forced onto the chunked torch path,
+* ``naive``: a plain-torch cumsum-of-outer-products causal linear attention on
+  the same FAVOR+ features (materialises (B, H, L, M, E); capped in length),
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
+
+CUDA (when present): ``performer``/``linear`` on the triton kernels and SDPA.
+
+Runs are interleaved (every method once per round, the order rotated each
+round), the first ``--warmup`` rounds are dropped and the median of the rest
+is reported. Peak memory is measured separately: on CPU in a fresh process per
+(method, L, mode), as the rise of the process's peak RSS (``VmHWM`` after
+resetting it through ``/proc/self/clear_refs``, Linux only) over the RSS just
+before the call, after a small warm-up call that loads the kernels; on CUDA
+``torch.cuda.max_memory_allocated`` over the memory allocated before the call. The numba compile time is measured in a
+fresh interpreter with an empty ``NUMBA_CACHE_DIR`` (cold) and again with the
+cache it wrote (warm).
+
+Usage::
+
+    python plugins/attnkit-kernelized/benchmarks/bench_causal.py --output bench_causal.json
+    python .../bench_causal.py --lengths 1024 8192 --repeats 3 --no-memory --no-compile-time
+
+Nothing here is a test: timings are figures for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+
+
+# ------------------------------------------------------------------ methods
+def naive_causal(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain torch: cumsum over positions of the outer products phi_k v^T (O(L·M·E) memory)."""
+    kv = torch.cumsum(phi_k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)      # (B, H, L, M, E)
+    num = torch.einsum("bhlm,bhlme->bhle", phi_q, kv)
+    den = torch.einsum("bhlm,bhlm->bhl", phi_q, torch.cumsum(phi_k, dim=2))
+    return num / den.unsqueeze(-1)
+
+
+def make_methods(args, device: str) -> dict[str, tuple[Callable, int | None, int | None]]:
+    """name -> (fn(q, k, v) -> out, max length forward, max length forward+backward)."""
+    import attnkit
+
+    common = {"num_heads": args.heads, "head_dim": args.head_dim}
+    torch.manual_seed(0)
+    perf = attnkit.build("performer", num_features=args.features, **common).to(device)
+    lin = attnkit.build("linear", **common).to(device)
+    methods: dict[str, tuple[Callable, int | None, int | None]] = {
+        "performer": (lambda q, k, v: perf(q, k, v, causal=True), None, None),
+        "linear": (lambda q, k, v: lin(q, k, v, causal=True), None, None),
+    }
+    if device == "cpu":
+        perf_torch = attnkit.build("performer", num_features=args.features, backend="torch", **common)
+        perf_torch.load_state_dict(perf.state_dict())
+
+        def naive(q, k, v):
+            phi_q, phi_k = perf.feature_pair(q, k, causal=True)
+            return naive_causal(phi_q, phi_k, v)
+
+        methods["performer-torch"] = (lambda q, k, v: perf_torch(q, k, v, causal=True), args.max_torch_len,
+                                      args.max_torch_len)
+        methods["naive"] = (naive, args.max_naive_len, args.max_naive_bwd_len)
+    methods["sdpa"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                       args.max_sdpa_len, args.max_sdpa_bwd_len)
+    return methods
+
+
+# ------------------------------------------------------------------ measuring
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _call(fn: Callable, q, k, v, grad_out, mode: str):
+    if mode == "fwd":
+        with torch.no_grad():
+            return fn(q, k, v)
+    out = fn(q, k, v)
+    out.backward(grad_out)
+    return out
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_memory(fn: Callable, q, k, v, grad_out, mode: str, device: str) -> int | None:
+    """Bytes the call needs on top of what was allocated before it (None if not measurable)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _call(fn, q, k, v, grad_out, mode)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                           # reset VmHWM to the current RSS
+        base = _rss_kib("VmRSS")
+        _call(fn, q, k, v, grad_out, mode)
+        return (_rss_kib("VmHWM") - base) * 1024
+    except OSError:
+        return None
+
+
+def run_length(args, methods, L: int, mode: str, device: str, dtype: torch.dtype) -> list[dict]:
+    q, k, v, grad_out = _inputs(args, L, mode, device, dtype)
+    names = [n for n, (_, cap_f, cap_b) in methods.items()
+             if (cap_f if mode == "fwd" else cap_b) is None or L <= (cap_f if mode == "fwd" else cap_b)]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    rounds = args.warmup + args.repeats
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            fn = methods[name][0]
+            for t in (q, k, v):
+                t.grad = None
+            _sync(device)
+            t0 = time.perf_counter()
+            _call(fn, q, k, v, grad_out, mode)
+            _sync(device)
+            if r >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+        print(f"  L={L:>6} {mode:6} round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    rows = []
+    for name in names:
+        mem = None
+        if args.memory and device == "cuda":
+            for t in (q, k, v):
+                t.grad = None
+            mem = peak_memory(methods[name][0], q, k, v, grad_out, mode, device)
+        rows.append({"method": name, "L": L, "mode": mode, "device": device,
+                     "median_s": statistics.median(times[name]), "times_s": times[name], "peak_bytes": mem})
+    return rows
+
+
+def _inputs(args, L: int, mode: str, device: str, dtype: torch.dtype):
+    g = torch.Generator(device="cpu").manual_seed(L)
+    shape = (args.batch, args.heads, L, args.head_dim)
+    q, k, v = (torch.randn(shape, generator=g, dtype=dtype).to(device) for _ in range(3))
+    grad_out = torch.randn(shape, generator=g, dtype=dtype).to(device)
+    if mode == "fwdbwd":
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return q, k, v, grad_out
+
+
+def memory_child(args, name: str, L: int, mode: str) -> None:
+    """In a fresh process: peak RSS rise of one call (after a small warm-up call that loads kernels)."""
+    dtype = getattr(torch, args.dtype)
+    methods = make_methods(args, "cpu")
+    fn = methods[name][0]
+    wq, wk, wv, wg = _inputs(args, 128, mode, "cpu", dtype)
+    _call(fn, wq, wk, wv, wg, mode)
+    del wq, wk, wv, wg
+    q, k, v, g = _inputs(args, L, mode, "cpu", dtype)
+    print(json.dumps({"peak_bytes": peak_memory(fn, q, k, v, g, mode, "cpu")}))
+
+
+def cpu_memory(args, rows: list[dict]) -> None:
+    """Fill ``peak_bytes`` of the CPU rows at ``--memory-lengths``, one fresh process per measurement."""
+    caps = {"fwd": {"naive": args.max_naive_len, "sdpa": args.max_sdpa_len, "performer-torch": args.max_torch_len},
+            "fwdbwd": {"naive": args.max_naive_bwd_len, "sdpa": args.max_sdpa_bwd_len,
+                       "performer-torch": args.max_torch_len}}
+    for r in rows:
+        if r["device"] != "cpu" or r["L"] not in args.memory_lengths:
+            continue
+        cap = caps[r["mode"]].get(r["method"])
+        if cap is not None and r["L"] > cap:
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--_memory-child", r["method"], str(r["L"]), r["mode"],
+               "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--batch", str(args.batch),
+               "--features", str(args.features), "--dtype", args.dtype]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode == 0:
+            r["peak_bytes"] = json.loads(res.stdout.strip().splitlines()[-1])["peak_bytes"]
+        else:
+            r["peak_error"] = res.stderr[-500:]
+        print(f"  memory {r['method']} L={r['L']} {r['mode']}: {r.get('peak_bytes')}", file=sys.stderr, flush=True)
+
+
+COMPILE_SNIPPET = r"""
+import time, torch
+t0 = time.perf_counter()
+import attnkit
+from attnkit_kernelized.kernels import causal_numba
+t_import = time.perf_counter() - t0
+from attnkit_kernelized.kernels.numba_autograd import causal_linear_attention_numba
+x = torch.rand(1, 2, 64, 16, requires_grad=True)
+v = torch.randn(1, 2, 64, 8, requires_grad=True)
+t0 = time.perf_counter()
+with torch.no_grad():
+    causal_linear_attention_numba(x, x, v)
+t_fwd = time.perf_counter() - t0
+t0 = time.perf_counter()
+causal_linear_attention_numba(x, x, v).sum().backward()
+t_bwd = time.perf_counter() - t0
+print(t_import, t_fwd, t_bwd)
+"""
+
+
+def compile_times() -> dict:
+    """First-call times of the float32 numba kernels in fresh interpreters: cold cache, then warm."""
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        for label in ("cold_cache", "warm_cache"):
+            res = subprocess.run([sys.executable, "-c", COMPILE_SNIPPET], env=env, capture_output=True, text=True,
+                                 check=True)
+            t_import, t_fwd, t_bwd = (float(x) for x in res.stdout.split()[-3:])
+            out[label] = {"import_s": t_import, "first_forward_s": t_fwd, "first_backward_s": t_bwd}
+    return out
+
+
+# ------------------------------------------------------------------ reporting
+def ratio_table(rows: list[dict]) -> list[dict]:
+    by = {(r["method"], r["L"], r["mode"], r["device"]): r["median_s"] for r in rows}
+    out = []
+    for (method, L, mode, device), t in sorted(by.items(), key=lambda x: (x[0][3], x[0][2], x[0][0], x[0][1])):
+        if method not in ("performer", "linear"):
+            continue
+        entry = {"method": method, "L": L, "mode": mode, "device": device, "median_s": t}
+        for base in ("naive", "sdpa", "performer-torch"):
+            if (base, L, mode, device) in by:
+                entry[f"speedup_vs_{base}"] = by[(base, L, mode, device)] / t
+        out.append(entry)
+    return out
+
+
+def markdown(rows: list[dict], ratios: list[dict]) -> str:
+    lines = []
+    for device in sorted({r["device"] for r in rows}):
+        for mode in ("fwd", "fwdbwd"):
+            sel = [r for r in rows if r["device"] == device and r["mode"] == mode]
+            if not sel:
+                continue
+            methods = list(dict.fromkeys(r["method"] for r in sel))
+            lengths = sorted({r["L"] for r in sel})
+            label = "forward" if mode == "fwd" else "forward+backward"
+            lines.append(f"\n{device}, {label}: median seconds (peak MiB)\n")
+            lines.append("| L | " + " | ".join(methods) + " |")
+            lines.append("|---:|" + "---:|" * len(methods))
+            for L in lengths:
+                cells = []
+                for m in methods:
+                    r = next((r for r in sel if r["method"] == m and r["L"] == L), None)
+                    if r is None:
+                        cells.append("–")
+                    else:
+                        mem = "" if r["peak_bytes"] is None else f" ({r['peak_bytes'] / 2**20:.0f})"
+                        cells.append(f"{r['median_s']:.4f}{mem}")
+                lines.append(f"| {L} | " + " | ".join(cells) + " |")
+    lines.append("\nspeedups (baseline median / ours):\n")
+    lines.append("| device | mode | method | L | vs naive | vs sdpa | vs performer-torch |")
+    lines.append("|---|---|---|---:|---:|---:|---:|")
+    for e in ratios:
+        def fmt(key, e=e):
+            return f"{e[key]:.1f}x" if key in e else "–"
+        lines.append(f"| {e['device']} | {e['mode']} | {e['method']} | {e['L']} | {fmt('speedup_vs_naive')} | "
+                     f"{fmt('speedup_vs_sdpa')} | {fmt('speedup_vs_performer-torch')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS, help="sequence lengths L")
+    p.add_argument("--repeats", type=int, default=5, help="measured rounds per length (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds dropped before measuring")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--features", type=int, default=256, help="performer random features M")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: CPU, plus CUDA (triton kernels) when a GPU is present")
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--max-naive-len", type=int, default=8192, help="naive forward: longest L (memory L·M·E)")
+    p.add_argument("--max-naive-bwd-len", type=int, default=2048, help="naive forward+backward: longest L")
+    p.add_argument("--max-sdpa-len", type=int, default=16384, help="SDPA forward: longest L (time L^2)")
+    p.add_argument("--max-sdpa-bwd-len", type=int, default=16384, help="SDPA forward+backward: longest L")
+    p.add_argument("--max-torch-len", type=int, default=16384, help="performer-torch: longest L")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
+    p.add_argument("--memory-lengths", type=int, nargs="+", default=[4096, 16384, 65536],
+                   help="CPU lengths at which peak memory is measured (one fresh process each)")
+    p.add_argument("--_memory-child", nargs=3, metavar=("METHOD", "L", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--compile-time", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the numba first-call (compile) time in fresh interpreters")
+    p.add_argument("--output", default="bench_causal.json", help="JSON results file")
+    args = p.parse_args(argv)
+    if args._memory_child:
+        name, L, mode = args._memory_child
+        memory_child(args, name, int(L), mode)
+        return 0
+
+    dtype = getattr(torch, args.dtype)
+    devices = ["cpu"] if args.device in ("auto", "cpu") else []
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        devices.append("cuda")
+    info = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+        "config": {k: v for k, v in vars(args).items()},
+    }
+    try:
+        import numba
+
+        info["numba"] = numba.__version__
+        info["numba_threads"] = numba.get_num_threads()
+    except ImportError:
+        pass
+    if "cuda" in devices:
+        info["gpu"] = torch.cuda.get_device_name()
+    compile_info = compile_times() if args.compile_time and "cpu" in devices else None
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    for device in devices:
+        methods = make_methods(args, device)
+        for L in args.lengths:
+            for mode in args.modes:
+                rows.extend(run_length(args, methods, L, mode, device, dtype))
+    info["loadavg_end"] = os.getloadavg()
+    if args.memory and "cpu" in devices:
+        cpu_memory(args, rows)
+    info["wall_s"] = time.perf_counter() - t_start
+    ratios = ratio_table(rows)
+    result = {"info": info, "compile": compile_info, "results": rows, "ratios": ratios}
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=1)
+    print(markdown(rows, ratios))
+    if compile_info:
+        print("\nnumba first call (float32, tiny shapes):", json.dumps(compile_info))
+    print(f"\nwrote {args.output} ({info['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
