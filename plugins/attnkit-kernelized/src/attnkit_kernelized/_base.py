@@ -133,7 +133,7 @@ class KernelizedAttention(Attention):
 
     # ----------------------------------------------------------- forward
     #: positions per segment of the no-grad causal numba path
-    inference_segment = 512
+    inference_segment = 2048
 
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
                  key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> Tensor:

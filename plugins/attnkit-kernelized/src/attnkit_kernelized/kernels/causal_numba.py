@@ -71,6 +71,16 @@ def _launch_numba_threads() -> None:
 
 _launch_numba_threads()
 
+
+def _dynamic(fn, *args):
+    """Run a parallel kernel handing out its B*H sequences one at a time (numba's parallel chunk
+    size 1) instead of in equal static blocks, so a thread slowed by a busy core takes fewer."""
+    old = numba.set_parallel_chunksize(1)
+    try:
+        return fn(*args)
+    finally:
+        numba.set_parallel_chunksize(old)
+
 DEFAULT_CHUNK = 64
 
 # reassociation lets LLVM vectorise the short reductions; no NaN/inf
@@ -79,7 +89,7 @@ _FASTMATH = {"reassoc", "contract", "nsz"}
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _causal_product(x, y, w, reverse, chunk, with_den, ST0, z0):  # pragma: no cover - compiled
+def _causal_product(x, y, w, reverse, chunk, with_den, normalize, ST0, z0):  # pragma: no cover - compiled
     N, L, M = x.shape
     E = w.shape[2]
     out = np.empty((N, L, E), dtype=x.dtype)
@@ -190,6 +200,15 @@ def _causal_product(x, y, w, reverse, chunk, with_den, ST0, z0):  # pragma: no c
                     for m in range(M):
                         s += xa[m] * z[m]
                     den[n, c0 + t] = s
+                    if normalize:  # out /= den, 0 where no key is visible
+                        ot = oc[t]
+                        if s == 0:
+                            for e in range(E):
+                                ot[e] = 0.0
+                        else:
+                            r = 1 / s
+                            for e in range(E):
+                                ot[e] *= r
             # ---- state: ST[e, m] += sum_j w[j, e] y[j, m] (dots over the chunk's positions)
             for j in range(T):
                 yj = yc[j]; wj = wc[j]
@@ -238,25 +257,9 @@ def _causal_product(x, y, w, reverse, chunk, with_den, ST0, z0):  # pragma: no c
     return out, den, ST_out, z_out
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _normalize_rows(out, den):  # pragma: no cover - compiled
-    """out[n, t] /= den[n, t] in place; rows with den == 0 (no visible key) become 0."""
-    N, L, E = out.shape
-    for n in numba.prange(N):
-        for t in range(L):
-            d = den[n, t]
-            ot = out[n, t]
-            if d == 0:
-                for e in range(E):
-                    ot[e] = 0.0
-            else:
-                r = 1 / d
-                for e in range(E):
-                    ot[e] *= r
-
-
 def causal_product(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, reverse: bool = False,
-                   chunk: int = DEFAULT_CHUNK, with_den: bool = False, state=None, return_state: bool = False):
+                   chunk: int = DEFAULT_CHUNK, with_den: bool = False, normalize: bool = False, state=None,
+                   return_state: bool = False):
     """The causal product (see the module docstring), with argument checks.
 
     Args:
@@ -265,6 +268,7 @@ def causal_product(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, reverse: bool
         reverse: suffix sums (``j >= t``) instead of prefix sums.
         chunk: positions per block, >= 1.
         with_den: also return ``den[t] = sum_j x[t] . y[j]``.
+        normalize: return ``out / den`` (0 where ``den == 0``) instead of ``out``; needs ``with_den``.
         state: ``(S^T (N, E, M), z (N, M))`` carried in from earlier positions
             (the prefix sums start from it), or None for zeros.
         return_state: also return the final state ``(S^T, z)``.
@@ -286,6 +290,8 @@ def causal_product(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, reverse: bool
         )
     if chunk < 1:
         raise ValueError(f"causal_product: chunk must be >= 1, got {chunk}")
+    if normalize and not with_den:
+        raise ValueError("causal_product: normalize=True needs with_den=True")
     N, _, M = x.shape
     E = w.shape[2]
     if state is None:
@@ -296,7 +302,8 @@ def causal_product(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, reverse: bool
             raise ValueError(f"causal_product: state must be ((N, E, M), (N, M)) = ({(N, E, M)}, {(N, M)}); "
                              f"got {ST0.shape}, {z0.shape}")
     x, y, w = (np.ascontiguousarray(a) for a in (x, y, w))
-    out, den, ST, z = _causal_product(x, y, w, bool(reverse), int(chunk), bool(with_den), ST0, z0)
+    out, den, ST, z = _dynamic(_causal_product, x, y, w, bool(reverse), int(chunk), bool(with_den), bool(normalize),
+                               ST0, z0)
     result = (out,) + ((den,) if with_den else ()) + (((ST, z),) if return_state else ())
     return result if len(result) > 1 else out
 
@@ -425,3 +432,13 @@ def _delta_backward(q, k, v, beta, ckpt, dout, chunk):  # pragma: no cover - com
                     for e in range(E):
                         G[m, e] -= c * gk[e]
     return dq, dk, dv, db
+
+
+def delta_forward(q, k, v, beta, chunk: int):
+    """Delta-rule forward: ``(out (N, L, E), checkpoints (N, L/chunk + 1, M, E))``."""
+    return _dynamic(_delta_forward, q, k, v, beta, int(chunk))
+
+
+def delta_backward(q, k, v, beta, ckpt, dout, chunk: int):
+    """Delta-rule backward: ``(dq, dk, dv, dbeta)``."""
+    return _dynamic(_delta_backward, q, k, v, beta, ckpt, dout, int(chunk))

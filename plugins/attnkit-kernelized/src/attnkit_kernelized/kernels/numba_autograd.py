@@ -78,8 +78,8 @@ class _CausalLinearNormalized(torch.autograd.Function):
         B, H, L, M = phi_q.shape
         E = v.shape[-1]
         N = B * H
-        out, den = K.causal_product(_np(phi_q, N), _np(phi_k, N), _np(v, N), chunk=chunk, with_den=True)
-        K._normalize_rows(out, den)
+        out, den = K.causal_product(_np(phi_q, N), _np(phi_k, N), _np(v, N), chunk=chunk, with_den=True,
+                                    normalize=True)
         out_t = torch.from_numpy(out).view(B, H, L, E)
         den_t = torch.from_numpy(den).view(B, H, L)
         ctx.save_for_backward(phi_q, phi_k, v, out_t, den_t)
@@ -122,9 +122,8 @@ def causal_linear_attention_numba_inference(phi_q: Tensor, phi_k: Tensor, v: Ten
     E = v.shape[-1]
     N = B * H
     st = None if state is None else (state[0].reshape(N, E, M).numpy(), state[1].reshape(N, M).numpy())
-    out, den, (ST, z) = K.causal_product(_np(phi_q, N), _np(phi_k, N), _np(v, N), chunk=int(chunk or K.DEFAULT_CHUNK),
-                                         with_den=True, state=st, return_state=True)
-    K._normalize_rows(out, den)
+    out, _, (ST, z) = K.causal_product(_np(phi_q, N), _np(phi_k, N), _np(v, N), chunk=int(chunk or K.DEFAULT_CHUNK),
+                                       with_den=True, normalize=True, state=st, return_state=True)
     return (torch.from_numpy(out).view(B, H, L, E),
             (torch.from_numpy(ST).view(B, H, E, M), torch.from_numpy(z).view(B, H, M)))
 
@@ -150,7 +149,7 @@ class _CausalDelta(torch.autograd.Function):
         E = v.shape[-1]
         N = B * H
         b = beta.detach().reshape(N, L).contiguous().numpy()
-        out, ckpt = K._delta_forward(_np(phi_q, N), _np(phi_k, N), _np(v, N), b, chunk)
+        out, ckpt = K.delta_forward(_np(phi_q, N), _np(phi_k, N), _np(v, N), b, chunk)
         ctx.save_for_backward(phi_q, phi_k, v, beta)
         ctx.ckpt = ckpt
         ctx.chunk = chunk
@@ -164,7 +163,7 @@ class _CausalDelta(torch.autograd.Function):
         E = v.shape[-1]
         N = B * H
         b = beta.detach().reshape(N, L).contiguous().numpy()
-        dq, dk, dv, db = K._delta_backward(_np(phi_q, N), _np(phi_k, N), _np(v, N), b, ctx.ckpt,
+        dq, dk, dv, db = K.delta_backward(_np(phi_q, N), _np(phi_k, N), _np(v, N), b, ctx.ckpt,
                                            _np(g, N), ctx.chunk)
         return (torch.from_numpy(dq).view(B, H, L, M), torch.from_numpy(dk).view(B, H, L, M),
                 torch.from_numpy(dv).view(B, H, L, E), torch.from_numpy(db).view(B, H, L), None)
