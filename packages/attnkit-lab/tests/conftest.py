@@ -48,6 +48,20 @@ class Slow(Attention):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+class CompilesOnce(Attention):
+    """Exact attention whose first call is slow (like a numba kernel compiling), later calls fast."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = 0
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(0.3)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 class Hungry(Attention):
     """Runs out of memory from length 64 on."""
 
@@ -73,6 +87,7 @@ def toy_mechanisms():
         (NoisySoftmax, dict(name="toy-noisy", summary="noisy softmax", approximation="softmax + noise")),
         (EvenOnly, dict(name="toy-even", summary="refuses odd lengths", exact=True)),
         (Slow, dict(name="toy-slow", summary="slow", exact=True)),
+        (CompilesOnce, dict(name="toy-compiles", summary="slow first call", exact=True)),
         (Hungry, dict(name="toy-hungry", summary="OOM from L=64", exact=True)),
         (NonCausal, dict(name="toy-noncausal", summary="non-causal only", exact=True)),
     ]

@@ -35,7 +35,7 @@ def test_bench_softmax_against_sdpa(cli, tmp_path):
 
 def test_bench_records_refusals_oom_and_timeouts(cli, tmp_path, toy_mechanisms):
     out = tmp_path / "b"
-    code, stdout, err = cli("bench", "toy-even", "toy-hungry", "toy-slow", "toy-noncausal", "--causal",
+    code, stdout, err = cli("bench", "toy-even", "toy-hungry", "toy-slow", "toy-noncausal", "toy-compiles", "--causal",
                             "--lengths", "16,32,64,128", "--heads", "1", "--head-dim", "4", "--repeats", "1",
                             "--time-limit", "0.1", "--modes", "fwd", "--no-memory", "--out", str(out), "-q")
     assert code == 0, err
@@ -54,6 +54,9 @@ def test_bench_records_refusals_oom_and_timeouts(cli, tmp_path, toy_mechanisms):
     slow = [rec[("toy-slow", L, "fwd")]["status"] for L in (16, 32, 64, 128)]
     assert slow[0] == "ok" and "timeout" in slow[:3]        # 10 ms, 40 ms, 160 ms vs a 100 ms limit
     assert slow[slow.index("timeout") + 1:] == ["skipped"] * (3 - slow.index("timeout"))
+    # a slow first call (compilation) is reported, not a timeout
+    assert rec[("toy-compiles", 16, "fwd")]["status"] == "ok"
+    assert rec[("toy-compiles", 16, "fwd")]["first_call_s"] >= 0.3
     # a capability the mechanism lacks: skipped with the reason
     assert rec[("toy-noncausal", 16, "fwd")]["status"] == "skipped"
     assert "causal" in rec[("toy-noncausal", 16, "fwd")]["note"]

@@ -62,6 +62,8 @@ def run_demo(choices: list[names_mod.AttentionChoice], out: RunDir, *, preset: s
     task_opts, train_opts = TRAIN_PRESETS["mqar"][preset]
     task = MQARTask(**task_opts)
     ts = replace(TrainSettings(**train_opts), seed=seed, device=device)
+    if preset == "quick":  # exact attention has solved it by then; keeps the demo within minutes
+        ts.steps, ts.warmup = min(ts.steps, 200), min(ts.warmup, 20)
     with RunDir(root / "train-mqar") as rd:
         train_payload = run_train(task, choices, ts, rd, show_progress=show_progress, preset=preset)
     timings["train mqar"] = time.perf_counter() - t0
@@ -100,7 +102,8 @@ def run_demo(choices: list[names_mod.AttentionChoice], out: RunDir, *, preset: s
         "```",
         f"attnkit bench {labels} --preset {preset} --seed {seed} --lengths {','.join(map(str, bs.lengths))}"
         f" --repeats {bs.repeats} --out bench",
-        f"attnkit train mqar --attention {labels} --preset {preset} --seed {seed} --out train-mqar",
+        f"attnkit train mqar --attention {labels} --preset {preset} --seed {seed} --steps {ts.steps}"
+        f" --warmup {ts.warmup} --out train-mqar",
     ]
     if approx:
         lines.append(f"attnkit error {' '.join(c.label for c in approx)} --preset {preset} --seed {seed} "

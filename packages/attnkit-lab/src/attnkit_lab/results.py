@@ -292,6 +292,11 @@ def _plugin_versions() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+# environment variables that change CPU timings (thread pools and how they wait)
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
+              "NUMBA_THREADING_LAYER", "ATTNKIT_BACKEND")
+
+
 def _command_line() -> str:
     argv = list(sys.argv)
     if argv and os.path.basename(argv[0]) == "attnkit":
@@ -313,6 +318,7 @@ def environment(device: str | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "packages": _plugin_versions(),
+        "threads_env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
     }
     if device is not None:
         env["device"] = str(device)
@@ -324,6 +330,8 @@ def environment(device: str | None = None) -> dict[str, Any]:
 def machine_line(env: Mapping[str, Any]) -> str:
     """One line describing the machine, for tables and docs."""
     s = f"{env.get('cpu', '?')}, {env.get('cpu_count', '?')} CPUs ({env.get('torch_threads', '?')} torch threads)"
+    if env.get("threads_env"):
+        s += " [" + " ".join(f"{k}={v}" for k, v in env["threads_env"].items()) + "]"
     if env.get("gpu"):
         s = f"{env['gpu']}; host {s}"
     return s + f", torch {env.get('torch', '?')}, Python {env.get('python', '?')}"
