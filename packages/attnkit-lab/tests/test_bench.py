@@ -86,10 +86,16 @@ def test_bench_bad_option_of_a_mechanism(cli, tmp_path):
 
 
 def test_crossover():
-    assert crossover([(256, 2.0), (512, 1.2), (1024, 0.5), (2048, 0.3)])["length"] == 1024
-    est = crossover([(256, 2.0), (512, 0.5)])["estimate"]
+    def pts(*rs):
+        return [(256 * 2 ** i, r, r < 1) for i, r in enumerate(rs)]
+
+    assert crossover(pts(2.0, 1.2, 0.5, 0.3))["length"] == 1024
+    est = crossover(pts(2.0, 0.5))["estimate"]
     assert 256 < est < 512
-    assert crossover([(256, 0.5), (512, 0.2)])["text"].startswith("≤ 256")
-    assert crossover([(256, 3.0), (512, 2.0)])["length"] is None
-    assert crossover([(256, 0.5), (512, 2.0)])["length"] is None   # slower again at the end
+    assert crossover(pts(0.5, 0.2))["text"].startswith("≤ 256")
+    assert crossover(pts(3.0, 2.0))["length"] is None
+    assert crossover(pts(0.5, 2.0))["length"] is None          # slower again at the end
     assert crossover([])["text"] == "n/a"
+    # a ratio below 1 within the noise is a tie, not a win
+    tie = crossover([(256, 0.97, False), (512, 0.98, False), (1024, 0.5, True)])
+    assert tie["length"] == 1024 and tie["estimate"] is None and "tie" in tie["text"]

@@ -42,8 +42,9 @@ def test_error_from_trained_run(cli, tmp_path, toy_mechanisms):
     assert code == 0, err
     data = json.loads((out / "results.json").read_text())
     tr = [r for r in data["records"] if r["dist"] == "trained"]
-    assert {r["status"] for r in tr if r["length"] <= 32} == {"ok"}
-    assert any(r["status"] == "skipped" and "trained model's length is 32" in r["note"] for r in tr)
+    assert {r["status"] for r in tr} == {"ok"}
+    assert sorted(r["length"] for r in tr if r["sweep"] == "length") == [16, 32]      # prefixes + the trained L
+    assert [r["length"] for r in tr if r["sweep"] == "budget"] == [32]               # min(64, trained L)
     assert "softmax" in data["distributions"]["trained"]
 
 

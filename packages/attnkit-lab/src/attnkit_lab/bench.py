@@ -23,7 +23,9 @@ For each length every implementation and the exact baseline
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -98,27 +100,32 @@ def _make_call(c: _Candidate, mode: str, q: torch.Tensor, k: torch.Tensor, v: to
     return fwdbwd
 
 
-def crossover(points: list[tuple[int, float]]) -> dict[str, Any]:
+def crossover(points: list[tuple[int, float | None, bool]]) -> dict[str, Any]:
     """Where an implementation becomes faster than SDPA.
 
-    ``points``: (length, time ratio to SDPA). The crossover is the shortest
-    measured length from which it is faster at every longer measured length;
-    ``estimate`` interpolates in log-log between the last slower and the first
-    faster length.
+    ``points``: (length, time ratio to SDPA, clearly faster). "Clearly faster"
+    means the ratio is below 1 and the interquartile ranges of the two timings
+    do not overlap, so noise on a shared machine does not make a tie look like
+    a win. The crossover is the shortest measured length from which it is
+    clearly faster at every longer measured length; ``estimate`` interpolates
+    log(ratio) over log(length) between the last length where it was slower
+    (ratio >= 1) and the first where it was faster.
     """
-    pts = sorted((L, r) for L, r in points if r is not None and r > 0 and math.isfinite(r))
+    pts = sorted((L, r, bool(f)) for L, r, f in points if r is not None and r > 0 and math.isfinite(r))
     if not pts:
         return {"length": None, "estimate": None, "text": "n/a"}
-    slower = [i for i, (_, r) in enumerate(pts) if r >= 1]
-    if not slower:
+    not_faster = [i for i, (_, _, f) in enumerate(pts) if not f]
+    if not not_faster:
         return {"length": pts[0][0], "estimate": None, "text": f"≤ {pts[0][0]} (faster at every length measured)"}
-    i = slower[-1]
+    i = not_faster[-1]
     if i == len(pts) - 1:
         return {"length": None, "estimate": None, "text": f"> {pts[-1][0]} (not faster at the longest length)"}
-    (L0, r0), (L1, r1) = pts[i], pts[i + 1]
-    t = math.log(r0) / (math.log(r0) - math.log(r1))
-    est = math.exp(math.log(L0) + t * (math.log(L1) - math.log(L0)))
-    return {"length": L1, "estimate": est, "text": f"≈ {est:,.0f} (slower at {L0}, faster from {L1})"}
+    (L0, r0, _), (L1, r1, _) = pts[i], pts[i + 1]
+    if r0 >= 1 > r1:
+        t = math.log(r0) / (math.log(r0) - math.log(r1))
+        est = math.exp(math.log(L0) + t * (math.log(L1) - math.log(L0)))
+        return {"length": L1, "estimate": est, "text": f"≈ {est:,.0f} (slower at {L0}, faster from {L1})"}
+    return {"length": L1, "estimate": None, "text": f"{L1} (a tie at {L0}, faster from {L1})"}
 
 
 def _module_call(mod: torch.nn.Module, causal: bool) -> Callable[..., torch.Tensor]:
@@ -161,6 +168,9 @@ def run_bench(choices: list[names_mod.AttentionChoice], settings: BenchSettings,
                 records.append({"label": label, "length": L, "mode": mode, "status": "skipped",
                                 "note": f"cannot build: {why}"})
 
+    hint = thread_hint(choices, device)
+    if hint and show_progress:
+        print(f"note: {hint}", file=sys.stderr)
     total = len(settings.lengths) * len(settings.modes)
     gen = torch.Generator(device="cpu")
     with Progress(total, "bench", enabled=show_progress) as bar:
@@ -255,9 +265,12 @@ def run_bench(choices: list[names_mod.AttentionChoice], settings: BenchSettings,
         "records": records,
     }
     text = render_tables(records, labels, settings, summary, env)
+    if hint:
+        text += f"\nNote: {hint}\n"
     out.write_json("results.json", payload)
     out.write_csv("results.csv", records, ["label", "length", "mode", "status", "median_s", "min_s", "q1_s", "q3_s",
-                                           "repeats", "first_call_s", "peak_bytes", "time_ratio", "memory_ratio",
+                                           "repeats", "first_call_s", "peak_bytes", "time_ratio", "clearly_faster",
+                                           "memory_ratio",
                                            "note"])
     out.write_text("table.md", text)
     if any(r["status"] == "ok" for r in records):
@@ -266,6 +279,19 @@ def run_bench(choices: list[names_mod.AttentionChoice], settings: BenchSettings,
         bench_figure(out.file("bench.png"), records, labels, _title(settings, env), settings.modes, settings.memory)
     print(text)
     return payload
+
+
+def thread_hint(choices: list[names_mod.AttentionChoice], device: torch.device) -> str:
+    """A warning when CPU numba kernels will share cores with PyTorch's spinning OpenMP threads."""
+    if device.type != "cpu" or os.environ.get("OMP_WAIT_POLICY"):
+        return ""
+    numba = [c.label for c in choices if "numba" in names_mod.resolve_spec(c.name).capabilities.backends]
+    if not numba:
+        return ""
+    return (f"{', '.join(numba)} may run numba kernels on CPU; PyTorch's OpenMP threads spin-wait after each op "
+            "and compete with numba's threads on few cores, which can slow short calls many times over. "
+            "Timings here are what this environment gives; OMP_WAIT_POLICY=PASSIVE avoids the contention "
+            "(see docs/lab/bench.md).")
 
 
 def _free(device: torch.device) -> None:
@@ -280,6 +306,8 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
         if r["label"] == "sdpa" or r["status"] != "ok" or b is None:
             continue
         r["time_ratio"] = r["median_s"] / b["median_s"] if b["median_s"] else None
+        r["clearly_faster"] = bool(r["time_ratio"] is not None and r["time_ratio"] < 1
+                                   and r.get("q3_s", r["median_s"]) < b.get("q1_s", b["median_s"]))
         if r.get("peak_bytes") is not None and b.get("peak_bytes"):
             r["memory_ratio"] = r["peak_bytes"] / b["peak_bytes"]
 
@@ -289,7 +317,7 @@ def _summaries(records: list[dict[str, Any]], labels: list[str], settings: Bench
     for label in labels:
         per = {}
         for mode in settings.modes:
-            pts = [(r["length"], r.get("time_ratio")) for r in records
+            pts = [(r["length"], r.get("time_ratio"), r.get("clearly_faster", False)) for r in records
                    if r["label"] == label and r["mode"] == mode and r["status"] == "ok"]
             per[mode] = crossover(pts)
         firsts = [r for r in records if r["label"] == label and r.get("first_call_s") is not None]

@@ -246,9 +246,16 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
 
     jobs = []
     for ch, opt, budget, sweep in plan:
-        lengths = [settings.budget_length] if sweep == "budget" else settings.lengths
-        for L in lengths:
-            for dist in dists:
+        for dist in dists:
+            if sweep == "budget":
+                lengths = [settings.budget_length]
+            elif dist[0] == "trained":
+                assert trained is not None
+                Lt = trained.max_length  # prefixes up to the trained length, and the trained length itself
+                lengths = sorted({L for L in settings.lengths if L < Lt} | {Lt})
+            else:
+                lengths = settings.lengths
+            for L in lengths:
                 jobs.append((ch, opt, budget, sweep, L, dist))
     records: list[dict[str, Any]] = []
     with Progress(len(jobs), "error", enabled=show_progress) as bar:
@@ -260,13 +267,7 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
             bar.set_postfix(attn=ch.label, L=L, dist=dist[0])
             if dist[0] == "trained":
                 assert trained is not None
-                L_eff = min(L, trained.max_length)
-                if sweep == "length" and L > trained.max_length:
-                    rec.update(status="skipped", note=f"the trained model's length is {trained.max_length}")
-                    records.append(rec)
-                    bar.update(1)
-                    continue
-                rec["length"] = L_eff
+                rec["length"] = min(L, trained.max_length)
             try:
                 inputs, trial_inputs = inputs_for(dist, L)
                 rec.update(measure(ch, inputs, rec["length"], settings, trial_inputs))
@@ -358,6 +359,12 @@ def render(records: list[dict[str, Any]], choices: list[names_mod.AttentionChoic
             rows = [[cfg, L] + [_fmt_err(idx.get((cfg, L, d)), key) for d in dists] for cfg, L in keys]
             parts.append(f"## Relative error of the {what} vs length (default budget)\n\n"
                          + format_table(rows, ["attention", "L"] + dists, align="lr" + "r" * len(dists)))
+    if any(r.get("length", 0) > settings.weights_max_length for r in records):
+        parts.append(f"The attention-weights error is computed for L ≤ {settings.weights_max_length} "
+                     "(--weights-max-length); `—` above that.")
+    if "trained" in dist_desc:
+        parts.append("`trained` inputs exist only up to the trained model's length: the length sweep uses "
+                     "prefixes up to it, the budget sweep min(budget length, trained length).")
     notes = {(r["config"], r["status"], r.get("note", "")) for r in records if r.get("status") != "ok"}
     if notes:
         parts.append("## Not measured\n\n" + "\n".join(f"- {c}: {s}: {n}" for c, s, n in sorted(notes)))
