@@ -80,3 +80,14 @@ def test_progress_non_tty(capsys):
     with Progress(5, "y", stream=buf2, enabled=False) as p:
         p.update(5)
     assert buf2.getvalue() == ""
+
+
+def test_result_files_get_usual_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with RunDir(tmp_path / "out") as rd:
+            rd.write_text("a.txt", "x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "out" / "a.txt").stat().st_mode & 0o777 == 0o644

@@ -81,7 +81,8 @@ def run_demo(choices: list[names_mod.AttentionChoice], out: RunDir, *, preset: s
             es.trials = 2
         es = replace(es, seed=seed, device=device)
         with RunDir(root / "error") as rd:
-            run_error(approx, es, rd, from_run=from_run, show_progress=show_progress, preset=preset)
+            run_error(approx, es, rd, from_run=from_run, show_progress=show_progress, preset=preset,
+                      from_run_label="train-mqar" if from_run else None)
         timings["error"] = time.perf_counter() - t0
     else:
         status("3/3 error: skipped (no approximate mechanism among the demo's attentions)")

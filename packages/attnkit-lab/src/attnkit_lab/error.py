@@ -52,7 +52,7 @@ class ErrorSettings:
     lengths: list[int] = field(default_factory=lambda: [256, 1024, 4096])
     budgets: list[int] = field(default_factory=lambda: [16, 64, 256])
     budget_length: int = 1024
-    temperatures: list[float] = field(default_factory=lambda: [2.0, 1.0, 0.5])
+    temperatures: list[float] = field(default_factory=lambda: [8.0, 2.0, 0.5])
     trials: int = 3
     batch: int = 1
     heads: int = 2
@@ -136,7 +136,7 @@ def _find_checkpoint(path: Path) -> Path:
     return found[0]
 
 
-def trained_inputs(path: str | Path, *, batch: int, seed: int) -> Inputs:
+def trained_inputs(path: str | Path, *, batch: int, seed: int, label: str | None = None) -> Inputs:
     """Capture q/k/v at every attention layer of a trained model on its task's data.
 
     Returns inputs of shape (batch·depth, H, L, D): the layers are stacked
@@ -174,8 +174,13 @@ def trained_inputs(path: str | Path, *, batch: int, seed: int) -> Inputs:
     q = torch.cat([c[0] for c in captured])
     k = torch.cat([c[1] for c in captured])
     v = torch.cat([c[2] for c in captured])
+    try:
+        where = ckpt_path.relative_to(Path(path)).as_posix()
+    except ValueError:
+        where = ckpt_path.name
+    where = f"{label or path}/{where}" if where != "." else str(label or path)
     desc = (f"q/k/v of all {len(captured)} layers of {ckpt.get('label', cfg.attention)!r} trained on "
-            f"{task.name} (L={q.shape[-2]}, H={q.shape[1]}, D={q.shape[-1]}; {ckpt_path})")
+            f"{task.name} (L={q.shape[-2]}, H={q.shape[1]}, D={q.shape[-1]}; {where})")
     return Inputs("trained", q, k, v, cfg.causal, desc)
 
 
@@ -208,8 +213,12 @@ def measure(choice: names_mod.AttentionChoice, inputs: Inputs, length: int, sett
 
 
 def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings, out: RunDir, *,
-              from_run: str | None = None, show_progress: bool = True, preset: str | None = None) -> dict[str, Any]:
-    """Measure every choice over budgets and lengths; write results into ``out``."""
+              from_run: str | None = None, show_progress: bool = True, preset: str | None = None,
+              from_run_label: str | None = None) -> dict[str, Any]:
+    """Measure every choice over budgets and lengths; write results into ``out``.
+
+    ``from_run_label``: how to name ``from_run`` in the results (default: the path).
+    """
     specs = {c.label: names_mod.resolve_spec(c.name) for c in choices}
     plan: list[tuple[names_mod.AttentionChoice, str | None, int | None, str]] = []  # choice, option, budget, sweep
     budget_opts: dict[str, str | None] = {}
@@ -233,7 +242,7 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
     dists: list[tuple[str, Any]] = [(f"gauss-t{t:g}", t) for t in settings.temperatures]
     trained: Inputs | None = None
     if from_run is not None:
-        trained = trained_inputs(from_run, batch=max(1, settings.batch), seed=settings.seed)
+        trained = trained_inputs(from_run, batch=max(1, settings.batch), seed=settings.seed, label=from_run_label)
         dists.append(("trained", None))
 
     def inputs_for(dist: Any, length: int) -> tuple[Inputs, list[Inputs] | None]:
@@ -287,7 +296,7 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
         "command": "error",
         "preset": preset,
         "settings": asdict(settings),
-        "from_run": str(from_run) if from_run else None,
+        "from_run": (from_run_label or str(from_run)) if from_run else None,
         "distributions": dist_desc,
         "budget_options": budget_opts,
         "reference": "torch.nn.functional.scaled_dot_product_attention in float64",

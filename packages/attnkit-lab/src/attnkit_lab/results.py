@@ -65,6 +65,7 @@ class RunDir:
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.partial-", dir=parent))
+            self.tmp.chmod(0o777 & ~_umask())
         except OSError as e:
             raise UsageError(
                 f"{self.option} {str(p)!r} is not writable: cannot create a directory in "
@@ -129,12 +130,19 @@ class RunDir:
 
 
 # -- atomic single-file writes --------------------------------------------------
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    """Write ``data`` to ``path`` through a temporary file and a rename (usual permissions)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
