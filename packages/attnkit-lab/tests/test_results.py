@@ -91,3 +91,18 @@ def test_result_files_get_usual_permissions(tmp_path):
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
     assert (tmp_path / "out" / "a.txt").stat().st_mode & 0o777 == 0o644
+
+
+def test_progress_tty_redraws_in_place():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    buf = Tty()
+    with Progress(3, "z", stream=buf) as p:
+        for _ in range(3):
+            p.update(1)
+    text = buf.getvalue()
+    assert text.count("\r") >= 2 and text.endswith("\n") and "3/3" in text
