@@ -93,3 +93,19 @@ def test_transformer_bad_depth_and_unknown_attention():
         Transformer(8, 0, 2)
     with pytest.raises(attnkit.UnknownAttentionError, match="did you mean 'softmax'"):
         Transformer(8, 1, 2, attention="softmaks")
+
+
+def test_attention_only_blocks_with_mlp_ratio_zero():
+    model = Transformer(8, depth=2, num_heads=2, mlp_ratio=0)
+    assert all(b.mlp is None for b in model.blocks)
+    assert not any("mlp" in n for n, _ in model.named_parameters())
+    x = torch.randn(2, 5, 8)
+    y = model(x, causal=True)
+    state = model.init_state(2)
+    outs = []
+    for t in range(5):
+        o, state = model.step(x[:, t:t + 1], state)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 1), y, atol=1e-5, rtol=1e-5)
+    with pytest.raises(InvalidInputError, match=r"mlp_ratio: expected a number >= 0"):
+        Transformer(8, 1, 2, mlp_ratio=-1)

@@ -122,7 +122,8 @@ class TransformerBlock(nn.Module):
         dim: model width.
         num_heads: heads.
         attention: registered name or :class:`attnkit.Attention`.
-        mlp_ratio: hidden width of the MLP as a multiple of ``dim``.
+        mlp_ratio: hidden width of the MLP as a multiple of ``dim``; 0 gives an
+            attention-only block (as in Zoology's MQAR models).
         dropout: dropout after attention and MLP.
         attention_options: options for :func:`attnkit.build`.
     """
@@ -131,26 +132,31 @@ class TransformerBlock(nn.Module):
                  mlp_ratio: float = 4.0, dropout: float = 0.0,
                  attention_options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        if not isinstance(mlp_ratio, (int, float)) or mlp_ratio <= 0:
-            raise InvalidInputError(f"mlp_ratio: expected a positive number, got {mlp_ratio!r}")
+        if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or mlp_ratio < 0:
+            raise InvalidInputError(f"mlp_ratio: expected a number >= 0 (0 = no MLP), got {mlp_ratio!r}")
         self.norm1 = nn.LayerNorm(dim)
         self.attn = MultiHeadAttention(dim, num_heads, attention, dropout=dropout, **(attention_options or {}))
-        self.norm2 = nn.LayerNorm(dim)
-        hidden = max(1, int(dim * mlp_ratio))
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim), nn.Dropout(dropout))
+        self.norm2: nn.Module | None = None
+        self.mlp: nn.Module | None = None
+        if mlp_ratio > 0:
+            hidden = max(1, int(dim * mlp_ratio))
+            self.norm2 = nn.LayerNorm(dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim), nn.Dropout(dropout))
+
+    def _ffn(self, x: Tensor) -> Tensor:
+        return x if self.mlp is None else x + self.mlp(self.norm2(x))
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
                 attn_mask: Tensor | None = None) -> Tensor:
         x = x + self.attn(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
-        return x + self.mlp(self.norm2(x))
+        return self._ffn(x)
 
     def init_state(self, batch: int, **kwargs: Any) -> Any:
         return self.attn.init_state(batch, **kwargs)
 
     def step(self, x: Tensor, state: Any) -> tuple[Tensor, Any]:
         h, state = self.attn.step(self.norm1(x), state)
-        x = x + h
-        return x + self.mlp(self.norm2(x)), state
+        return self._ffn(x + h), state
 
 
 class Transformer(nn.Module):
@@ -161,7 +167,7 @@ class Transformer(nn.Module):
         depth: number of blocks.
         num_heads: heads per block.
         attention: registered name used by every block.
-        mlp_ratio: MLP hidden width multiple.
+        mlp_ratio: MLP hidden width multiple; 0 for attention-only blocks.
         dropout: dropout inside blocks.
         attention_options: options for :func:`attnkit.build`.
     """
