@@ -334,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retry-busy", type=int, default=3, help="reruns of a busy block (the quietest is kept)")
     p.add_argument("--busy-wait", type=float, default=30.0, help="seconds to wait before rerunning a busy block")
     p.add_argument("--output", default="bench_causal.json", help="JSON results file")
+    p.add_argument("--merge", default=None,
+                   help="an earlier results JSON: its blocks not rerun here are kept (e.g. to rerun a busy block)")
     args = p.parse_args(argv)
     if args._memory_child:
         name, L, mode = args._memory_child
@@ -384,6 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory and "cpu" in devices:
         cpu_memory(args, rows)
     info["wall_s"] = time.perf_counter() - t_start
+    if args.merge:
+        with open(args.merge) as f:
+            earlier = json.load(f)
+        rerun = {(r["L"], r["mode"], r["device"]) for r in rows}
+        kept = [r for r in earlier["results"] if (r["L"], r["mode"], r["device"]) not in rerun]
+        rows = sorted(kept + rows, key=lambda r: (r["device"], r["mode"], r["L"]))
+        info["merged_from"] = {"file": args.merge, "info": earlier.get("info"),
+                               "rerun_blocks": sorted([list(b) for b in rerun])}
+        compile_info = compile_info or earlier.get("compile")
     ratios = ratio_table(rows)
     result = {"info": info, "compile": compile_info, "results": rows, "ratios": ratios}
     with open(args.output, "w") as f:
