@@ -121,6 +121,6 @@ def test_forced_triton_on_cpu_without_the_interpreter(monkeypatch):
         attn(q, q, q, causal=True)
 
 
-def test_unknown_backend():
-    with pytest.raises(InvalidInputError, match="backend"):
-        _build("rfa", backend="numba")
+def test_backend_not_offered():
+    with pytest.raises(InvalidInputError, match=r"backend: .*offers \['numba', 'torch'\].*got 'triton'"):
+        _build("rfa", backend="triton")

@@ -9,7 +9,7 @@ import torch
 import attnkit
 from attnkit_kernelized import chunked
 from attnkit_kernelized.kernels import causal_numba
-from attnkit_kernelized.kernels.numba_autograd import causal_delta_numba, causal_linear_numba
+from attnkit_kernelized.kernels.numba_autograd import causal_delta_numba, causal_gated_numba, causal_linear_numba
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-8)}
@@ -93,6 +93,22 @@ def test_causal_delta_numba_matches_torch(dtype, L, chunk):
         _close(a, b, dtype, 10)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,chunk", [(1, 4), (9, 4), (37, 16)])
+def test_causal_gated_numba_matches_torch(dtype, L, chunk):
+    q = _rand((2, 2, L, 6), 0, dtype, positive=True)
+    k = _rand((2, 2, L, 6), 1, dtype, positive=True)
+    v = _rand((2, 2, L, 3), 2, dtype)
+    g = torch.rand(2, 2, L, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    g = (0.05 + 0.95 * g).to(dtype).requires_grad_()
+    num, den, _ = chunked.causal_gated(q, k, v, torch.log(g), chunk=5)
+    n2, d2 = causal_gated_numba(q, k, v, g, chunk=chunk)
+    _close(n2, num, dtype)
+    _close(d2, den, dtype)
+    for a, b in zip(_grads([n2, d2], [q, k, v, g]), _grads([num, den], [q, k, v, g])):
+        _close(a, b, dtype, 10)
+
+
 def test_numba_gradcheck_float64():
     q = _rand((1, 2, 7, 3), 0, torch.float64, positive=True)
     k = _rand((1, 2, 7, 3), 1, torch.float64, positive=True)
@@ -100,10 +116,11 @@ def test_numba_gradcheck_float64():
     b = torch.rand(1, 2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).requires_grad_()
     assert torch.autograd.gradcheck(lambda q, k, v: causal_linear_numba(q, k, v, chunk=3), (q, k, v))
     assert torch.autograd.gradcheck(lambda q, k, v, b: causal_delta_numba(q, k, v, b, chunk=3), (q, k, v, b))
+    assert torch.autograd.gradcheck(lambda q, k, v, b: causal_gated_numba(q, k, v, b, chunk=3), (q, k, v, b))
 
 
 @pytest.mark.parametrize("name,opts", [("linear", {}), ("performer", {"num_features": 12}),
-                                       ("fast-weight", {})])
+                                       ("fast-weight", {}), ("rfa", {"num_features": 8})])
 def test_auto_dispatch_picks_numba_for_cpu(name, opts):
     attn = attnkit.build(name, num_heads=2, head_dim=4, **opts)
     q = torch.randn(1, 2, 5, 4)
@@ -114,7 +131,9 @@ def test_auto_dispatch_picks_numba_for_cpu(name, opts):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name,opts", [("linear", {}), ("performer", {"num_features": 12}),
                                        ("performer", {"num_features": 6, "feature_map": "trig"}),
-                                       ("fast-weight", {}), ("fast-weight", {"beta": 0.5, "feature_map": "relu"})])
+                                       ("fast-weight", {}), ("fast-weight", {"beta": 0.5, "feature_map": "relu"}),
+                                       ("rfa", {"num_features": 8}),
+                                       ("rfa", {"num_features": 8, "feature_map": "positive", "gate": False})])
 def test_module_numba_backend_matches_torch_backend(name, opts, dtype):
     torch.manual_seed(0)
     ref = attnkit.build(name, num_heads=2, head_dim=4, backend="torch", chunk_size=8, **opts).to(dtype)

@@ -68,7 +68,7 @@ RFA = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", dtypes=("float32", "float64"),
-        backends=("torch",), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
+        backends=("numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
 

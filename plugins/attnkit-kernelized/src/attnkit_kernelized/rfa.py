@@ -44,8 +44,9 @@ class RandomFeatureAttention(KernelizedAttention):
 
     Shapes as in :func:`torch.nn.functional.scaled_dot_product_attention`:
     q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
-    Causal (L == S): the gated recurrence, computed by the chunked torch form
-    and streamed exactly through ``init_state``/``step``. Non-causal (also
+    Causal (L == S): the gated recurrence, computed by the numba kernel on CPU
+    tensors (per-position recurrence, checkpointed backward) or the chunked
+    torch form, and streamed exactly through ``init_state``/``step``. Non-causal (also
     L != S): ungated RFA. ``attn_mask`` is refused.
 
     Args:
@@ -53,7 +54,7 @@ class RandomFeatureAttention(KernelizedAttention):
         head_dim: head dimension D the random features and gate are drawn for (required).
         scale: None (default) starts sigma at ``sigma``; a float starts it at
             ``scale ** -0.5`` (the kernel is then ``exp(scale · cos-sim)`` up to a constant).
-        backend: ``"auto"`` or ``"torch"`` (the only backend).
+        backend: ``"auto"`` (numba for causal CPU tensors, else torch), ``"torch"`` or ``"numba"``.
         num_features: number of random frequencies M (>= 1); ``"trig"`` gives
             2·M features (sin and cos).
         feature_map: ``"trig"`` (random Fourier features, the paper's; not
@@ -147,7 +148,8 @@ class RandomFeatureAttention(KernelizedAttention):
 
     # ------------------------------------------------------------ forward
     def _gated(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-               state: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+               state: tuple[Tensor, Tensor] | None, backend: str = "torch"
+               ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         phi_q, phi_k = self._phi(q), self._phi(k)
         keep = key_mask(key_padding_mask, phi_k.dtype)
         if keep is not None:
@@ -161,16 +163,20 @@ class RandomFeatureAttention(KernelizedAttention):
             phi_k = phi_k * torch.sigmoid(-logits).unsqueeze(-1)   # (1 - g_t) phi(k_t)
         else:
             log_g = torch.zeros(k.shape[:3], dtype=k.dtype, device=k.device)
+        if backend == "numba" and state is None:
+            from .kernels import causal_gated_numba
+
+            num, den = causal_gated_numba(phi_q, phi_k, v, torch.exp(log_g), chunk=self.chunk_size)
+            return normalize(num, den), None
         num, den, new_state = chunked.causal_gated(phi_q, phi_k, v, log_g, chunk=self.chunk_size, state=state)
         return normalize(num, den), new_state
 
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
                  key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> Tensor:
         self.check_head_dim(q)
-        self.resolve_backend(q, k, v)  # validates a forced backend (torch is the only one)
-        if not causal:
+        if not causal:  # ungated RFA: two matmuls on every backend
             return super()._forward(q, k, v, causal=False, key_padding_mask=key_padding_mask, attn_mask=None)
-        out, _ = self._gated(q, k, v, key_padding_mask, None)
+        out, _ = self._gated(q, k, v, key_padding_mask, None, self.resolve_backend(q, k, v))
         return out
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state):

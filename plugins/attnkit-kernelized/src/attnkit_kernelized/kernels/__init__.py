@@ -45,3 +45,11 @@ def causal_delta_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *,
     from .numba_autograd import causal_delta_numba as fn
 
     return fn(phi_q, phi_k, v, beta, chunk=chunk)
+
+
+def causal_gated_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, g: Tensor, *, chunk: int | None = None
+                       ) -> tuple[Tensor, Tensor]:
+    """Gated (RFA) causal numerator and denominator with the numba CPU kernel (differentiable)."""
+    from .numba_autograd import causal_gated_numba as fn
+
+    return fn(phi_q, phi_k, v, g, chunk=chunk)

@@ -308,6 +308,136 @@ def causal_product(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, reverse: bool
     return result if len(result) > 1 else out
 
 
+# ------------------------------------------------------------------ gated (RFA)
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+def _gated_forward(q, k, v, g, chunk):  # pragma: no cover - compiled
+    """S_t = g_t S_{t-1} + k_t v_t^T, z_t = g_t z_{t-1} + k_t; num_t = S_t^T q_t, den_t = z_t . q_t.
+
+    Returns num (N, L, E), den (N, L) and the states (S, z) at every chunk start
+    (N, C+1, M, E) and (N, C+1, M) for the backward pass.
+    """
+    N, L, M = q.shape
+    E = v.shape[2]
+    n_chunks = (L + chunk - 1) // chunk
+    num = np.empty((N, L, E), dtype=q.dtype)
+    den = np.empty((N, L), dtype=q.dtype)
+    ckS = np.empty((N, n_chunks + 1, M, E), dtype=q.dtype)
+    ckz = np.empty((N, n_chunks + 1, M), dtype=q.dtype)
+    for n in numba.prange(N):
+        S = np.zeros((M, E), dtype=q.dtype)
+        z = np.zeros(M, dtype=q.dtype)
+        zero = np.zeros(1, dtype=q.dtype)
+        for t in range(L):
+            if t % chunk == 0:
+                ckS[n, t // chunk] = S
+                ckz[n, t // chunk] = z
+            gt = g[n, t]
+            kt = k[n, t]
+            vt = v[n, t]
+            qt = q[n, t]
+            ot = num[n, t]
+            for e in range(E):
+                ot[e] = 0.0
+            d = zero[0]
+            for m in range(M):
+                km = kt[m]
+                qm = qt[m]
+                Sm = S[m]
+                for e in range(E):
+                    Sm[e] = gt * Sm[e] + km * vt[e]
+                    ot[e] += qm * Sm[e]
+                z[m] = gt * z[m] + km
+                d += qm * z[m]
+            den[n, t] = d
+        ckS[n, n_chunks] = S
+        ckz[n, n_chunks] = z
+    return num, den, ckS, ckz
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+def _gated_backward(q, k, v, g, ckS, ckz, dnum, dden, chunk):  # pragma: no cover - compiled
+    """Gradients of :func:`_gated_forward` w.r.t. q, k, v and g (reverse sweep, chunk recompute)."""
+    N, L, M = q.shape
+    E = v.shape[2]
+    n_chunks = (L + chunk - 1) // chunk
+    dq = np.empty((N, L, M), dtype=q.dtype)
+    dk = np.empty((N, L, M), dtype=q.dtype)
+    dv = np.empty((N, L, E), dtype=q.dtype)
+    dg = np.empty((N, L), dtype=q.dtype)
+    for n in numba.prange(N):
+        G = np.zeros((M, E), dtype=q.dtype)                  # dLoss/dS_t
+        gz = np.zeros(M, dtype=q.dtype)                      # dLoss/dz_t
+        Ss = np.empty((chunk + 1, M, E), dtype=q.dtype)      # S_{c0-1} .. S_{c1-1}
+        zs = np.empty((chunk + 1, M), dtype=q.dtype)
+        zero = np.zeros(1, dtype=q.dtype)
+        for ci in range(n_chunks - 1, -1, -1):
+            c0 = ci * chunk
+            c1 = min(c0 + chunk, L)
+            T = c1 - c0
+            Ss[0] = ckS[n, ci]
+            zs[0] = ckz[n, ci]
+            for i in range(T):
+                t = c0 + i
+                gt = g[n, t]
+                kt = k[n, t]
+                vt = v[n, t]
+                for m in range(M):
+                    km = kt[m]
+                    for e in range(E):
+                        Ss[i + 1, m, e] = gt * Ss[i, m, e] + km * vt[e]
+                    zs[i + 1, m] = gt * zs[i, m] + km
+            for i in range(T - 1, -1, -1):
+                t = c0 + i
+                gt = g[n, t]
+                kt = k[n, t]
+                vt = v[n, t]
+                qt = q[n, t]
+                do = dnum[n, t]
+                dd = dden[n, t]
+                Sn = Ss[i + 1]
+                Sp = Ss[i]
+                # num_t = S_t^T q_t, den_t = z_t . q_t
+                for m in range(M):
+                    s = zero[0]
+                    for e in range(E):
+                        s += Sn[m, e] * do[e]
+                    dq[n, t, m] = s + zs[i + 1, m] * dd
+                for m in range(M):
+                    qm = qt[m]
+                    for e in range(E):
+                        G[m, e] += qm * do[e]
+                    gz[m] += qm * dd
+                # S_t = g_t S_{t-1} + k_t v_t^T, z_t = g_t z_{t-1} + k_t
+                for e in range(E):
+                    dv[n, t, e] = 0.0
+                s_g = zero[0]
+                for m in range(M):
+                    km = kt[m]
+                    s = zero[0]
+                    for e in range(E):
+                        s += G[m, e] * vt[e]
+                        dv[n, t, e] += km * G[m, e]
+                        s_g += G[m, e] * Sp[m, e]
+                    dk[n, t, m] = s + gz[m]
+                    s_g += gz[m] * zs[i, m]
+                dg[n, t] = s_g
+                for m in range(M):
+                    for e in range(E):
+                        G[m, e] *= gt
+                    gz[m] *= gt
+    return dq, dk, dv, dg
+
+
+def gated_forward(q, k, v, g, chunk: int):
+    """Gated recurrence forward: ``(num, den, S checkpoints, z checkpoints)``."""
+    return _dynamic(_gated_forward, q, k, v, g, int(chunk))
+
+
+def gated_backward(q, k, v, g, ckS, ckz, dnum, dden, chunk: int):
+    """Gated recurrence backward: ``(dq, dk, dv, dg)``."""
+    return _dynamic(_gated_backward, q, k, v, g, ckS, ckz, dnum, dden, int(chunk))
+
+
 # ------------------------------------------------------------------ delta rule
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
 def _delta_forward(q, k, v, beta, chunk):  # pragma: no cover - compiled

@@ -178,3 +178,44 @@ def causal_delta_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *,
         phi_q, phi_k: ``(B, H, L, M)``; v: ``(B, H, L, E)``; beta: ``(B, H, L)``.
     """
     return _CausalDelta.apply(phi_q, phi_k, v, beta, int(chunk or _DELTA_CHUNK))
+
+
+class _CausalGated(torch.autograd.Function):
+    """Gated causal linear attention (RFA): numerator and denominator."""
+
+    @staticmethod
+    def forward(ctx, phi_q: Tensor, phi_k: Tensor, v: Tensor, g: Tensor, chunk: int):
+        B, H, L, M = phi_q.shape
+        E = v.shape[-1]
+        N = B * H
+        gn = g.detach().reshape(N, L).contiguous().numpy()
+        num, den, ckS, ckz = K.gated_forward(_np(phi_q, N), _np(phi_k, N), _np(v, N), gn, chunk)
+        ctx.save_for_backward(phi_q, phi_k, v, g)
+        ctx.ckpt = (ckS, ckz)
+        ctx.chunk = chunk
+        return torch.from_numpy(num).view(B, H, L, E), torch.from_numpy(den).view(B, H, L)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_num: Tensor, g_den: Tensor):
+        phi_q, phi_k, v, g = ctx.saved_tensors
+        B, H, L, M = phi_q.shape
+        E = v.shape[-1]
+        N = B * H
+        gn = g.detach().reshape(N, L).contiguous().numpy()
+        dq, dk, dv, dg = K.gated_backward(_np(phi_q, N), _np(phi_k, N), _np(v, N), gn, *ctx.ckpt,
+                                          _np(g_num, N), g_den.reshape(N, L).contiguous().numpy(), ctx.chunk)
+        return (torch.from_numpy(dq).view(B, H, L, M), torch.from_numpy(dk).view(B, H, L, M),
+                torch.from_numpy(dv).view(B, H, L, E), torch.from_numpy(dg).view(B, H, L), None)
+
+
+def causal_gated_numba(phi_q: Tensor, phi_k: Tensor, v: Tensor, g: Tensor, *, chunk: int | None = None
+                       ) -> tuple[Tensor, Tensor]:
+    """Gated causal numerator ``(B, H, L, E)`` and denominator ``(B, H, L)`` (numba; per-position
+    recurrence ``S_t = g_t S_{t-1} + phi_k_t v_t^T``, checkpointed every ``chunk`` positions for
+    the backward pass).
+
+    Args:
+        phi_q, phi_k: ``(B, H, L, M)``; v: ``(B, H, L, E)``; g: ``(B, H, L)`` decays in [0, 1].
+    """
+    return _CausalGated.apply(phi_q, phi_k, v, g, int(chunk or _DELTA_CHUNK))
