@@ -45,6 +45,23 @@ def _check_chunk(chunk: int) -> int:
     return chunk
 
 
+def _split_chunks(chunk: int, *xs: Tensor) -> tuple[int, int, list[Tensor]]:
+    """Zero-pad the length (dim 2) to a multiple of ``C = min(chunk, L)`` and split it.
+
+    Each ``(B, H, L, F)`` tensor becomes ``(B, H, N, C, F)``; returns ``(C, N, tensors)``.
+    """
+    _check_chunk(chunk)
+    L = xs[0].shape[2]
+    C = min(chunk, max(L, 1))
+    N = -(-L // C)
+    return C, N, [_pad_to(x, N * C).reshape(*x.shape[:2], N, C, x.shape[-1]) for x in xs]
+
+
+def with_ones_column(v: Tensor) -> Tensor:
+    """``v`` with a column of ones appended: the denominator rides along with the numerator."""
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+
+
 def noncausal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Non-causal numerator and denominator.
 
@@ -77,16 +94,9 @@ def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, chunk: int = DEFAU
     Returns:
         ``(num (B, H, L, E), den (B, H, L), (S_L, z_L))``.
     """
-    _check_chunk(chunk)
     B, H, L, M = phi_q.shape
     E = v.shape[-1]
-    # the denominator rides along as a column of ones appended to v
-    v1 = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
-    C = min(chunk, max(L, 1))
-    N = -(-L // C)
-    q = _pad_to(phi_q, N * C).reshape(B, H, N, C, M)
-    k = _pad_to(phi_k, N * C).reshape(B, H, N, C, M)
-    w = _pad_to(v1, N * C).reshape(B, H, N, C, E + 1)
+    C, N, (q, k, w) = _split_chunks(chunk, phi_q, phi_k, with_ones_column(v))
     keep = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     intra = ((q @ k.transpose(-1, -2)) * keep) @ w         # (B, H, N, C, E+1)
     kv = k.transpose(-1, -2) @ w                            # per-chunk states (B, H, N, M, E+1)
@@ -117,16 +127,10 @@ def causal_gated(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, *, chun
     Returns:
         ``(num, den, (S_L, z_L))``.
     """
-    _check_chunk(chunk)
     B, H, L, M = phi_q.shape
     E = v.shape[-1]
-    v1 = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
-    C = min(chunk, max(L, 1))
-    N = -(-L // C)
-    q = _pad_to(phi_q, N * C).reshape(B, H, N, C, M)
-    k = _pad_to(phi_k, N * C).reshape(B, H, N, C, M)
-    w = _pad_to(v1, N * C).reshape(B, H, N, C, E + 1)
-    lg = _pad_to(log_g.unsqueeze(-1), N * C).reshape(B, H, N, C)
+    C, N, (q, k, w, lg) = _split_chunks(chunk, phi_q, phi_k, with_ones_column(v), log_g.unsqueeze(-1))
+    lg = lg.squeeze(-1)                                     # (B, H, N, C)
     cum = torch.cumsum(lg, dim=-1)                          # log decay from chunk start to t (inclusive)
     keep = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # decay from j to t is exp(cum_t - cum_j) for j <= t; mask before exp (no overflow)
@@ -164,15 +168,9 @@ def causal_delta(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, *, chunk
     Returns:
         ``(out (B, H, L, E), S_L)``.
     """
-    _check_chunk(chunk)
     B, H, L, M = phi_q.shape
     E = v.shape[-1]
-    C = min(chunk, max(L, 1))
-    N = -(-L // C)
-    q = _pad_to(phi_q, N * C).reshape(B, H, N, C, M)
-    k = _pad_to(phi_k, N * C).reshape(B, H, N, C, M)
-    w = _pad_to(v, N * C).reshape(B, H, N, C, E)
-    b = _pad_to(beta.unsqueeze(-1), N * C).reshape(B, H, N, C, 1)
+    C, N, (q, k, w, b) = _split_chunks(chunk, phi_q, phi_k, v, beta.unsqueeze(-1))
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     A = eye + (b * (k @ k.transpose(-1, -2))) * strict       # unit lower triangular

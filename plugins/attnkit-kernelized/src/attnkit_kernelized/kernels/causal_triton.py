@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..chunked import with_ones_column
+
 DEFAULT_BLOCK_L = 64
 
 
@@ -129,7 +131,7 @@ class _CausalLinearTriton(torch.autograd.Function):
         g, vv = g_num, v
         if g_den is not None:
             g = torch.cat([g_num, g_den.unsqueeze(-1)], dim=-1)
-            vv = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
+            vv = with_ones_column(v)
         q_, k_ = phi_q.reshape(N, L, M), phi_k.reshape(N, L, M)
         g_, vv_ = g.reshape(N, L, -1), vv.reshape(N, L, -1)
         bl = ctx.block_l

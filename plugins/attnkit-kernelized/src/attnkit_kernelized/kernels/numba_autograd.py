@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..chunked import with_ones_column
 from . import causal_numba as K
 
 _DELTA_CHUNK = 64
@@ -49,7 +50,7 @@ class _CausalLinear(torch.autograd.Function):
         if g_den is not None:
             # the denominator is the product with a column of ones appended to v
             g = torch.cat([g_num, g_den.unsqueeze(-1)], dim=-1)
-            vv = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
+            vv = with_ones_column(v)
         q_, k_, g_, vv_ = _np(phi_q, N), _np(phi_k, N), _np(g, N), _np(vv, N)
         dq = K.causal_product(g_, vv_, k_, chunk=chunk)
         dk = K.causal_product(vv_, g_, q_, reverse=True, chunk=chunk)
@@ -100,7 +101,7 @@ class _CausalLinearNormalized(torch.autograd.Function):
         g_num = g * inv.unsqueeze(-1)
         g_den = -(g * out).sum(-1) * inv
         g1 = torch.cat([g_num, g_den.unsqueeze(-1)], dim=-1)
-        v1 = torch.cat([v, v.new_ones(B, H, L, 1)], dim=-1)
+        v1 = with_ones_column(v)
         q_, k_, g_, v_ = _np(phi_q, N), _np(phi_k, N), _np(g1, N), _np(v1, N)
         dq = K.causal_product(g_, v_, k_, chunk=chunk)
         dk = K.causal_product(v_, g_, q_, reverse=True, chunk=chunk)
