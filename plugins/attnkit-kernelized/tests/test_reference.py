@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from comparisons import DTYPES, grads
+from comparisons import close as _close
 
 import attnkit
 from attnkit_kernelized import chunked, reference
@@ -14,9 +16,6 @@ from attnkit_kernelized.feature_maps import (
     elu_feature_map,
     favor_positive,
 )
-
-DTYPES = [torch.float32, torch.float64]
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-8)}
 
 
 def _inputs(B, H, L, M, E, dtype, seed=0, positive=True):
@@ -30,14 +29,7 @@ def _inputs(B, H, L, M, E, dtype, seed=0, positive=True):
 
 
 def _grads(outs, inputs, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    total = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
-    return torch.autograd.grad(total, inputs, allow_unused=True)
-
-
-def _close(a, b, dtype, factor=1.0):
-    tol = TOL[dtype]
-    torch.testing.assert_close(a, b, atol=tol["atol"] * factor, rtol=tol["rtol"] * factor)
+    return grads(outs, inputs, seed, allow_unused=True)
 
 
 # ------------------------------------------------------------------ chunked forms

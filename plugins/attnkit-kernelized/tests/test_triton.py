@@ -9,6 +9,10 @@ import sys
 
 import pytest
 import torch
+from comparisons import DTYPES
+from comparisons import close as _close
+from comparisons import grads as _grads
+from comparisons import rand as _rand
 
 import attnkit
 from attnkit_kernelized import chunked
@@ -17,10 +21,6 @@ pytestmark = [
     pytest.mark.triton,
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
 ]
-
-DTYPES = [torch.float32, torch.float64]
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-8)}
-
 
 @pytest.fixture(scope="module")
 def tk():
@@ -31,23 +31,6 @@ def tk():
     mod = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
     yield mod
     mp.undo()
-
-
-def _close(a, b, dtype, factor=1.0):
-    torch.testing.assert_close(a, b, atol=TOL[dtype]["atol"] * factor, rtol=TOL[dtype]["rtol"] * factor)
-
-
-def _rand(shape, seed, dtype, positive=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(shape, generator=g, dtype=torch.float64) if positive else \
-        torch.randn(shape, generator=g, dtype=torch.float64)
-    return x.to(dtype).requires_grad_()
-
-
-def _grads(outs, inputs, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    total = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
-    return torch.autograd.grad(total, inputs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
