@@ -201,3 +201,24 @@ def test_options_schema_derived_from_signature_and_docstring():
     assert opts["dropout"].default == 0.0 and opts["dropout"].type == "float"
     assert "dropout probability" in opts["dropout"].help
     assert opts["backend"].default == "auto"
+
+
+def test_build_with_hints_passes_only_what_the_factory_takes(fake_entry_points):
+    from plugin_fixtures.good import Doubled
+
+    class NoHeads(SoftmaxAttention):
+        """Takes no num_heads/head_dim."""
+
+        def __init__(self, *, scale: float | None = None):
+            super().__init__(scale=scale)
+
+    reg = fake_entry_points({})
+    with reg.registered(Doubled, name="takes-heads"), reg.registered(NoHeads, name="no-heads"):
+        a = reg.build_with_hints("takes-heads", {"num_heads": 4, "head_dim": 8})
+        assert (a.num_heads, a.head_dim) == (4, 8)
+        b = reg.build_with_hints("takes-heads", {"num_heads": 4, "head_dim": 8}, num_heads=2)
+        assert (b.num_heads, b.head_dim) == (2, 8)  # an explicit option wins over the hint
+        c = reg.build_with_hints("no-heads", {"num_heads": 4, "head_dim": 8}, scale=0.5)
+        assert c.num_heads is None and c.scale == 0.5
+        with pytest.raises(InvalidInputError, match="unknown option"):
+            reg.build("no-heads", num_heads=4)  # what the hints avoid

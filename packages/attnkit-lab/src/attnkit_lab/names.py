@@ -19,6 +19,7 @@ import torch
 
 import attnkit
 from attnkit.errors import AmbiguousNameError, UnknownAttentionError, UsageError
+from attnkit.registry import default_registry
 
 # Options that set a mechanism's approximation budget, most specific first.
 BUDGET_OPTIONS = (
@@ -130,14 +131,11 @@ def build(choice: AttentionChoice, *, num_heads: int, head_dim: int, seed: int |
     ``seed`` seeds torch before construction, so random features drawn at init
     are reproducible.
     """
-    spec = attnkit.get_spec(choice.name)
-    takes = spec_options(spec)
-    kwargs = {k: v for k, v in (("num_heads", num_heads), ("head_dim", head_dim)) if not takes or k in takes}
-    kwargs.update(extra)
-    kwargs.update(choice.options)
     if seed is not None:
         torch.manual_seed(seed)
-    return attnkit.build(choice.name, **kwargs)
+    return default_registry().build_with_hints(
+        choice.name, {"num_heads": num_heads, "head_dim": head_dim}, **{**extra, **choice.options}
+    )
 
 
 def default_choices(*, exact: bool | None = None) -> list[AttentionChoice]:

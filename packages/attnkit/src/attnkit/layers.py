@@ -34,14 +34,9 @@ def _make_attention(attention: str | Attention, num_heads: int, head_dim: int, o
         )
     from .registry import default_registry
 
-    reg = default_registry()
-    spec = reg.resolve(attention)
-    try:
-        takes = {o.name for o in spec.resolved_options()}
-    except Exception:  # noqa: BLE001 - build reports import failures with their reason
-        takes = {"num_heads", "head_dim"}
-    extra = {k: v for k, v in (("num_heads", num_heads), ("head_dim", head_dim)) if k in takes}
-    return reg.build(attention, **{**extra, **options})
+    return default_registry().build_with_hints(
+        attention, {"num_heads": num_heads, "head_dim": head_dim}, **options
+    )
 
 
 class MultiHeadAttention(nn.Module):

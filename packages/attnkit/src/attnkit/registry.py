@@ -246,6 +246,22 @@ class Registry:
         obj.spec = spec
         return obj
 
+    def build_with_hints(self, name: str, hints: dict[str, Any], **options: Any) -> Any:
+        """Build ``name`` with ``options``, plus each hint the factory takes and ``options`` leaves unset.
+
+        Layers and tools know the shape (``num_heads``, ``head_dim``) but not whether
+        an implementation wants it; hints go only where the factory's options name
+        them (or to every factory whose options cannot be read, so that
+        :meth:`build` reports why).
+        """
+        spec = self.resolve(name)
+        try:
+            takes = {o.name for o in spec.resolved_options()}
+        except Exception:  # noqa: BLE001 - build reports import failures with their reason
+            takes = set()
+        extra = {k: v for k, v in hints.items() if (not takes or k in takes) and k not in options}
+        return self.build(name, **extra, **options)
+
     # ------------------------------------------------------- in-process use
     def register(self, spec_or_class: Any, **fields: Any) -> AttentionSpec:
         """Register an implementation in this process (notebooks, tests)."""

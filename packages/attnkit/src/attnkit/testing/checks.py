@@ -357,16 +357,11 @@ class _Ctx:
         """Build the implementation under ``torch.manual_seed(seed)`` (RNG forked), eval mode."""
         from ..registry import default_registry
 
-        opts: dict[str, Any] = {}
-        if "num_heads" in self._takes and "num_heads" not in self.cfg.options:
-            opts["num_heads"] = self.H if heads is None else heads
-        if "head_dim" in self._takes and "head_dim" not in self.cfg.options:
-            opts["head_dim"] = self.D if head_dim is None else head_dim
-        opts.update(self.cfg.options)
-        opts.update(extra)
+        hints = {"num_heads": self.H if heads is None else heads,
+                 "head_dim": self.D if head_dim is None else head_dim}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed if seed is None else seed)
-            attn = default_registry().build(self.cfg.name, **opts)
+            attn = default_registry().build_with_hints(self.cfg.name, hints, **{**self.cfg.options, **extra})
         attn = attn.to(device=self.device)
         if dtype is not None:
             attn = attn.to(dtype=dtype)
