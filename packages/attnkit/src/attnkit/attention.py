@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -47,6 +48,11 @@ class Attention(nn.Module):
 
     #: Capabilities used when the class is not registered (the spec wins).
     capabilities: ClassVar[Capabilities | None] = None
+
+    #: Why this implementation refuses an argument, keyed by capability name
+    #: (``"attn_mask"``, ``"causal"``, ``"cross"``, ...); shown in the
+    #: :class:`~attnkit.errors.UnsupportedFeatureError` instead of the generic reason.
+    refusal_reasons: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto") -> None:
@@ -121,9 +127,14 @@ class Attention(nn.Module):
         )
 
     # ------------------------------------------------------------ refusals
-    def _refuse(self, argument: str, reason: str = "", **capability: Any) -> None:
+    def _refuse(self, argument: str, reason: str = "", *, given: str = "", **capability: Any) -> None:
+        """Raise UnsupportedFeatureError; ``capability`` finds who supports it, ``refusal_reasons`` may reword."""
         from .registry import default_registry
 
+        for key in capability:
+            reason = type(self).refusal_reasons.get(key, reason)
+        if given:
+            reason = f"{reason}; {given}" if reason else given
         supported = [s.name for s in default_registry().available(**capability)] if capability else []
         raise UnsupportedFeatureError(self.impl_name, argument, reason, supported)
 
@@ -211,7 +222,7 @@ class Attention(nn.Module):
         if attn_mask is not None:
             if not caps.attn_mask:
                 self._refuse("attn_mask", "use key_padding_mask and causal, or an implementation with attn_mask",
-                             attn_mask=True)
+                             given=f"expected attn_mask=None, got {_describe(attn_mask)}", attn_mask=True)
             attn_mask = self._check_attn_mask(attn_mask, B, H, L, S, q)
         return self._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
 

@@ -58,6 +58,11 @@ class KernelizedAttention(Attention):
     "z": (B, H, M)}``.
     """
 
+    refusal_reasons = {
+        "attn_mask": ("a kernelized attention sums phi(k) v^T over keys before any query sees them, so it can "
+                      "only drop whole keys (pass key_padding_mask, bool (B, S)) and the future (causal=True)"),
+    }
+
     #: head_dim is required (features or parameters are drawn for it)
     _needs_head_dim = True
 
@@ -86,41 +91,6 @@ class KernelizedAttention(Attention):
     def feature_dim(self) -> int:  # pragma: no cover - overridden
         """M, the number of features per head."""
         raise NotImplementedError
-
-    # -------------------------------------------------------- validation
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:
-        """Kernelized attention.
-
-        Args:
-            q: queries ``(B, H, L, D)``.
-            k: keys ``(B, H, S, D)``.
-            v: values ``(B, H, S, E)``.
-            causal: query ``t`` sees keys ``j <= t`` (needs L == S).
-            key_padding_mask: bool ``(B, S)``, True = a real token; padded keys
-                add nothing to the sums.
-            attn_mask: not supported: the kernel form sums over keys before it
-                meets a query, so it cannot drop (query, key) pairs.
-
-        Returns:
-            ``(B, H, L, E)``, the dtype of ``q``; rows that see no key are 0.
-
-        Raises:
-            InvalidInputError: bad shapes/dtypes, or a head dim other than ``head_dim``.
-            UnsupportedFeatureError: ``attn_mask``, ``causal=True`` with L != S,
-                or a mode the mechanism lacks.
-        """
-        if attn_mask is not None:
-            got = (f"a {attn_mask.dtype} tensor of shape {tuple(attn_mask.shape)}"
-                   if isinstance(attn_mask, Tensor) else repr(attn_mask)[:80])
-            self._refuse(
-                "attn_mask",
-                "a kernelized attention sums phi(k) v^T over keys before any query sees them, so it can "
-                "only drop whole keys (pass key_padding_mask, bool (B, S)) and the future (causal=True); "
-                f"expected attn_mask=None, got {got}",
-                attn_mask=True,
-            )
-        return super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
     def check_head_dim(self, q: Tensor, where: str = "forward") -> None:
         D = q.shape[-1]
