@@ -104,7 +104,7 @@ def test_streaming_equals_causal_forward(chunk):
         o, state = attn.step(q[:, :, t:t + chunk], k[:, :, t:t + chunk], v[:, :, t:t + chunk], state)
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs, dim=2), attn(q, k, v, causal=True), atol=1e-6, rtol=1e-5)
-    assert state["k"].shape == (2, 3, 23, 8)
+    assert state.data["k"].shape == (2, 3, 23, 8)
 
 
 def test_step_rejects_a_foreign_state_and_wrong_batch():
@@ -112,7 +112,7 @@ def test_step_rejects_a_foreign_state_and_wrong_batch():
     q, k, v = qkv(L=2, S=2)
     with pytest.raises(attnkit.InvalidInputError, match="state must come from init_state"):
         attn.step(q, k, v, state=[1, 2])
-    with pytest.raises(attnkit.InvalidInputError, match="state was made for batch 5"):
+    with pytest.raises(attnkit.InvalidInputError, match="state was made for batch size 5"):
         attn.step(q, k, v, attn.init_state(5))
     with pytest.raises(attnkit.InvalidInputError, match="state is None"):
         attn.step(q, k, v, None)

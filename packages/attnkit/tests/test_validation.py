@@ -56,7 +56,7 @@ def test_wrong_device_mask(attn):
 @pytest.mark.parametrize("kw, pattern", [
     ({"num_heads": 0}, "num_heads: expected a positive int"),
     ({"head_dim": 2.5}, "head_dim: expected a positive int"),
-    ({"scale": -1.0}, "scale: expected a positive float"),
+    ({"scale": -1.0}, "scale: expected a finite float > 0"),
     ({"backend": 3}, "backend: expected a backend name"),
     ({"dropout": 1.5}, r"dropout: expected a float in \[0, 1\)"),
 ])
@@ -121,5 +121,5 @@ def test_bare_base_class_has_no_forward():
     class Bare(attnkit.Attention):
         pass
 
-    with pytest.raises(NotImplementedError, match="Bare must implement _forward"):
+    with pytest.raises(NotImplementedError, match="Bare must implement _attend"):
         Bare()(q4, q4, v4)

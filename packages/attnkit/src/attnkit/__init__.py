@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import masks
 from ._version import API_VERSION, __version__
-from .attention import Attention
+from .attention import Attention, Limits
+from .aux import aux_losses, clear_aux_losses
+from .context import CallContext
 from .errors import (
     AmbiguousNameError,
     AttnkitError,
@@ -24,13 +27,18 @@ from .errors import (
     UsageError,
 )
 from .hookspecs import hookimpl
-from .layers import MultiHeadAttention, Transformer, TransformerBlock
+from .layers import Block, MultiHeadAttention, Transformer, TransformerBlock
+from .masks import BlockIndex, Mask
+from .positions import Positions
 from .registry import default_registry
 from .spec import AttentionSpec, Capabilities, OptionSpec, Paper
+from .state import AttentionState
 
 __all__ = [
     "API_VERSION", "__version__", "Attention", "AttentionSpec", "Capabilities", "OptionSpec", "Paper",
-    "MultiHeadAttention", "Transformer", "TransformerBlock", "hookimpl",
+    "MultiHeadAttention", "Transformer", "TransformerBlock", "Block", "hookimpl",
+    "masks", "Mask", "BlockIndex", "Positions", "AttentionState", "CallContext", "Limits",
+    "aux_losses", "clear_aux_losses",
     "build", "get_spec", "available", "register", "unregister", "registered", "plugin", "plugin_records", "reload",
     "AttnkitError", "InvalidInputError", "UnknownAttentionError", "UnsupportedFeatureError",
     "AmbiguousNameError", "PluginLoadError", "BackendUnavailableError", "UsageError",

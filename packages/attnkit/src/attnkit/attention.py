@@ -1,22 +1,40 @@
-"""The contract: :class:`Attention`, the base class of every implementation."""
+"""The contract: :class:`Attention`, the base class of every implementation (contract version 2)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from . import backends as _backends
+from . import masks as _masks
+from .aux import AuxLossMixin
+from .context import CallContext
 from .errors import InvalidInputError, UnsupportedFeatureError
+from .positions import Positions, as_positions
 from .spec import AttentionSpec, Capabilities
+from .state import AttentionState
 
 _DTYPE_NAMES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
     torch.float32: "float32",
     torch.float64: "float64",
+}
+
+#: how each mask kind is named in a refusal, and the capability filter that finds who honours it
+_KIND_ARGUMENT = {
+    "causal": "causal=True",
+    "key_padding": "key_padding_mask",
+    "tensor": "attn_mask",
+    "sliding_window": "a sliding_window mask",
+    "document": "a document mask (packed sequences)",
+    "function": "a mask function (attnkit.masks.from_function)",
+    "union": "a union of masks (|)",
 }
 
 
@@ -26,24 +44,50 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__} {x!r}"[:120]
 
 
-class Attention(nn.Module):
+@dataclass(frozen=True)
+class Limits:
+    """Length limits of one instance (they may depend on its options).
+
+    Attributes:
+        max_length: the longest L and S accepted (None: no limit).
+        equal_length: L must equal S.
+        length_multiple: L and S must be multiples of it (None: any).
+    """
+
+    max_length: int | None = None
+    equal_length: bool = False
+    length_multiple: int | None = None
+
+    def why_not(self, L: int, S: int) -> str | None:
+        """None when ``(L, S)`` is accepted, else the limit that refuses it."""
+        if self.max_length is not None and max(L, S) > self.max_length:
+            return f"max_length {self.max_length}"
+        if self.equal_length and L != S:
+            return "L must equal S"
+        m = self.length_multiple
+        if m is not None and (L % m or S % m):
+            return f"lengths must be multiples of {m}"
+        return None
+
+
+class Attention(AuxLossMixin, nn.Module):
     """Base class of every attnkit attention implementation.
 
-    Subclasses implement :meth:`_forward` (and, with the ``streaming``
-    capability, :meth:`_init_state` and :meth:`_step`). The public
-    :meth:`forward` and :meth:`step` validate their inputs first and refuse,
-    with :class:`~attnkit.errors.UnsupportedFeatureError`, anything the
-    implementation's capabilities do not include, so nothing is ever ignored
-    silently.
+    Subclasses implement :meth:`_attend` (contract 2: one :class:`CallContext`)
+    or, the version-1 spelling still accepted, :meth:`_forward` with
+    ``causal``/``key_padding_mask``/``attn_mask``; with the ``streaming``
+    capability also :meth:`_init_state` and :meth:`_step`. The public
+    :meth:`forward` and :meth:`step` validate inputs once, resolve the mask,
+    positions, backend and state once, and refuse with
+    :class:`~attnkit.errors.UnsupportedFeatureError` anything the
+    capabilities leave out, so nothing is ever ignored silently.
 
     Args:
-        num_heads: number of heads H, for mechanisms with per-head parameters
-            or state; None when not needed.
-        head_dim: head dimension D, for mechanisms with parameters or random
-            features drawn for D; None when not needed.
-        scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
-        backend: ``"auto"`` picks the fastest available backend for the
-            tensors' device; a backend name forces that one.
+        num_heads: number of heads H; when given, inputs must have H heads.
+        head_dim: head dimension D; when given, q and k must have it.
+        scale: multiplier of ``q·k``; None means ``1/sqrt(D)``. Finite and > 0.
+        backend: ``"auto"`` picks a backend for the tensors' device (measured
+            winners from ``attnkit tune`` where present); a name forces it.
     """
 
     #: Capabilities used when the class is not registered (the spec wins).
@@ -60,8 +104,9 @@ class Attention(nn.Module):
         for arg, value in (("num_heads", num_heads), ("head_dim", head_dim)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InvalidInputError(f"{arg}: expected a positive int or None, got {value!r}")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
-            raise InvalidInputError(f"scale: expected a positive float or None, got {scale!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not (float(scale) > 0 and float(scale) < float("inf"))):
+            raise InvalidInputError(f"scale: expected a finite float > 0 or None, got {scale!r}")
         if not isinstance(backend, str):
             raise InvalidInputError(f"backend: expected a backend name or 'auto', got {backend!r}")
         self.num_heads = num_heads
@@ -69,6 +114,7 @@ class Attention(nn.Module):
         self.scale = None if scale is None else float(scale)
         self.backend = backend
         self._attnkit_spec: AttentionSpec | None = None
+        self._backend_cache: dict[tuple[Any, ...], str] = {}
 
     # ------------------------------------------------------------------ spec
     @property
@@ -83,6 +129,7 @@ class Attention(nn.Module):
     @spec.setter
     def spec(self, value: AttentionSpec | None) -> None:
         self._attnkit_spec = value
+        self.__dict__["_backend_cache"] = {}
 
     @property
     def caps(self) -> Capabilities:
@@ -91,6 +138,13 @@ class Attention(nn.Module):
         if spec is not None:
             return spec.capabilities
         return type(self).capabilities or Capabilities()
+
+    @property
+    def limits(self) -> Limits:
+        """Length limits of this instance; subclasses whose options fix a length override it."""
+        c = self.caps
+        return Limits(max_length=c.max_length, equal_length=not (c.cross or c.causal_cross),
+                      length_multiple=c.length_multiple)
 
     @property
     def impl_name(self) -> str:
@@ -111,20 +165,50 @@ class Attention(nn.Module):
         """``scale`` if given, else ``1/sqrt(D)`` for queries ``q`` of shape (..., D)."""
         return self.scale if self.scale is not None else q.shape[-1] ** -0.5
 
-    def resolve_backend(self, *tensors: Tensor) -> str:
-        """The backend to run for these tensors (see :mod:`attnkit.backends`)."""
+    def _needs_grad(self, *tensors: Tensor) -> bool:
+        return torch.is_grad_enabled() and (
+            any(t.requires_grad for t in tensors) or any(p.requires_grad for p in self.parameters()))
+
+    def resolve_backend(self, *tensors: Tensor, needs_grad: bool | None = None) -> str:
+        """The backend to run for these tensors, cached per device, dtype, gradient need and length.
+
+        Raises:
+            InvalidInputError: a backend the implementation does not offer.
+            BackendUnavailableError: a forced backend that cannot run here.
+        """
+        t0 = tensors[0]
+        if needs_grad is None:
+            needs_grad = self._needs_grad(*tensors)
+        length = t0.shape[-2] if t0.dim() >= 2 else 0
+        env = os.environ.get(_backends.ENV_BACKEND, "")
+        key = (t0.device, t0.dtype, needs_grad, env, int(length).bit_length(), _tuning_generation())
+        cache = self.__dict__.setdefault("_backend_cache", {})
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
         caps = self.caps
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in list(tensors) + list(self.parameters())
-        )
-        return _backends.select_backend(
+        backend = _backends.select_backend(
             implementation=self.impl_name,
             offered=caps.backends,
             forward_only=caps.forward_only_backends,
             requested=self.backend,
-            device=tensors[0].device,
+            device=t0.device,
             needs_grad=needs_grad,
         )
+        if self.backend == "auto" and not env.strip():
+            tuned = _tuned_backend(self, t0.device, t0.dtype, needs_grad, int(length))
+            if tuned is not None and tuned in caps.backends and _backends.why_unavailable(tuned, t0.device) is None \
+                    and not (needs_grad and tuned in caps.forward_only_backends):
+                backend = tuned
+        cache[key] = backend
+        return backend
+
+    def state_owner(self) -> tuple[str, str]:
+        """``(name, configuration)`` identifying which states this module accepts."""
+        shapes = ",".join(f"{n}{tuple(t.shape)}" for n, t in self.state_dict().items())
+        conf = f"{type(self).__qualname__}; heads={self.num_heads}; head_dim={self.head_dim}; " \
+               f"scale={self.scale}; {shapes}"
+        return self.impl_name, conf
 
     # ------------------------------------------------------------ refusals
     def _refuse(self, argument: str, reason: str = "", *, given: str = "", **capability: Any) -> None:
@@ -135,7 +219,10 @@ class Attention(nn.Module):
             reason = type(self).refusal_reasons.get(key, reason)
         if given:
             reason = f"{reason}; {given}" if reason else given
-        supported = [s.name for s in default_registry().available(**capability)] if capability else []
+        try:
+            supported = [s.name for s in default_registry().available(**capability)] if capability else []
+        except Exception:  # noqa: BLE001 - a registry problem must not hide the refusal
+            supported = []
         raise UnsupportedFeatureError(self.impl_name, argument, reason, supported)
 
     def _check_qkv(self, q: Any, k: Any, v: Any, where: str) -> None:
@@ -173,130 +260,213 @@ class Attention(nn.Module):
             raise InvalidInputError(
                 f"{where}: k and v must have the same length S (dim 2), got k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
+        if self.num_heads is not None and q.shape[1] != self.num_heads:
+            raise InvalidInputError(
+                f"{where}: {self.impl_name!r} was built with num_heads={self.num_heads}, got q with "
+                f"H={q.shape[1]} heads (q {tuple(q.shape)}); build it with num_heads={q.shape[1]}")
+        if self.head_dim is not None and q.shape[-1] != self.head_dim:
+            raise InvalidInputError(
+                f"{where}: {self.impl_name!r} was built with head_dim={self.head_dim}, got q and k with "
+                f"D={q.shape[-1]} (q {tuple(q.shape)}); build it with head_dim={q.shape[-1]}")
         dname = _DTYPE_NAMES.get(q.dtype, str(q.dtype))
         if dname not in self.caps.dtypes:
             self._refuse(f"dtype {dname}", f"it takes {', '.join(self.caps.dtypes)}", dtypes=dname)
 
+    def _check_mask(self, mask: _masks.Mask | None, L: int, S: int) -> None:
+        caps = self.caps
+        is_causal = mask is not None and mask.is_causal
+        if mask is not None:
+            kinds = mask.kinds
+            missing = [kd for kd in _masks.MASK_KINDS if kd in kinds and kd not in caps.mask_kinds]
+            for kd in missing:
+                if kd == "causal":
+                    self._refuse("causal=True", "it has no causal form", causal=True)
+                if kd == "key_padding":
+                    self._refuse("key_padding_mask", "", key_padding_mask=True)
+                if kd == "tensor":
+                    self._refuse("attn_mask", "use key_padding_mask and causal, or an implementation with attn_mask",
+                                 given=f"expected attn_mask=None, got {mask!r}", attn_mask=True)
+                self._refuse(_KIND_ARGUMENT.get(kd, f"mask kind {kd!r}"),
+                             f"it honours mask kinds {list(caps.mask_kinds) or 'none'}", given=f"got {mask!r}",
+                             mask_kinds=kd)
+            if "causal" in kinds and not is_causal and "causal" not in missing:
+                # causal inside a union: only implementations that materialise masks honour it
+                if "union" not in caps.mask_kinds:
+                    self._refuse("a union of masks (|)", "", given=f"got {mask!r}", mask_kinds="union")
+        if not is_causal and not caps.noncausal:
+            self._refuse("causal=False", "it is a causal-only recurrence; pass causal=True", noncausal=True)
+        if L != S:
+            if is_causal and not caps.causal_cross:
+                self._refuse(f"causal=True with L != S (got L={L}, S={S})",
+                             "its causal form needs queries and keys of one sequence", causal_cross=True)
+            if not is_causal and not caps.cross:
+                self._refuse(f"cross-attention (L={L} != S={S})", "", cross=True)
+
     # --------------------------------------------------------------- forward
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: _masks.Mask | None = None, causal: bool = False,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None,
+                positions: Positions | Tensor | int | None = None, state: AttentionState | None = None,
+                return_state: bool = False) -> Tensor | tuple[Tensor, AttentionState]:
         """Attend queries to keys.
 
         Args:
             q: queries ``(B, H, L, D)``.
             k: keys ``(B, H, S, D)``.
             v: values ``(B, H, S, E)``.
-            causal: query ``i`` sees only keys ``j <= i`` (bottom-right aligned
-                when L != S, for implementations that allow it).
-            key_padding_mask: bool ``(B, S)``, True = a real token.
-            attn_mask: bool (True = attend) or additive float mask broadcastable
-                to ``(B, H, L, S)``.
+            mask: an :class:`attnkit.masks.Mask` (causal, padding, sliding
+                window, document ids, a mask function, ``&``/``|`` of them).
+            causal: shorthand for ``mask & attnkit.masks.causal()``: query
+                ``i`` sees keys at positions ``<= i + S - L`` (bottom-right).
+            key_padding_mask: shorthand, bool ``(B, S)``, True = a real token.
+            attn_mask: shorthand, bool (True = attend) or additive float mask
+                broadcastable to ``(B, H, L, S)``.
+            positions: None, an int offset, an int tensor ``(L,)``/``(B, L)``
+                or :class:`attnkit.Positions` (see :mod:`attnkit.positions`).
+            state: a state from :meth:`init_state`, :meth:`step` or a previous
+                ``forward(..., return_state=True)``: continue from it.
+            return_state: return ``(out, new_state)``; works under autograd
+                (segment-by-segment training).
 
         Returns:
-            ``(B, H, L, E)``, the dtype of ``q``. Fully masked query rows are 0.
+            ``(B, H, L, E)`` in the dtype of ``q`` (fully masked rows are 0;
+            a NaN query gives NaN in its own row only), or ``(out, new_state)``.
 
         Raises:
-            InvalidInputError: wrong types, ranks, shapes, dtypes or devices.
-            UnsupportedFeatureError: an argument this implementation cannot honour.
+            InvalidInputError: wrong types, ranks, shapes, dtypes, devices, a
+                state from another module, batch, dtype or device.
+            UnsupportedFeatureError: an argument or mask kind this
+                implementation cannot honour, or a length beyond its limits.
         """
         self._check_qkv(q, k, v, "forward")
         B, H, L, _ = q.shape
         S = k.shape[2]
+        m = _masks.resolve(mask, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        self._check_mask(m, L, S)
+        pos = as_positions(positions, L=L, S=S)
         caps = self.caps
-        if not isinstance(causal, bool):
-            raise InvalidInputError(f"causal: expected a bool, got {_describe(causal)}")
-        if causal and not caps.causal:
-            self._refuse("causal=True", "it has no causal form", causal=True)
-        if not causal and not caps.noncausal:
-            self._refuse("causal=False", "it is a causal-only recurrence; pass causal=True", noncausal=True)
-        if L != S:
-            if causal and not caps.causal_cross:
-                self._refuse(f"causal=True with L != S (got L={L}, S={S})",
-                             "its causal form needs queries and keys of one sequence", causal_cross=True)
-            if not causal and not caps.cross:
-                self._refuse(f"cross-attention (L={L} != S={S})", "", cross=True)
-        if key_padding_mask is not None:
-            if not caps.key_padding_mask:
-                self._refuse("key_padding_mask", "", key_padding_mask=True)
-            key_padding_mask = self._check_kpm(key_padding_mask, B, S, q.device, "forward")
-        if attn_mask is not None:
-            if not caps.attn_mask:
-                self._refuse("attn_mask", "use key_padding_mask and causal, or an implementation with attn_mask",
-                             given=f"expected attn_mask=None, got {_describe(attn_mask)}", attn_mask=True)
-            attn_mask = self._check_attn_mask(attn_mask, B, H, L, S, q)
-        return self._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        if pos is not None and not caps.positions:
+            self._refuse("positions", "it does not use token positions", given=f"got {pos!r}", positions=True)
+        geom = _masks.Geometry(B, H, L, S, q.device, pos)
+        if m is not None:
+            m.check(geom, "forward")
+        why = self.limits.why_not(L, S)
+        if why is not None:
+            raise UnsupportedFeatureError(self.impl_name, f"sequences of L={L}, S={S}",
+                                          f"beyond its limit ({why}) with these options")
+        if not isinstance(return_state, bool):
+            raise InvalidInputError(f"return_state: expected a bool, got {_describe(return_state)}")
+        stateful = state is not None or return_state
+        owner = None
+        if stateful:
+            if caps.streaming is None:
+                self._refuse("state / return_state", "it keeps no state between calls", streaming=True)
+            if caps.streaming == "exact" and not (m is not None and m.is_causal):
+                raise InvalidInputError(
+                    f"forward: {self.impl_name!r} carries a causal prefix in its state; pass causal=True with "
+                    "state= or return_state=True")
+            owner = self.state_owner()
+            if state is None:
+                state = AttentionState(owner, B, q.dtype, q.device, self._init_state(
+                    B, device=q.device, dtype=q.dtype))
+            elif not isinstance(state, AttentionState):
+                raise InvalidInputError(
+                    f"forward: state must come from init_state(), step() or forward(return_state=True) of "
+                    f"{self.impl_name!r}, got {_describe(state)}")
+            else:
+                state.validate(owner, q, "forward")
+        needs_grad = self._needs_grad(q, k, v)
+        if L == 0 or S == 0:
+            out = _empty_output(q, k, v)
+            return (out, state.advanced(state.data, L, q)) if return_state else out
+        kpm = m.key_padding_mask if m is not None else None
+        if kpm is not None:  # padded keys have no influence, whatever they hold (NaN, Inf)
+            pad = ~kpm[:, None, :, None]
+            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        backend = self.resolve_backend(q, k, v, needs_grad=needs_grad)
+        ctx = CallContext(mask=m, geometry=geom, backend=backend, scale=self.get_scale(q), positions=pos,
+                          state=None if state is None else state.data,
+                          state_position=0 if state is None else state.position,
+                          return_state=stateful, needs_grad=needs_grad)
+        result = self._run(q, k, v, ctx)
+        if not stateful:
+            return result
+        out, data = result
+        new = state.advanced(data, L, q)
+        if caps.state_detached:
+            new = new.detach()
+        return (out, new) if return_state else out
 
-    @staticmethod
-    def _check_kpm(kpm: Any, B: int, S: int, device: torch.device, where: str) -> Tensor:
-        if not isinstance(kpm, Tensor):
-            raise InvalidInputError(f"{where}: key_padding_mask must be a bool tensor (B, S), got {_describe(kpm)}")
-        if kpm.dtype != torch.bool:
-            raise InvalidInputError(
-                f"{where}: key_padding_mask must be bool (True = real token), got dtype {kpm.dtype}; "
-                "convert with mask.bool() (note: attnkit's True means keep, unlike nn.MultiheadAttention)"
-            )
-        if tuple(kpm.shape) != (B, S):
-            raise InvalidInputError(
-                f"{where}: key_padding_mask must have shape (B, S) = ({B}, {S}), got {tuple(kpm.shape)}"
-            )
-        if kpm.device != device:
-            raise InvalidInputError(
-                f"{where}: key_padding_mask must be on {device} like q, got {kpm.device}"
-            )
-        return kpm
+    def _run(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
+        if _uses_attend(type(self)):
+            return self._attend(q, k, v, ctx)
+        # the version-1 spelling: _forward(causal, key_padding_mask, attn_mask) and _step
+        if ctx.return_state:
+            return self._step(q, k, v, ctx.state)
+        causal = ctx.causal
+        kpm = ctx.key_padding_mask
+        rest = ctx.rest("causal", "key_padding")
+        attn_mask = None
+        if rest is not None:
+            if rest.kinds == {"tensor"} and len(rest.leaves()) == 1:
+                attn_mask = rest.t  # type: ignore[attr-defined]
+            else:
+                keep = rest.dense(ctx.geometry)
+                bias = rest.bias(ctx.geometry, q.dtype)
+                attn_mask = keep if bias is None else bias.masked_fill(~keep, float("-inf"))
+            if attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
+                attn_mask = attn_mask.to(q.dtype)
+        return self._forward(q, k, v, causal=causal, key_padding_mask=kpm, attn_mask=attn_mask)
 
-    @staticmethod
-    def _check_attn_mask(m: Any, B: int, H: int, L: int, S: int, q: Tensor) -> Tensor:
-        if not isinstance(m, Tensor):
-            raise InvalidInputError(f"forward: attn_mask must be a tensor, got {_describe(m)}")
-        if not (m.dtype == torch.bool or m.is_floating_point()):
-            raise InvalidInputError(
-                f"forward: attn_mask must be bool (True = attend) or an additive float mask, got dtype {m.dtype}"
-            )
-        full = (B, H, L, S)
-        ok = m.dim() <= 4 and all(
-            a in (1, b) for a, b in zip(reversed(tuple(m.shape)), reversed(full))
-        )
-        if not ok:
-            raise InvalidInputError(
-                f"forward: attn_mask must be broadcastable to (B, H, L, S) = {full}, got shape {tuple(m.shape)}"
-            )
-        if m.device != q.device:
-            raise InvalidInputError(f"forward: attn_mask must be on {q.device} like q, got {m.device}")
-        if m.is_floating_point() and m.dtype != q.dtype:
-            m = m.to(q.dtype)
-        return m
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
+        """Compute attention for validated inputs (contract 2).
+
+        Args:
+            q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, E)``; keys
+                and values at padded positions are already zero.
+            ctx: the resolved :class:`~attnkit.context.CallContext`.
+
+        Returns:
+            ``(B, H, L, E)``, or ``(out, new_state_data)`` when ``ctx.return_state``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement _attend (or _forward)")
 
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
                  key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must implement _forward")
+        raise NotImplementedError(f"{type(self).__name__} must implement _attend (or _forward)")
 
     # ------------------------------------------------------------- streaming
     def init_state(self, batch: int, *, device: torch.device | str | None = None,
-                   dtype: torch.dtype | None = None) -> Any:
+                   dtype: torch.dtype | None = None) -> AttentionState:
         """A fresh streaming state for ``batch`` sequences.
 
         Raises:
             UnsupportedFeatureError: the implementation has no streaming form.
+            InvalidInputError: ``batch`` not a positive int.
         """
         if self.caps.streaming is None:
             self._refuse("streaming (init_state/step)", "", streaming=True)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise InvalidInputError(f"init_state: batch must be a positive int, got {batch!r}")
-        return self._init_state(batch, device=torch.device(device) if device is not None else None,
-                                dtype=dtype)
+        dev = torch.device(device) if device is not None else None
+        data = self._init_state(batch, device=dev, dtype=dtype)
+        return AttentionState(self.state_owner(), batch, dtype, dev, data)
 
-    def step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        """Consume a chunk of T >= 1 new positions.
+    def step(self, q: Tensor, k: Tensor, v: Tensor, state: AttentionState) -> tuple[Tensor, AttentionState]:
+        """Consume a chunk of T >= 1 new positions (the inference spelling of ``forward(state=...)``).
 
         Args:
             q: ``(B, H, T, D)``; k: ``(B, H, T, D)``; v: ``(B, H, T, E)``.
-            state: from :meth:`init_state` or a previous :meth:`step`.
+            state: from :meth:`init_state`, a previous :meth:`step` or
+                ``forward(..., return_state=True)``.
 
         Returns:
             ``(out, new_state)`` with ``out`` of shape ``(B, H, T, E)``. For
             ``streaming="exact"``, concatenated outputs equal
             ``forward(..., causal=True)`` over the whole sequence.
+
+        Raises:
+            InvalidInputError: a state from another module, configuration,
+                batch size, dtype or device (never cast or reset silently).
         """
         if self.caps.streaming is None:
             self._refuse("streaming (init_state/step)", "", streaming=True)
@@ -307,10 +477,62 @@ class Attention(nn.Module):
             )
         if state is None:
             raise InvalidInputError("step: state is None; create one with init_state(batch)")
-        return self._step(q, k, v, state)
+        if not isinstance(state, AttentionState):
+            raise InvalidInputError(
+                f"step: state must come from init_state(), step() or forward(return_state=True) of "
+                f"{self.impl_name!r}, got {_describe(state)}")
+        state.validate(self.state_owner(), q, "step")
+        out, data = self._step(q, k, v, state.data)
+        new = state.advanced(data, q.shape[2], q)
+        return out, (new.detach() if self.caps.state_detached else new)
 
     def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> Any:
         raise NotImplementedError(f"{type(self).__name__} declares streaming but has no _init_state")
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         raise NotImplementedError(f"{type(self).__name__} declares streaming but has no _step")
+
+
+def _uses_attend(cls: type) -> bool:
+    """True when the most derived of ``_attend``/``_forward`` overrides is ``_attend`` (contract 2)."""
+    for klass in cls.__mro__:
+        if klass is Attention:
+            return False
+        if "_attend" in klass.__dict__:
+            return True
+        if "_forward" in klass.__dict__:
+            return False
+    return False
+
+
+def _empty_output(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``(B, H, L, E)`` zeros for L = 0 or S = 0, connected to the graph of the empty inputs."""
+    B, H, L, _ = q.shape
+    out = q.new_zeros(B, H, L, v.shape[-1])
+    empties = [t for t in (q, k, v) if t.numel() == 0 and t.requires_grad]
+    for t in empties:
+        out = out + t.sum() * 0
+    return out
+
+
+def _tuning_generation() -> int:
+    try:
+        from . import tuning
+    except ImportError:
+        return 0
+    return getattr(tuning, "generation", lambda: 0)()
+
+
+def _tuned_backend(attn: Attention, device: torch.device, dtype: torch.dtype, needs_grad: bool,
+                   length: int) -> str | None:
+    try:
+        from . import tuning
+    except ImportError:
+        return None
+    lookup = getattr(tuning, "tuned_backend", None)
+    if lookup is None:
+        return None
+    try:
+        return lookup(attn.spec, device=device, dtype=dtype, needs_grad=needs_grad, length=length)
+    except Exception:  # noqa: BLE001 - a broken cache never breaks a forward
+        return None

@@ -1,6 +1,10 @@
-"""Layers around any registered attention: multi-head projections and a small pre-norm stack.
+"""Layers around any registered attention: multi-head projections, blocks and a small pre-norm stack.
 
-These are conveniences for the lab and examples; the attention modules are the product.
+:class:`Block` is the contract of block-level mechanisms (registered through
+the ``attnkit_register_block`` hook and built with :func:`attnkit.build_block`):
+``(B, L, dim) -> (B, L, dim)`` with the same masks, positions and state as an
+attention. :class:`TransformerBlock` is the standard pre-norm block, registered
+as ``"pre-norm"``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import Attention
+from .aux import AuxLossMixin
 from .errors import InvalidInputError
 
 
@@ -82,19 +87,27 @@ class MultiHeadAttention(nn.Module):
             got = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
             raise InvalidInputError(f"{name}: expected a (B, L, dim={self.dim}) tensor, got {got}")
 
-    def forward(self, x: Tensor, context: Tensor | None = None, *, causal: bool = False,
-                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, context: Tensor | None = None, *, mask: Any = None, causal: bool = False,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, positions: Any = None,
+                state: Any = None, return_state: bool = False) -> Tensor | tuple[Tensor, Any]:
         """Self-attention over ``x``, or cross-attention from ``x`` to ``context``.
 
         ``key_padding_mask`` is ``(B, S)`` bool, True = real token (S = L for
-        self-attention). ``attn_mask`` broadcasts to ``(B, H, L, S)``.
+        self-attention). ``attn_mask`` broadcasts to ``(B, H, L, S)``. ``mask``,
+        ``positions``, ``state`` and ``return_state`` go to the attention (see
+        :meth:`attnkit.Attention.forward`); with ``return_state`` the result is
+        ``(out, new_state)``.
         """
         self._check_x(x, "x")
         src = x if context is None else context
         if context is not None:
             self._check_x(context, "context")
         q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(src)), self._split(self.v_proj(src))
-        out = self.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        out = self.attention(q, k, v, mask=mask, causal=causal, key_padding_mask=key_padding_mask,
+                             attn_mask=attn_mask, positions=positions, state=state, return_state=return_state)
+        if return_state:
+            out, state = out
+            return self.dropout(self.out_proj(self._merge(out))), state
         return self.dropout(self.out_proj(self._merge(out)))
 
     def init_state(self, batch: int, *, device: torch.device | str | None = None,
@@ -110,8 +123,37 @@ class MultiHeadAttention(nn.Module):
         return self.dropout(self.out_proj(self._merge(out))), state
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+class Block(AuxLossMixin, nn.Module):
+    """Base class of block-level mechanisms: ``(B, L, dim) -> (B, L, dim)``.
+
+    A block owns its attention (built by name) and whatever surrounds it
+    (norms, MLP, gates, a halting unit). Subclasses implement :meth:`forward`
+    with the keyword arguments below, and :meth:`init_state`/:meth:`step` when
+    they stream. Auxiliary losses (e.g. a ponder cost) are recorded with
+    :meth:`record_aux_loss` and collected by :func:`attnkit.aux_losses`.
+
+    ``forward(x, *, mask=None, causal=False, key_padding_mask=None,
+    attn_mask=None, positions=None, state=None, return_state=False)``:
+    ``x`` ``(B, L, dim)``; the mask arguments as in
+    :meth:`attnkit.Attention.forward`; returns ``(B, L, dim)`` or
+    ``(out, new_state)``.
+    """
+
+    #: the registered block spec (set by :func:`attnkit.build_block`)
+    block_spec: Any = None
+
+    def forward(self, x: Tensor, **kwargs: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+
+    def init_state(self, batch: int, **kwargs: Any) -> Any:
+        raise InvalidInputError(f"{type(self).__name__} does not stream (no init_state)")
+
+    def step(self, x: Tensor, state: Any) -> tuple[Tensor, Any]:
+        raise InvalidInputError(f"{type(self).__name__} does not stream (no step)")
+
+
+class TransformerBlock(Block):
+    """Pre-norm block (registered as ``"pre-norm"``): ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
     Args:
         dim: model width.
@@ -121,16 +163,24 @@ class TransformerBlock(nn.Module):
             attention-only block (as in Zoology's MQAR models).
         dropout: dropout after attention and MLP.
         attention_options: options for :func:`attnkit.build`.
+        **options: more options for :func:`attnkit.build` (what
+            :func:`attnkit.build_block` passes on).
     """
 
     def __init__(self, dim: int, num_heads: int, attention: str | Attention = "softmax", *,
                  mlp_ratio: float = 4.0, dropout: float = 0.0,
-                 attention_options: dict[str, Any] | None = None) -> None:
+                 attention_options: dict[str, Any] | None = None, **options: Any) -> None:
         super().__init__()
         if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or mlp_ratio < 0:
             raise InvalidInputError(f"mlp_ratio: expected a number >= 0 (0 = no MLP), got {mlp_ratio!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise InvalidInputError(f"dropout: expected a float in [0, 1), got {dropout!r}")
+        both = set(options) & set(attention_options or {})
+        if both:
+            raise InvalidInputError(f"attention options {sorted(both)} given twice (attention_options and keywords)")
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = MultiHeadAttention(dim, num_heads, attention, dropout=dropout, **(attention_options or {}))
+        self.attn = MultiHeadAttention(dim, num_heads, attention, dropout=dropout,
+                                       **{**(attention_options or {}), **options})
         self.norm2: nn.Module | None = None
         self.mlp: nn.Module | None = None
         if mlp_ratio > 0:
@@ -141,10 +191,16 @@ class TransformerBlock(nn.Module):
     def _ffn(self, x: Tensor) -> Tensor:
         return x if self.mlp is None else x + self.mlp(self.norm2(x))
 
-    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
-                attn_mask: Tensor | None = None) -> Tensor:
-        x = x + self.attn(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
-        return self._ffn(x)
+    def forward(self, x: Tensor, *, mask: Any = None, causal: bool = False,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, positions: Any = None,
+                state: Any = None, return_state: bool = False) -> Tensor | tuple[Tensor, Any]:
+        """``(B, L, dim)`` in and out; masks, positions and state as in :meth:`attnkit.Attention.forward`."""
+        h = self.attn(self.norm1(x), mask=mask, causal=causal, key_padding_mask=key_padding_mask,
+                      attn_mask=attn_mask, positions=positions, state=state, return_state=return_state)
+        if return_state:
+            h, state = h
+            return self._ffn(x + h), state
+        return self._ffn(x + h)
 
     def init_state(self, batch: int, **kwargs: Any) -> Any:
         return self.attn.init_state(batch, **kwargs)
@@ -179,11 +235,24 @@ class Transformer(nn.Module):
         )
         self.norm = nn.LayerNorm(dim)
 
-    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
-                attn_mask: Tensor | None = None) -> Tensor:
-        for block in self.blocks:
-            x = block(x, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
-        return self.norm(x)
+    def forward(self, x: Tensor, *, mask: Any = None, causal: bool = False,
+                key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None, positions: Any = None,
+                state: list[Any] | None = None, return_state: bool = False) -> Tensor | tuple[Tensor, list[Any]]:
+        """``(B, L, dim)`` in and out; ``state`` is a list with one entry per block (or None)."""
+        kw = {"mask": mask, "causal": causal, "key_padding_mask": key_padding_mask, "attn_mask": attn_mask,
+              "positions": positions}
+        if state is not None and (not isinstance(state, list) or len(state) != len(self.blocks)):
+            raise InvalidInputError(
+                f"state: expected a list of {len(self.blocks)} block states (one per block), got {type(state).__name__}")
+        if not return_state and state is None:
+            for block in self.blocks:
+                x = block(x, **kw)
+            return self.norm(x)
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, **kw, state=None if state is None else state[i], return_state=True)
+            new.append(s)
+        return (self.norm(x), new) if return_state else self.norm(x)
 
     def init_state(self, batch: int, **kwargs: Any) -> list[Any]:
         return [b.init_state(batch, **kwargs) for b in self.blocks]

@@ -12,12 +12,47 @@ import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from .errors import InvalidInputError
 
 STREAMING_KINDS = ("exact", "segment")
+#: mask kinds (see :mod:`attnkit.masks`); ``"union"`` marks a ``|`` composition
+MASK_KINDS = ("causal", "key_padding", "tensor", "sliding_window", "document", "function", "union")
+
+
+class FrozenMapping(Mapping):
+    """A read-only dict that copies, deep-copies and pickles (``MappingProxyType`` does not)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        object.__setattr__(self, "_d", dict(data or {}))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("FrozenMapping is read-only")
+
+    def __reduce__(self):
+        return (FrozenMapping, (dict(self._d),))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Mapping) and dict(self._d) == dict(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted((k, repr(v)) for k, v in self._d.items())))
+
+    def __repr__(self) -> str:
+        return repr(self._d)
+
 KNOWN_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -30,7 +65,20 @@ class Capabilities:
         causal: accepts ``causal=True``.
         noncausal: accepts ``causal=False`` (False for causal-only recurrences).
         key_padding_mask: honours a ``(B, S)`` bool key padding mask.
-        attn_mask: honours an arbitrary bool or additive ``attn_mask``.
+        attn_mask: honours an arbitrary bool or additive ``attn_mask`` (and
+            so, by materialising it, any mask object).
+        mask_kinds: the mask kinds honoured (:data:`MASK_KINDS`); None derives
+            them from ``causal``, ``key_padding_mask`` and ``attn_mask``
+            (``attn_mask=True`` honours every kind). After construction it is
+            always a tuple.
+        positions: uses ``positions=`` (relative encodings, offsets, packed
+            sequences); an implementation without it refuses explicit positions.
+        state_detached: ``forward(..., return_state=True)`` returns a state
+            detached from the graph (segment memory as in Transformer-XL);
+            False: gradients flow through the state across calls.
+        max_length: the longest L (and S) accepted with the default options
+            (an instance may narrow it: :attr:`attnkit.Attention.limits`).
+        length_multiple: L and S must be multiples of it (None: any length).
         cross: accepts L != S (cross-attention) when not causal.
         causal_cross: accepts ``causal=True`` with L != S (bottom-right aligned:
             query i sits at absolute position ``S - L + i``).
@@ -52,6 +100,11 @@ class Capabilities:
     causal_cross: bool = False
     streaming: str | None = None
     varlen: bool = False
+    mask_kinds: tuple[str, ...] | None = None
+    positions: bool = False
+    state_detached: bool = False
+    max_length: int | None = None
+    length_multiple: int | None = None
     dtypes: tuple[str, ...] = ("float32", "float64")
     backends: tuple[str, ...] = ("torch",)
     forward_only_backends: tuple[str, ...] = ()
@@ -74,6 +127,19 @@ class Capabilities:
             )
         if not (self.causal or self.noncausal):
             raise InvalidInputError("Capabilities: at least one of causal / noncausal must be True")
+        if self.mask_kinds is None:
+            kinds = MASK_KINDS if self.attn_mask else tuple(
+                k for k, on in (("causal", self.causal), ("key_padding", self.key_padding_mask)) if on)
+        else:
+            kinds = tuple(self.mask_kinds)
+            unknown = [k for k in kinds if k not in MASK_KINDS]
+            if unknown:
+                raise InvalidInputError(f"Capabilities.mask_kinds: unknown kind(s) {unknown}; known: {MASK_KINDS}")
+        object.__setattr__(self, "mask_kinds", kinds)
+        for name in ("max_length", "length_multiple"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise InvalidInputError(f"Capabilities.{name} must be an int >= 1 or None, got {v!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,6 +191,16 @@ class AttentionSpec:
             distribution, with the default options; None when the mechanism
             is not an approximation of softmax attention.
         defaults: keyword arguments given to the factory before the user's.
+        reference: ``"pkg.module:function"`` (or the function) computing the same
+            mechanism with the same options and randomness the plain O(L·S)
+            way: ``reference(attn, q, k, v, *, mask, positions) -> (B, H, L, E)``,
+            where ``attn`` is the built module (its parameters and random
+            features), ``mask`` an :class:`attnkit.masks.Mask` or None. The
+            conformance kit compares every backend with it in float64. None for
+            an exact spec means softmax attention
+            (:func:`attnkit.reference.softmax_reference`).
+        aux_losses: ``{name: default weight}`` of the auxiliary losses the
+            module records during forward (:func:`attnkit.aux_losses`).
         options: explicit options schema; None derives it from the factory's
             signature and its docstring's ``Args:`` section.
         plugin, distribution, version: filled in by the registry.
@@ -142,6 +218,8 @@ class AttentionSpec:
     error_bound: float | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
     options: tuple[OptionSpec, ...] | None = None
+    reference: str | Callable[..., Any] | None = None
+    aux_losses: Mapping[str, float] = field(default_factory=dict, hash=False)
     plugin: str = ""
     distribution: str = ""
     version: str = ""
@@ -173,7 +251,15 @@ class AttentionSpec:
         if self.error_bound is not None and not self.error_bound > 0:
             raise InvalidInputError(f"AttentionSpec.error_bound must be > 0 or None, got {self.error_bound!r}")
         object.__setattr__(self, "aliases", tuple(self.aliases))
-        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+        object.__setattr__(self, "defaults", FrozenMapping(self.defaults))
+        for n, w in dict(self.aux_losses).items():
+            if not isinstance(n, str) or not n or isinstance(w, bool) or not isinstance(w, (int, float)):
+                raise InvalidInputError(
+                    f"AttentionSpec.aux_losses must map loss names to float weights, got {n!r}: {w!r}")
+        object.__setattr__(self, "aux_losses", FrozenMapping({n: float(w) for n, w in self.aux_losses.items()}))
+        if self.reference is not None and isinstance(self.reference, str) and ":" not in self.reference:
+            raise InvalidInputError(
+                f"AttentionSpec.reference must be 'module.path:function', got {self.reference!r}")
 
     # -- derived ---------------------------------------------------------
     @property
@@ -191,6 +277,31 @@ class AttentionSpec:
         if not isinstance(self.factory, str):
             return self.factory
         module_name, _, attr = self.factory.partition(":")
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    @property
+    def reference_path(self) -> str:
+        """The reference's import path ('' when none is declared and the spec is not exact)."""
+        ref = self.reference
+        if ref is None:
+            return "attnkit.reference:softmax_reference" if self.exact else ""
+        if isinstance(ref, str):
+            return ref
+        return f"{ref.__module__}:{ref.__qualname__}"
+
+    def load_reference(self) -> Callable[..., Any] | None:
+        """Import and return the reference function (softmax's for an exact spec without one), or None."""
+        ref = self.reference
+        if ref is None:
+            if not self.exact:
+                return None
+            ref = "attnkit.reference:softmax_reference"
+        if not isinstance(ref, str):
+            return ref
+        module_name, _, attr = ref.partition(":")
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
@@ -220,6 +331,8 @@ class AttentionSpec:
             "paper": dataclasses.asdict(self.paper) if self.paper else None,
             "factory": self.factory_path,
             "defaults": _jsonable(dict(self.defaults)),
+            "reference": self.reference_path,
+            "aux_losses": dict(self.aux_losses),
             "capabilities": self.capabilities.as_dict(),
             "plugin": self.plugin,
             "distribution": self.distribution,
