@@ -296,6 +296,29 @@ class Mask:
             return torch.zeros(b_, h_, 0, math.ceil(geom.S / bk), dtype=torch.int8, device=geom.device)
         return torch.cat(parts, dim=2)
 
+    def _refine(self, geom: Geometry, state: Tensor, ambiguous: Tensor, bq: int, bk: int) -> Tensor:
+        """Re-classify the ``ambiguous`` PARTIAL tiles of a composition by evaluating the mask on them alone."""
+        idx = ambiguous.nonzero()
+        if idx.numel() == 0:
+            return state
+        state = state.clone()
+        dev = geom.device
+        per = max(1, _EVAL_ELEMENTS // (bq * bk))
+        for c0 in range(0, idx.shape[0], per):
+            part = idx[c0:c0 + per]
+            n = part.shape[0]
+            b = part[:, 0].view(n, 1, 1, 1)
+            h = part[:, 1].view(n, 1, 1, 1)
+            qi = part[:, 2].view(n, 1, 1, 1) * bq + torch.arange(bq, device=dev).view(1, 1, bq, 1)
+            ki = part[:, 3].view(n, 1, 1, 1) * bk + torch.arange(bk, device=dev).view(1, 1, 1, bk)
+            valid = (qi < geom.L) & (ki < geom.S)
+            keep = self._keep(b, h, qi.clamp(max=geom.L - 1), ki.clamp(max=geom.S - 1), geom)
+            keep = keep.expand(n, 1, bq, bk)
+            any_ = (keep & valid).flatten(1).any(-1)
+            all_ = (keep | ~valid).flatten(1).all(-1)
+            state[part[:, 0], part[:, 1], part[:, 2], part[:, 3]] = _states(all_, any_)
+        return state
+
     def block_index(self, B: int, H: int, L: int, S: int, *, block_size: int | tuple[int, int] = DEFAULT_BLOCK,
                     device: torch.device | str = "cpu", positions: Positions | None = None) -> BlockIndex:
         """The :class:`BlockIndex` for this shape and block size, computed once and cached on the mask.
@@ -653,7 +676,9 @@ class _And(_Compound):
         out = states[0].expand(shape)
         for s in states[1:]:
             out = torch.minimum(out, s.expand(shape))  # SKIP < PARTIAL < FULL
-        return out.contiguous()
+        # two partial tiles may together allow nothing (or everything): evaluate those tiles exactly
+        partials = sum((s.expand(shape) == PARTIAL).to(torch.int8) for s in states)
+        return self._refine(geom, out.contiguous(), (out == PARTIAL) & (partials >= 2), bq, bk)
 
     def bias(self, geom, dtype):
         out = None
@@ -698,7 +723,8 @@ class _Or(_Compound):
             out = torch.where((out == FULL) | (s == FULL), torch.full_like(out, FULL),
                               torch.where((out == SKIP) & (s == SKIP), torch.full_like(out, SKIP),
                                           torch.full_like(out, PARTIAL)))
-        return out.contiguous()
+        partials = sum((s.expand(shape) == PARTIAL).to(torch.int8) for s in states)
+        return self._refine(geom, out.contiguous(), (out == PARTIAL) & (partials >= 2), bq, bk)
 
 
 # ============================================================== constructors

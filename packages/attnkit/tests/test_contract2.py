@@ -1,0 +1,311 @@
+"""Contract 2 in the core: one call context, mask objects, positions, state in forward, aux losses, limits."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import Attention, Capabilities, masks as M
+from attnkit.errors import InvalidInputError, UnsupportedFeatureError
+from attnkit.reference import naive_attention
+
+
+def qkv(B=2, H=2, L=7, S=None, D=4, E=3, dtype=torch.float64, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    S = L if S is None else S
+    out = [torch.randn(*s, generator=g, dtype=dtype).requires_grad_(grad)
+           for s in ((B, H, L, D), (B, H, S, D), (B, H, S, E))]
+    return out
+
+
+class Recorder(Attention):
+    """Records the context it was called with; output = softmax through the dense mask."""
+
+    capabilities = Capabilities(mask_kinds=("causal", "key_padding", "sliding_window"), backends=("torch",))
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seen = []
+
+    def _attend(self, q, k, v, ctx):
+        self.seen.append(ctx)
+        keep = ctx.dense_keep()
+        return naive_attention(q, k, v, attn_mask=keep, scale=ctx.scale) if keep is not None else \
+            naive_attention(q, k, v, scale=ctx.scale)
+
+
+@pytest.fixture
+def recorder():
+    with attnkit.registered(Recorder, name="recorder", capabilities=Recorder.capabilities):
+        yield attnkit.build("recorder")
+
+
+def test_one_resolved_mask_reaches_the_implementation(recorder):
+    q, k, v = qkv()
+    kpm = torch.ones(2, 7, dtype=torch.bool)
+    kpm[0, -2:] = False
+    recorder(q, k, v, causal=True, key_padding_mask=kpm, mask=M.sliding_window(2))
+    ctx = recorder.seen[-1]
+    assert ctx.mask.kinds == {"causal", "key_padding", "sliding_window"}
+    assert ctx.causal and torch.equal(ctx.key_padding_mask, kpm)
+    assert ctx.backend == "torch" and ctx.scale == pytest.approx(0.5)
+    assert ctx.geometry.L == 7 and ctx.geometry.S == 7
+
+
+def test_mask_kind_not_honoured_is_refused_naming_who_does(recorder):
+    q, k, v = qkv()
+    with pytest.raises(UnsupportedFeatureError, match=r"'recorder' does not support a document mask.*softmax"):
+        recorder(q, k, v, mask=M.document(torch.zeros(2, 7, dtype=torch.long)))
+    with pytest.raises(UnsupportedFeatureError, match="attn_mask"):
+        recorder(q, k, v, attn_mask=torch.ones(7, 7, dtype=torch.bool))
+    with pytest.raises(UnsupportedFeatureError, match=r"union of masks"):
+        recorder(q, k, v, mask=M.causal() | M.sliding_window(1))
+    with pytest.raises(UnsupportedFeatureError, match="positions"):
+        recorder(q, k, v, positions=3)
+
+
+def test_softmax_honours_every_mask_kind_like_the_dense_reference():
+    attn = attnkit.build("softmax")
+    q, k, v = qkv(L=9, S=9)
+    ids = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
+    fn = M.from_function(lambda b, h, qp, kp: (qp - kp) % 2 == 0, name="parity")
+    for mask in (M.sliding_window(2), M.document(ids) & M.causal(), fn, M.sliding_window(1) | fn,
+                 M.causal() & M.key_padding(torch.tensor([[True] * 9, [True] * 5 + [False] * 4]))):
+        for backend in ("sdpa", "torch"):
+            out = attnkit.build("softmax", backend=backend)(q, k, v, mask=mask)
+            torch.testing.assert_close(out, naive_attention(q, k, v, mask=mask), atol=1e-10, rtol=1e-8)
+    del attn
+
+
+def test_old_signature_still_works_and_equals_mask_objects():
+    attn = attnkit.build("softmax")
+    q, k, v = qkv()
+    kpm = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    old = attn(q, k, v, causal=True, key_padding_mask=kpm)
+    new = attn(q, k, v, mask=M.causal() & M.key_padding(kpm))
+    assert torch.equal(old, new)
+
+
+class V1Style(Attention):
+    """A plugin written against contract 1: _forward with three loose arguments."""
+
+    capabilities = Capabilities(attn_mask=True, backends=("torch",))
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        return naive_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+
+
+def test_a_version_1_implementation_runs_and_receives_any_mask_as_attn_mask():
+    with attnkit.registered(V1Style, name="v1-style", capabilities=V1Style.capabilities):
+        attn = attnkit.build("v1-style")
+        q, k, v = qkv()
+        mask = M.sliding_window(2) & M.causal()
+        torch.testing.assert_close(attn(q, k, v, mask=mask), naive_attention(q, k, v, mask=mask))
+
+
+def test_padded_keys_have_no_influence_whatever_they_hold():
+    attn = attnkit.build("softmax")
+    q, k, v = qkv()
+    kpm = torch.tensor([[True] * 5 + [False] * 2, [True, False] * 3 + [True]])
+    base = attn(q, k, v, key_padding_mask=kpm)
+    for fill in (1e30, float("nan"), float("inf"), -float("inf")):
+        k2, v2 = k.clone(), v.clone()
+        k2[~kpm[:, None, :, None].expand_as(k2)] = fill
+        v2[~kpm[:, None, :, None].expand_as(v2)] = fill
+        for backend in ("sdpa", "torch"):
+            out = attnkit.build("softmax", backend=backend)(q, k2, v2, key_padding_mask=kpm)
+            assert torch.isfinite(out).all(), (fill, backend)
+            torch.testing.assert_close(out, base, atol=1e-12, rtol=0)
+
+
+def test_nan_query_row_gives_nan_in_that_row_only():
+    q, k, v = qkv()
+    q[0, 0, 3] = float("nan")
+    for backend in ("sdpa", "torch"):
+        out = attnkit.build("softmax", backend=backend)(q, k, v)
+        assert torch.isnan(out[0, 0, 3]).all()
+        rest = torch.ones_like(out, dtype=torch.bool)
+        rest[0, 0, 3] = False
+        assert torch.isfinite(out[rest]).all(), backend
+
+
+@pytest.mark.parametrize("L, S", [(0, 0), (0, 5), (5, 0)])
+def test_empty_sequences(L, S):
+    q, k, v = qkv(L=L, S=S, grad=True)
+    for backend in ("sdpa", "torch"):
+        out = attnkit.build("softmax", backend=backend)(q, k, v, causal=(L == S))
+        assert out.shape == (2, 2, L, 3) and not out.any()
+        out.sum().backward()
+
+
+def test_state_in_forward_trains_segment_by_segment():
+    attn = attnkit.build("softmax")
+    q, k, v = qkv(L=10, grad=True)
+    full = attn(q, k, v, causal=True)
+    state, outs = None, []
+    for s0 in range(0, 10, 4):
+        sl = slice(s0, s0 + 4)
+        o, state = attn(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=True, state=state, return_state=True)
+        outs.append(o)
+    got = torch.cat(outs, dim=2)
+    torch.testing.assert_close(got, full)
+    g1 = torch.autograd.grad(got.sum(), (q, k, v))
+    g2 = torch.autograd.grad(full.sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    assert state.position == 10 and state.batch == 2
+    # step is the inference spelling of the same thing
+    st = attn.init_state(2, dtype=torch.float64)
+    outs = []
+    with torch.no_grad():
+        for t in range(10):
+            o, st = attn.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], st)
+            outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 2), full.detach())
+
+
+def test_states_are_validated_never_cast():
+    attn = attnkit.build("softmax")
+    q, k, v = qkv()
+    _, st = attn(q, k, v, causal=True, return_state=True)
+    with pytest.raises(InvalidInputError, match="batch size 2, got q with batch size 1"):
+        attn(q[:1], k[:1], v[:1], causal=True, state=st)
+    with pytest.raises(InvalidInputError, match="holds torch.float64 tensors, got q of dtype torch.float32"):
+        attn(q.float(), k.float(), v.float(), causal=True, state=st)
+    other = attnkit.build("softmax", scale=0.3)
+    with pytest.raises(InvalidInputError, match="another configuration"):
+        other(q, k, v, causal=True, state=st)
+    with pytest.raises(InvalidInputError, match="pass causal=True"):
+        attn(q, k, v, state=st)
+    with pytest.raises(InvalidInputError, match="state must come from init_state"):
+        attn(q, k, v, causal=True, state={"k": None})
+
+
+def test_state_of_another_mechanism_is_refused():
+    class Other(attnkit.softmax.SoftmaxAttention):
+        pass
+
+    attn = attnkit.build("softmax")
+    q, k, v = qkv()
+    _, st = attn(q, k, v, causal=True, return_state=True)
+    with attnkit.registered(Other, name="other-softmax", capabilities=attn.caps):
+        other = attnkit.build("other-softmax")
+        with pytest.raises(InvalidInputError, match="state belongs to 'softmax', not 'other-softmax'"):
+            other.step(q, k, v, st)
+
+
+def test_state_refused_without_streaming(recorder):
+    q, k, v = qkv()
+    with pytest.raises(UnsupportedFeatureError, match="state / return_state"):
+        recorder(q, k, v, causal=True, return_state=True)
+
+
+def test_positions_reach_the_context_and_shift_causal_masks():
+    attn = attnkit.build("softmax")
+    q, k, v = qkv(L=3, S=5)
+    # keys at 0..4, queries at 0..2 (top-left) instead of the default 2..4
+    pos = attnkit.Positions(q=torch.arange(3), k=torch.arange(5))
+    out = attn(q, k, v, causal=True, positions=pos)
+    keep = torch.arange(5)[None, :] <= torch.arange(3)[:, None]
+    torch.testing.assert_close(out, naive_attention(q, k, v, attn_mask=keep))
+    with pytest.raises(InvalidInputError, match="single tensor gives the positions of a self-attention"):
+        attn(q, k, v, positions=torch.arange(3))
+    with pytest.raises(InvalidInputError, match="positions: expected None, an int offset"):
+        attn(q, k, v, positions="0")
+
+
+def test_declared_heads_and_head_dim_are_enforced():
+    attn = attnkit.build("softmax", num_heads=8)
+    q, k, v = qkv(H=4)
+    with pytest.raises(InvalidInputError, match="built with num_heads=8, got q with H=4"):
+        attn(q, k, v)
+    with pytest.raises(InvalidInputError, match="built with head_dim=16"):
+        attnkit.build("softmax", head_dim=16)(*qkv())
+
+
+class Limited(Recorder):
+    capabilities = Capabilities(cross=False, backends=("torch",))
+
+    @property
+    def limits(self):
+        return attnkit.Limits(max_length=8, equal_length=True, length_multiple=2)
+
+
+def test_limits_are_enforced_with_the_limit_named():
+    with attnkit.registered(Limited, name="limited", capabilities=Limited.capabilities):
+        attn = attnkit.build("limited")
+        attn(*qkv(L=8))
+        with pytest.raises(UnsupportedFeatureError, match="max_length 8"):
+            attn(*qkv(L=10))
+        with pytest.raises(UnsupportedFeatureError, match="multiples of 2"):
+            attn(*qkv(L=7))
+    assert attnkit.Limits(equal_length=True).why_not(4, 6) == "L must equal S"
+
+
+class Penalised(Recorder):
+    """Records a penalty proportional to its scale parameter."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def _attend(self, q, k, v, ctx):
+        self.record_aux_loss("penalty", self.w * 3)
+        return super()._attend(q, k, v, ctx)
+
+
+def test_aux_losses_are_collected_weighted_and_cleared():
+    with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities,
+                            aux_losses={"penalty": 0.5}):
+        layer = attnkit.MultiHeadAttention(8, 2, "penalised")
+        model = torch.nn.Sequential(layer)
+        x = torch.randn(1, 5, 8)
+        layer(x)
+        layer(x)  # two forwards before a collection add up
+        got = attnkit.aux_losses(model)
+        assert set(got) == {"penalty"}
+        assert got["penalty"].item() == pytest.approx(2 * 2.0 * 3 * 0.5)
+        got["penalty"].backward()
+        assert layer.attention.w.grad.item() == pytest.approx(2 * 3 * 0.5)
+        assert attnkit.aux_losses(model) == {}  # cleared
+        layer(x)
+        assert attnkit.aux_losses(model, weighted=False)["penalty"].item() == pytest.approx(6.0)
+        layer.attention.aux_weights = {"penalty": 2.0}
+        layer(x)
+        assert attnkit.aux_losses(model)["penalty"].item() == pytest.approx(12.0)
+
+
+def test_undeclared_aux_loss_is_a_clear_error():
+    with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities):
+        attn = attnkit.build("penalised")
+        with pytest.raises(InvalidInputError, match="'penalty' its spec does not declare"):
+            attn(*qkv())
+
+
+def test_modules_deepcopy_pickle_and_save_whole():
+    mha = attnkit.Transformer(8, 2, 2, "softmax")
+    x = torch.randn(1, 5, 8)
+    want = mha(x)
+    for clone in (copy.deepcopy(mha), pickle.loads(pickle.dumps(mha))):
+        torch.testing.assert_close(clone(x), want)
+    buf = io.BytesIO()
+    torch.save(mha, buf)
+    buf.seek(0)
+    torch.testing.assert_close(torch.load(buf, weights_only=False)(x), want)
+    torch.optim.swa_utils.AveragedModel(mha)
+
+
+def test_transformer_carries_state_across_segments():
+    model = attnkit.Transformer(8, 2, 2, "softmax").double()
+    x = torch.randn(1, 9, 8, dtype=torch.float64)
+    full = model(x, causal=True)
+    a, st = model(x[:, :4], causal=True, return_state=True)
+    b, st = model(x[:, 4:], causal=True, state=st, return_state=True)
+    torch.testing.assert_close(torch.cat([a, b], 1), full)
+    with pytest.raises(InvalidInputError, match="list of 2 block states"):
+        model(x, causal=True, state=[None])
