@@ -515,21 +515,27 @@ def _empty_output(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out
 
 
+_TUNING: list[Any] = []  # [module or None], imported once
+
+
+def _tuning() -> Any:
+    if not _TUNING:
+        try:
+            from . import tuning
+        except ImportError:
+            tuning = None
+        _TUNING.append(tuning)
+    return _TUNING[0]
+
+
 def _tuning_generation() -> int:
-    try:
-        from . import tuning
-    except ImportError:
-        return 0
-    return getattr(tuning, "generation", lambda: 0)()
+    tuning = _tuning()
+    return getattr(tuning, "generation", lambda: 0)() if tuning is not None else 0
 
 
 def _tuned_backend(attn: Attention, device: torch.device, dtype: torch.dtype, needs_grad: bool,
                    length: int) -> str | None:
-    try:
-        from . import tuning
-    except ImportError:
-        return None
-    lookup = getattr(tuning, "tuned_backend", None)
+    lookup = getattr(_tuning(), "tuned_backend", None)
     if lookup is None:
         return None
     try:
