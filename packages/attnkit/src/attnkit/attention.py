@@ -179,6 +179,8 @@ class Attention(AuxLossMixin, nn.Module):
         t0 = tensors[0]
         if needs_grad is None:
             needs_grad = self._needs_grad(*tensors)
+        if torch.compiler.is_compiling():
+            return self._backend_while_compiling(t0.device, needs_grad)
         length = t0.shape[-2] if t0.dim() >= 2 else 0
         env = os.environ.get(_backends.ENV_BACKEND, "")
         key = (t0.device, t0.dtype, needs_grad, env, int(length).bit_length(), _tuning_generation())
@@ -202,6 +204,19 @@ class Attention(AuxLossMixin, nn.Module):
                 backend = tuned
         cache[key] = backend
         return backend
+
+    def _backend_while_compiling(self, device: torch.device, needs_grad: bool) -> str:
+        """The static choice, in plain Python torch.compile can trace (no imports, no environment, no cache)."""
+        caps = self.caps
+        if self.backend != "auto":
+            return self.backend
+        runs_on = {"numba": "cpu", "triton": "cuda", "flex": "cuda"}
+        for name in caps.backends:
+            if needs_grad and name in caps.forward_only_backends:
+                continue
+            if runs_on.get(name, device.type) == device.type:
+                return name
+        return "torch"
 
     def state_owner(self) -> tuple[str, str]:
         """``(name, configuration)`` identifying which states this module accepts."""

@@ -34,7 +34,6 @@ bool (True = may attend) or additive float broadcastable to ``(B, H, L, S)``.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -222,8 +221,8 @@ class Mask:
     head_dependent: bool = False
 
     def __init__(self) -> None:
+        # block indices per shape; a race between threads only computes one twice
         self._cache: dict[tuple[Any, ...], BlockIndex] = {}
-        self._lock = threading.Lock()
 
     # -- what subclasses provide
     def _keep(self, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor, geom: Geometry) -> Tensor:
@@ -341,17 +340,15 @@ class Mask:
         key = geom.cache_key()
         if key is not None:
             key = (*key, bq, bk)
-            with self._lock:
-                hit = self._cache.get(key)
+            hit = self._cache.get(key)
             if hit is not None:
                 return hit
         self.check(geom, "block_index")
         index = BlockIndex(self._blocks(geom, bq, bk), (bq, bk), L, S)
         if key is not None:
-            with self._lock:
-                if len(self._cache) > 32:
-                    self._cache.clear()
-                self._cache[key] = index
+            if len(self._cache) > 32:
+                self._cache.clear()
+            self._cache[key] = index
         return index
 
     def mask_mod(self, geom: Geometry) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
