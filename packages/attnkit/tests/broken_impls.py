@@ -1,10 +1,17 @@
 """Deliberately broken attention implementations that the conformance kit must catch.
 
-Each class breaks one rule of the contract (DESIGN.md section 2) and is
-otherwise an ordinary softmax attention, so the check that catches it is the
-one aimed at that rule. They are registered only inside tests, with
-``attnkit.registered(...)``; :data:`CASES` says how (spec fields) and which
-check must fail. Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)``.
+Each class breaks one rule of the contract and is otherwise an ordinary
+softmax attention (or, for the window, an ordinary local attention), so the
+check that catches it is the one aimed at that rule. They are registered
+only inside tests, with ``attnkit.registered(...)``; :data:`CASES` says how
+(spec fields) and which check must fail. Shapes: q ``(B, H, L, D)``, k
+``(B, H, S, D)``, v ``(B, H, S, E)``.
+
+Since contract 2 the base class zeroes k and v at padded keys before an
+implementation sees them; faults in padding handling therefore show in the
+``reference`` and ``key_padding`` checks (output vs the keys removed), or,
+for implementations that bypass the base (override ``forward``), in
+``gradients`` and ``padded_values``.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import Attention, Capabilities
+from attnkit import Attention, AttentionState, CallContext, Capabilities
+from attnkit import masks as M
 from attnkit.masks import causal_keep
-from attnkit.reference import naive_attention
+from attnkit.reference import masked_softmax_attention, naive_attention
 
 BASIC = Capabilities()  # causal, noncausal, key padding, cross; float32/float64; torch backend
 
@@ -222,12 +230,169 @@ class _MaskFreeBackward(torch.autograd.Function):
 
 
 class PaddingGradLeakAttention(NaiveAttention):
-    """Right forward, but its backward ignores key padding: padded keys get gradients."""
+    """Right forward, but its backward ignores key padding (a custom-kernel bug); the base zeroes the
+    padded keys, so the padded gradients stay 0 and the leak shows in the other gradients."""
 
     def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         if key_padding_mask is None:
             return super()._forward(q, k, v, causal=causal, key_padding_mask=None, attn_mask=attn_mask)
         return _MaskFreeBackward.apply(q, k, v, key_padding_mask, causal, self.get_scale(q))
+
+
+class BypassPaddingGradLeakAttention(NaiveAttention):
+    """Overrides ``forward`` (so the base does not zero padded keys) and its backward ignores the padding:
+    padded keys get gradients."""
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, **kw):
+        if key_padding_mask is None or kw:
+            return super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kw)
+        self._check_qkv(q, k, v, "forward")
+        return _MaskFreeBackward.apply(q, k, v, key_padding_mask, causal, self.get_scale(q))
+
+
+# ------------------------------------------------------------ contract 2 faults
+class MeanOfValuesAttention(Attention):
+    """Claims to be exact softmax; returns the mean of the visible values (uniform weights).
+
+    It honours every mask (so causality, padding and mask checks pass), has
+    the right shape and is finite: only the reference catches it.
+    """
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
+        keep = ctx.dense_keep()
+        B, H, L, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        w = torch.ones(B, H, L, S, dtype=q.dtype, device=q.device)
+        if keep is not None:
+            w = w * keep
+        w = w / w.sum(-1, keepdim=True).clamp_min(1)
+        return w @ v
+
+
+class LocalAttention(Attention):
+    """Softmax over a band of keys: the query at position p sees keys at p - window ... p + window.
+
+    A correct non-softmax mechanism with its own reference (:func:`local_reference`);
+    honours causal, key padding and sliding-window masks (``&``-ed with its band).
+
+    Args:
+        window: keys on each side of the query.
+        num_heads: unused. head_dim: unused. scale: multiplier of q·k. backend: only "torch".
+    """
+
+    _reach = 0  # the broken variant adds one key
+
+    def __init__(self, *, window: int = 2, num_heads: int | None = None, head_dim: int | None = None,
+                 scale: float | None = None, backend: str = "auto") -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.window = window
+
+    def _attend(self, q, k, v, ctx):
+        reach = self.window + self._reach
+        band = M.sliding_window(reach, reach)
+        m = band if ctx.mask is None else ctx.mask & band
+        return masked_softmax_attention(q, k, v, keep=m.dense(ctx.geometry), bias=m.bias(ctx.geometry, q.dtype),
+                                        scale=ctx.scale)
+
+
+def local_reference(attn, q, k, v, *, mask, positions):
+    """The reference of :class:`LocalAttention`: the dense masked softmax over the band of ``attn.window``."""
+    band = M.sliding_window(attn.window, attn.window)
+    return naive_attention(q, k, v, mask=band if mask is None else mask & band, positions=positions,
+                           scale=attn.scale)
+
+
+#: the band compares positions, so the mechanism declares positions (and honours ``positions=``)
+LOCAL_CAPS = Capabilities(mask_kinds=("causal", "key_padding", "sliding_window"), positions=True)
+
+
+class OffByOneWindowAttention(LocalAttention):
+    """Local attention whose band is one key too wide on each side (window + 1)."""
+
+    _reach = 1
+
+
+class OneBackendIgnoresPaddingAttention(Attention):
+    """Softmax attention with a second backend ('kitfake', assumed available) that drops key padding."""
+
+    def _attend(self, q, k, v, ctx):
+        m = ctx.rest("key_padding") if ctx.backend == "kitfake" else ctx.mask
+        if m is None:
+            return masked_softmax_attention(q, k, v, scale=ctx.scale)
+        return masked_softmax_attention(q, k, v, keep=m.dense(ctx.geometry), bias=m.bias(ctx.geometry, q.dtype),
+                                        scale=ctx.scale)
+
+
+class IgnoresWindowAttention(Attention):
+    """Declares sliding-window masks, honours only causal and key padding (drops the window)."""
+
+    def _attend(self, q, k, v, ctx):
+        return naive_attention(q, k, v, causal=ctx.causal, key_padding_mask=ctx.key_padding_mask, scale=ctx.scale)
+
+
+class WrongPrefixStreamingAttention(NaiveAttention):
+    """Exact streaming whose KV cache silently keeps only the last 4 positions (the wrong prefix)."""
+
+    def _step(self, q, k, v, state):
+        out, new = super()._step(q, k, v, state)
+        return out, {"k": new["k"][:, :, -4:], "v": new["v"][:, :, -4:]}
+
+
+class DetachedCacheAttention(NaiveAttention):
+    """Exact streaming whose KV cache is detached from the graph while the spec says gradients flow
+    through states (``state_detached=False``): segment-by-segment training gets wrong gradients."""
+
+    def _step(self, q, k, v, state):
+        out, new = super()._step(q, k, v, state)
+        return out, {"k": new["k"].detach(), "v": new["v"].detach()}
+
+
+class NaNOnPaddedKeysAttention(NaiveAttention):
+    """Overrides ``forward`` and masks padded keys itself, bypassing the base's zeroing:
+    NaN values at padded keys leak through ``0 * NaN`` in ``weights @ v``."""
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, **kw):
+        if key_padding_mask is None or kw:
+            return super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **kw)
+        self._check_qkv(q, k, v, "forward")
+        return naive_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=self.get_scale(q))
+
+
+class RowMaxOnEmptyAttention(NaiveAttention):
+    """Overrides ``forward`` with a hand-written stabiliser (a row max over the keys) that runs before the
+    base's handling of empty sequences: S = 0 raises."""
+
+    def forward(self, q, k, v, **kw):
+        (q @ k.transpose(-2, -1)).amax(-1)
+        return super().forward(q, k, v, **kw)
+
+
+class QueryMixingAttention(NaiveAttention):
+    """Normalises each query by the norm of all queries of its (b, h): a NaN query poisons every row."""
+
+    def _forward(self, q, k, v, **kw):
+        q = q / q.norm(dim=(2, 3), keepdim=True) * q.shape[2] ** 0.5
+        return super()._forward(q, k, v, **kw)
+
+
+class LambdaHoldingAttention(NaiveAttention):
+    """Keeps a lambda on the module: deepcopy works, pickle and torch.save of the module fail."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.activation = lambda x: x
+
+    def _forward(self, q, k, v, **kw):
+        return super()._forward(self.activation(q), k, v, **kw)
+
+
+class UnvalidatedStateAttention(NaiveAttention):
+    """Overrides ``step`` and uses any state it is given: a state of another batch, dtype, mechanism or
+    configuration is accepted silently."""
+
+    def step(self, q, k, v, state):
+        data = state.data if isinstance(state, AttentionState) else {"k": None, "v": None}
+        out, new = self._step(q, k, v, data)
+        return out, AttentionState(self.state_owner(), q.shape[0], q.dtype, q.device, new)
 
 
 @dataclass(frozen=True)
@@ -242,7 +407,7 @@ class BrokenCase:
 
 
 CASES: list[BrokenCase] = [
-    # the five of the issue
+    # the five of the first issue
     BrokenCase(LeakyFutureAttention, "broken-leak", "causality", "leaks the future",
                {"exact": True, "capabilities": BASIC}),
     BrokenCase(IgnoresPaddingAttention, "broken-ignores-padding", "key_padding",
@@ -264,7 +429,7 @@ CASES: list[BrokenCase] = [
                {"exact": True, "capabilities": BASIC}),
     BrokenCase(NoRefusalAttention, "broken-no-refusal", "refusals", "accepted silently",
                {"exact": True, "capabilities": Capabilities(key_padding_mask=False)}),
-    BrokenCase(WrongScaleAttention, "broken-scale", "reference", "output vs float64 reference",
+    BrokenCase(WrongScaleAttention, "broken-scale", "reference", "output vs reference",
                {"exact": True, "capabilities": BASIC}),
     BrokenCase(WrongDtypeAttention, "broken-dtype", "shapes_dtypes", "output dtype torch.float32",
                {"exact": True, "capabilities": BASIC}),
@@ -278,8 +443,37 @@ CASES: list[BrokenCase] = [
                {"exact": False, "capabilities": BASIC}),
     BrokenCase(BackendMismatchAttention, "broken-backend", "backends", "backend='fake' vs 'torch'",
                {"exact": True, "capabilities": Capabilities(backends=("torch", "fake"))}),
-    BrokenCase(PaddingGradLeakAttention, "broken-padding-grad", "gradients", "at padded key positions",
+    BrokenCase(BypassPaddingGradLeakAttention, "broken-padding-grad", "gradients", "at padded key positions",
                {"exact": True, "capabilities": BASIC}),
     BrokenCase(DetachedKeysAttention, "broken-gradcheck", "gradcheck", r"gradcheck .* failed .*Jacobian mismatch",
                {"exact": True, "capabilities": BASIC}),
+    # contract 2: reference agreement, padding without the perturbation trick, bad inputs, streaming
+    BrokenCase(MeanOfValuesAttention, "broken-mean-of-v", "reference", "output vs reference",
+               {"exact": True, "capabilities": Capabilities(attn_mask=True, causal_cross=True)}),
+    BrokenCase(OffByOneWindowAttention, "broken-window", "reference", r"output vs reference",
+               {"exact": False, "reference": local_reference, "capabilities": LOCAL_CAPS}),
+    BrokenCase(OneBackendIgnoresPaddingAttention, "broken-one-backend", "reference",
+               r"backend='kitfake', causal=\w+, key_padding_mask=.* output vs reference",
+               {"exact": True, "capabilities": Capabilities(backends=("torch", "kitfake"))}),
+    BrokenCase(PaddingGradLeakAttention, "broken-padding-grad-base", "reference",
+               r"key_padding_mask=.*gradient of [qkv] vs reference", {"exact": True, "capabilities": BASIC}),
+    BrokenCase(IgnoresWindowAttention, "broken-ignores-window", "mask_objects", "the mask is not honoured",
+               {"exact": True, "capabilities": LOCAL_CAPS}),
+    BrokenCase(WrongPrefixStreamingAttention, "broken-wrong-prefix", "streaming",
+               r"chunk=1.*step outputs differ from forward\(causal=True\)",
+               {"exact": True, "capabilities": Capabilities(streaming="exact")}),
+    BrokenCase(DetachedCacheAttention, "broken-detached-state", "streaming",
+               r"gradients through forward\(state=\.\.\., return_state=True\) differ",
+               {"exact": True, "capabilities": Capabilities(streaming="exact")}),
+    BrokenCase(UnvalidatedStateAttention, "broken-state-validation", "state_validation",
+               r"step\(.*a state for batch size 3.*accepted silently",
+               {"exact": True, "capabilities": Capabilities(streaming="exact")}),
+    BrokenCase(LambdaHoldingAttention, "broken-lambda", "serialisation",
+               r"pickle.loads\(pickle.dumps\(module\)\) raised", {"exact": True, "capabilities": BASIC}),
+    BrokenCase(RowMaxOnEmptyAttention, "broken-empty", "empty_sequences", r"S=0.*raised",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(NaNOnPaddedKeysAttention, "broken-nan-padded", "padded_values",
+               r"padded k and v = nan.*non-finite", {"exact": True, "capabilities": BASIC}),
+    BrokenCase(QueryMixingAttention, "broken-query-mixing", "nan_queries", "other output rows changed",
+               {"exact": False, "capabilities": Capabilities(causal=False)}),
 ]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import Attention, Capabilities, masks as M
+from attnkit import Attention, Capabilities
+from attnkit import masks as M
 from attnkit.errors import InvalidInputError, UnsupportedFeatureError
 from attnkit.reference import naive_attention
 

@@ -109,9 +109,10 @@ def test_kinds_conjuncts_and_views():
     rest = m.without("causal", "key_padding")
     assert rest.kinds == {"sliding_window"}
     u = M.causal() | M.sliding_window(2)
-    assert "union" in u.kinds and u.conjuncts() is None and not u.is_causal
-    with pytest.raises(InvalidInputError, match="union"):
-        u.without("causal")
+    assert "union" in u.kinds and u.conjuncts() == [u] and not u.is_causal
+    assert u.without("causal") is u  # the union is one atomic part
+    both = u & M.causal()
+    assert both.is_causal and both.without("causal") is u and both.without("union").kinds == {"causal"}
     assert (None & M.causal()).kinds == {"causal"}
 
 

@@ -243,7 +243,8 @@ class Transformer(nn.Module):
               "positions": positions}
         if state is not None and (not isinstance(state, list) or len(state) != len(self.blocks)):
             raise InvalidInputError(
-                f"state: expected a list of {len(self.blocks)} block states (one per block), got {type(state).__name__}")
+                f"state: expected a list of {len(self.blocks)} block states (one per block), "
+                f"got {type(state).__name__}")
         if not return_state and state is None:
             for block in self.blocks:
                 x = block(x, **kw)

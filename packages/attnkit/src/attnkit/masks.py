@@ -253,8 +253,8 @@ class Mask:
     def leaves(self) -> list[Mask]:
         return [self]
 
-    def conjuncts(self) -> list[Mask] | None:
-        """The leaves when the mask is an ``&`` of leaves (no ``|``), else None."""
+    def conjuncts(self) -> list[Mask]:
+        """The ``&``-ed parts: leaves, and unions (``|``) as atomic parts of kind ``"union"``."""
         return [self]
 
     #: compares positions (so per-batch position tensors make it batch dependent)
@@ -381,15 +381,13 @@ class Mask:
     @property
     def is_causal(self) -> bool:
         """True when a causal mask is one of the ``&``-ed parts (the whole mask is at most causal)."""
-        parts = self.conjuncts()
-        return bool(parts) and any(isinstance(p, _Causal) for p in parts)
+        return any(isinstance(p, _Causal) for p in self.conjuncts())
 
     @property
     def key_padding_mask(self) -> Tensor | None:
         """The ``&`` of every key padding part, bool ``(B, S)``, or None."""
-        parts = self.conjuncts() or []
         kpm = None
-        for p in parts:
+        for p in self.conjuncts():
             if isinstance(p, _KeyPadding):
                 kpm = p.kpm if kpm is None else kpm & p.kpm
         return kpm
@@ -397,13 +395,9 @@ class Mask:
     def without(self, *kinds: str) -> Mask | None:
         """This mask with the ``&``-ed parts of ``kinds`` removed (None when nothing is left).
 
-        Raises:
-            InvalidInputError: the mask contains ``|`` (no part can be removed).
+        A union (``|``) is one part of kind ``"union"``: parts inside it stay.
         """
-        parts = self.conjuncts()
-        if parts is None:
-            raise InvalidInputError(f"{self!r}: a union (|) of masks cannot be split into parts")
-        rest = [p for p in parts if p.kind not in kinds]
+        rest = [p for p in self.conjuncts() if p.kind not in kinds]
         if not rest:
             return None
         return rest[0] if len(rest) == 1 else _And(rest)
@@ -652,13 +646,7 @@ class _And(_Compound):
         return frozenset().union(*(p.kinds for p in self.parts))
 
     def conjuncts(self):
-        out: list[Mask] = []
-        for p in self.parts:
-            c = p.conjuncts()
-            if c is None:
-                return None
-            out.extend(c)
-        return out
+        return [c for p in self.parts for c in p.conjuncts()]
 
     def _keep(self, b, h, qi, ki, geom):
         keep = None
@@ -696,12 +684,14 @@ class _Or(_Compound):
                 "mask |: an additive float mask (a bias) cannot be part of a union; use a bool mask, or "
                 "combine biases with &")
 
+    kind = "union"
+
     @property
     def kinds(self):
         return frozenset({"union"}).union(*(p.kinds for p in self.parts))
 
     def conjuncts(self):
-        return None
+        return [self]  # one atomic part of kind "union"
 
     def _keep(self, b, h, qi, ki, geom):
         keep = None
@@ -829,7 +819,8 @@ def from_function(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, nam
             raising or returning anything but a bool tensor.
     """
     if not callable(fn):
-        raise InvalidInputError(f"from_function: fn must be callable (b, h, q_pos, kv_pos) -> bool, got {_describe(fn)}")
+        raise InvalidInputError(
+            f"from_function: fn must be callable (b, h, q_pos, kv_pos) -> bool, got {_describe(fn)}")
     return _Function(fn, name or getattr(fn, "__name__", "mask"), bool(batch_dependent), bool(head_dependent))
 
 

@@ -84,6 +84,9 @@ class Positions:
             InvalidInputError: a tensor whose length or batch does not match.
         """
         qp, kp = self.q, self.k
+        if self.is_default:  # key j at j, query i at i + S - L (bottom-right)
+            qp = torch.arange(S - L, S, device=device)
+            kp = torch.arange(S, device=device)
         if qp is None:
             start = self.offset
             qp = torch.arange(start, start + L, device=device)

@@ -60,7 +60,7 @@ class SoftmaxAttention(Attention):
             return F.scaled_dot_product_attention(q, k, v, scale=scale, dropout_p=p)
         if L == S and geom.positions is None and mask.kinds == {"causal"}:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=p)
-        kpm_only = mask.kinds == {"key_padding"} and mask.conjuncts() is not None
+        kpm_only = mask.kinds == {"key_padding"}
         keep = mask.key_padding_mask[:, None, None, :] if kpm_only else mask.dense(geom)
         bias = mask.bias(geom, q.dtype)
         row_any = keep.any(-1, keepdim=True)
@@ -97,7 +97,7 @@ class SoftmaxAttention(Attention):
     def _cached(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> tuple[Tensor, dict[str, Any]]:
         mask = ctx.mask
         parts = mask.conjuncts() if mask is not None else []
-        if parts is None or any(p.kind not in ("causal", "key_padding") for p in parts):
+        if any(p.kind not in ("causal", "key_padding") for p in parts):
             raise UnsupportedFeatureError(
                 self.impl_name, f"{mask!r} with state=", "with a KV cache it honours causal and key_padding_mask")
         return self._append(q, k, v, ctx.state, ctx.key_padding_mask, ctx.scale, ctx.backend)

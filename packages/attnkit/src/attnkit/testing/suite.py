@@ -10,8 +10,10 @@
 
 pytest collects one ``test_<check>`` method per check of
 :data:`attnkit.testing.checks.CHECKS`; a check that does not apply is skipped
-with its reason. The checks themselves live in :mod:`attnkit.testing.checks`
-(no pytest), which :func:`attnkit.testing.run_conformance` also uses.
+with its reason. The checks themselves live in the kit's modules (no pytest;
+:mod:`attnkit.testing.checks` lists them), which
+:func:`attnkit.testing.run_conformance` also uses. :class:`BlockConformance`
+is the same for block-level mechanisms (:mod:`attnkit.testing.blocks`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from .blocks import BLOCK_CHECKS, BlockConformanceConfig
 from .checks import (
     CHECKS,
+    DEFAULT_LONG_LENGTH,
     DEFAULT_SHAPES,
     DEFAULT_STREAMING_CHUNKS,
     CheckSkipped,
@@ -32,7 +36,7 @@ from .checks import (
     ErrorDistribution,
 )
 
-__all__ = ["AttentionConformance"]
+__all__ = ["AttentionConformance", "BlockConformance"]
 
 
 class AttentionConformance:
@@ -55,9 +59,14 @@ class AttentionConformance:
       ``shapes`` with B = 1.
     * ``error_distribution``: an :class:`~attnkit.testing.ErrorDistribution`
       (or a dict of its fields) for the ``error_bound`` check.
+    * ``long_length``: the longer self-attention length of the reference cases
+      (default 67; None leaves it out).
     * ``streaming_chunks``: chunk sizes for streaming (None = whole sequence).
+    * ``queries_interact``: True when queries influence each other's outputs
+      (skips ``nan_queries``).
     * ``skip``: ``{check_name: reason}``; e.g. ``{"gradcheck": "top-k is not differentiable"}``.
-    * ``device``: default ``"cpu"``; ``seed``: default 0.
+    * ``device``: default ``"cpu"``; ``seed``: default 0; ``registry``: the
+      registry holding ``name`` (default: the process-wide one).
     * ``streaming_reference(self, attn, q, k, v, chunk)``: define it for
       ``streaming="segment"`` to return the expected concatenated step outputs
       ``(B, H, L, E)`` (or None).
@@ -70,11 +79,14 @@ class AttentionConformance:
     rtol: ClassVar[Mapping[str | torch.dtype, float]] = {}
     shapes: ClassVar[Sequence[int]] = DEFAULT_SHAPES
     gradcheck_shapes: ClassVar[Sequence[int] | None] = None
+    long_length: ClassVar[int | None] = DEFAULT_LONG_LENGTH
     error_distribution: ClassVar[ErrorDistribution | Mapping[str, Any]] = ErrorDistribution()
     streaming_chunks: ClassVar[Sequence[int | None]] = DEFAULT_STREAMING_CHUNKS
+    queries_interact: ClassVar[bool] = False
     skip: ClassVar[Mapping[str, str]] = {}
     device: ClassVar[str] = "cpu"
     seed: ClassVar[int] = 0
+    registry: ClassVar[Any] = None
     streaming_reference: ClassVar[Callable[..., Tensor | None] | None] = None
 
     def conformance_config(self) -> ConformanceConfig:
@@ -91,12 +103,15 @@ class AttentionConformance:
             rtol=dict(self.rtol),
             shapes=tuple(self.shapes),
             gradcheck_shapes=self.gradcheck_shapes,
+            long_length=self.long_length,
             error_distribution=self.error_distribution,
             streaming_chunks=tuple(self.streaming_chunks),
             streaming_reference=self.streaming_reference,
+            queries_interact=self.queries_interact,
             skip=dict(self.skip),
             device=self.device,
             seed=self.seed,
+            registry=self.registry,
         )
 
     def run_check(self, check: str) -> None:
@@ -116,7 +131,7 @@ class AttentionConformance:
         self.run_check("shapes_dtypes")
 
     def test_refusals(self) -> None:
-        """Undeclared capabilities and dtypes raise UnsupportedFeatureError."""
+        """Undeclared capabilities, mask kinds, positions, streaming, limits and dtypes are refused."""
         self.run_check("refusals")
 
     def test_causality(self) -> None:
@@ -124,7 +139,7 @@ class AttentionConformance:
         self.run_check("causality")
 
     def test_key_padding(self) -> None:
-        """Padded keys have no influence on any output."""
+        """Padded keys count as absent: equal to the output with them removed; zero gradients there."""
         self.run_check("key_padding")
 
     def test_fully_masked_rows(self) -> None:
@@ -135,6 +150,10 @@ class AttentionConformance:
         """A declared attn_mask is honoured: masked-out pairs have no influence."""
         self.run_check("attn_mask")
 
+    def test_mask_objects(self) -> None:
+        """Mask objects (windows, documents, functions, unions) are honoured; shorthands agree."""
+        self.run_check("mask_objects")
+
     def test_cross_attention(self) -> None:
         """A declared L != S works (both L < S and L > S)."""
         self.run_check("cross_attention")
@@ -144,16 +163,20 @@ class AttentionConformance:
         self.run_check("batch_independence")
 
     def test_reference(self) -> None:
-        """Exact implementations match the float64 reference within per-dtype tolerances."""
+        """Forward and gradients equal the spec's reference in float64, on every backend here."""
         self.run_check("reference")
 
     def test_error_bound(self) -> None:
-        """Approximations stay within spec.error_bound on the stated distribution."""
+        """The error vs softmax (a figure) stays within a declared spec.error_bound."""
         self.run_check("error_bound")
 
     def test_streaming(self) -> None:
-        """init_state/step in chunks of 1, 3, all equal the causal forward (exact streaming)."""
+        """step and forward(state=..., return_state=True) equal the causal forward, with gradients."""
         self.run_check("streaming")
+
+    def test_state_validation(self) -> None:
+        """States of another batch, dtype, device, mechanism or configuration are refused."""
+        self.run_check("state_validation")
 
     def test_backends(self) -> None:
         """Every backend that can run here agrees with the torch path, forward and backward."""
@@ -171,6 +194,88 @@ class AttentionConformance:
         """state_dict round-trips into a freshly built instance."""
         self.run_check("state_dict")
 
+    def test_serialisation(self) -> None:
+        """deepcopy, pickle and torch.save of the whole module keep its outputs."""
+        self.run_check("serialisation")
+
     def test_determinism(self) -> None:
         """Same seed, same outputs; same instance, same output twice."""
         self.run_check("determinism")
+
+    def test_empty_sequences(self) -> None:
+        """L = 0 and S = 0: empty in, empty (or zero) out, backward works, on every backend."""
+        self.run_check("empty_sequences")
+
+    def test_padded_values(self) -> None:
+        """1e4, NaN and +/-inf at padded keys change nothing, on every backend."""
+        self.run_check("padded_values")
+
+    def test_nan_queries(self) -> None:
+        """A NaN query gives NaN in its own row only."""
+        self.run_check("nan_queries")
+
+
+class BlockConformance:
+    """Base class of a conformance test suite for one registered block (``attnkit.build_block``).
+
+    Subclass it (class name starting with ``Test``) and set :attr:`name`;
+    pytest runs every block check. Optional class attributes: ``options``,
+    ``attention`` (default ``"softmax"``), ``dim``, ``num_heads``, ``batch``,
+    ``length``, ``dtype`` (default float64), ``atol``, ``rtol``, ``skip``,
+    ``device``, ``seed``, ``registry``. Checks skip while this attnkit has no
+    ``build_block``.
+    """
+
+    name: ClassVar[str] = ""
+    options: ClassVar[Mapping[str, Any]] = {}
+    attention: ClassVar[str] = "softmax"
+    dim: ClassVar[int] = 8
+    num_heads: ClassVar[int] = 2
+    batch: ClassVar[int] = 2
+    length: ClassVar[int] = 9
+    dtype: ClassVar[str] = "float64"
+    atol: ClassVar[Mapping[str | torch.dtype, float]] = {}
+    rtol: ClassVar[Mapping[str | torch.dtype, float]] = {}
+    skip: ClassVar[Mapping[str, str]] = {}
+    device: ClassVar[str] = "cpu"
+    seed: ClassVar[int] = 0
+    registry: ClassVar[Any] = None
+
+    def block_config(self) -> BlockConformanceConfig:
+        if not self.name:
+            raise TypeError(f"{type(self).__name__}: set the class attribute name = '<registered block name>'")
+        return BlockConformanceConfig(
+            name=self.name, options=dict(self.options), attention=self.attention, dim=self.dim,
+            num_heads=self.num_heads, batch=self.batch, length=self.length, dtype=self.dtype,
+            atol=dict(self.atol), rtol=dict(self.rtol), skip=dict(self.skip), device=self.device,
+            seed=self.seed, registry=self.registry)
+
+    def run_check(self, check: str) -> None:
+        __tracebackhide__ = True
+        cfg = self.block_config()
+        if check in cfg.skip:
+            pytest.skip(f"{check}: skipped by configuration: {cfg.skip[check]}")
+        try:
+            BLOCK_CHECKS[check](cfg)
+        except CheckSkipped as exc:
+            pytest.skip(f"{check}: {exc}")
+
+    def test_block_shapes(self) -> None:
+        """(B, L, dim) in and out, input dtype, finite; input not modified."""
+        self.run_check("block_shapes")
+
+    def test_block_causality(self) -> None:
+        """causal=True through the whole block: perturbing future x changes no past output."""
+        self.run_check("block_causality")
+
+    def test_block_gradients(self) -> None:
+        """Gradients of x and parameters are finite."""
+        self.run_check("block_gradients")
+
+    def test_block_state_dict(self) -> None:
+        """state_dict round-trips into a block built under another seed."""
+        self.run_check("block_state_dict")
+
+    def test_block_deepcopy(self) -> None:
+        """A deep copy gives the same outputs."""
+        self.run_check("block_deepcopy")

@@ -1,0 +1,91 @@
+"""Gradient checks: finite everywhere, zero at padded keys; ``torch.autograd.gradcheck``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .config import DTYPE_NAMES, ConformanceConfig
+from .context import Ctx, grad_names, make_inputs
+
+
+def check_gradients(cfg: ConformanceConfig) -> None:
+    """Gradients of q, k, v and parameters are finite; padded keys get zero gradient.
+
+    float32 and float64 (as tested), over the case generator's plain,
+    padding, ``attn_mask``, mask-object and cross cases as declared; k and v
+    of padded keys must get exactly-zero gradients.
+    """
+    c = Ctx("gradients", cfg)
+    for dt in c.float_dtypes():
+        attn = c.build(dtype=dt)
+        names = grad_names(attn)
+        for n, case in enumerate(c.cases(attn, ["plain", "padding", "tensor", "objects", "cross"])):
+            label = case.describe(dt)
+            q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n, requires_grad=True)
+            out = c.call(attn, label, q, k, v, grad=True, **case.kwargs(dt))
+            g = c.grads(attn, out, (q, k, v), label, seed=1200 + n)
+            if g[2] is None:
+                c.fail(f"{label}: the output has no gradient with respect to v")
+            for name, t in zip(names, g):
+                c.finite(t, label, f"gradient of {name}")
+            kpm = case.key_padding_mask
+            if kpm is None:
+                continue
+            pad = ~kpm[:, None, :, None]
+            for name, t in (("k", g[1]), ("v", g[2])):
+                if t is None:
+                    continue
+                leak = t.detach().masked_select(pad.expand_as(t))
+                if leak.numel() and bool((leak != 0).any()):
+                    c.fail(f"{label}: the gradient of {name} at padded key positions must be 0, got max "
+                           f"|grad| = {leak.abs().max().item():.3g}")
+
+
+def check_gradcheck(cfg: ConformanceConfig) -> None:
+    """:func:`torch.autograd.gradcheck` passes in float64 on tiny shapes.
+
+    Shapes: ``gradcheck_shapes`` (default ``shapes`` with B = 1); with respect
+    to q, k, v; ``fast_mode=True``, eps 1e-6, atol 1e-5, rtol 1e-3. Run on the
+    ``torch`` backend and, when different, the backend automatic dispatch picks
+    for float64 inputs that need a gradient. Cases: the generator's plain,
+    padding, bool ``attn_mask`` and (unpadded) cross cases, as declared.
+    """
+    c = Ctx("gradcheck", cfg)
+    if "float64" not in c.caps.dtypes:
+        c.skip("the spec does not declare float64, which gradcheck needs")
+    dt = torch.float64
+    B, H, L, S, D, E = cfg.gradcheck_shapes or (1, *cfg.shapes[1:])
+    auto = c.build(dtype=dt)
+    probe = make_inputs(B, H, L, L, D, E, dtype=dt, device=c.device, requires_grad=True)
+    with torch.enable_grad():
+        try:
+            resolved = auto.resolve_backend(*probe)
+        except Exception as exc:  # noqa: BLE001
+            c.fail(f"resolving the automatic backend for float64 inputs that need a gradient raised "
+                   f"{type(exc).__name__}: {exc}")
+    backends = ["torch"] + ([resolved] if resolved != "torch" else [])
+    for backend in backends:
+        attn = c.build(dtype=dt, **({"backend": backend} if "backend" in c.takes else {}))
+        cases = c.cases(attn, ["plain", "padding", "tensor", "cross"], B=B, L=L, S=S)
+        cases = [cs for cs in cases if not (isinstance(cs.kw.get("attn_mask"), Tensor)
+                                            and cs.kw["attn_mask"].is_floating_point())
+                 and not (cs.family == "cross" and cs.key_padding_mask is not None)]
+        for n, case in enumerate(cases):
+            label = f"backend={backend!r}, {case.label}, B={B}, H={H}, L={case.L}, S={case.S}, D={D}, E={E}, " \
+                    f"{DTYPE_NAMES[dt]}"
+            q, k, v = make_inputs(B, H, case.L, case.S, D, E, dtype=dt, device=c.device,
+                                  seed=cfg.seed * 1000 + 1300 + n, requires_grad=True)
+            kw = case.kwargs(dt)
+
+            def fn(q: Tensor, k: Tensor, v: Tensor, attn: Any = attn, kw: dict[str, Any] = kw) -> Tensor:
+                return attn(q, k, v, **kw)
+
+            try:
+                torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5, rtol=1e-3, fast_mode=True)
+            except Exception as exc:  # noqa: BLE001 - GradcheckError or the implementation's own
+                msg = str(exc)
+                c.fail(f"{label}: gradcheck (inputs: 0 = q, 1 = k, 2 = v) failed ({type(exc).__name__}): "
+                       f"{msg[:1500]}{' ...' if len(msg) > 1500 else ''}")
