@@ -121,7 +121,7 @@ def test_reload_rediscovers(fake_entry_points, monkeypatch):
 def test_factory_that_does_not_import(fake_entry_points):
     reg = fake_entry_points({"bf": "plugin_fixtures.bad_factory"})
     assert reg.resolve("missing-module").name == "missing-module"  # listing never imports
-    with pytest.raises(PluginLoadError, match="cannot import plugin_fixtures.does_not_exist:Nothing"):
+    with pytest.raises(PluginLoadError, match="cannot import the factory plugin_fixtures.does_not_exist:Nothing"):
         reg.build("missing-module")
 
 

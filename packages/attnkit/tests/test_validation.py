@@ -54,15 +54,32 @@ def test_wrong_device_mask(attn):
 
 
 @pytest.mark.parametrize("kw, pattern", [
+    ({"num_heads": 0}, r"build\('softmax'\): option num_heads: expected a value >= 1, got 0"),
+    ({"head_dim": 2.5}, r"option head_dim: expected int or None, got 2.5 \(float\)"),
+    ({"scale": -1.0}, "option scale: expected a value > 0, got -1.0"),
+    ({"scale": float("nan")}, "option scale: expected a finite number, got nan"),
+    ({"scale": float("inf")}, "option scale: expected a finite number, got inf"),
+    ({"scale": "0.5"}, r"option scale: expected float or None, got '0.5' \(str\)"),
+    ({"backend": 3}, r"option backend: expected str, got 3 \(int\)"),
+    ({"backend": "numba"}, r"option backend: 'softmax' offers backends \['sdpa', 'torch'\]"),
+    ({"dropout": 1.5}, "option dropout: expected a value < 1, got 1.5"),
+    ({"dropout": True}, r"option dropout: expected float, got True \(bool\)"),
+])
+def test_bad_options_are_refused_before_building(kw, pattern):
+    with pytest.raises(InvalidInputError, match=pattern):
+        attnkit.build("softmax", **kw)
+
+
+@pytest.mark.parametrize("kw, pattern", [
     ({"num_heads": 0}, "num_heads: expected a positive int"),
     ({"head_dim": 2.5}, "head_dim: expected a positive int"),
-    ({"scale": -1.0}, "scale: expected a finite float > 0"),
+    ({"scale": float("nan")}, "scale: expected a finite float > 0"),
     ({"backend": 3}, "backend: expected a backend name"),
     ({"dropout": 1.5}, r"dropout: expected a float in \[0, 1\)"),
 ])
-def test_bad_constructor_arguments(kw, pattern):
+def test_constructors_check_again_when_built_directly(kw, pattern):
     with pytest.raises(InvalidInputError, match=pattern):
-        attnkit.build("softmax", **kw)
+        SoftmaxAttention(**kw)
 
 
 class Limited(SoftmaxAttention):

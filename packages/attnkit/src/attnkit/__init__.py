@@ -31,14 +31,15 @@ from .layers import Block, MultiHeadAttention, Transformer, TransformerBlock
 from .masks import BlockIndex, Mask
 from .positions import Positions
 from .registry import default_registry
-from .spec import AttentionSpec, Capabilities, OptionSpec, Paper
+from .spec import AttentionSpec, BlockSpec, Capabilities, OptionSpec, Paper
 from .state import AttentionState
 
 __all__ = [
     "API_VERSION", "__version__", "Attention", "AttentionSpec", "Capabilities", "OptionSpec", "Paper",
     "MultiHeadAttention", "Transformer", "TransformerBlock", "Block", "hookimpl",
     "masks", "Mask", "BlockIndex", "Positions", "AttentionState", "CallContext", "Limits",
-    "aux_losses", "clear_aux_losses",
+    "aux_losses", "clear_aux_losses", "BlockSpec", "build_block", "get_block_spec", "blocks",
+    "register_block", "registered_block",
     "build", "get_spec", "available", "register", "unregister", "registered", "plugin", "plugin_records", "reload",
     "AttnkitError", "InvalidInputError", "UnknownAttentionError", "UnsupportedFeatureError",
     "AmbiguousNameError", "PluginLoadError", "BackendUnavailableError", "UsageError",
@@ -96,3 +97,35 @@ def plugin_records() -> list:
 def reload() -> None:
     """Forget loaded plugins so the next use discovers them again."""
     default_registry().reload()
+
+
+def build_block(name: str, *, dim: int, num_heads: int, attention: Any = "softmax", **options: Any) -> Block:
+    """Construct the block registered as ``name``: a module ``(B, L, dim) -> (B, L, dim)``.
+
+    Example: ``attnkit.build_block("pre-norm", dim=256, num_heads=4, attention="performer", num_features=64)``.
+
+    Raises:
+        UnknownAttentionError: no such block; the message suggests close ones.
+        InvalidInputError: an option the block (or its attention) does not take.
+    """
+    return default_registry().build_block(name, dim=dim, num_heads=num_heads, attention=attention, **options)
+
+
+def get_block_spec(name: str) -> BlockSpec:
+    """The :class:`BlockSpec` registered as ``name``."""
+    return default_registry().resolve_block(name)
+
+
+def blocks() -> list[BlockSpec]:
+    """Every registered block spec."""
+    return default_registry().blocks()
+
+
+def register_block(spec: BlockSpec) -> BlockSpec:
+    """Register a block in this process (a :class:`BlockSpec`)."""
+    return default_registry().register_block(spec)
+
+
+def registered_block(spec: BlockSpec):
+    """Context manager: register a block for a ``with`` block, always unregister after."""
+    return default_registry().registered_block(spec)

@@ -21,15 +21,51 @@ ENV_BACKEND = "ATTNKIT_BACKEND"
 KNOWN_BACKENDS = ("torch", "sdpa", "flex", "numba", "triton")
 
 
+_IMPORTABLE: dict[str, bool] = {}
+_REASONS: dict[tuple[str, str, bool, str], str | None] = {}
+
+
+def clear_cache() -> None:
+    """Forget cached availability (after installing numba or triton in the same process, or in tests)."""
+    _IMPORTABLE.clear()
+    _REASONS.clear()
+
+
 def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    hit = _IMPORTABLE.get(module)
+    if hit is None:
+        try:
+            hit = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            hit = False
+        _IMPORTABLE[module] = hit
+    return hit
+
+
+def check_env_backend() -> str:
+    """``ATTNKIT_BACKEND`` stripped ('' when unset).
+
+    Raises:
+        InvalidInputError: a value that is no backend name (a misspelling is never ignored silently).
+    """
+    env = os.environ.get(ENV_BACKEND, "").strip()
+    if env and env != "auto" and env not in KNOWN_BACKENDS:
+        raise InvalidInputError(
+            f"{ENV_BACKEND}: expected one of {list(KNOWN_BACKENDS)} or 'auto', got {env!r}")
+    return env
 
 
 def why_unavailable(backend: str, device: torch.device, *, forced: bool = False) -> str | None:
-    """Return None when ``backend`` can run on ``device``, else the reason."""
+    """Return None when ``backend`` can run on ``device``, else the reason (cached)."""
+    key = (backend, device.type, forced, os.environ.get("TRITON_INTERPRET", ""))
+    if key in _REASONS:
+        return _REASONS[key]
+    reason = _why_unavailable(backend, device, forced=forced)
+    _REASONS[key] = reason
+    return reason
+
+
+def _why_unavailable(backend: str, device: torch.device, *, forced: bool = False) -> str | None:
     if backend in ("torch", "sdpa"):
         return None
     if backend == "numba":
@@ -84,7 +120,7 @@ def select_backend(
             )
         forced = requested
     else:
-        env = os.environ.get(ENV_BACKEND, "").strip()
+        env = check_env_backend()  # a backend this implementation does not offer leaves it on auto
         if env and env != "auto" and env in offered:
             forced = env
     if forced is not None:

@@ -9,10 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ._version import __version__
-from .errors import AttnkitError, InvalidInputError, UsageError
+from .errors import AttnkitError, InvalidInputError, PluginLoadError, UsageError
 from .registry import Registry, default_registry
 
-BUILTIN_COMMANDS = ("list", "describe", "check")
+BUILTIN_COMMANDS = ("list", "describe", "check", "tune")
+#: commands that come with attnkit-lab (named in the error when the lab is not installed)
+LAB_COMMANDS = ("bench", "error", "train", "demo")
 
 
 class CommandLine:
@@ -74,6 +76,7 @@ def _cmd_list(args: argparse.Namespace, reg: Registry) -> int:
     if args.json:
         print(json.dumps({
             "attention": [s.as_dict() for s in specs],
+            "blocks": [b.as_dict() for b in reg.blocks()],
             "plugins": [r.as_dict() for r in records],
         }, indent=2))
         return 0
@@ -88,6 +91,12 @@ def _cmd_list(args: argparse.Namespace, reg: Registry) -> int:
             ",".join(s.capabilities.backends),
         ])
     print(_table(rows, ["name", "family", "plugin", "kind", "capabilities", "backends"]))
+    blocks = reg.blocks()
+    if blocks:
+        print("\nblocks:")
+        brows = [[b.name + (f" ({', '.join(b.aliases)})" if b.aliases else ""), b.family,
+                  f"{b.distribution} {b.version}".strip(), b.summary] for b in sorted(blocks, key=lambda b: b.name)]
+        print(_table(brows, ["name", "family", "plugin", "summary"]))
     bad = [r for r in records if r.status in ("broken", "skipped")]
     blocked = [r for r in records if r.status == "blocked"]
     if bad:
@@ -99,9 +108,53 @@ def _cmd_list(args: argparse.Namespace, reg: Registry) -> int:
     return 0
 
 
+def _with_options(spec: Any) -> dict[str, Any]:
+    """``spec.as_dict(with_options=True)``; a factory that does not import is a clear error, not a traceback."""
+    try:
+        return spec.as_dict(with_options=True)
+    except Exception as exc:  # noqa: BLE001
+        raise PluginLoadError(
+            spec.plugin or spec.name,
+            f"cannot import the factory {spec.factory_path} of {spec.name!r} to read its options: "
+            f"{type(exc).__name__}: {exc}") from None
+
+
+def _cmd_describe_block(args: argparse.Namespace, reg: Registry, spec: Any) -> int:
+    d = _with_options(spec)
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    print(f"{spec.name} (block) — {spec.summary}")
+    print(f"  family:        {spec.family} ({spec.qualified_name})")
+    if spec.aliases:
+        print(f"  aliases:       {', '.join(spec.aliases)}")
+    print(f"  provided by:   {spec.distribution} {spec.version} (plugin {spec.plugin})")
+    print(f"  factory:       {spec.factory_path}")
+    if spec.paper:
+        print(f"  paper:         {spec.paper}")
+    print(f"  streaming:     {spec.streaming or '-'}")
+    if spec.aux_losses:
+        print(f"  aux losses:    {dict(spec.aux_losses)}")
+    print("  build:         attnkit.build_block(name, dim=..., num_heads=..., attention=..., **options)")
+    print("  options:")
+    for o in d["options"]:
+        default = "(required)" if o["required"] else f"= {o['default']!r}"
+        print(f"    {o['name']}: {o['type']} {default}")
+    return 0
+
+
 def _cmd_describe(args: argparse.Namespace, reg: Registry) -> int:
-    spec = reg.resolve(args.name)
-    d = spec.as_dict(with_options=True)
+    try:
+        spec = reg.resolve(args.name)
+    except LookupError:
+        try:
+            block = reg.resolve_block(args.name)
+        except LookupError:
+            block = None
+        if block is None:
+            raise
+        return _cmd_describe_block(args, reg, block)
+    d = _with_options(spec)
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -116,6 +169,9 @@ def _cmd_describe(args: argparse.Namespace, reg: Registry) -> int:
     print(f"  exact:         {'yes' if spec.exact else 'no: ' + (spec.approximation or 'approximate')}")
     if spec.error_bound is not None:
         print(f"  error bound:   {spec.error_bound} (relative, conformance-kit distribution)")
+    print(f"  reference:     {spec.reference_path or '- (none declared)'}")
+    if spec.aux_losses:
+        print(f"  aux losses:    {dict(spec.aux_losses)} (name: default weight)")
     print("  capabilities:")
     for k, v in spec.capabilities.as_dict().items():
         if isinstance(v, (list, tuple)):
@@ -129,30 +185,80 @@ def _cmd_describe(args: argparse.Namespace, reg: Registry) -> int:
         print(f"    {o['name']}: {o['type']} {default}")
         if o["help"]:
             print(f"        {o['help']}")
+    tuning = _tuning()
+    if tuning is not None:
+        lines = tuning.describe_lines(spec)
+        if lines:
+            print("  measured (attnkit tune):")
+            for line in lines:
+                print(f"    {line}")
     return 0
 
 
-def _parse_option(text: str) -> tuple[str, Any]:
+def _tuning() -> Any:
+    try:
+        from . import tuning
+    except ImportError:
+        return None
+    return tuning
+
+
+def _split_option(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise UsageError(f"--option: expected KEY=VALUE, got {text!r}")
     key, _, raw = text.partition("=")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return key.strip(), value
+    return key.strip(), raw
+
+
+def parse_options(spec: Any, texts: list[str]) -> dict[str, Any]:
+    """``-o KEY=VALUE`` texts parsed by ``spec``'s option schema (bool ``False`` is False, not a string).
+
+    Raises:
+        UsageError: no ``=``, an option the implementation does not take (listing the valid ones), or
+            a value that fits none of the option's types or its range.
+    """
+    from .options import check_value, parse_text
+
+    _with_options(spec)  # a factory that does not import: a clear error first
+    schema = {o.name: o for o in spec.resolved_options()}
+    out: dict[str, Any] = {}
+    for text in texts:
+        key, raw = _split_option(text)
+        if key not in schema:
+            raise UsageError(f"--option {key}: {spec.name!r} takes no option {key!r}; "
+                             f"valid: {', '.join(schema)}")
+        try:
+            value = parse_text(schema[key], raw)
+            check_value(f"--option {key}", schema[key], value)
+        except (ValueError, InvalidInputError) as exc:
+            raise UsageError(f"--option {key}: {exc}") from None
+        out[key] = value
+    return out
 
 
 def _cmd_check(args: argparse.Namespace, reg: Registry) -> int:
-    options = dict(_parse_option(o) for o in args.option)
     from .testing.checks import run_conformance
 
-    names = args.names or [s.name for s in reg.specs()]
+    if args.names:
+        targets = [(n, None) for n in args.names]
+        for n, _ in targets:
+            reg.resolve(n)  # unknown or ambiguous names: a clear error before any work
+    else:  # every installed name, once per providing distribution (a clash is reported, not fatal)
+        counts: dict[str, int] = {}
+        for s in reg.specs():
+            counts[s.name] = counts.get(s.name, 0) + 1
+        targets = [(f"{s.distribution or s.plugin}:{s.name}" if counts[s.name] > 1 else s.name, s)
+                   for s in reg.specs()]
+        clashes = sorted(n for n, c in counts.items() if c > 1)
+        for n in clashes:
+            dists = [s.distribution or s.plugin for s in reg.specs() if s.name == n]
+            print(f"attnkit check: the name {n!r} is registered by more than one distribution "
+                  f"({', '.join(dists)}); checking each as distribution:name", file=sys.stderr)
     failed = 0
     reports = []
-    for name in names:
-        reg.resolve(name)  # unknown names: a clear error before any work
-        report = run_conformance(name, options=options or None)
+    for name, _ in targets:
+        options = parse_options(reg.resolve(name), args.option) if args.option else {}
+        report = run_conformance(name, options=options or None, registry=reg)
         reports.append(report)
         if not report.ok:
             failed += 1
@@ -161,7 +267,7 @@ def _cmd_check(args: argparse.Namespace, reg: Registry) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in reports], indent=2))
     else:
-        print(f"\n{len(names) - failed} of {len(names)} implementation(s) conform.")
+        print(f"\n{len(targets) - failed} of {len(targets)} implementation(s) conform.")
     return 1 if failed else 0
 
 
@@ -194,6 +300,10 @@ def build_parser(reg: Registry) -> tuple[argparse.ArgumentParser, CommandLine]:
                     configure=configure_describe, run=lambda a: _cmd_describe(a, reg))
     cli.add_command("check", help="run the conformance kit on installed implementations",
                     configure=configure_check, run=lambda a: _cmd_check(a, reg))
+    tuning = _tuning()
+    if tuning is not None and hasattr(tuning, "run_tune"):
+        cli.add_command("tune", help="time each backend of each mechanism here; backend='auto' then uses the winners",
+                        configure=tuning.configure_tune, run=tuning.run_tune)
     reg.call_command_hooks(cli)
     return parser, cli
 
@@ -205,6 +315,13 @@ def main(argv: list[str] | None = None, *, registry: Registry | None = None) -> 
         parser, cli = build_parser(reg)
     except AttnkitError as exc:  # strict plugin loading
         print(f"attnkit: error: {exc}", file=sys.stderr)
+        return 2
+    words = list(sys.argv[1:] if argv is None else argv)
+    first = next((w for w in words if not w.startswith("-")), None)
+    if first in LAB_COMMANDS and first not in cli.commands:
+        print(f"attnkit: error: the command {first!r} comes with attnkit-lab, which is not installed; "
+              "install it with `pip install attnkit-lab` (from a checkout: pip install ./packages/attnkit-lab)",
+              file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     command = getattr(args, "_command", None)

@@ -30,11 +30,11 @@ class UnknownAttentionError(AttnkitError, KeyError):
     not as the quoted key that ``KeyError`` would print.
     """
 
-    def __init__(self, name: str, known: Iterable[str], *, broken: Iterable[str] = ()):
+    def __init__(self, name: str, known: Iterable[str], *, broken: Iterable[str] = (), kind: str = "attention"):
         self.name = name
         self.known = sorted(set(known))
         self.suggestions = difflib.get_close_matches(name, self.known, n=3, cutoff=0.5)
-        msg = f"no attention named {name!r} is registered"
+        msg = f"no {kind} named {name!r} is registered"
         end = "."
         if self.suggestions:
             msg += "; did you mean " + " or ".join(repr(s) for s in self.suggestions) + "?"
@@ -42,11 +42,13 @@ class UnknownAttentionError(AttnkitError, KeyError):
         elif self.known:
             msg += f"; installed: {', '.join(self.known)}"
         else:
-            msg += "; no attention is installed (is ATTNKIT_PLUGINS set to an empty allow-list?)"
+            msg += f"; no {kind} is installed (is ATTNKIT_PLUGINS set to an empty allow-list?)"
         broken = list(broken)
         if broken:
             msg += f" (plugins that failed to load: {', '.join(broken)}; see `attnkit list`)"
-        msg += end + " Install the plugin that provides it (e.g. `pip install attnkit-sparse`)."
+        from .catalogue import install_hint
+
+        msg += end + install_hint(name)
         self.message = msg
         super().__init__(msg)
 

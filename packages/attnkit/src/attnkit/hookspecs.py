@@ -16,3 +16,8 @@ def attnkit_register_attention(register):
 @hookspec
 def attnkit_register_commands(cli):
     """Add CLI subcommands with ``cli.add_command(name, help=..., configure=..., run=...)``."""
+
+
+@hookspec
+def attnkit_register_block(register):
+    """Register block-level mechanisms by calling ``register(block_spec)`` (an :class:`attnkit.BlockSpec`)."""

@@ -5,9 +5,16 @@ Loading is per-plugin isolated: a plugin that fails to import, has a bad hook,
 or was built for another API major version is recorded with its error and
 skipped; the rest keep working. Environment variables, read at load time:
 
-* ``ATTNKIT_PLUGINS``: comma-separated allow-list of plugin (entry-point) or
-  distribution names; set but empty means no external plugin.
+* ``ATTNKIT_PLUGINS``: comma-separated allow-list; set but empty means no
+  external plugin.
 * ``ATTNKIT_DISABLE_PLUGINS``: comma-separated block-list.
+
+An entry of either list is a distribution name (``attnkit-kernelized``), a
+``distribution:entry-point`` pair (``attnkit-kernelized:kernelized``), or a
+bare entry-point name (``kernelized``). Entry-point names are not unique
+across distributions: a bare name that two distributions use matches neither
+(with a warning that names the qualified spellings), so an allow- or
+block-list never selects a plugin by accident.
 * ``ATTNKIT_STRICT_PLUGINS=1``: a load failure raises :class:`PluginLoadError`.
 """
 
@@ -77,20 +84,33 @@ def check_api_version(module: ModuleType | Any, plugin: str) -> str | None:
 def discover() -> list[tuple[PluginRecord, metadata.EntryPoint | None]]:
     """Entry points of the group, with their allow/block status (nothing imported)."""
     allow = _env_list(ENV_ALLOW)
-    block = set(_env_list(ENV_BLOCK) or [])
-    found = []
+    block = _env_list(ENV_BLOCK) or []
+    eps = []
     seen = set()
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = getattr(ep, "dist", None)
-        dist_name = dist.metadata["Name"] if dist is not None else ""
-        version = dist.version if dist is not None else ""
+        dist_name = (dist.metadata["Name"] if dist is not None else "") or ""
+        version = (dist.version if dist is not None else "") or ""
         key = (ep.name, ep.value)
         if key in seen:  # the same distribution seen twice on sys.path
             continue
         seen.add(key)
-        rec = PluginRecord(ep.name, dist_name or "", version or "", ep.value, "pending")
-        names = {ep.name, dist_name}
-        if names & block:
+        eps.append((ep, dist_name, version))
+    owners: dict[str, set[str]] = {}
+    for ep, dist_name, _ in eps:
+        owners.setdefault(ep.name, set()).add(dist_name)
+    for var, entries in ((ENV_ALLOW, allow or []), (ENV_BLOCK, block)):
+        for e in entries:
+            if ":" not in e and len(owners.get(e, ())) > 1:
+                spell = ", ".join(f"{d}:{e}" for d in sorted(owners[e]))
+                warnings.warn(f"{var}: the entry-point name {e!r} is used by several distributions and matches "
+                              f"none of them; write one of: {spell}", RuntimeWarning, stacklevel=2)
+    found = []
+    for ep, dist_name, version in eps:
+        rec = PluginRecord(ep.name, dist_name, version, ep.value, "pending")
+        bare_ok = len(owners.get(ep.name, ())) == 1
+        names = {dist_name, f"{dist_name}:{ep.name}"} | ({ep.name} if bare_ok else set())
+        if names & set(block):
             rec.status, rec.error = "blocked", f"blocked by {ENV_BLOCK}"
         elif allow is not None and not names & set(allow):
             rec.status, rec.error = "blocked", f"not in {ENV_ALLOW}"
@@ -102,8 +122,8 @@ def load_entry_point(rec: PluginRecord, ep: metadata.EntryPoint) -> None:
     """Import one plugin module into ``rec.object`` or record why it failed."""
     try:
         module = ep.load()
-    except BaseException as exc:  # noqa: BLE001 - a plugin must never take the others down
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+    except BaseException as exc:  # noqa: BLE001 - a plugin must never take the others down (sys.exit too)
+        if isinstance(exc, KeyboardInterrupt):
             raise
         fail(rec, f"import failed: {type(exc).__name__}: {exc}")
         return

@@ -23,8 +23,9 @@ from .errors import (
     PluginLoadError,
     UnknownAttentionError,
 )
+from .options import check_options
 from .plugins import PluginRecord, check_api_version, discover, fail, load_entry_point
-from .spec import AttentionSpec, Capabilities
+from .spec import AttentionSpec, BlockSpec, Capabilities
 
 LOCAL = "local"  # plugin/distribution name of in-process registrations
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(AttentionSpec)}
@@ -69,7 +70,9 @@ class Registry:
         self._pm: pluggy.PluginManager | None = None
         self._records: dict[str, PluginRecord] = {}
         self._plugin_specs: dict[str, list[AttentionSpec]] = {}
+        self._plugin_blocks: dict[str, list[BlockSpec]] = {}
         self._local: list[AttentionSpec] = []
+        self._local_blocks: list[BlockSpec] = []
 
     # -------------------------------------------------------------- loading
     def _new_manager(self) -> pluggy.PluginManager:
@@ -86,6 +89,7 @@ class Registry:
             self._pm = self._new_manager()
             self._records = {}
             self._plugin_specs = {}
+            self._plugin_blocks = {}
             from . import builtin
 
             self._add(builtin, PluginRecord("attnkit", "attnkit", __version__, builtin.__name__, "loaded"))
@@ -114,7 +118,14 @@ class Registry:
         except Exception as exc:  # pluggy validation: a malformed hook
             fail(rec, f"invalid hook implementation: {exc}")
             return
+        unknown = _unknown_hooks(obj)
+        if unknown:
+            self._pm.unregister(name=rec.name)
+            valid = sorted(n for n in dir(hookspecs) if n.startswith("attnkit_"))
+            fail(rec, f"unknown hook(s) {unknown} (misspelled?); the hooks are {valid}")
+            return
         collected: list[AttentionSpec] = []
+        blocks: list[BlockSpec] = []
 
         def register(spec_or_class: Any, **fields: Any) -> AttentionSpec:
             spec = make_spec(spec_or_class, fields)
@@ -130,18 +141,32 @@ class Registry:
             collected.append(spec)
             return spec
 
-        for impl in self._pm.hook.attnkit_register_attention.get_hookimpls():
-            if impl.plugin_name != rec.name:
-                continue
-            try:
-                impl.function(**{a: register for a in impl.argnames})
-            except PluginLoadError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - isolation
-                self._pm.unregister(name=rec.name)
-                fail(rec, f"attnkit_register_attention raised {type(exc).__name__}: {exc}")
-                return
+        def register_block(spec: Any) -> BlockSpec:
+            if not isinstance(spec, BlockSpec):
+                raise InvalidInputError(
+                    f"register (attnkit_register_block): expected an attnkit.BlockSpec, got {type(spec).__name__}")
+            spec = dataclasses.replace(spec, plugin=rec.name, distribution=rec.distribution, version=rec.version)
+            for other in blocks:
+                if {other.name, *other.aliases} & {spec.name, *spec.aliases}:
+                    raise InvalidInputError(f"register: plugin {rec.name!r} registers block {spec.name!r} twice")
+            blocks.append(spec)
+            return spec
+
+        for hook, fn in ((self._pm.hook.attnkit_register_attention, register),
+                         (self._pm.hook.attnkit_register_block, register_block)):
+            for impl in hook.get_hookimpls():
+                if impl.plugin_name != rec.name:
+                    continue
+                try:
+                    impl.function(**{a: fn for a in impl.argnames})
+                except (PluginLoadError, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - isolation, sys.exit() included
+                    self._pm.unregister(name=rec.name)
+                    fail(rec, f"{hook.name} raised {type(exc).__name__}: {exc}")
+                    return
         self._plugin_specs[rec.name] = collected
+        self._plugin_blocks[rec.name] = blocks
 
     def reload(self) -> None:
         """Forget loaded plugins; the next use discovers them again. In-process registrations stay."""
@@ -170,33 +195,81 @@ class Registry:
             UnknownAttentionError: no such name (suggests close ones).
             AmbiguousNameError: two distributions provide it.
         """
-        if not isinstance(name, str) or not name:
-            raise InvalidInputError(f"name: expected a registered attention name (str), got {name!r}")
-        all_specs = self.specs()
-        key = name.strip().lower()
-        qual_dist = qual_family = None
-        if ":" in key:
-            qual_dist, _, key = key.partition(":")
-        elif "/" in key:
-            qual_family, _, key = key.partition("/")
-        cands = [s for s in all_specs if key == s.name or key in s.aliases]
-        if qual_dist is not None:
-            cands = [s for s in cands if qual_dist in (s.distribution.lower(), s.plugin.lower())]
-        if qual_family is not None:
-            cands = [s for s in cands if s.family == qual_family]
-        if not cands:
-            known = {n for s in all_specs for n in (s.name, *s.aliases)}
-            raise UnknownAttentionError(name, known, broken=[r.name for r in self.broken()])
-        if len(cands) > 1:
-            raise AmbiguousNameError(key, [(s.distribution or s.plugin, s.family) for s in cands])
-        return cands[0]
+        return _lookup(self.specs(), name, kind="attention", broken=[r.name for r in self.broken()])
 
     def spec_for_class(self, cls: type) -> AttentionSpec | None:
+        """The spec whose factory is ``cls`` (a module built without :meth:`build`); None when
+        there is none, or when several names register the class (then only ``build`` can tell)."""
         path = f"{cls.__module__}:{cls.__qualname__}"
-        for s in self.specs():
-            if s.factory is cls or s.factory == path:
-                return s
-        return None
+        found = [s for s in self.specs() if s.factory is cls or s.factory == path]
+        return found[0] if len(found) == 1 else None
+
+    # ---------------------------------------------------------------- blocks
+    def blocks(self) -> list[BlockSpec]:
+        """Every registered block spec (plugins, then in-process)."""
+        self._ensure_loaded()
+        return [b for bs in self._plugin_blocks.values() for b in bs] + list(self._local_blocks)
+
+    def resolve_block(self, name: str) -> BlockSpec:
+        """The block spec for ``name``, an alias, ``family/name`` or ``distribution:name``.
+
+        Raises:
+            UnknownAttentionError: no such block (suggests close names).
+            AmbiguousNameError: two distributions provide it.
+        """
+        return _lookup(self.blocks(), name, kind="block", broken=[r.name for r in self.broken()])
+
+    def build_block(self, name: str, *, dim: int, num_heads: int, attention: Any = "softmax",
+                    **options: Any) -> Any:
+        """Build the block registered as ``name``: ``factory(dim=, num_heads=, attention=, **options)``.
+
+        Raises:
+            UnknownAttentionError, AmbiguousNameError: see :meth:`resolve_block`.
+            InvalidInputError: an option the block does not take, or of the wrong type.
+            PluginLoadError: the block's module cannot be imported, or the factory returned no Block.
+        """
+        from .layers import Block
+
+        spec = self.resolve_block(name)
+        factory = _load(spec)
+        opts = {**spec.defaults, **options}
+        check_options(f"build_block({spec.name!r})", _options_of(spec), opts, takes_extra=_takes_extra(factory))
+        obj = factory(dim=dim, num_heads=num_heads, attention=attention, **opts)
+        if not isinstance(obj, Block):
+            raise PluginLoadError(
+                spec.plugin or spec.name,
+                f"block factory {spec.factory_path} returned {type(obj).__name__}, not an attnkit.Block")
+        obj.block_spec = spec
+        return obj
+
+    def register_block(self, spec: BlockSpec) -> BlockSpec:
+        """Register a block in this process (notebooks, tests)."""
+        if not isinstance(spec, BlockSpec):
+            raise InvalidInputError(f"register_block: expected an attnkit.BlockSpec, got {type(spec).__name__}")
+        spec = dataclasses.replace(spec, plugin=LOCAL, distribution=LOCAL, version="")
+        with self._lock:
+            if any({o.name, *o.aliases} & {spec.name, *spec.aliases} for o in self._local_blocks):
+                raise InvalidInputError(f"register_block: {spec.name!r} is already registered in this process")
+            self._local_blocks.append(spec)
+        return spec
+
+    def unregister_block(self, spec_or_name: BlockSpec | str) -> None:
+        with self._lock:
+            before = len(self._local_blocks)
+            name = spec_or_name.name if isinstance(spec_or_name, BlockSpec) else spec_or_name
+            self._local_blocks = [b for b in self._local_blocks if b.name != name]
+            if len(self._local_blocks) == before:
+                raise InvalidInputError(f"unregister_block: {spec_or_name!r} is not registered in this process")
+
+    @contextlib.contextmanager
+    def registered_block(self, spec: BlockSpec) -> Iterator[BlockSpec]:
+        """Register a block for a ``with`` block; always unregisters."""
+        spec = self.register_block(spec)
+        try:
+            yield spec
+        finally:
+            with contextlib.suppress(InvalidInputError):
+                self.unregister_block(spec)
 
     def available(self, **filters: Any) -> list[AttentionSpec]:
         """Specs whose capabilities match every filter.
@@ -230,14 +303,15 @@ class Registry:
         from .attention import Attention
 
         spec = self.resolve(name)
-        try:
-            factory = spec.load_factory()
-        except Exception as exc:
-            raise PluginLoadError(
-                spec.plugin or spec.name, f"cannot import {spec.factory_path}: {type(exc).__name__}: {exc}"
-            ) from exc
-        _check_options(spec, factory, options)
-        obj = factory(**{**spec.defaults, **options})
+        factory = _load(spec)
+        opts = {**spec.defaults, **options}
+        check_options(f"build({spec.name!r})", _options_of(spec), opts, takes_extra=_takes_extra(factory))
+        backend = opts.get("backend", "auto")
+        if isinstance(backend, str) and backend != "auto" and backend not in spec.capabilities.backends:
+            raise InvalidInputError(
+                f"build({spec.name!r}): option backend: {spec.name!r} offers backends "
+                f"{list(spec.capabilities.backends)} (or 'auto'), got {backend!r}")
+        obj = factory(**opts)
         if not isinstance(obj, Attention):
             raise PluginLoadError(
                 spec.plugin or spec.name,
@@ -353,27 +427,68 @@ def _matches(spec: AttentionSpec, key: str, want: Any) -> bool:
     return have == want
 
 
-def _check_options(spec: AttentionSpec, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+def _lookup(specs: list[Any], name: str, *, kind: str, broken: list[str]) -> Any:
+    """Find ``name`` (alias, ``family/name``, ``distribution:name``) among ``specs``."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError(f"name: expected a registered {kind} name (str), got {name!r}")
+    key = name.strip().lower()
+    qual_dist = qual_family = None
+    if ":" in key:
+        qual_dist, _, key = key.partition(":")
+    elif "/" in key:
+        qual_family, _, key = key.partition("/")
+    cands = [s for s in specs if key == s.name or key in s.aliases]
+    if qual_dist is not None:
+        cands = [s for s in cands if qual_dist in (s.distribution.lower(), s.plugin.lower())]
+    if qual_family is not None:
+        cands = [s for s in cands if s.family == qual_family]
+    if not cands:
+        known = {n for s in specs for n in (s.name, *s.aliases)}
+        raise UnknownAttentionError(name, known, broken=broken, kind=kind)
+    if len(cands) > 1:
+        raise AmbiguousNameError(key, [(s.distribution or s.plugin, s.family) for s in cands])
+    return cands[0]
+
+
+def _load(spec: Any) -> Callable[..., Any]:
+    try:
+        return spec.load_factory()
+    except Exception as exc:
+        raise PluginLoadError(
+            spec.plugin or spec.name,
+            f"cannot import the factory {spec.factory_path} of {spec.name!r}: {type(exc).__name__}: {exc}",
+        ) from exc
+
+
+def _options_of(spec: Any) -> tuple[Any, ...]:
+    try:
+        return spec.resolved_options()
+    except PluginLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise PluginLoadError(spec.plugin or spec.name,
+                              f"cannot read the options of {spec.name!r} ({spec.factory_path}): {exc}") from exc
+
+
+def _takes_extra(factory: Any) -> bool:
     target = factory.__init__ if inspect.isclass(factory) else factory
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
-        return
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return
-    valid = [n for n, p in params.items() if n != "self" and p.kind != p.VAR_POSITIONAL]
-    unknown = [o for o in options if o not in valid]
-    if unknown:
-        import difflib
+        return True
+    return any(p.kind == p.VAR_KEYWORD for p in params.values())
 
-        hints = []
-        for o in unknown:
-            close = difflib.get_close_matches(o, valid, n=1)
-            hints.append(f"{o!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise InvalidInputError(
-            f"build({spec.name!r}): unknown option(s) {', '.join(hints)}; "
-            f"{spec.name!r} takes: {', '.join(valid)}"
-        )
+
+def _unknown_hooks(obj: Any) -> list[str]:
+    """Names on a plugin object that look like attnkit hooks but are not hook specs (misspellings)."""
+    known = {n for n in dir(hookspecs) if n.startswith("attnkit_")}
+    out = []
+    for n in dir(obj):
+        fn = getattr(obj, n, None)
+        marked = getattr(fn, "attnkit_impl", None) is not None  # set by attnkit.hookimpl
+        if marked and n not in known:
+            out.append(n)
+    return out
 
 
 _DEFAULT = Registry()

@@ -161,13 +161,28 @@ class Paper:
 
 @dataclass(frozen=True)
 class OptionSpec:
-    """One constructor option: name, type (as text), default and help."""
+    """One constructor option: name, type (as text), default, help and constraints.
+
+    ``build`` validates given values against it (:mod:`attnkit.options`): the
+    type text (``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, unions
+    with ``None``), ``choices``, and the range ``minimum``/``maximum`` (with
+    ``exclusive_minimum``/``exclusive_maximum``). Floats must be finite unless
+    ``allow_nonfinite``. A factory class declares constraints as a class
+    attribute ``option_constraints = {"num_features": {"minimum": 1},
+    "dropout": {"minimum": 0, "maximum": 1, "exclusive_maximum": True}}``.
+    """
 
     name: str
     type: str
     default: Any
     help: str = ""
     required: bool = False
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    exclusive_maximum: bool = False
+    allow_nonfinite: bool = False
 
 
 @dataclass(frozen=True)
@@ -260,6 +275,10 @@ class AttentionSpec:
         if self.reference is not None and isinstance(self.reference, str) and ":" not in self.reference:
             raise InvalidInputError(
                 f"AttentionSpec.reference must be 'module.path:function', got {self.reference!r}")
+
+    def __repr__(self) -> str:  # short: available() lists many; `attnkit describe` shows everything
+        dist = f", distribution={self.distribution!r}" if self.distribution else ""
+        return f"AttentionSpec({self.name!r}, family={self.family!r}{dist})"
 
     # -- derived ---------------------------------------------------------
     @property
@@ -363,6 +382,15 @@ _BASE_OPTION_HELP = {
 }
 
 
+#: constraints of the options every implementation shares (Attention.__init__)
+_BASE_CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "num_heads": {"minimum": 1},
+    "head_dim": {"minimum": 1},
+    "scale": {"minimum": 0, "exclusive_minimum": True},
+    "dropout": {"minimum": 0, "maximum": 1, "exclusive_maximum": True},
+}
+
+
 def _docstring_args(obj: Any) -> dict[str, str]:
     """Parse a Google-style ``Args:`` section of the class or __init__ docstring."""
     helps: dict[str, str] = {}
@@ -402,6 +430,9 @@ def derive_options(factory: Any) -> tuple[OptionSpec, ...]:
     except (TypeError, ValueError):
         return ()
     helps = _docstring_args(factory)
+    constraints = dict(_BASE_CONSTRAINTS)
+    for klass in reversed(getattr(factory, "__mro__", ())):
+        constraints.update(getattr(klass, "__dict__", {}).get("option_constraints", {}) or {})
     opts = []
     for p in sig.parameters.values():
         if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -414,11 +445,94 @@ def derive_options(factory: Any) -> tuple[OptionSpec, ...]:
         else:
             type_text = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
         required = p.default is inspect.Parameter.empty
+        extra = dict(constraints.get(p.name, {}))
+        if "choices" in extra:
+            extra["choices"] = tuple(extra["choices"])
         opts.append(OptionSpec(
             name=p.name,
             type=type_text,
             default=None if required else p.default,
             help=helps.get(p.name) or _BASE_OPTION_HELP.get(p.name, ""),
             required=required,
+            **extra,
         ))
     return tuple(opts)
+
+
+@dataclass(frozen=True, repr=False)
+class BlockSpec:
+    """A registered block-level mechanism: a module ``(B, L, dim) -> (B, L, dim)``.
+
+    Built with :func:`attnkit.build_block` as ``factory(dim=..., num_heads=...,
+    attention=..., **defaults, **options)``.
+
+    Attributes:
+        name: lower-case, ``-`` separated registry name.
+        factory: ``"pkg.module:Class"`` (an :class:`attnkit.Block` subclass) or the class.
+        family, summary, aliases, paper: as for :class:`AttentionSpec`.
+        defaults: keyword arguments given to the factory before the user's.
+        options: explicit options schema; None derives it from the factory.
+        streaming: ``"exact"``, ``"segment"`` or None (whether it steps).
+        aux_losses: ``{name: default weight}`` of the losses the block records.
+        plugin, distribution, version: filled in by the registry.
+    """
+
+    name: str
+    factory: str | type
+    family: str
+    summary: str
+    aliases: tuple[str, ...] = ()
+    paper: Paper | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    options: tuple[OptionSpec, ...] | None = None
+    streaming: str | None = None
+    aux_losses: Mapping[str, float] = field(default_factory=dict, hash=False)
+    plugin: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        for what, value in [("name", self.name)] + [("aliases", a) for a in self.aliases]:
+            if not isinstance(value, str) or not _NAME_RE.match(value):
+                raise InvalidInputError(
+                    f"BlockSpec.{what} must be lower-case words joined by '-' (e.g. 'pre-norm'), got {value!r}")
+        if not isinstance(self.family, str) or not _NAME_RE.match(self.family):
+            raise InvalidInputError(f"BlockSpec.family must be a lower-case name, got {self.family!r}")
+        if isinstance(self.factory, str) and ":" not in self.factory:
+            raise InvalidInputError(f"BlockSpec.factory must be 'module.path:ClassName', got {self.factory!r}")
+        if not isinstance(self.factory, str) and not callable(self.factory):
+            raise InvalidInputError(
+                f"BlockSpec.factory must be an import path string or a class, got {type(self.factory).__name__}")
+        if self.streaming is not None and self.streaming not in STREAMING_KINDS:
+            raise InvalidInputError(
+                f"BlockSpec.streaming must be one of {STREAMING_KINDS} or None, got {self.streaming!r}")
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+        object.__setattr__(self, "defaults", FrozenMapping(self.defaults))
+        object.__setattr__(self, "aux_losses", FrozenMapping({n: float(w) for n, w in self.aux_losses.items()}))
+
+    def __repr__(self) -> str:
+        dist = f", distribution={self.distribution!r}" if self.distribution else ""
+        return f"BlockSpec({self.name!r}, family={self.family!r}{dist})"
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.family}/{self.name}"
+
+    factory_path = AttentionSpec.factory_path
+    load_factory = AttentionSpec.load_factory
+    resolved_options = AttentionSpec.resolved_options
+
+    def as_dict(self, *, with_options: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name, "qualified_name": self.qualified_name, "aliases": list(self.aliases),
+            "family": self.family, "summary": self.summary, "factory": self.factory_path,
+            "paper": dataclasses.asdict(self.paper) if self.paper else None,
+            "defaults": _jsonable(dict(self.defaults)), "streaming": self.streaming,
+            "aux_losses": dict(self.aux_losses), "plugin": self.plugin, "distribution": self.distribution,
+            "version": self.version,
+        }
+        if with_options:
+            d["options"] = [
+                {**dataclasses.asdict(o), "default": _jsonable(o.default)} for o in self.resolved_options()
+            ]
+        return d
