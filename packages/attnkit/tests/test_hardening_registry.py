@@ -221,3 +221,15 @@ def test_available_has_a_short_repr():
     text = repr(attnkit.available())
     assert "AttentionSpec('softmax', family='core', distribution='attnkit')" in text
     assert len(text) < 200 * max(1, len(attnkit.available()))
+
+
+def test_the_contract_does_not_import_the_registry():
+    """attention <-> registry was an import cycle; the registry now hands itself to the contract."""
+    import ast
+    from pathlib import Path
+
+    src = Path(attnkit.__file__).parent
+    for module in ("attention.py", "layers.py", "masks.py", "context.py", "state.py", "aux.py"):
+        tree = ast.parse((src / module).read_text(encoding="utf-8"))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {"registry", "cli", "testing"} & imported, (module, imported)

@@ -44,6 +44,22 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__} {x!r}"[:120]
 
 
+# The registry depends on this module, not the other way round: it hands its
+# process-wide instance in here when it is imported (dependency injection keeps
+# the import graph acyclic).
+_REGISTRY_PROVIDER: list[Any] = []
+
+
+def set_registry_provider(provider: Any) -> None:
+    """Called by :mod:`attnkit.registry`: ``provider()`` returns the process-wide registry."""
+    _REGISTRY_PROVIDER[:] = [provider]
+
+
+def registry_or_none() -> Any:
+    """The process-wide registry, or None before :mod:`attnkit.registry` is imported."""
+    return _REGISTRY_PROVIDER[0]() if _REGISTRY_PROVIDER else None
+
+
 @dataclass(frozen=True)
 class Limits:
     """Length limits of one instance (they may depend on its options).
@@ -121,9 +137,8 @@ class Attention(AuxLossMixin, nn.Module):
     def spec(self) -> AttentionSpec | None:
         """The registered spec (set by :func:`attnkit.build`, else looked up by class)."""
         if self._attnkit_spec is None:
-            from .registry import default_registry
-
-            self._attnkit_spec = default_registry().spec_for_class(type(self))
+            reg = registry_or_none()
+            self._attnkit_spec = reg.spec_for_class(type(self)) if reg is not None else None
         return self._attnkit_spec
 
     @spec.setter
@@ -228,14 +243,13 @@ class Attention(AuxLossMixin, nn.Module):
     # ------------------------------------------------------------ refusals
     def _refuse(self, argument: str, reason: str = "", *, given: str = "", **capability: Any) -> None:
         """Raise UnsupportedFeatureError; ``capability`` finds who supports it, ``refusal_reasons`` may reword."""
-        from .registry import default_registry
-
         for key in capability:
             reason = type(self).refusal_reasons.get(key, reason)
         if given:
             reason = f"{reason}; {given}" if reason else given
+        reg = registry_or_none()
         try:
-            supported = [s.name for s in default_registry().available(**capability)] if capability else []
+            supported = [s.name for s in reg.available(**capability)] if capability and reg is not None else []
         except Exception:  # noqa: BLE001 - a registry problem must not hide the refusal
             supported = []
         raise UnsupportedFeatureError(self.impl_name, argument, reason, supported)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .attention import Attention
+from .attention import Attention, registry_or_none
 from .aux import AuxLossMixin
 from .errors import InvalidInputError
 
@@ -37,9 +37,10 @@ def _make_attention(attention: str | Attention, num_heads: int, head_dim: int, o
         raise InvalidInputError(
             f"attention: expected a registered name or an attnkit.Attention, got {type(attention).__name__}"
         )
-    from .registry import default_registry
-
-    return default_registry().build_with_hints(
+    reg = registry_or_none()
+    if reg is None:  # pragma: no cover - attnkit/__init__ imports the registry
+        raise InvalidInputError("attention: building by name needs attnkit.registry imported (import attnkit)")
+    return reg.build_with_hints(
         attention, {"num_heads": num_heads, "head_dim": head_dim}, **options
     )
 

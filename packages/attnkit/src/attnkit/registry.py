@@ -17,12 +17,14 @@ import pluggy
 
 from . import hookspecs
 from ._version import __version__
+from .attention import Attention, set_registry_provider
 from .errors import (
     AmbiguousNameError,
     InvalidInputError,
     PluginLoadError,
     UnknownAttentionError,
 )
+from .layers import Block
 from .options import check_options
 from .plugins import PluginRecord, check_api_version, discover, fail, load_entry_point
 from .spec import AttentionSpec, BlockSpec, Capabilities
@@ -41,8 +43,6 @@ def make_spec(spec_or_class: Any, fields: dict[str, Any]) -> AttentionSpec:
         )
     if isinstance(spec_or_class, AttentionSpec):
         return dataclasses.replace(spec_or_class, **fields) if fields else spec_or_class
-    from .attention import Attention
-
     if inspect.isclass(spec_or_class) and issubclass(spec_or_class, Attention):
         cls = spec_or_class
         if "name" not in fields:
@@ -228,8 +228,6 @@ class Registry:
             InvalidInputError: an option the block does not take, or of the wrong type.
             PluginLoadError: the block's module cannot be imported, or the factory returned no Block.
         """
-        from .layers import Block
-
         spec = self.resolve_block(name)
         factory = _load(spec)
         opts = {**spec.defaults, **options}
@@ -300,8 +298,6 @@ class Registry:
             InvalidInputError: an option the implementation does not take.
             PluginLoadError: the implementation's module cannot be imported.
         """
-        from .attention import Attention
-
         spec = self.resolve(name)
         factory = _load(spec)
         opts = {**spec.defaults, **options}
@@ -497,3 +493,6 @@ _DEFAULT = Registry()
 def default_registry() -> Registry:
     """The process-wide registry used by :func:`attnkit.build` and friends."""
     return _DEFAULT
+
+
+set_registry_provider(default_registry)
