@@ -225,17 +225,16 @@ COMPILE_SNIPPET = r"""
 import time, torch
 t0 = time.perf_counter()
 import attnkit
-from attnkit_kernelized.kernels import causal_numba
+from attnkit_kernelized.linear import numba_ops
 t_import = time.perf_counter() - t0
-from attnkit_kernelized.kernels.numba_autograd import causal_linear_attention_numba
 x = torch.rand(1, 2, 64, 16, requires_grad=True)
 v = torch.randn(1, 2, 64, 8, requires_grad=True)
 t0 = time.perf_counter()
 with torch.no_grad():
-    causal_linear_attention_numba(x, x, v)
+    numba_ops.linear_attention(x, x, v, causal=True)
 t_fwd = time.perf_counter() - t0
 t0 = time.perf_counter()
-causal_linear_attention_numba(x, x, v).sum().backward()
+numba_ops.linear_attention(x, x, v, causal=True)[0].sum().backward()
 t_bwd = time.perf_counter() - t0
 print(t_import, t_fwd, t_bwd)
 """

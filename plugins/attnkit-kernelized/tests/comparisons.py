@@ -1,11 +1,30 @@
-"""Tolerances and helpers shared by the tests that compare two paths (torch, numba, triton, reference)."""
+"""Tolerances and helpers shared by the tests that compare paths (naive reference, torch, numba, triton)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import pytest
 import torch
+
+import attnkit
+from attnkit import masks
 
 DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-8)}
+#: what the conformance kit holds every backend to against the reference (float64)
+REF_TOL = dict(atol=1e-9, rtol=1e-7)
+
+#: triton runs on CPU tensors only in the interpreter, which triton reads when it defines the kernels
+TRITON_READY = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+TRITON = [pytest.mark.triton,
+          pytest.mark.skipif(not TRITON_READY, reason="needs triton and TRITON_INTERPRET=1 set before the run")]
+
+
+def backends(*names: str) -> list:
+    """pytest params of backend names; ``triton`` carries the triton mark."""
+    return [pytest.param(b, marks=TRITON) if b == "triton" else b for b in names]
 
 
 def close(a, b, dtype, factor=1.0):
@@ -13,11 +32,11 @@ def close(a, b, dtype, factor=1.0):
     torch.testing.assert_close(a, b, atol=TOL[dtype]["atol"] * factor, rtol=TOL[dtype]["rtol"] * factor)
 
 
-def rand(shape, seed, dtype, positive=False):
-    """A seeded leaf tensor needing grad: uniform [0, 1) when ``positive``, else standard normal."""
+def rand(shape, seed, dtype, positive=False, std=1.0):
+    """A seeded leaf tensor needing grad: uniform [0, 1) when ``positive``, else normal with ``std``."""
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(shape, generator=g, dtype=torch.float64) if positive else \
-        torch.randn(shape, generator=g, dtype=torch.float64)
+        torch.randn(shape, generator=g, dtype=torch.float64) * std
     return x.to(dtype).requires_grad_()
 
 
@@ -26,3 +45,45 @@ def grads(outs, inputs, seed=3, allow_unused=False):
     g = torch.Generator().manual_seed(seed)
     total = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
     return torch.autograd.grad(total, inputs, allow_unused=allow_unused)
+
+
+def padding(B, S, pattern="mixed"):
+    """A bool (B, S) key padding mask: batch 0 loses its last two keys, batch 1 its first (a causal query
+    0 there sees nothing)."""
+    kpm = torch.ones(B, S, dtype=torch.bool)
+    kpm[0, -2:] = False
+    kpm[1 % B, 0] = False
+    return kpm
+
+
+def build(name, dtype=torch.float64, **opts):
+    """A module built under a fixed seed (same random features and parameters for every backend)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        attn = attnkit.build(name, **{"num_heads": 2, "head_dim": 4, **opts})
+    return attn.to(dtype).eval()
+
+
+def against_reference(name, opts, backend, *, causal, L, S, kpm=None, segment=None, std=1.0, tol=None):
+    """A module on ``backend`` against the spec's naive reference in float64: outputs and gradients
+    (inputs and parameters)."""
+    attn = build(name, backend=backend, chunk_size=4, **opts)
+    if segment is not None:
+        attn.segment_length = segment
+    ref_fn = attnkit.get_spec(name).load_reference()
+    q, k, v = (rand(s, seed, torch.float64, std=std) for s, seed in (((2, 2, L, 4), 1), ((2, 2, S, 4), 2),
+                                                                      ((2, 2, S, 3), 3)))
+    params = [p for p in attn.parameters() if p.requires_grad]
+    out = attn(q, k, v, causal=causal, key_padding_mask=kpm)
+    mask = masks.resolve(None, causal=causal, key_padding_mask=kpm)
+    ref = ref_fn(attn, q, k, v, mask=mask, positions=None)
+    tol = tol or REF_TOL
+    torch.testing.assert_close(out, ref, **tol)
+    got = grads([out], [q, k, v, *params], allow_unused=True)
+    want = grads([ref], [q, k, v, *params], allow_unused=True)
+    for a, b in zip(got, want):
+        if a is None or b is None:   # a parameter an option switches off (e.g. the gate): unused by both
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, atol=tol["atol"] * 10, rtol=tol["rtol"] * 10)
+    return out

@@ -6,5 +6,6 @@ from __future__ import annotations
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "triton: triton kernels, run under TRITON_INTERPRET=1 on CPU tensors (skipped when triton is not importable)",
+        "triton: triton kernels on CPU tensors in the interpreter (skipped unless triton is importable and "
+        "TRITON_INTERPRET=1 is set before the run)",
     )

@@ -1,4 +1,10 @@
-"""The attnkit conformance kit on all four names (and the ``delta`` alias)."""
+"""The attnkit conformance kit on all four names (and the ``delta`` alias): one thin subclass each.
+
+The kit holds every backend that can run here to the spec's own reference
+(``attnkit_kernelized.<mechanism>.naive:reference``) in float64, and checks
+masks, padding, NaN queries, empty sequences, streaming, gradients and
+serialisation.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Feature maps phi: R^D -> R^M of the kernelized attentions, and random-feature draws.
+"""Every feature map phi: R^D -> R^M of the kernelized attentions (the one copy), and random-feature draws.
 
 Deterministic maps (``linear`` and ``fast-weight``), applied to the last dim:
 
@@ -20,10 +20,21 @@ Random features (``performer`` and ``rfa``), for a projection ``W`` of shape
 * :func:`favor_generalized`: the generalized kernel ``relu(W x) + eps``.
 * :func:`random_fourier`: ``sqrt(1/M) [sin(W x), cos(W x)]`` (RFA), an
   estimate of the Gaussian kernel ``exp(-|x - y|^2 / 2)`` for W ~ N(0, I).
+
+Stabilisers. The exponential maps take ``stabilize``: ``None`` computes the
+map as written (unbiased; what the references use); ``"row"`` subtracts a
+per-row constant in the exponent (queries: it cancels between numerator and
+denominator, and a NaN row stays in its row); ``"keys"`` subtracts the maximum
+over the rows that ``keep`` marks as real keys and over features, per leading
+index (a constant for every key of a (batch, head): it cancels too). Padded
+keys never enter that maximum, so whatever they hold (NaN, Inf, large values)
+cannot shift or poison real features. These shifts are detached: they are
+constants that cancel, not part of the function.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -67,25 +78,21 @@ def dpfp_feature_map(x: Tensor, nu: int = 1) -> Tensor:
 
 
 def deterministic_feature_map(name: str, *, nu: int = 1) -> FeatureMap:
-    """The map called ``name`` (one of :data:`DETERMINISTIC_MAPS`).
-
-    Raises:
-        ValueError: unknown name.
-    """
-    if name == "elu":
-        return elu_feature_map
-    if name == "relu":
-        return relu_feature_map
-    if name == "softplus":
-        return softplus_feature_map
+    """The map called ``name`` (one of :data:`DETERMINISTIC_MAPS`; the caller validates it), picklable."""
     if name == "dpfp":
-        return lambda x: dpfp_feature_map(x, nu)
-    raise ValueError(f"feature_map: expected one of {list(DETERMINISTIC_MAPS)}, got {name!r}")
+        return functools.partial(dpfp_feature_map, nu=nu)
+    return {"elu": elu_feature_map, "relu": relu_feature_map, "softplus": softplus_feature_map}[name]
 
 
 def feature_dim(name: str, head_dim: int, *, nu: int = 1) -> int:
     """Number of features M that the deterministic map ``name`` gives for ``head_dim`` inputs."""
     return 2 * head_dim * nu if name == "dpfp" else head_dim
+
+
+def sum_normalized(f: Tensor) -> Tensor:
+    """``f / sum_i f_i`` over the last dim; a row summing to 0 stays 0 (fast-weight's normalisation)."""
+    s = f.sum(-1, keepdim=True)
+    return f / torch.where(s == 0, torch.ones_like(s), s)
 
 
 # ----------------------------------------------------------- random features
@@ -119,56 +126,83 @@ def draw_gaussian_features(num_features: int, dim: int, *, orthogonal: bool = Tr
     return (w * norms).to(dtype)
 
 
-def favor_positive(x: Tensor, w: Tensor, *, stabilizer: Tensor | None = None) -> Tensor:
-    """FAVOR+ positive random features ``exp(W x - |x|^2/2 - c) / sqrt(M)``.
+def key_max(t: Tensor, keep: Tensor | None) -> Tensor:
+    """Max of ``t (..., S, F)`` over the rows ``keep (..., S, 1)`` marks and over F, ``(..., 1, 1)``, detached.
+
+    Rows left out (padded keys) never enter the max; 0 when no row is kept.
+    """
+    t = t.detach()
+    if keep is not None:
+        t = t.masked_fill(~keep, float("-inf"))
+    m = t.amax(dim=(-2, -1), keepdim=True) if t.shape[-2] else t.new_zeros(*t.shape[:-2], 1, 1)
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+def _shift(logits: Tensor, stabilize: str | None, keep: Tensor | None) -> Tensor:
+    """``logits`` minus the stabiliser named ``stabilize`` (in place: ``logits`` is a fresh tensor)."""
+    if stabilize == "row":
+        return logits.sub_(logits.detach().amax(-1, keepdim=True))
+    if stabilize == "keys":
+        return logits.sub_(key_max(logits, keep))
+    return logits
+
+
+def favor_positive(x: Tensor, w: Tensor, *, scale: float = 1.0, stabilize: str | None = None,
+                   keep: Tensor | None = None) -> Tensor:
+    """FAVOR+ positive random features ``exp(W x - |x|^2/2 - c) / sqrt(M)`` of ``scale · x``.
 
     Args:
-        x: ``(..., D)``, already multiplied by ``sqrt(scale)``.
+        x: ``(..., D)``.
         w: ``(M, D)``.
-        stabilizer: a constant ``c`` broadcastable to ``(..., M)`` subtracted
-            in the exponent (detached by the caller); None = 0, which gives the
-            unbiased estimate ``E[phi(x) . phi(y)] = exp(x . y)``.
+        scale: the features are those of ``scale · x`` (Performer: ``sqrt`` of the
+            attention scale), folded into ``w`` instead of copying ``x``.
+        stabilize: None (``c = 0``, the unbiased estimate
+            ``E[phi(x) . phi(y)] = exp(x . y)``), ``"row"`` or ``"keys"``
+            (see the module docstring). With ``"row"`` the per-row factor
+            ``exp(-|x|^2/2) / sqrt(M)`` is left out as well: each row is
+            ``exp(W x - max_i (W x)_i)``, its largest feature 1.
+        keep: ``(..., S, 1)`` bool, the real keys, for ``stabilize="keys"``.
 
     Returns:
-        ``(..., M)``, values > 0.
+        ``(..., M)``, values > 0 (0 where a stabilised exponent underflows).
     """
-    logits = favor_logits(x, w)
-    if stabilizer is not None:
-        logits = logits - stabilizer
-    return torch.exp(logits - 0.5 * math.log(w.shape[0]))
+    logits = x @ (w * scale).transpose(0, 1)                  # a fresh tensor: shifted in place
+    if stabilize == "row":
+        return _shift(logits, "row", None).exp_()
+    logits.sub_((0.5 * scale * scale) * (x * x).sum(-1, keepdim=True) + 0.5 * math.log(w.shape[0]))
+    return _shift(logits, stabilize, keep).exp_()
 
 
-def favor_logits(x: Tensor, w: Tensor) -> Tensor:
-    """``W x - |x|^2 / 2``: the exponent of :func:`favor_positive`, ``(..., M)``."""
-    return x @ w.transpose(0, 1) - 0.5 * (x * x).sum(-1, keepdim=True)
-
-
-def favor_trig(x: Tensor, w: Tensor, *, stabilizer: Tensor | None = None,
-               drop_norm: bool = False) -> Tensor:
-    """Performer v1 trigonometric features ``exp(|x|^2/2 - c) / sqrt(M) [sin(W x), cos(W x)]``.
+def favor_trig(x: Tensor, w: Tensor, *, scale: float = 1.0, stabilize: str | None = None,
+               keep: Tensor | None = None, drop_norm: bool = False) -> Tensor:
+    """Performer v1 trigonometric features ``exp(|x|^2/2 - c) / sqrt(M) [sin(W x), cos(W x)]`` of ``scale · x``.
 
     Args:
         x: ``(..., D)``; w: ``(M, D)``.
-        stabilizer: ``c`` broadcastable to ``(..., 1)``; None = 0.
+        scale: the features are those of ``scale · x`` (folded into ``w``).
+        stabilize: None or ``"keys"`` (a shift of the ``|x|^2/2`` exponent, see the module docstring).
+        keep: ``(..., S, 1)`` bool, the real keys, for ``stabilize="keys"``.
         drop_norm: leave out the ``exp(|x|^2/2)`` factor (valid for queries,
             where it is a per-row constant that cancels in the normalisation).
 
     Returns:
         ``(..., 2M)``; not positive, so the attention denominator can vanish.
     """
-    proj = x @ w.transpose(0, 1)
+    proj = x @ (w * scale).transpose(0, 1)
     feats = torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1) * w.shape[0] ** -0.5
     if drop_norm:
         return feats
-    log_norm = 0.5 * (x * x).sum(-1, keepdim=True)
-    if stabilizer is not None:
-        log_norm = log_norm - stabilizer
+    log_norm = _shift((0.5 * scale * scale) * (x * x).sum(-1, keepdim=True), stabilize, keep)
     return feats * torch.exp(log_norm)
 
 
-def favor_generalized(x: Tensor, w: Tensor, *, kernel: FeatureMap = F.relu, eps: float = 1e-3) -> Tensor:
-    """Performer generalized-kernel features ``kernel(W x) + eps`` (no softmax estimate), ``(..., M)``."""
-    return kernel(x @ w.transpose(0, 1)) + eps
+#: added to the generalized (relu) kernel's features, as in the Performer reference code
+GENERALIZED_EPS = 1e-3
+
+
+def favor_generalized(x: Tensor, w: Tensor, *, scale: float = 1.0, eps: float = GENERALIZED_EPS) -> Tensor:
+    """Generalized-kernel features ``relu(W x) + eps`` of ``scale · x`` (no softmax estimate), ``(..., M)``."""
+    return F.relu(x @ (w * scale).transpose(0, 1)) + eps
 
 
 def random_fourier(x: Tensor, w: Tensor) -> Tensor:

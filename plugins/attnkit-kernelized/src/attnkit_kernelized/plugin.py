@@ -1,7 +1,11 @@
 """attnkit plugin hooks: registers ``linear``, ``performer``, ``rfa`` and ``fast-weight`` (alias ``delta``).
 
-Importing this module imports neither numba nor triton (specs name their
-factories by import path; kernels load on first use).
+Each spec is the one declaration of its capabilities (the module classes
+read theirs from here) and names its factory and plain reference by import
+path, so importing this module imports neither numba nor triton (kernels
+load on first use). Every backend runs every mode a spec declares: a
+forced backend runs or raises, never falls back silently (``torch.func``
+transforms excepted: they run the torch path, the kernels being opaque to them).
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from attnkit import AttentionSpec, Capabilities, Paper
 ATTNKIT_API_VERSION = 1
 
 _KERNEL_TIME = "O(L·M·E) (M features, E value dim); causal chunked form O(L·(M·E + C·(M + E)))"
-_KERNEL_MEMORY = "O(L·M) features + O(M·E) state per head; no L x S matrix"
+_KERNEL_MEMORY = ("causal: O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head; "
+                  "non-causal: O(L·M) features; no L x S matrix")
 
 LINEAR = AttentionSpec(
     name="linear",
-    factory="attnkit_kernelized.linear:LinearAttention",
+    factory="attnkit_kernelized.linear.module:LinearAttention",
+    reference="attnkit_kernelized.linear.naive:reference",
     family="kernelized",
     summary="Linear attention phi(q)(phi(k)^T v) with phi(x) = elu(x) + 1 (or relu, softplus, dpfp).",
     paper=Paper("Katharopoulos, Vyas, Pappas, Fleuret", 2020,
@@ -35,7 +41,8 @@ LINEAR = AttentionSpec(
 PERFORMER = AttentionSpec(
     name="performer",
     aliases=("favor",),
-    factory="attnkit_kernelized.performer:PerformerAttention",
+    factory="attnkit_kernelized.performer.module:PerformerAttention",
+    reference="attnkit_kernelized.performer.naive:reference",
     family="kernelized",
     summary="Performer: FAVOR+ positive orthogonal random features estimating softmax attention.",
     paper=Paper("Choromanski, Likhosherstov, Dohan, Song, Gane, Sarlos, Hawkins, Davis, Mohiuddin, Kaiser, "
@@ -56,7 +63,8 @@ PERFORMER = AttentionSpec(
 
 RFA = AttentionSpec(
     name="rfa",
-    factory="attnkit_kernelized.rfa:RandomFeatureAttention",
+    factory="attnkit_kernelized.rfa.module:RandomFeatureAttention",
+    reference="attnkit_kernelized.rfa.naive:reference",
     family="kernelized",
     summary="Random feature attention; causal form gated: S_t = g S_{t-1} + (1 - g) phi(k_t) v_t^T.",
     paper=Paper("Peng, Pappas, Yogatama, Schwartz, Smith, Kong", 2021, "Random Feature Attention",
@@ -75,7 +83,8 @@ RFA = AttentionSpec(
 FAST_WEIGHT = AttentionSpec(
     name="fast-weight",
     aliases=("delta",),
-    factory="attnkit_kernelized.fast_weight:FastWeightAttention",
+    factory="attnkit_kernelized.fast_weight.module:FastWeightAttention",
+    reference="attnkit_kernelized.fast_weight.naive:reference",
     family="kernelized",
     summary="Delta-rule fast weight memory (write and remove): S_t = S_{t-1} + beta_t phi(k_t)(v_t - S^T phi(k_t))^T.",
     paper=Paper("Schlag, Irie, Schmidhuber", 2021, "Linear Transformers Are Secretly Fast Weight Programmers",
@@ -87,7 +96,8 @@ FAST_WEIGHT = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False,
         causal_cross=False, streaming="exact", dtypes=("float32", "float64"),
-        backends=("numba", "torch"), time="O(L·M·E)", memory="O(L·M) features + O(M·E) state per head",
+        backends=("numba", "torch"), time="O(L·M·E)",
+        memory="O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head",
     ),
 )
 

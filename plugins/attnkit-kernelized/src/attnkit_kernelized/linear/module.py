@@ -1,4 +1,4 @@
-"""``linear``: linear attention with a deterministic feature map (Katharopoulos et al. 2020).
+"""``linear``: :class:`LinearAttention`, its options and dispatch.
 
 ``out_i = phi(q_i)^T sum_j phi(k_j) v_j^T / phi(q_i) . sum_j phi(k_j)``, with
 ``phi(x) = elu(x) + 1`` by default. O(L·M·E) time; the causal form is a
@@ -11,9 +11,11 @@ from torch import Tensor
 
 from attnkit.errors import InvalidInputError
 
-from ._base import KernelizedAttention, check_choice, check_int
-from .feature_maps import DETERMINISTIC_MAPS, deterministic_feature_map, feature_dim
-from .plugin import LINEAR
+from ..base import KernelizedAttention
+from ..common import padded, zero_padded
+from ..feature_maps import DETERMINISTIC_MAPS, deterministic_feature_map, feature_dim
+from ..options import check_choice, check_int
+from ..plugin import LINEAR
 
 
 class LinearAttention(KernelizedAttention):
@@ -21,64 +23,52 @@ class LinearAttention(KernelizedAttention):
 
     Shapes as in :func:`torch.nn.functional.scaled_dot_product_attention`:
     q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
-    Non-causal (also cross-attention, L != S) and causal (L == S; a prefix
-    sum, run by the numba kernel on CPU tensors, triton on CUDA tensors, or
-    the chunked torch form). Key padding zeroes ``phi(k)`` and ``v`` at
-    padded keys; a query that sees no key gives 0. ``attn_mask`` is refused.
+    Non-causal (also cross-attention, L != S) and causal (L == S, a prefix
+    sum). Every backend runs both: ``torch`` (two matmuls; the chunked causal
+    form), ``numba`` (CPU kernels) and ``triton`` (CUDA kernels). Padded keys
+    add nothing; a query that sees no key gives 0. ``attn_mask`` is refused.
 
     Args:
-        num_heads: number of heads H (used to size the streaming state).
+        num_heads: number of heads H; when given, inputs with another H are refused.
         head_dim: head dimension D; None accepts any D (no parameters depend on it).
         scale: None (default) applies no scaling, as in the paper; a float
             multiplies q and k by ``sqrt(scale)`` before the feature map.
-        backend: ``"auto"`` (numba for causal CPU tensors, triton for causal
-            CUDA tensors, else torch), or one of ``"torch"``, ``"numba"``, ``"triton"``.
+        backend: ``"auto"`` (triton for CUDA tensors, numba for CPU tensors), or
+            one of ``"torch"``, ``"numba"``, ``"triton"`` (always that backend, or an error).
         feature_map: ``"elu"`` (elu(x) + 1, the paper's), ``"relu"``,
             ``"softplus"`` or ``"dpfp"`` (Schlag et al. 2021; 2·D·dpfp_nu features).
         dpfp_nu: rolls of the ``"dpfp"`` map (must stay 1 with the other maps).
-        chunk_size: positions per chunk of the torch causal form.
+        chunk_size: positions per chunk of the causal forms (torch chunks, kernel blocks).
 
     Raises:
-        InvalidInputError: an option out of range (named in the message).
+        InvalidInputError: an option of the wrong type or out of range (named in the message).
     """
 
-    capabilities = LINEAR.capabilities  # as registered; used when built without the registry
-
-    _needs_head_dim = False
+    capabilities = LINEAR.capabilities  # the spec's one declaration; used when built without the registry
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", feature_map: str = "elu",
                  dpfp_nu: int = 1, chunk_size: int = 64) -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend,
-                         chunk_size=chunk_size)
+                         chunk_size=chunk_size, needs_head_dim=False)
         self.feature_map = check_choice("feature_map", feature_map, DETERMINISTIC_MAPS)
         self.dpfp_nu = check_int("dpfp_nu", dpfp_nu)
         if dpfp_nu != 1 and feature_map != "dpfp":
             raise InvalidInputError(
                 f"dpfp_nu: expected 1 unless feature_map='dpfp' (only DPFP takes it), "
-                f"got dpfp_nu={dpfp_nu} with feature_map={feature_map!r}"
-            )
+                f"got dpfp_nu={dpfp_nu} with feature_map={feature_map!r}")
         self._phi = deterministic_feature_map(feature_map, nu=self.dpfp_nu)
 
-    @property
-    def feature_dim(self) -> int:
-        """M, the number of features per head (``head_dim`` must be set to know it)."""
-        return feature_dim(self.feature_map, self.head_dim or 1, nu=self.dpfp_nu)
+    def feature_count(self, head_dim: int) -> int:
+        return feature_dim(self.feature_map, head_dim, nu=self.dpfp_nu)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, feature_map={self.feature_map!r}"
 
     def feature_pair(self, q: Tensor, k: Tensor, *, causal: bool,
                      key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``(phi(q), phi(k))`` of shapes ``(B, H, L, M)`` and ``(B, H, S, M)``."""
+        """``(phi(q), phi(k))`` of shapes ``(B, H, L, M)`` and ``(B, H, S, M)``; 0 at padded keys."""
         if self.scale is not None:
             s = self.scale ** 0.5
             q, k = q * s, k * s
-        return self._phi(q), self._phi(k)
-
-    def _init_state(self, batch, *, device, dtype):
-        state = super()._init_state(batch, device=device, dtype=dtype)
-        if self.head_dim is None:  # M unknown until the first step
-            state["S"] = state["S"][:, :, :0]
-            state["z"] = state["z"][:, :, :0]
-        return state
+        return self._phi(q), zero_padded(self._phi(k), padded(key_padding_mask))

@@ -1,0 +1,156 @@
+"""What the four kernelized attentions share: options, masking of features, the causal segment loop, states."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from attnkit import Attention
+from attnkit.context import CallContext
+from attnkit.errors import InvalidInputError
+
+from ._ops import backend_module, runnable_backend
+from .linear.recurrent import linear_attention_step
+from .options import check_choice, check_int
+
+
+class KernelizedAttention(Attention):
+    """Base of the kernelized attentions (contract 2: :meth:`_attend`).
+
+    A subclass provides :meth:`feature_pair` (``phi(q)``, ``phi(k)`` with the
+    features of padded keys set to 0: ``phi(0)`` is not 0, and the base class
+    zeroes only keys and values), :meth:`feature_count` and
+    :meth:`_causal_segment` / :meth:`_step` for its recurrence; the non-causal
+    form is linear attention (``linear`` backends). Causal calls run segment
+    by segment (:attr:`segment_length` positions), carrying the state across
+    segments, so the features of one segment exist at a time; the same loop
+    serves ``forward(..., state=..., return_state=True)``.
+
+    States are dicts of tensors (``{"S": (B, H, M, E), "z": (B, H, M)}`` for
+    linear attention); a fresh state holds None (zeros, sized by the first
+    positions, since the value dimension E is known only then).
+    """
+
+    refusal_reasons = {
+        "attn_mask": ("a kernelized attention sums phi(k) v^T over keys before any query sees them, so it can "
+                      "only drop whole keys (pass key_padding_mask, bool (B, S)) and the future (causal=True)"),
+    }
+
+    #: positions per segment of the causal forms (features are computed for one segment at a time)
+    segment_length: ClassVar[int] = 2048
+    #: names of the state's tensors
+    state_keys: ClassVar[tuple[str, ...]] = ("S", "z")
+
+    def __init__(self, *, num_heads: int | None, head_dim: int | None, scale: float | None, backend: str,
+                 chunk_size: int, needs_heads: bool = False, needs_head_dim: bool = True) -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        offered = type(self).capabilities.backends
+        check_choice("backend", backend, ("auto", *offered))
+        name = type(self).__name__
+        if needs_head_dim and head_dim is None:
+            raise InvalidInputError(f"{name}: head_dim: expected the head dimension D (an int >= 1) that features "
+                                    "and parameters are drawn for, got None")
+        if needs_heads and num_heads is None:
+            raise InvalidInputError(f"{name}: num_heads: expected the number of heads H (an int >= 1; its "
+                                    "parameters are per head), got None")
+        self.chunk_size = check_int("chunk_size", chunk_size)
+
+    # ------------------------------------------------------------------ hooks
+    def feature_pair(self, q: Tensor, k: Tensor, *, causal: bool,
+                     key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(phi(q) (B, H, L, M), phi(k) (B, H, S, M))``; ``phi(k)`` is 0 at padded keys."""
+        raise NotImplementedError
+
+    def feature_count(self, head_dim: int) -> int:
+        """M, the number of features per head for inputs of head dimension ``head_dim``."""
+        raise NotImplementedError
+
+    @property
+    def feature_dim(self) -> int:
+        """M for the built ``head_dim``."""
+        if self.head_dim is None:
+            raise InvalidInputError(f"{self.impl_name!r}: feature_dim depends on head_dim, which was not given")
+        return self.feature_count(self.head_dim)
+
+    def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: tuple[Tensor, ...] | None,
+                        backend: str) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Causal attention of one segment from ``state`` (None: zeros); ``(out, new_state)``."""
+        phi_q, phi_k = self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
+        backend = runnable_backend(backend, phi_q, phi_k, v)
+        S0, z0 = (None, None) if state is None else state
+        out, S, z = backend_module("linear", backend).linear_attention(phi_q, phi_k, v, S0, z0, causal=True,
+                                                                      chunk=self.chunk_size)
+        return out, (S, z)
+
+    def _before_forward(self) -> None:
+        """Called once per forward call (performer redraws its features here)."""
+
+    # ---------------------------------------------------------------- forward
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
+        self._before_forward()
+        # the kernels read contiguous rows; a multi-head layer hands over transposed views. Copying them
+        # once here (D wide, before the M-wide features) also keeps every stride the same under
+        # torch.compile's fake tensors as at run time (elementwise backward ops on mixed layouts differ)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        kpm = ctx.key_padding_mask
+        if not ctx.causal:  # linear attention on every backend (fast-weight is causal only: refused before)
+            phi_q, phi_k = self.feature_pair(q, k, causal=False, key_padding_mask=kpm)
+            # two matmuls are as fast as the numba full-product kernel on CPU (measured 6.5-23 ms against
+            # 9-36 ms at M=E=64): automatic dispatch takes them; a forced backend runs its own kernel
+            chosen = ctx.backend if (self.backend != "auto" or ctx.backend != "numba") else "torch"
+            backend = runnable_backend(chosen, phi_q, phi_k, v)
+            out, _, _ = backend_module("linear", backend).linear_attention(phi_q, phi_k, v, causal=False,
+                                                                          chunk=self.chunk_size)
+            return out
+        state = self._state_in(ctx.state, q, v) if ctx.return_state else None
+        L, seg = q.shape[2], self.segment_length
+        outs = []
+        for s0 in range(0, L, seg):
+            s1 = min(L, s0 + seg)
+            part = None if kpm is None else kpm[:, s0:s1]
+            out, state = self._causal_segment(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], part, state,
+                                              ctx.backend)
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return (out, dict(zip(self.state_keys, state))) if ctx.return_state else out
+
+    # --------------------------------------------------------------- streaming
+    def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+        return dict.fromkeys(self.state_keys)
+
+    def _state_shapes(self, B: int, H: int, M: int, E: int) -> dict[str, tuple[int, ...]]:
+        return {"S": (B, H, M, E), "z": (B, H, M)}
+
+    def _state_in(self, data: Any, q: Tensor, v: Tensor) -> tuple[Tensor, ...] | None:
+        """The state's tensors, checked against this call's shapes; None for a fresh state."""
+        if not isinstance(data, dict) or set(data) != set(self.state_keys):
+            raise InvalidInputError(
+                f"state: expected the data of a state of {self.impl_name!r} (a dict with {list(self.state_keys)}), "
+                f"got {type(data).__name__}")
+        if all(data[key] is None for key in self.state_keys):
+            return None
+        B, H, _, D = q.shape
+        want = self._state_shapes(B, H, self.feature_count(D), v.shape[-1])
+        for key in self.state_keys:
+            t = data[key]
+            if not isinstance(t, Tensor) or tuple(t.shape) != want[key]:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise InvalidInputError(
+                    f"state: {key} of shape {want[key]} expected for q {tuple(q.shape)} and v {tuple(v.shape)} "
+                    f"(B, H, M={self.feature_count(D)} features, E), got {got}; a state serves the head count "
+                    "and value size it started with")
+        return tuple(data[key] for key in self.state_keys)
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+        """``step()``: the recurrent form (one position at a time) from the state, on any device."""
+        S, z = self._state_in(state, q, v) or self._zero_state(q, v)
+        phi_q, phi_k = self.feature_pair(q, k, causal=True)
+        out, S, z = linear_attention_step(phi_q, phi_k, v, S, z)
+        return out, {"S": S, "z": z}
+
+    def _zero_state(self, q: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        B, H, _, D = q.shape
+        shapes = self._state_shapes(B, H, self.feature_count(D), v.shape[-1])
+        return tuple(q.new_zeros(shapes[key]) for key in self.state_keys)

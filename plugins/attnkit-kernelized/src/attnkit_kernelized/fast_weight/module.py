@@ -1,0 +1,144 @@
+"""``fast-weight`` (alias ``delta``): :class:`FastWeightAttention` (Schlag, Irie, Schmidhuber 2021).
+
+A linear transformer is a fast weight programmer whose memory only ever
+adds ``v_t phi(k_t)^T``. The delta rule also *removes*: it first retrieves
+the value currently stored under the key, ``v_bar_t = W_{t-1} phi(k_t)``, and
+writes the difference with a learned strength ``beta_t`` in (0, 1)::
+
+    W_t = W_{t-1} + beta_t (v_t - W_{t-1} phi(k_t)) phi(k_t)^T
+    out_t = W_t phi(q_t)
+
+(in state form ``S = W^T`` of shape ``(M, E)``:
+``S_t = S_{t-1} + beta_t phi(k_t) (v_t - S_{t-1}^T phi(k_t))^T``).
+
+Following the paper: ``phi`` is DPFP-nu by default, ``phi(q)`` and ``phi(k)``
+are sum-normalised (``phi(x) / sum_i phi(x)_i``) instead of dividing by a
+denominator, which keeps the update a contraction, and
+``beta_t = sigmoid(w_h . k_t + b_h)`` is a learned projection (the paper
+projects the layer input ``x_t``; here the module sees the per-head key
+``k_t``, a linear function of ``x_t``). A fixed ``beta`` can be given instead.
+
+Causal only (there is no non-causal delta rule). Padded keys write nothing
+(their features are zeroed, so the update is the identity).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from attnkit.errors import InvalidInputError
+
+from .._ops import backend_module, runnable_backend
+from ..base import KernelizedAttention
+from ..common import padded, zero_padded
+from ..feature_maps import DETERMINISTIC_MAPS, deterministic_feature_map, feature_dim, sum_normalized
+from ..options import check_bool, check_choice, check_float, check_int
+from ..plugin import FAST_WEIGHT
+from .recurrent import delta_rule_step
+
+
+class FastWeightAttention(KernelizedAttention):
+    """Delta-rule fast weight memory (write and remove), causal.
+
+    Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` ->
+    ``(B, H, L, E)``; ``causal=True`` is required (``causal=False`` and L != S
+    are refused). Backends: ``numba`` (CPU kernels: the per-position
+    recurrence, checkpointed backward) and ``torch`` (the chunked UT-transform
+    form). Streams exactly through ``init_state``/``step`` and
+    ``forward(..., state=..., return_state=True)`` (state ``{"S": (B, H, M, E)}``).
+
+    Args:
+        num_heads: number of heads H (the learned beta projection is per head; required).
+        head_dim: head dimension D (required).
+        scale: None (default) leaves queries as they are, as in the paper; a
+            float multiplies the output (queries are sum-normalised, so a query
+            scale would cancel).
+        backend: ``"auto"`` (numba for CPU tensors, else torch), ``"torch"`` or ``"numba"``
+            (always that backend, or an error).
+        feature_map: ``"dpfp"`` (the paper's DPFP-nu, 2·D·dpfp_nu features),
+            ``"elu"``, ``"relu"`` or ``"softplus"`` (D features).
+        dpfp_nu: rolls of the ``"dpfp"`` map (must stay 1 with the other maps).
+        normalize: sum-normalise ``phi(q)`` and ``phi(k)`` (a bool; the paper's,
+            keeps the update stable).
+        beta: None (default) learns ``beta_t = sigmoid(w_h . k_t + b_h)``, the
+            paper's; a float in (0, 1] fixes beta for every position.
+        chunk_size: positions per chunk of the torch form (and checkpoint
+            interval of the numba backward).
+
+    Raises:
+        InvalidInputError: an option of the wrong type or out of range (named in the message).
+    """
+
+    capabilities = FAST_WEIGHT.capabilities  # the spec's one declaration; used when built without the registry
+    state_keys: ClassVar[tuple[str, ...]] = ("S",)
+
+    def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
+                 scale: float | None = None, backend: str = "auto", feature_map: str = "dpfp",
+                 dpfp_nu: int = 1, normalize: bool = True, beta: float | None = None,
+                 chunk_size: int = 64) -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend,
+                         chunk_size=chunk_size, needs_heads=True)
+        self.feature_map = check_choice("feature_map", feature_map, DETERMINISTIC_MAPS)
+        self.dpfp_nu = check_int("dpfp_nu", dpfp_nu)
+        if dpfp_nu != 1 and feature_map != "dpfp":
+            raise InvalidInputError(
+                f"dpfp_nu: expected 1 unless feature_map='dpfp' (only DPFP takes it), "
+                f"got dpfp_nu={dpfp_nu} with feature_map={feature_map!r}")
+        self.normalize = check_bool("normalize", normalize)
+        self.fixed_beta = check_float("beta", beta, low=0.0, high=1.0, high_inclusive=True, allow_none=True)
+        self._phi = deterministic_feature_map(feature_map, nu=self.dpfp_nu)
+        if beta is None:
+            self.beta_weight = nn.Parameter(torch.randn(num_heads, head_dim) / math.sqrt(head_dim))
+            self.beta_bias = nn.Parameter(torch.zeros(num_heads))
+
+    def feature_count(self, head_dim: int) -> int:
+        return feature_dim(self.feature_map, head_dim, nu=self.dpfp_nu)
+
+    def extra_repr(self) -> str:
+        beta = "learned" if self.fixed_beta is None else self.fixed_beta
+        return f"{super().extra_repr()}, feature_map={self.feature_map!r}, beta={beta}"
+
+    # ------------------------------------------------------------ pieces
+    def phi(self, x: Tensor) -> Tensor:
+        """``phi(x)``, sum-normalised when ``normalize`` (a row of zeros stays zero), ``(..., M)``."""
+        f = self._phi(x)
+        return sum_normalized(f) if self.normalize else f
+
+    def feature_pair(self, q: Tensor, k: Tensor, *, causal: bool,
+                     key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(phi(q), phi(k))``; 0 at padded keys (they write nothing)."""
+        return self.phi(q), zero_padded(self.phi(k), padded(key_padding_mask))
+
+    def betas(self, k: Tensor) -> Tensor:
+        """Write strengths ``beta_t``, ``(B, H, L)``."""
+        B, H, L, _ = k.shape
+        if self.fixed_beta is not None:
+            return torch.full((B, H, L), self.fixed_beta, dtype=k.dtype, device=k.device)
+        logits = (k * self.beta_weight.to(k.dtype)[None, :, None, :]).sum(-1)   # w_h . k_t
+        return torch.sigmoid(logits + self.beta_bias.to(k.dtype).view(1, H, 1))
+
+    def _scale_out(self, out: Tensor) -> Tensor:
+        return out if self.scale is None else out * self.scale
+
+    # ------------------------------------------------------------ forward
+    def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                        backend: str) -> tuple[Tensor, Any]:
+        phi_q, phi_k = self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
+        beta = self.betas(k)
+        backend = runnable_backend(backend, phi_q, phi_k, v, beta)
+        S0 = None if state is None else state[0]
+        out, S = backend_module("fast_weight", backend).delta_rule(phi_q, phi_k, v, beta, S0, chunk=self.chunk_size)
+        return self._scale_out(out), (S,)
+
+    def _state_shapes(self, B: int, H: int, M: int, E: int) -> dict[str, tuple[int, ...]]:
+        return {"S": (B, H, M, E)}
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+        (S,) = self._state_in(state, q, v) or self._zero_state(q, v)
+        phi_q, phi_k = self.feature_pair(q, k, causal=True)
+        out, S = delta_rule_step(phi_q, phi_k, v, self.betas(k), S)
+        return self._scale_out(out), {"S": S}

@@ -1,0 +1,237 @@
+"""numba CPU kernels of the delta rule (``fast-weight``) and their operators.
+
+:func:`_delta_forward` runs ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``,
+``out_t = S_t^T q_t`` position by position from a state ``S0`` (two passes over
+the M x E state per position), parallel over the B*H sequences, saving the
+state every ``chunk`` positions; :func:`_delta_backward` walks the positions in
+reverse, recomputing each chunk's states from its checkpoint (memory
+O(L/chunk · M·E) instead of O(L·M·E)), and returns the gradients of q, k, v,
+beta and the initial state.
+
+Operators (``torch.library``, namespace ``attnkit_kernelized``):
+``numba_delta_rule`` (differentiable) and ``numba_delta_backward``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._numba import FASTMATH, arr, check_float, dynamic
+from .._ops import define
+from ..common import DEFAULT_CHUNK
+
+_FASTMATH = FASTMATH
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
+    """Delta rule per position from S0; returns out (N, L, E) and the states at chunk starts and at the end
+    (N, C+1, M, E)."""
+    N, L, M = q.shape
+    E = v.shape[2]
+    n_chunks = (L + chunk - 1) // chunk
+    out = np.empty((N, L, E), dtype=q.dtype)
+    ckpt = np.empty((N, n_chunks + 1, M, E), dtype=q.dtype)
+    for n in numba.prange(N):
+        S = S0[n].copy()
+        r = np.empty(E, dtype=q.dtype)
+        for t in range(L):
+            if t % chunk == 0:
+                ckpt[n, t // chunk] = S
+            kt = k[n, t]
+            qt = q[n, t]
+            b = beta[n, t]
+            ot = out[n, t]
+            # r = v_t - S^T k_t
+            for e in range(E):
+                r[e] = v[n, t, e]
+            for m in range(M):
+                km = kt[m]
+                Sm = S[m]
+                for e in range(E):
+                    r[e] -= km * Sm[e]
+            # S += beta k r^T, then out = S^T q (one pass over S)
+            for e in range(E):
+                ot[e] = 0.0
+            for m in range(M):
+                c = b * kt[m]
+                qm = qt[m]
+                Sm = S[m]
+                for e in range(E):
+                    Sm[e] += c * r[e]
+                    ot[e] += qm * Sm[e]
+        ckpt[n, n_chunks] = S
+    return out, ckpt
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk):  # pragma: no cover - compiled
+    """Gradients of :func:`_delta_forward` w.r.t. q, k, v, beta and S0, given those of the output and of the
+    final state (dSL): a reverse sweep recomputing each chunk's states from its checkpoint."""
+    N, L, M = q.shape
+    E = v.shape[2]
+    n_chunks = (L + chunk - 1) // chunk
+    dq = np.empty((N, L, M), dtype=q.dtype)
+    dk = np.empty((N, L, M), dtype=q.dtype)
+    dv = np.empty((N, L, E), dtype=q.dtype)
+    db = np.empty((N, L), dtype=q.dtype)
+    dS0 = np.empty((N, M, E), dtype=q.dtype)
+    for n in numba.prange(N):
+        G = dSL[n].copy()                                 # dLoss/dS_t
+        states = np.empty((chunk + 1, M, E), dtype=q.dtype)  # S_{c0-1} .. S_{c1-1} of one chunk
+        R = np.empty((chunk, E), dtype=q.dtype)           # r_t of the chunk
+        gk = np.empty(E, dtype=q.dtype)
+        zero = np.zeros(1, dtype=q.dtype)
+        for ci in range(n_chunks - 1, -1, -1):
+            c0 = ci * chunk
+            c1 = min(c0 + chunk, L)
+            T = c1 - c0
+            # recompute the chunk's states from its checkpoint
+            states[0] = ckpt[n, ci]
+            for i in range(T):
+                t = c0 + i
+                kt = k[n, t]
+                b = beta[n, t]
+                Sp = states[i]
+                Sn = states[i + 1]
+                rt = R[i]
+                for e in range(E):
+                    rt[e] = v[n, t, e]
+                for m in range(M):
+                    km = kt[m]
+                    for e in range(E):
+                        rt[e] -= km * Sp[m, e]
+                for m in range(M):
+                    c = b * kt[m]
+                    for e in range(E):
+                        Sn[m, e] = Sp[m, e] + c * rt[e]
+            for i in range(T - 1, -1, -1):
+                t = c0 + i
+                kt = k[n, t]
+                qt = q[n, t]
+                b = beta[n, t]
+                Sp = states[i]
+                Sn = states[i + 1]
+                rt = R[i]
+                do = dout[n, t]
+                # out_t = S_t^T q_t
+                for m in range(M):
+                    s = zero[0]
+                    for e in range(E):
+                        s += Sn[m, e] * do[e]
+                    dq[n, t, m] = s
+                for m in range(M):
+                    qm = qt[m]
+                    for e in range(E):
+                        G[m, e] += qm * do[e]
+                # S_t = S_{t-1} + b k r^T, r = v - S_{t-1}^T k
+                for e in range(E):
+                    gk[e] = 0.0
+                for m in range(M):
+                    km = kt[m]
+                    for e in range(E):
+                        gk[e] += km * G[m, e]
+                s = zero[0]
+                for e in range(E):
+                    dv[n, t, e] = b * gk[e]
+                    s += gk[e] * rt[e]
+                db[n, t] = s
+                for m in range(M):
+                    s1 = zero[0]
+                    s2 = zero[0]
+                    for e in range(E):
+                        s1 += G[m, e] * rt[e]
+                        s2 += Sp[m, e] * gk[e]
+                    dk[n, t, m] = b * (s1 - s2)
+                # dS_{t-1} = (I - b k k^T) G
+                for m in range(M):
+                    c = b * kt[m]
+                    for e in range(E):
+                        G[m, e] -= c * gk[e]
+        dS0[n] = G
+    return dq, dk, dv, db, dS0
+
+
+# ------------------------------------------------------------------ operators
+def _seq(x: Tensor) -> np.ndarray:
+    """``(B, H, ...)`` -> a contiguous ``(B*H, ...)`` array."""
+    return arr(x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]))
+
+
+def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
+             chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, L, M = phi_q.shape
+    E = v.shape[-1]
+    arrays = [_seq(t) for t in (phi_q, phi_k, v, beta, S0)]
+    check_float(*arrays)
+    q, k, w, b, S0n = arrays
+    out, ckpt = dynamic(_delta_forward, q, k, w, b, int(chunk), S0n)
+    nc = ckpt.shape[1]
+    return (torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(ckpt[:, -1].copy()).view(B, H, M, E),
+            torch.from_numpy(ckpt).view(B, H, nc, M, E))
+
+
+def _forward_fake(phi_q, phi_k, v, beta, S0, chunk):
+    B, H, L, M = phi_q.shape
+    E = v.shape[-1]
+    return v.new_empty(B, H, L, E), torch.empty_like(S0), v.new_empty(B, H, -(-L // chunk) + 1, M, E)
+
+
+def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: Tensor, dout: Tensor, dS: Tensor,
+                   chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    arrays = [_seq(t) for t in (phi_q, phi_k, v, beta, ckpt, dout, dS)]
+    check_float(*arrays)
+    grads = dynamic(_delta_backward, *arrays, int(chunk))
+    return tuple(torch.from_numpy(a).view(t.shape) for a, t in zip(grads, (phi_q, phi_k, v, beta, dS)))
+
+
+def _backward_fake(phi_q, phi_k, v, beta, ckpt, dout, dS, chunk):
+    return tuple(torch.empty_like(t) for t in (phi_q, phi_k, v, beta, dS))
+
+
+#: ``attnkit_kernelized::numba_delta_backward``: gradients of :data:`numba_delta_rule`
+numba_delta_backward = define("numba_delta_backward", _backward_impl, _backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    phi_q, phi_k, v, beta, S0, chunk = inputs
+    ctx.save_for_backward(phi_q, phi_k, v, beta, output[2])
+    ctx.chunk = chunk
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, g_out, g_S, _g_ckpt):
+    phi_q, phi_k, v, beta, ckpt = ctx.saved_tensors
+    B, H, L, M = phi_q.shape
+    E = v.shape[-1]
+    grads = numba_delta_backward(
+        phi_q, phi_k, v, beta, ckpt, phi_q.new_zeros(B, H, L, E) if g_out is None else g_out,
+        phi_q.new_zeros(B, H, M, E) if g_S is None else g_S, ctx.chunk)
+    return (*grads, None)
+
+
+#: ``attnkit_kernelized::numba_delta_rule``: ``(phi_q, phi_k, v, beta, S0, chunk) -> (out, S, checkpoints)``,
+#: differentiable in the first five inputs
+numba_delta_rule = define("numba_delta_rule", _forward, _forward_fake, backward=_backward,
+                          setup_context=_setup_context)
+
+
+def delta_rule(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor | None = None, *,
+               chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
+    """The delta rule with the numba kernels (the ``numba`` backend of ``fast-weight``).
+
+    Args:
+        phi_q, phi_k: ``(B, H, L, M)``; v: ``(B, H, L, E)``; beta: ``(B, H, L)``; float32/float64 CPU tensors.
+        S0: the state ``(B, H, M, E)`` carried in (None: zeros).
+        chunk: checkpoint interval of the backward pass.
+
+    Returns:
+        ``(out (B, H, L, E), S (B, H, M, E))``.
+    """
+    B, H, L, M = phi_q.shape
+    S0 = phi_q.new_zeros(B, H, M, v.shape[-1]) if S0 is None else S0
+    out, S, _ = numba_delta_rule(phi_q, phi_k, v, beta, S0, chunk)
+    return out, S
