@@ -12,6 +12,12 @@ from attnkit.registry import Registry
 GROUP = "attnkit.plugins"
 
 
+@pytest.fixture(autouse=True)
+def _private_tuning_cache(tmp_path_factory, monkeypatch):
+    """Every test sees an empty measured-backend cache: a developer's `attnkit tune` never changes a result."""
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path_factory.mktemp("attnkit-cache")))
+
+
 @pytest.fixture
 def fake_entry_points(monkeypatch):
     """Call with {name: "module"}; returns a fresh Registry that sees only those plugins."""

@@ -303,7 +303,7 @@ def build_parser(reg: Registry) -> tuple[argparse.ArgumentParser, CommandLine]:
     tuning = _tuning()
     if tuning is not None and hasattr(tuning, "run_tune"):
         cli.add_command("tune", help="time each backend of each mechanism here; backend='auto' then uses the winners",
-                        configure=tuning.configure_tune, run=tuning.run_tune)
+                        configure=tuning.configure_tune, run=lambda a: tuning.run_tune(a, reg))
     reg.call_command_hooks(cli)
     return parser, cli
 
