@@ -5,7 +5,7 @@ Blocks are built by name with :func:`attnkit.build_block` (``name``,
 block is registered as ``"pre-norm"``. Two faces, as for attentions:
 :func:`run_block_conformance` (no pytest) and
 :class:`attnkit.testing.BlockConformance` (pytest). A check skips, with the
-reason, when this attnkit has no ``build_block``.
+reason.
 """
 
 from __future__ import annotations
@@ -108,9 +108,7 @@ class _BlockCtx:
         if builder is None:
             import attnkit
 
-            builder = getattr(attnkit, "build_block", None)
-        if builder is None:
-            raise CheckSkipped("attnkit.build_block is not available in this attnkit (no block registry yet)")
+            builder = attnkit.build_block
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed if seed is None else seed)
             try:
