@@ -430,8 +430,9 @@ def _tune_spec(reg: Any, spec: Any, *, lengths: tuple[int, ...], repeats: int, d
         out["skipped"].append({"length": None, "reason": reason})
         say(f"{spec.name}: skipped: {reason}")
         return out
-    runnable = [b for b in caps.backends if _backends.why_unavailable(b, device, forced=True) is None]
-    unavailable = {b: _backends.why_unavailable(b, device, forced=True) for b in caps.backends if b not in runnable}
+    # what backend="auto" could pick (forced=False): no triton interpreter timings on CPU
+    runnable = [b for b in caps.backends if _backends.why_unavailable(b, device) is None]
+    unavailable = {b: _backends.why_unavailable(b, device) for b in caps.backends if b not in runnable}
     for b, why in unavailable.items():
         say(f"{spec.name}: backend {b} not measured: {why}")
     out["unavailable"] = unavailable
@@ -738,6 +739,8 @@ def run_tune(args: argparse.Namespace, registry: Any = None) -> int:
         device = torch.device(args.device)
     except (RuntimeError, TypeError):
         raise UsageError(f"--device: expected a torch device such as cpu or cuda, got {args.device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available here")
     names = list(args.names or [])
