@@ -124,7 +124,17 @@ def _cmd_describe_block(args: argparse.Namespace, reg: Registry, spec: Any) -> i
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
-    print(f"{spec.name} (block) — {spec.summary}")
+    _print_header(spec, f"{spec.name} (block)")
+    print(f"  streaming:     {spec.streaming or '-'}")
+    if spec.aux_losses:
+        print(f"  aux losses:    {dict(spec.aux_losses)}")
+    print("  build:         attnkit.build_block(name, dim=..., num_heads=..., attention=..., **options)")
+    _print_options(d["options"])
+    return 0
+
+
+def _print_header(spec: Any, title: str) -> None:
+    print(f"{title} — {spec.summary}")
     print(f"  family:        {spec.family} ({spec.qualified_name})")
     if spec.aliases:
         print(f"  aliases:       {', '.join(spec.aliases)}")
@@ -132,15 +142,15 @@ def _cmd_describe_block(args: argparse.Namespace, reg: Registry, spec: Any) -> i
     print(f"  factory:       {spec.factory_path}")
     if spec.paper:
         print(f"  paper:         {spec.paper}")
-    print(f"  streaming:     {spec.streaming or '-'}")
-    if spec.aux_losses:
-        print(f"  aux losses:    {dict(spec.aux_losses)}")
-    print("  build:         attnkit.build_block(name, dim=..., num_heads=..., attention=..., **options)")
+
+
+def _print_options(options: list[dict[str, Any]]) -> None:
     print("  options:")
-    for o in d["options"]:
+    for o in options:
         default = "(required)" if o["required"] else f"= {o['default']!r}"
         print(f"    {o['name']}: {o['type']} {default}")
-    return 0
+        if o["help"]:
+            print(f"        {o['help']}")
 
 
 def _cmd_describe(args: argparse.Namespace, reg: Registry) -> int:
@@ -158,14 +168,7 @@ def _cmd_describe(args: argparse.Namespace, reg: Registry) -> int:
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
-    print(f"{spec.name} — {spec.summary}")
-    print(f"  family:        {spec.family} ({spec.qualified_name})")
-    if spec.aliases:
-        print(f"  aliases:       {', '.join(spec.aliases)}")
-    print(f"  provided by:   {spec.distribution} {spec.version} (plugin {spec.plugin})")
-    print(f"  factory:       {spec.factory_path}")
-    if spec.paper:
-        print(f"  paper:         {spec.paper}")
+    _print_header(spec, spec.name)
     print(f"  exact:         {'yes' if spec.exact else 'no: ' + (spec.approximation or 'approximate')}")
     if spec.error_bound is not None:
         print(f"  error bound:   {spec.error_bound} (relative, conformance-kit distribution)")
@@ -179,12 +182,7 @@ def _cmd_describe(args: argparse.Namespace, reg: Registry) -> int:
         print(f"    {k:22} {v if v not in (None, '') else '-'}")
     if spec.defaults:
         print(f"  defaults:      {dict(spec.defaults)}")
-    print("  options:")
-    for o in d["options"]:
-        default = "(required)" if o["required"] else f"= {o['default']!r}"
-        print(f"    {o['name']}: {o['type']} {default}")
-        if o["help"]:
-            print(f"        {o['help']}")
+    _print_options(d["options"])
     tuning = _tuning()
     if tuning is not None:
         lines = tuning.describe_lines(spec)

@@ -634,6 +634,23 @@ class _Compound(Mask):
     def has_bias(self) -> bool:
         return any(p.has_bias for p in self.parts)
 
+    def _keep(self, b, h, qi, ki, geom):
+        keep = None
+        for p in self.parts:
+            k = p._keep(b, h, qi, ki, geom)
+            keep = k if keep is None else self._combine_keep(keep, k)
+        return keep
+
+    def _blocks(self, geom, bq, bk):
+        states = [p._blocks(geom, bq, bk) for p in self.parts]
+        shape = torch.broadcast_shapes(*(s.shape for s in states))
+        out = states[0].expand(shape)
+        for s in states[1:]:
+            out = self._combine_states(out, s.expand(shape))
+        # two partial tiles may together allow nothing (or everything): evaluate those tiles exactly
+        partials = sum((s.expand(shape) == PARTIAL).to(torch.int8) for s in states)
+        return self._refine(geom, out.contiguous(), (out == PARTIAL) & (partials >= 2), bq, bk)
+
     def __repr__(self) -> str:
         return "(" + f" {self.op} ".join(repr(p) for p in self.parts) + ")"
 
@@ -648,22 +665,13 @@ class _And(_Compound):
     def conjuncts(self):
         return [c for p in self.parts for c in p.conjuncts()]
 
-    def _keep(self, b, h, qi, ki, geom):
-        keep = None
-        for p in self.parts:
-            k = p._keep(b, h, qi, ki, geom)
-            keep = k if keep is None else keep & k
-        return keep
+    @staticmethod
+    def _combine_keep(a: Tensor, b: Tensor) -> Tensor:
+        return a & b
 
-    def _blocks(self, geom, bq, bk):
-        states = [p._blocks(geom, bq, bk) for p in self.parts]
-        shape = torch.broadcast_shapes(*(s.shape for s in states))
-        out = states[0].expand(shape)
-        for s in states[1:]:
-            out = torch.minimum(out, s.expand(shape))  # SKIP < PARTIAL < FULL
-        # two partial tiles may together allow nothing (or everything): evaluate those tiles exactly
-        partials = sum((s.expand(shape) == PARTIAL).to(torch.int8) for s in states)
-        return self._refine(geom, out.contiguous(), (out == PARTIAL) & (partials >= 2), bq, bk)
+    @staticmethod
+    def _combine_states(a: Tensor, b: Tensor) -> Tensor:
+        return torch.minimum(a, b)  # SKIP < PARTIAL < FULL
 
     def bias(self, geom, dtype):
         out = None
@@ -693,25 +701,17 @@ class _Or(_Compound):
     def conjuncts(self):
         return [self]  # one atomic part of kind "union"
 
-    def _keep(self, b, h, qi, ki, geom):
-        keep = None
-        for p in self.parts:
-            k = p._keep(b, h, qi, ki, geom)
-            keep = k if keep is None else keep | k
-        return keep
+    @staticmethod
+    def _combine_keep(a: Tensor, b: Tensor) -> Tensor:
+        return a | b
 
-    def _blocks(self, geom, bq, bk):
-        states = [p._blocks(geom, bq, bk) for p in self.parts]
-        shape = torch.broadcast_shapes(*(s.shape for s in states))
-        out = states[0].expand(shape)
-        for s in states[1:]:
-            s = s.expand(shape)
-            # FULL if either is FULL, SKIP only if both are, else PARTIAL
-            out = torch.where((out == FULL) | (s == FULL), torch.full_like(out, FULL),
-                              torch.where((out == SKIP) & (s == SKIP), torch.full_like(out, SKIP),
-                                          torch.full_like(out, PARTIAL)))
-        partials = sum((s.expand(shape) == PARTIAL).to(torch.int8) for s in states)
-        return self._refine(geom, out.contiguous(), (out == PARTIAL) & (partials >= 2), bq, bk)
+    @staticmethod
+    def _combine_states(a: Tensor, b: Tensor) -> Tensor:
+        # FULL if either is FULL, SKIP only if both are, else PARTIAL
+        either_full = (a == FULL) | (b == FULL)
+        both_skip = (a == SKIP) & (b == SKIP)
+        return torch.where(either_full, torch.full_like(a, FULL),
+                           torch.where(both_skip, torch.full_like(a, SKIP), torch.full_like(a, PARTIAL)))
 
 
 # ============================================================== constructors

@@ -240,25 +240,7 @@ class AttentionSpec:
     version: str = ""
 
     def __post_init__(self) -> None:
-        for what, value in [("name", self.name)] + [("aliases", a) for a in self.aliases]:
-            if not isinstance(value, str) or not _NAME_RE.match(value):
-                raise InvalidInputError(
-                    f"AttentionSpec.{what} must be lower-case words joined by '-' "
-                    f"(e.g. 'sliding-window'), got {value!r}"
-                )
-        if not isinstance(self.family, str) or not _NAME_RE.match(self.family):
-            raise InvalidInputError(
-                f"AttentionSpec.family must be a lower-case name (e.g. 'sparse'), got {self.family!r}"
-            )
-        if isinstance(self.factory, str):
-            if ":" not in self.factory:
-                raise InvalidInputError(
-                    f"AttentionSpec.factory must be 'module.path:ClassName', got {self.factory!r}"
-                )
-        elif not callable(self.factory):
-            raise InvalidInputError(
-                f"AttentionSpec.factory must be an import path string or a class, got {type(self.factory).__name__}"
-            )
+        _check_identity(self, "AttentionSpec", "sliding-window")
         if not isinstance(self.capabilities, Capabilities):
             raise InvalidInputError(
                 f"AttentionSpec.capabilities must be a Capabilities, got {type(self.capabilities).__name__}"
@@ -362,6 +344,22 @@ class AttentionSpec:
                 {**dataclasses.asdict(o), "default": _jsonable(o.default)} for o in self.resolved_options()
             ]
         return d
+
+
+def _check_identity(spec: Any, kind: str, example: str) -> None:
+    """Validate the name, aliases, family and factory shared by attention and block specs."""
+    for what, value in [("name", spec.name)] + [("aliases", a) for a in spec.aliases]:
+        if not isinstance(value, str) or not _NAME_RE.match(value):
+            raise InvalidInputError(
+                f"{kind}.{what} must be lower-case words joined by '-' (e.g. {example!r}), got {value!r}")
+    if not isinstance(spec.family, str) or not _NAME_RE.match(spec.family):
+        raise InvalidInputError(f"{kind}.family must be a lower-case name (e.g. 'sparse'), got {spec.family!r}")
+    if isinstance(spec.factory, str):
+        if ":" not in spec.factory:
+            raise InvalidInputError(f"{kind}.factory must be 'module.path:ClassName', got {spec.factory!r}")
+    elif not callable(spec.factory):
+        raise InvalidInputError(
+            f"{kind}.factory must be an import path string or a class, got {type(spec.factory).__name__}")
 
 
 def _jsonable(x: Any) -> Any:
@@ -492,17 +490,7 @@ class BlockSpec:
     version: str = ""
 
     def __post_init__(self) -> None:
-        for what, value in [("name", self.name)] + [("aliases", a) for a in self.aliases]:
-            if not isinstance(value, str) or not _NAME_RE.match(value):
-                raise InvalidInputError(
-                    f"BlockSpec.{what} must be lower-case words joined by '-' (e.g. 'pre-norm'), got {value!r}")
-        if not isinstance(self.family, str) or not _NAME_RE.match(self.family):
-            raise InvalidInputError(f"BlockSpec.family must be a lower-case name, got {self.family!r}")
-        if isinstance(self.factory, str) and ":" not in self.factory:
-            raise InvalidInputError(f"BlockSpec.factory must be 'module.path:ClassName', got {self.factory!r}")
-        if not isinstance(self.factory, str) and not callable(self.factory):
-            raise InvalidInputError(
-                f"BlockSpec.factory must be an import path string or a class, got {type(self.factory).__name__}")
+        _check_identity(self, "BlockSpec", "pre-norm")
         if self.streaming is not None and self.streaming not in STREAMING_KINDS:
             raise InvalidInputError(
                 f"BlockSpec.streaming must be one of {STREAMING_KINDS} or None, got {self.streaming!r}")
