@@ -4,7 +4,16 @@ Backends are named strings: ``torch`` (the readable path, any device),
 ``sdpa`` (``torch.nn.functional.scaled_dot_product_attention``), ``flex``
 (FlexAttention, CUDA), ``numba`` (CPU kernels) and ``triton`` (CUDA kernels;
 also runnable on CPU tensors under ``TRITON_INTERPRET=1`` when forced).
-Availability is checked lazily and never imports a kernel module.
+Availability is checked lazily, never imports a kernel module, and is cached
+per (backend, device type, forced, ``TRITON_INTERPRET``); :func:`clear_cache`
+forgets it (after installing numba or triton in the same process, or in tests).
+
+``ATTNKIT_BACKEND`` forces a backend for every implementation that offers it;
+an implementation that does not offer it stays on ``auto``. A value that names
+no backend (not one of :data:`KNOWN_BACKENDS`, not ``auto`` and not a backend a
+registered spec declares, e.g. a third party's ``"mykernel"``) is an error, never
+ignored silently. ``backend=`` given to :func:`attnkit.build` must be ``"auto"``
+or one the spec offers (:func:`check_offered`), refused at build.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -23,6 +33,44 @@ KNOWN_BACKENDS = ("torch", "sdpa", "flex", "numba", "triton")
 
 _IMPORTABLE: dict[str, bool] = {}
 _REASONS: dict[tuple[str, str, bool, str], str | None] = {}
+#: backend names declared by registered specs beyond KNOWN_BACKENDS (third parties' own)
+_DECLARED: set[str] = set()
+
+
+def declare_backends(names: Iterable[str]) -> None:
+    """Record backend names that registered specs offer (called by the registry), so that
+    ``ATTNKIT_BACKEND`` may name a third party's backend."""
+    _DECLARED.update(n for n in names if isinstance(n, str) and n not in KNOWN_BACKENDS)
+
+
+def valid_backend_names(offered: Iterable[str] = ()) -> list[str]:
+    """``'auto'``, :data:`KNOWN_BACKENDS`, then the other backends registered specs (or ``offered``) declare."""
+    extra = sorted((_DECLARED | set(offered)) - set(KNOWN_BACKENDS) - {"auto"})
+    return ["auto", *KNOWN_BACKENDS, *extra]
+
+
+def check_offered(implementation: str, offered: Iterable[str], requested: Any) -> str:
+    """``requested`` when it is ``"auto"`` or a backend ``offered`` by ``implementation``.
+
+    Args:
+        implementation: the registered name (for the message).
+        offered: the spec's ``capabilities.backends``, in order of preference.
+        requested: the ``backend=`` option.
+
+    Raises:
+        InvalidInputError: ``requested`` is not a str, or a backend the implementation does not offer
+            (the message names the offered ones).
+    """
+    offered = list(offered)
+    if not isinstance(requested, str):
+        raise InvalidInputError(
+            f"backend: expected 'auto' or one of the backends {implementation!r} offers {offered}, "
+            f"got {requested!r} ({type(requested).__name__})")
+    if requested != "auto" and requested not in offered:
+        raise InvalidInputError(
+            f"backend: {implementation!r} offers backends {offered} (or 'auto'), got {requested!r}; "
+            f"pass one of them, or leave backend='auto'")
+    return requested
 
 
 def clear_cache() -> None:
@@ -42,16 +90,21 @@ def _importable(module: str) -> bool:
     return hit
 
 
-def check_env_backend() -> str:
+def check_env_backend(offered: Iterable[str] = ()) -> str:
     """``ATTNKIT_BACKEND`` stripped ('' when unset).
 
+    Args:
+        offered: the backends of the implementation asking (a third party's own names are valid too).
+
     Raises:
-        InvalidInputError: a value that is no backend name (a misspelling is never ignored silently).
+        InvalidInputError: a value that is no backend name (a misspelling is never ignored silently);
+            the message names the valid ones.
     """
     env = os.environ.get(ENV_BACKEND, "").strip()
-    if env and env != "auto" and env not in KNOWN_BACKENDS:
+    if env and env not in valid_backend_names(offered):
         raise InvalidInputError(
-            f"{ENV_BACKEND}: expected one of {list(KNOWN_BACKENDS)} or 'auto', got {env!r}")
+            f"{ENV_BACKEND}: expected one of {valid_backend_names(offered)}, got {env!r}; "
+            f"fix or unset {ENV_BACKEND}")
     return env
 
 
@@ -113,14 +166,10 @@ def select_backend(
     offered = tuple(offered)
     forward_only = tuple(forward_only)
     forced = None
-    if requested != "auto":
-        if requested not in offered:
-            raise InvalidInputError(
-                f"backend: {implementation!r} offers backends {list(offered)} (or 'auto'), got {requested!r}"
-            )
+    if check_offered(implementation, offered, requested) != "auto":
         forced = requested
     else:
-        env = check_env_backend()  # a backend this implementation does not offer leaves it on auto
+        env = check_env_backend(offered)  # a backend this implementation does not offer leaves it on auto
         if env and env != "auto" and env in offered:
             forced = env
     if forced is not None:

@@ -237,22 +237,16 @@ def parse_options(spec: Any, texts: list[str]) -> dict[str, Any]:
 def _cmd_check(args: argparse.Namespace, reg: Registry) -> int:
     from .testing.checks import run_conformance
 
+    clashes: list[str] = []
     if args.names:
         targets = [(n, None) for n in args.names]
         for n, _ in targets:
             reg.resolve(n)  # unknown or ambiguous names: a clear error before any work
-    else:  # every installed name, once per providing distribution (a clash is reported, not fatal)
-        counts: dict[str, int] = {}
-        for s in reg.specs():
-            counts[s.name] = counts.get(s.name, 0) + 1
-        targets = [(f"{s.distribution or s.plugin}:{s.name}" if counts[s.name] > 1 else s.name, s)
-                   for s in reg.specs()]
-        clashes = sorted(n for n, c in counts.items() if c > 1)
-        for n in clashes:
-            dists = [s.distribution or s.plugin for s in reg.specs() if s.name == n]
-            print(f"attnkit check: the name {n!r} is registered by more than one distribution "
-                  f"({', '.join(dists)}); checking each as distribution:name", file=sys.stderr)
-    failed = 0
+    else:  # every installed name, once per provider; a clash is reported and fails the run, not fatal
+        targets, clashes = _check_targets(reg.specs())
+        for line in clashes:
+            print(f"attnkit check: {line}", file=sys.stderr)
+    failed = len(clashes)
     reports = []
     for name, _ in targets:
         options = parse_options(reg.resolve(name), args.option) if args.option else {}
@@ -265,8 +259,35 @@ def _cmd_check(args: argparse.Namespace, reg: Registry) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in reports], indent=2))
     else:
-        print(f"\n{len(targets) - failed} of {len(targets)} implementation(s) conform.")
+        conform = sum(r.ok for r in reports)
+        print(f"\n{conform} of {len(targets)} implementation(s) conform.")
+        if clashes:
+            print(f"{len(clashes)} name clash(es) (see above): `attnkit.build(name)` refuses these names until "
+                  "one provider is uninstalled or blocked (ATTNKIT_DISABLE_PLUGINS).")
     return 1 if failed else 0
+
+
+def _check_targets(specs: list[Any]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """What ``attnkit check`` without names runs: each spec once (a name several plugins register is
+    qualified with its distribution, or its plugin when one distribution registers it twice), and one
+    line per clash naming the providers."""
+    by_name: dict[str, list[Any]] = {}
+    for s in specs:
+        by_name.setdefault(s.name, []).append(s)
+    targets, clashes = [], []
+    for s in specs:
+        same = by_name[s.name]
+        if len(same) == 1:
+            targets.append((s.name, s))
+            continue
+        dists = [o.distribution or o.plugin for o in same]
+        qualifier = s.distribution if s.distribution and dists.count(s.distribution) == 1 else s.plugin
+        targets.append((f"{qualifier}:{s.name}", s))
+        if s is same[0]:
+            providers = ", ".join(f"{o.distribution or o.plugin} (plugin {o.plugin})" for o in same)
+            clashes.append(f"the name {s.name!r} is registered by more than one distribution: {providers}; "
+                           "checking each as distribution:name")
+    return targets, clashes
 
 
 # ------------------------------------------------------------------ entry point
@@ -306,6 +327,18 @@ def build_parser(reg: Registry) -> tuple[argparse.ArgumentParser, CommandLine]:
     return parser, cli
 
 
+def _lab_missing(command: str, reg: Registry) -> str:
+    """Why ``attnkit COMMAND`` (a lab command) is not there, and how to get it."""
+    lab = [r for r in reg.plugin_records() if r.distribution == "attnkit-lab" or r.name == "lab"]
+    if lab and lab[0].status != "loaded":
+        r = lab[0]
+        return (f"the command {command!r} comes with attnkit-lab, which is installed but not loaded "
+                f"({r.status}: {r.error}); see `attnkit list`")
+    return (f"the command {command!r} comes with attnkit-lab, which is not installed; attnkit-lab is not on "
+            "the package index yet: install it from a checkout of attnkit with "
+            "`pip install ./packages/attnkit-lab`")
+
+
 def main(argv: list[str] | None = None, *, registry: Registry | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 failure, 2 usage error)."""
     reg = registry or default_registry()
@@ -317,9 +350,7 @@ def main(argv: list[str] | None = None, *, registry: Registry | None = None) -> 
     words = list(sys.argv[1:] if argv is None else argv)
     first = next((w for w in words if not w.startswith("-")), None)
     if first in LAB_COMMANDS and first not in cli.commands:
-        print(f"attnkit: error: the command {first!r} comes with attnkit-lab, which is not installed; "
-              "install it with `pip install attnkit-lab` (from a checkout: pip install ./packages/attnkit-lab)",
-              file=sys.stderr)
+        print(f"attnkit: error: {_lab_missing(first, reg)}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     command = getattr(args, "_command", None)

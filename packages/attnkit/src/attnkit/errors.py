@@ -8,7 +8,7 @@ PyTorch user would catch (``ValueError``, ``KeyError``, ...).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class AttnkitError(Exception):
@@ -27,10 +27,15 @@ class UnknownAttentionError(AttnkitError, KeyError):
     """No installed implementation has the requested name.
 
     ``suggestions`` holds close registered names; ``str()`` reads as a sentence,
-    not as the quoted key that ``KeyError`` would print.
+    not as the quoted key that ``KeyError`` would print. ``kind`` words it for
+    blocks (``"block"``). An install hint is added only when this repository's
+    catalogue (:mod:`attnkit.catalogue`) knows a distribution providing the name;
+    ``not_loaded`` (``{distribution: why}``) turns it into the reason an installed
+    distribution did not load.
     """
 
-    def __init__(self, name: str, known: Iterable[str], *, broken: Iterable[str] = (), kind: str = "attention"):
+    def __init__(self, name: str, known: Iterable[str], *, broken: Iterable[str] = (), kind: str = "attention",
+                 not_loaded: Mapping[str, str] | None = None):
         self.name = name
         self.known = sorted(set(known))
         self.suggestions = difflib.get_close_matches(name, self.known, n=3, cutoff=0.5)
@@ -48,7 +53,7 @@ class UnknownAttentionError(AttnkitError, KeyError):
             msg += f" (plugins that failed to load: {', '.join(broken)}; see `attnkit list`)"
         from .catalogue import install_hint
 
-        msg += end + install_hint(name)
+        msg += end + install_hint(name, not_loaded)
         self.message = msg
         super().__init__(msg)
 

@@ -81,9 +81,23 @@ def _matches(alt: str, value: Any) -> bool | None:
     if alt == "str":
         return isinstance(value, str)
     lit = _literal_values(alt)
-    if lit is not None:
-        return value in lit
+    if lit is not None:  # by type too: True is not Literal[1], 1.0 is not Literal[1]
+        return any(value == v and type(value) is type(v) for v in lit)
     return None
+
+
+def _describe(alts: list[str]) -> str:
+    """``int or None``, ``one of 'elu', 'relu'``: the alternatives as a reader says them (None last)."""
+    words = []
+    for a in alts:
+        lit = _literal_values(a)
+        words.append("one of " + ", ".join(repr(v) for v in lit) if lit is not None else a)
+    words.sort(key=lambda w: w in ("None", "NoneType"))
+    return " or ".join(words)
+
+
+def _got(value: Any) -> str:
+    return f"got {value!r} ({_typename(value)})"
 
 
 def check_value(where: str, opt: Any, value: Any) -> None:
@@ -93,21 +107,20 @@ def check_value(where: str, opt: Any, value: Any) -> None:
     if value is None and opt.default is None and not opt.required:
         return  # an optional argument left at None
     if results and all(r is not None for r in results) and not any(results):
-        expected = " or ".join(alts)
-        raise InvalidInputError(f"{where}: option {opt.name}: expected {expected}, got {value!r} ({_typename(value)})")
-    if opt.choices is not None and value not in opt.choices:
+        raise InvalidInputError(f"{where}: option {opt.name}: expected {_describe(alts)}, {_got(value)}")
+    if opt.choices is not None and not any(value == c and type(value) is type(c) for c in opt.choices):
         raise InvalidInputError(
-            f"{where}: option {opt.name}: expected one of {list(opt.choices)}, got {value!r}")
+            f"{where}: option {opt.name}: expected one of {list(opt.choices)}, {_got(value)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value) and not opt.allow_nonfinite:
-            raise InvalidInputError(f"{where}: option {opt.name}: expected a finite number, got {value!r}")
+            raise InvalidInputError(f"{where}: option {opt.name}: expected a finite number, {_got(value)}")
         lo, hi = opt.minimum, opt.maximum
         if lo is not None and (value < lo or (opt.exclusive_minimum and value == lo)):
             op = ">" if opt.exclusive_minimum else ">="
-            raise InvalidInputError(f"{where}: option {opt.name}: expected a value {op} {lo:g}, got {value!r}")
+            raise InvalidInputError(f"{where}: option {opt.name}: expected a value {op} {lo:g}, {_got(value)}")
         if hi is not None and (value > hi or (opt.exclusive_maximum and value == hi)):
             op = "<" if opt.exclusive_maximum else "<="
-            raise InvalidInputError(f"{where}: option {opt.name}: expected a value {op} {hi:g}, got {value!r}")
+            raise InvalidInputError(f"{where}: option {opt.name}: expected a value {op} {hi:g}, {_got(value)}")
 
 
 def check_options(where: str, schema: Iterable[Any], given: Mapping[str, Any], *, takes_extra: bool = False) -> None:
@@ -144,7 +157,7 @@ def parse_text(opt: Any, text: str) -> Any:
     alts = _alternatives(opt.type or "any")
     raw = text.strip()
     low = raw.lower()
-    if low in ("none", "null") and ("None" in alts or opt.default is None):
+    if low in ("none", "null") and ("None" in alts or "NoneType" in alts or opt.default is None):
         return None
     if "bool" in alts:
         if low in ("true", "1", "yes", "on"):
@@ -173,5 +186,5 @@ def parse_text(opt: Any, text: str) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError:
         if all(a in _SIMPLE for a in alts) and "str" not in alts:
-            raise ValueError(f"expected {' or '.join(alts)}, got {text!r}") from None
+            raise ValueError(f"expected {_describe(alts)}, got {text!r}") from None
         return raw

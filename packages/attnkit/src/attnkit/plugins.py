@@ -11,16 +11,21 @@ skipped; the rest keep working. Environment variables, read at load time:
 
 An entry of either list is a distribution name (``attnkit-kernelized``), a
 ``distribution:entry-point`` pair (``attnkit-kernelized:kernelized``), or a
-bare entry-point name (``kernelized``). Entry-point names are not unique
-across distributions: a bare name that two distributions use matches neither
-(with a warning that names the qualified spellings), so an allow- or
-block-list never selects a plugin by accident.
+bare entry-point name (``kernelized``). Distribution names compare as pip
+does (case-insensitive; ``-``, ``_`` and ``.`` alike). Entry-point names are
+not unique across distributions: a bare name that two distributions use
+matches neither (with a warning that names the qualified spellings), so an
+allow- or block-list never selects a plugin by accident. An entry that
+matches no installed plugin is warned about (a typo would otherwise load
+nothing, or block nothing, silently).
+
 * ``ATTNKIT_STRICT_PLUGINS=1``: a load failure raises :class:`PluginLoadError`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
@@ -99,23 +104,47 @@ def discover() -> list[tuple[PluginRecord, metadata.EntryPoint | None]]:
     owners: dict[str, set[str]] = {}
     for ep, dist_name, _ in eps:
         owners.setdefault(ep.name, set()).add(dist_name)
+    keys = {}
+    for ep, dist_name, _ in eps:
+        bare_ok = len(owners.get(ep.name, ())) == 1
+        keys[(ep.name, ep.value)] = ({_norm(dist_name), f"{_norm(dist_name)}:{ep.name}"} - {"", f":{ep.name}"}) \
+            | ({ep.name} if bare_ok else set())
+    every = set().union(*keys.values()) if keys else set()
     for var, entries in ((ENV_ALLOW, allow or []), (ENV_BLOCK, block)):
         for e in entries:
             if ":" not in e and len(owners.get(e, ())) > 1:
                 spell = ", ".join(f"{d}:{e}" for d in sorted(owners[e]))
                 warnings.warn(f"{var}: the entry-point name {e!r} is used by several distributions and matches "
                               f"none of them; write one of: {spell}", RuntimeWarning, stacklevel=2)
+            elif not _entry_keys(e) & every:
+                installed = sorted({f"{d}:{ep.name}" if d else ep.name for ep, d, _ in eps})
+                warnings.warn(f"{var}: {e!r} matches no installed plugin (installed: {installed or 'none'}); "
+                              "write a distribution name, distribution:entry-point, or an entry-point name",
+                              RuntimeWarning, stacklevel=2)
+    allow_keys = None if allow is None else set().union(*(_entry_keys(e) for e in allow))
+    block_keys = set().union(*(_entry_keys(e) for e in block))
     found = []
     for ep, dist_name, version in eps:
         rec = PluginRecord(ep.name, dist_name, version, ep.value, "pending")
-        bare_ok = len(owners.get(ep.name, ())) == 1
-        names = {dist_name, f"{dist_name}:{ep.name}"} | ({ep.name} if bare_ok else set())
-        if names & set(block):
+        names = keys[(ep.name, ep.value)]
+        if names & block_keys:
             rec.status, rec.error = "blocked", f"blocked by {ENV_BLOCK}"
-        elif allow is not None and not names & set(allow):
+        elif allow_keys is not None and not names & allow_keys:
             rec.status, rec.error = "blocked", f"not in {ENV_ALLOW}"
         found.append((rec, ep))
     return found
+
+
+def _norm(dist: str) -> str:
+    """A distribution name as pip compares it (PEP 503): lower case, runs of ``-_.`` as ``-``."""
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _entry_keys(entry: str) -> set[str]:
+    """What an allow/block-list entry may match: ``dist:ep`` with the distribution normalised; a bare
+    entry as an entry-point name (as written) or as a distribution name (normalised)."""
+    dist, sep, ep = entry.rpartition(":")
+    return {f"{_norm(dist)}:{ep}"} if sep else {entry, _norm(entry)}
 
 
 def load_entry_point(rec: PluginRecord, ep: metadata.EntryPoint) -> None:

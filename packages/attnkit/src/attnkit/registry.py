@@ -15,6 +15,7 @@ from typing import Any
 
 import pluggy
 
+from . import backends as _backends
 from . import hookspecs
 from ._version import __version__
 from .attention import Attention, set_registry_provider
@@ -118,11 +119,10 @@ class Registry:
         except Exception as exc:  # pluggy validation: a malformed hook
             fail(rec, f"invalid hook implementation: {exc}")
             return
-        unknown = _unknown_hooks(obj)
+        unknown = _unknown_hooks(self._pm, obj)
         if unknown:
             self._pm.unregister(name=rec.name)
-            valid = sorted(n for n in dir(hookspecs) if n.startswith("attnkit_"))
-            fail(rec, f"unknown hook(s) {unknown} (misspelled?); the hooks are {valid}")
+            fail(rec, _unknown_hooks_message(unknown))
             return
         collected: list[AttentionSpec] = []
         blocks: list[BlockSpec] = []
@@ -167,6 +167,7 @@ class Registry:
                     return
         self._plugin_specs[rec.name] = collected
         self._plugin_blocks[rec.name] = blocks
+        _backends.declare_backends(b for s in collected for b in s.capabilities.backends)
 
     def reload(self) -> None:
         """Forget loaded plugins; the next use discovers them again. In-process registrations stay."""
@@ -195,7 +196,7 @@ class Registry:
             UnknownAttentionError: no such name (suggests close ones).
             AmbiguousNameError: two distributions provide it.
         """
-        return _lookup(self.specs(), name, kind="attention", broken=[r.name for r in self.broken()])
+        return _lookup(self.specs(), name, kind="attention", records=self.plugin_records())
 
     def spec_for_class(self, cls: type) -> AttentionSpec | None:
         """The spec whose factory is ``cls`` (a module built without :meth:`build`); None when
@@ -217,7 +218,7 @@ class Registry:
             UnknownAttentionError: no such block (suggests close names).
             AmbiguousNameError: two distributions provide it.
         """
-        return _lookup(self.blocks(), name, kind="block", broken=[r.name for r in self.broken()])
+        return _lookup(self.blocks(), name, kind="block", records=self.plugin_records())
 
     def build_block(self, name: str, *, dim: int, num_heads: int, attention: Any = "softmax",
                     **options: Any) -> Any:
@@ -302,11 +303,11 @@ class Registry:
         factory = _load(spec)
         opts = {**spec.defaults, **options}
         check_options(f"build({spec.name!r})", _options_of(spec), opts, takes_extra=_takes_extra(factory))
-        backend = opts.get("backend", "auto")
-        if isinstance(backend, str) and backend != "auto" and backend not in spec.capabilities.backends:
-            raise InvalidInputError(
-                f"build({spec.name!r}): option backend: {spec.name!r} offers backends "
-                f"{list(spec.capabilities.backends)} (or 'auto'), got {backend!r}")
+        if "backend" in opts:
+            try:
+                _backends.check_offered(spec.name, spec.capabilities.backends, opts["backend"])
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"build({spec.name!r}): option {exc}") from None
         obj = factory(**opts)
         if not isinstance(obj, Attention):
             raise PluginLoadError(
@@ -345,6 +346,7 @@ class Registry:
                         "unregister it first or use attnkit.registered(...) as a context manager"
                     )
             self._local.append(spec)
+        _backends.declare_backends(spec.capabilities.backends)
         return spec
 
     def unregister(self, spec_or_name: AttentionSpec | str) -> None:
@@ -389,6 +391,7 @@ class Registry:
             with self._lock:
                 self._records.pop(name, None)
                 self._plugin_specs.pop(name, None)
+                self._plugin_blocks.pop(name, None)
                 if self._pm is not None and self._pm.has_plugin(name):
                     self._pm.unregister(name=name)
 
@@ -401,9 +404,9 @@ class Registry:
             rec = self._records.get(impl.plugin_name)
             try:
                 impl.function(**{a: cli for a in impl.argnames})
-            except PluginLoadError:
+            except (PluginLoadError, KeyboardInterrupt):
                 raise
-            except Exception as exc:  # noqa: BLE001 - isolation
+            except BaseException as exc:  # noqa: BLE001 - isolation, sys.exit() included
                 if rec is not None:
                     fail(rec, f"attnkit_register_commands raised {type(exc).__name__}: {exc}")
 
@@ -423,7 +426,7 @@ def _matches(spec: AttentionSpec, key: str, want: Any) -> bool:
     return have == want
 
 
-def _lookup(specs: list[Any], name: str, *, kind: str, broken: list[str]) -> Any:
+def _lookup(specs: list[Any], name: str, *, kind: str, records: list[PluginRecord]) -> Any:
     """Find ``name`` (alias, ``family/name``, ``distribution:name``) among ``specs``."""
     if not isinstance(name, str) or not name:
         raise InvalidInputError(f"name: expected a registered {kind} name (str), got {name!r}")
@@ -440,7 +443,10 @@ def _lookup(specs: list[Any], name: str, *, kind: str, broken: list[str]) -> Any
         cands = [s for s in cands if s.family == qual_family]
     if not cands:
         known = {n for s in specs for n in (s.name, *s.aliases)}
-        raise UnknownAttentionError(name, known, broken=broken, kind=kind)
+        broken = [r.name for r in records if r.status in ("broken", "skipped")]
+        not_loaded = {r.distribution: f"{r.status}: {r.error}" for r in records
+                      if r.status != "loaded" and r.distribution}
+        raise UnknownAttentionError(name, known, broken=broken, kind=kind, not_loaded=not_loaded)
     if len(cands) > 1:
         raise AmbiguousNameError(key, [(s.distribution or s.plugin, s.family) for s in cands])
     return cands[0]
@@ -475,16 +481,37 @@ def _takes_extra(factory: Any) -> bool:
     return any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
-def _unknown_hooks(obj: Any) -> list[str]:
-    """Names on a plugin object that look like attnkit hooks but are not hook specs (misspellings)."""
-    known = {n for n in dir(hookspecs) if n.startswith("attnkit_")}
+def _hook_names() -> list[str]:
+    return sorted(n for n in dir(hookspecs) if n.startswith("attnkit_"))
+
+
+def _unknown_hooks(pm: pluggy.PluginManager, obj: Any) -> list[str]:
+    """Hook implementations of ``obj`` that match no hook spec (misspellings).
+
+    What pluggy's ``check_pending()`` checks, for one plugin: an implementation
+    marked ``optionalhook=True`` may name a hook this attnkit does not have;
+    ``specname=`` is honoured.
+    """
     out = []
-    for n in dir(obj):
-        fn = getattr(obj, n, None)
-        marked = getattr(fn, "attnkit_impl", None) is not None  # set by attnkit.hookimpl
-        if marked and n not in known:
-            out.append(n)
-    return out
+    for caller in pm.get_hookcallers(obj) or []:
+        if caller.has_spec():
+            continue
+        if any(impl.plugin is obj and not impl.optionalhook for impl in caller.get_hookimpls()):
+            out.append(caller.name)
+    return sorted(out)
+
+
+def _unknown_hooks_message(unknown: list[str]) -> str:
+    import difflib
+
+    valid = _hook_names()
+    hints = []
+    for n in unknown:
+        close = difflib.get_close_matches(n, valid, n=1, cutoff=0.6)
+        hints.append(f"{n!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"unknown hook(s) {', '.join(hints)}: no such hook in this attnkit, so nothing of the plugin was "
+            f"registered; the hooks are {valid} (rename the function, or mark it "
+            f"@attnkit.hookimpl(optionalhook=True) if it targets a newer attnkit)")
 
 
 _DEFAULT = Registry()

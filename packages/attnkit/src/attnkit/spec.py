@@ -421,7 +421,28 @@ def _docstring_args(obj: Any) -> dict[str, str]:
 
 
 def derive_options(factory: Any) -> tuple[OptionSpec, ...]:
-    """Options from a factory's constructor signature and ``Args:`` docstring."""
+    """Options from a factory's constructor signature and ``Args:`` docstring.
+
+    The type text is the annotation as written (``"int | None"``, ``"Optional[int]"``,
+    ``"Literal['elu', 'relu']"``; a class by its name), or the default's type when
+    unannotated. Ranges and choices come from the class attribute
+    ``option_constraints`` (merged along the MRO, a subclass's entry winning; keys
+    :data:`CONSTRAINT_KEYS`), over the base options' own (``num_heads``,
+    ``head_dim`` >= 1, ``scale`` > 0, ``dropout`` in [0, 1))::
+
+        class MyAttention(attnkit.Attention):
+            option_constraints = {
+                "num_features": {"minimum": 1},
+                "dropout": {"minimum": 0, "maximum": 1, "exclusive_maximum": True},
+                "feature_map": {"choices": ("elu", "relu")},
+                "temperature": {"minimum": 0, "exclusive_minimum": True, "allow_nonfinite": True},
+            }
+
+    Raises:
+        InvalidInputError: an ``option_constraints`` entry with an unknown key or a
+            non-numeric bound, or (for a constructor without ``**kwargs``) naming an
+            option the constructor does not take.
+    """
     target = factory.__init__ if inspect.isclass(factory) else factory
     try:
         sig = inspect.signature(target)
@@ -441,11 +462,10 @@ def derive_options(factory: Any) -> tuple[OptionSpec, ...]:
         elif isinstance(ann, str):
             type_text = ann
         else:
-            type_text = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+            # a class by its name; typing forms (Optional[int], Literal['a', 'b']) by their text, arguments kept
+            type_text = ann.__name__ if isinstance(ann, type) else str(ann).replace("typing.", "")
         required = p.default is inspect.Parameter.empty
-        extra = dict(constraints.get(p.name, {}))
-        if "choices" in extra:
-            extra["choices"] = tuple(extra["choices"])
+        extra = _constraint_fields(factory, p.name, constraints.get(p.name, {}))
         opts.append(OptionSpec(
             name=p.name,
             type=type_text,
@@ -454,7 +474,38 @@ def derive_options(factory: Any) -> tuple[OptionSpec, ...]:
             required=required,
             **extra,
         ))
+    own = getattr(factory, "__dict__", {}).get("option_constraints") or {}
+    takes_extra = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    stray = sorted(set(own) - {o.name for o in opts})
+    if stray and not takes_extra:
+        raise InvalidInputError(
+            f"{getattr(factory, '__qualname__', factory)}.option_constraints names {stray}, which the "
+            f"constructor does not take; its options: {[o.name for o in opts]}")
     return tuple(opts)
+
+
+#: the keys an ``option_constraints`` entry may hold (fields of :class:`OptionSpec`)
+CONSTRAINT_KEYS = ("choices", "minimum", "maximum", "exclusive_minimum", "exclusive_maximum", "allow_nonfinite")
+
+
+def _constraint_fields(factory: Any, name: str, raw: Any) -> dict[str, Any]:
+    """One ``option_constraints`` entry checked and turned into :class:`OptionSpec` fields."""
+    where = f"{getattr(factory, '__qualname__', factory)}.option_constraints[{name!r}]"
+    if not isinstance(raw, Mapping):
+        raise InvalidInputError(f"{where}: expected a dict such as {{'minimum': 1}}, got {raw!r}")
+    bad = sorted(set(raw) - set(CONSTRAINT_KEYS))
+    if bad:
+        raise InvalidInputError(f"{where}: unknown key(s) {bad}; valid keys: {list(CONSTRAINT_KEYS)}")
+    out = dict(raw)
+    for key in ("minimum", "maximum"):
+        v = out.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise InvalidInputError(f"{where}: {key} must be a number or None, got {v!r}")
+    if out.get("choices") is not None:
+        if isinstance(out["choices"], str):
+            raise InvalidInputError(f"{where}: choices must be a tuple of values, got the string {out['choices']!r}")
+        out["choices"] = tuple(out["choices"])
+    return out
 
 
 @dataclass(frozen=True, repr=False)
@@ -471,6 +522,7 @@ class BlockSpec:
         defaults: keyword arguments given to the factory before the user's.
         options: explicit options schema; None derives it from the factory.
         streaming: ``"exact"``, ``"segment"`` or None (whether it steps).
+        causal: the block accepts ``causal=True`` (every block accepts ``causal=False``).
         aux_losses: ``{name: default weight}`` of the losses the block records.
         plugin, distribution, version: filled in by the registry.
     """
@@ -488,9 +540,12 @@ class BlockSpec:
     plugin: str = ""
     distribution: str = ""
     version: str = ""
+    causal: bool = True
 
     def __post_init__(self) -> None:
         _check_identity(self, "BlockSpec", "pre-norm")
+        if not isinstance(self.causal, bool):
+            raise InvalidInputError(f"BlockSpec.causal must be a bool, got {self.causal!r}")
         if self.streaming is not None and self.streaming not in STREAMING_KINDS:
             raise InvalidInputError(
                 f"BlockSpec.streaming must be one of {STREAMING_KINDS} or None, got {self.streaming!r}")
@@ -515,7 +570,7 @@ class BlockSpec:
             "name": self.name, "qualified_name": self.qualified_name, "aliases": list(self.aliases),
             "family": self.family, "summary": self.summary, "factory": self.factory_path,
             "paper": dataclasses.asdict(self.paper) if self.paper else None,
-            "defaults": _jsonable(dict(self.defaults)), "streaming": self.streaming,
+            "defaults": _jsonable(dict(self.defaults)), "streaming": self.streaming, "causal": self.causal,
             "aux_losses": dict(self.aux_losses), "plugin": self.plugin, "distribution": self.distribution,
             "version": self.version,
         }
