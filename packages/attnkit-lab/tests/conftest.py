@@ -80,6 +80,46 @@ class NonCausal(Attention):
         return F.scaled_dot_product_attention(q, k, v)
 
 
+class Interrupting(Attention):
+    """Exact attention that raises an interrupt when ``when(q)`` says so.
+
+    ``kind``: ``"keyboard"`` raises KeyboardInterrupt; ``"systemerror"`` raises
+    a SystemError whose ``__cause__`` is a KeyboardInterrupt, and
+    ``"systemerror-context"`` one whose ``__context__`` is (how Ctrl-C inside
+    a numba kernel reaches Python). Set both on the class for a test.
+    """
+
+    kind = "keyboard"
+    when = staticmethod(lambda q: False)
+    calls = 0
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        type(self).calls += 1
+        if type(self).when(q):
+            raise_interrupt(type(self).kind)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def raise_interrupt(kind: str) -> None:
+    if kind == "keyboard":
+        raise KeyboardInterrupt
+    msg = "<CPUDispatcher(causal_kernel)> returned a result with an exception set"
+    if kind == "systemerror":
+        raise SystemError(msg) from KeyboardInterrupt()
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise SystemError(msg)  # noqa: B904 - only the implicit __context__, as numba leaves it
+
+
+class FixedApprox(Attention):
+    """An approximation without a budget option (like linear attention with the elu map)."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return out + 0.01 * out.std()
+
+
 @pytest.fixture
 def toy_mechanisms():
     """Register the toy mechanisms for one test; always unregistered after."""
@@ -90,6 +130,8 @@ def toy_mechanisms():
         (CompilesOnce, dict(name="toy-compiles", summary="slow first call", exact=True)),
         (Hungry, dict(name="toy-hungry", summary="OOM from L=64", exact=True)),
         (NonCausal, dict(name="toy-noncausal", summary="non-causal only", exact=True)),
+        (Interrupting, dict(name="toy-interrupt", summary="raises an interrupt", approximation="exact")),
+        (FixedApprox, dict(name="toy-fixed", summary="no budget option", approximation="softmax + 1 %")),
     ]
     import contextlib
 
@@ -131,3 +173,31 @@ def corpus_file(tmp_path):
     p = tmp_path / "corpus.txt"
     p.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return p
+
+
+@pytest.fixture
+def interrupting(monkeypatch):
+    """Configure ``toy-interrupt``: ``interrupting(kind, when)``; reset after the test."""
+    monkeypatch.setattr(Interrupting, "calls", 0)
+
+    def configure(kind: str, when):
+        monkeypatch.setattr(Interrupting, "kind", kind)
+        monkeypatch.setattr(Interrupting, "when", staticmethod(when))
+        return Interrupting
+
+    return configure
+
+
+@pytest.fixture
+def tiny_demo(monkeypatch):
+    """The demo's quick presets shrunk to toy sizes (bench L = 32, 64; mqar L = 16; error L = 16)."""
+    from attnkit_lab import presets
+
+    monkeypatch.setattr(presets, "bench_presets", lambda: {"quick": dict(
+        lengths=[32, 64], batch=1, heads=1, head_dim=8, repeats=1, warmup=1, time_limit=10.0)})
+    monkeypatch.setattr(presets, "error_presets", lambda: {"quick": dict(
+        lengths=[16], budgets=[4], budget_length=16, temperatures=[1.0], trials=1, batch=1, heads=1, head_dim=8,
+        weights_max_length=16)})
+    monkeypatch.setitem(presets.TRAIN_PRESETS, "mqar", {"quick": (
+        dict(seq_len=16, vocab=16, num_kv_pairs=2),
+        dict(steps=2, batch_size=2, eval_every=1, eval_batches=1, dim=8, depth=1, heads=1, token_shift=True))})

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+import attnkit
+from attnkit import Attention
 from attnkit_lab.bench import crossover
 
 
@@ -99,3 +104,121 @@ def test_crossover():
     # a ratio below 1 within the noise is a tie, not a win
     tie = crossover([(256, 0.97, False), (512, 0.98, False), (1024, 0.5, True)])
     assert tie["length"] == 1024 and tie["estimate"] is None and "tie" in tie["text"]
+
+
+class _Counting(Attention):
+    """Exact attention that logs every call: (L, whether it ran inside a timed call)."""
+
+    log: list[tuple[int, bool]] = []
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        _Counting.log.append((q.shape[-2], _timing[0]))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+_timing = [False]
+
+
+def test_bench_warms_up_every_pair_before_timing_it(cli, tmp_path, monkeypatch):
+    from attnkit_lab import bench
+
+    real = bench.time_call
+
+    def timed(fn, device):
+        _timing[0] = True
+        try:
+            return real(fn, device)
+        finally:
+            _timing[0] = False
+
+    monkeypatch.setattr(bench, "time_call", timed)
+    monkeypatch.setattr(_Counting, "log", [])
+    out = tmp_path / "b"
+    with attnkit.registered(_Counting, name="toy-counting", family="test", summary="counts calls", exact=True):
+        code, stdout, err = cli("bench", "toy-counting", "softmax", "--lengths", "16,32", "--heads", "1",
+                                "--head-dim", "4", "--warmup", "2", "--repeats", "3", "--modes", "fwd",
+                                "--no-memory", "--out", str(out), "-q")
+    assert code == 0, err
+    for L in (16, 32):
+        calls = [t for n, t in _Counting.log if n == L]
+        # first call (timed on its own), 2 untimed warm-up calls, then the 3 timed rounds
+        assert calls == [True, False, False, True, True, True], (L, calls)
+    _, rec = _records(out)
+    for label in ("sdpa", "toy-counting", "softmax"):
+        for L in (16, 32):
+            r = rec[(label, L, "fwd")]
+            assert r["status"] == "ok" and r["warmup_calls"] == 2 and r["repeats"] == 3
+            assert r["min_s"] <= r["q1_s"] <= r["median_s"] <= r["q3_s"] <= r["max_s"]
+            assert r["iqr_s"] == pytest.approx(r["q3_s"] - r["q1_s"])
+            assert r["spread"] == pytest.approx(r["iqr_s"] / r["median_s"])
+    header = (out / "results.csv").read_text().splitlines()[0].split(",")
+    assert {"min_s", "max_s", "iqr_s", "spread", "warmup_calls"} <= set(header)
+    table = (out / "table.md").read_text()
+    assert "interquartile range" in table and "%" in table.split("## Forward: time")[1].split("##")[0]
+
+
+class _Short(Attention):
+    """Exact attention whose limits say max_length=8 (and which records the lengths it was called with)."""
+
+    seen: list[int] = []
+
+    @property
+    def limits(self):
+        from attnkit import attention
+
+        cls = getattr(attention, "Limits", None)
+        if cls is None:                       # a core without contract 2: any object with the fields
+            return types.SimpleNamespace(max_length=8, equal_length=True, length_multiple=None)
+        return cls(max_length=8, equal_length=True)
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        _Short.seen.append(q.shape[-2])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def test_bench_skips_lengths_beyond_limits(cli, tmp_path, monkeypatch):
+    monkeypatch.setattr(_Short, "seen", [])
+    out = tmp_path / "b"
+    with attnkit.registered(_Short, name="toy-short", family="test", summary="max_length 8", exact=True):
+        code, stdout, err = cli("bench", "toy-short", "--lengths", "4,8,16,32", "--heads", "1", "--head-dim", "4",
+                                "--repeats", "1", "--modes", "fwd,fwdbwd", "--no-memory", "--out", str(out), "-q")
+    assert code == 0, err
+    _, rec = _records(out)
+    for mode in ("fwd", "fwdbwd"):
+        assert rec[("toy-short", 4, mode)]["status"] == rec[("toy-short", 8, mode)]["status"] == "ok"
+        for L in (16, 32):
+            r = rec[("toy-short", L, mode)]
+            assert r["status"] == "skipped" and r["note"] == "max_length 8"
+            assert rec[("sdpa", L, mode)]["status"] == "ok"
+    assert max(_Short.seen) == 8                               # never called beyond its limit
+    assert "skipped: max_length 8" in (out / "table.md").read_text()
+    assert "skipped: max_length 8" in stdout
+
+
+def test_bench_limit_reason_without_limits():
+    from attnkit_lab.bench import limit_reason
+
+    assert limit_reason(None, 10 ** 6) is None
+    assert limit_reason(torch.nn.Linear(2, 2), 10 ** 6) is None               # no `limits` attribute
+    obj = types.SimpleNamespace(limits=types.SimpleNamespace(max_length=None, length_multiple=32))
+    assert limit_reason(obj, 48) == "length_multiple 32" and limit_reason(obj, 64) is None
+
+
+def test_bench_limit_reason_asks_why_not():
+    """The reason is the implementation's own ``limits.why_not(L, L)``, whatever limit it applies."""
+    from attnkit_lab.bench import limit_reason
+
+    asked = []
+
+    class Custom:
+        def why_not(self, L, S):
+            asked.append((L, S))
+            return "a power of two" if L & (L - 1) else None
+
+    obj = types.SimpleNamespace(limits=Custom())
+    assert limit_reason(obj, 48) == "a power of two" and limit_reason(obj, 64) is None
+    assert asked == [(48, 48), (64, 64)]
+    lim = types.SimpleNamespace(limits=attnkit.Limits(max_length=512, length_multiple=32))
+    assert limit_reason(lim, 1024) == "max_length 512"
+    assert limit_reason(lim, 48) == attnkit.Limits(length_multiple=32).why_not(48, 48)
+    assert limit_reason(lim, 64) is None

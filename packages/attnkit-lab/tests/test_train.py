@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from attnkit import Attention, Capabilities
+
 TINY = ("--steps", "3", "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4", "--dim", "16",
         "--heads", "2", "--depth", "1", "-q")
 
@@ -73,7 +75,7 @@ def test_train_records_a_mechanism_that_cannot_run(cli, tmp_path, toy_mechanisms
     (["mqr", "--attention", "softmax"], "did you mean 'mqar'"),
     (["mqar", "--attention", "sofmax"], "did you mean 'softmax'"),
     (["copy", "--attention", "softmax", "--num-kv-pairs", "3"], "--num-kv-pairs applies to mqar"),
-    (["mqar", "--attention", "softmax", "--dim", "10", "--heads", "4"], "--dim must be a multiple"),
+    (["mqar", "--attention", "softmax", "--dim", "10", "--heads", "4"], "--dim: expected a multiple of --heads=4"),
     (["lm", "--attention", "softmax", "--text", "/nonexistent/corpus.txt"], "no such file"),
 ])
 def test_train_bad_input(cli, tmp_path, args, msg):
@@ -95,3 +97,94 @@ def test_train_unwritable_out(cli, tmp_path):
     (tmp_path / "file").write_text("x")
     code, _, err = cli("train", "mqar", "--attention", "softmax", "--out", str(tmp_path / "file" / "out"))
     assert code == 2 and "not writable" in err
+
+
+class _Spanned(Attention):
+    """Exact attention with a learned span whose L1 penalty is recorded as the auxiliary loss ``span_l1``.
+
+    The span does not enter the output: only the auxiliary loss gives it a gradient.
+    """
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.span = torch.nn.Parameter(torch.ones(4))
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        self.record_aux_loss("span_l1", self.span.abs().sum())
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def test_train_adds_and_logs_aux_losses(cli, tmp_path):
+    import attnkit
+
+    if getattr(attnkit, "aux_losses", None) is None:
+        pytest.skip("this attnkit has no aux_losses (contract 2 not installed)")
+    out = tmp_path / "t"
+    with attnkit.registered(_Spanned, name="toy-span", family="test", summary="records span_l1",
+                            aux_losses={"span_l1": 0.5}):
+        code, stdout, err = cli("train", "mqar", "--attention", "toy-span", "softmax", "--steps", "3",
+                                "--eval-every", "2", "--eval-batches", "1", "--batch-size", "2", "--dim", "8",
+                                "--heads", "1", "--depth", "1", "--seq-len", "16", "--vocab", "16",
+                                "--num-kv-pairs", "2", "--out", str(out))
+    assert code == 0, err
+    data = json.loads((out / "results.json").read_text())
+    span, soft = data["runs"]
+    assert span["status"] == "ok" and soft["aux_losses"] == {}
+    # weighted by the spec's default weight: 0.5 x |span|_1 = 0.5 x 4 at the start, a little less after
+    assert span["aux_losses"]["span_l1"] == pytest.approx(2.0, rel=1e-2) and span["aux_losses"]["span_l1"] < 2.0
+    assert [sorted(p["aux_losses"]) for p in span["curve"]] == [["span_l1"], ["span_l1"]]
+    # it was added to the loss: the span (outside the output) moved, so it had a gradient
+    state = torch.load(out / span["checkpoint"], weights_only=False)["state_dict"]
+    spans = [v for k, v in state.items() if k.endswith(".span")]
+    assert spans and all(bool((s < 1).all()) for s in spans)
+    # logged in the CSVs, the table and the progress line
+    assert "aux:span_l1" in (out / "curves.csv").read_text().splitlines()[0]
+    assert "aux:span_l1" in (out / "results.csv").read_text().splitlines()[0]
+    assert "aux losses" in stdout and f"span_l1 {span['aux_losses']['span_l1']:.3g}" in stdout
+    assert "span_l1=" in err
+
+
+class _Penalised(Attention):
+    """Exact attention (contract 2, ``_attend``) that records the auxiliary loss ``penalty`` = its parameter
+    ``w`` (2.0 at init) at every forward; ``w`` does not enter the output."""
+
+    capabilities = Capabilities(mask_kinds=("causal", "key_padding"), backends=("torch",))
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def _attend(self, q, k, v, ctx):
+        self.record_aux_loss("penalty", self.w * 1.0)
+        keep = ctx.dense_keep()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=ctx.scale)
+
+
+def test_train_aux_losses_from_evaluation_do_not_leak_into_training(cli, tmp_path, monkeypatch):
+    """One forward per training step records 0.5 x w (w ~ 2, weight 0.5); every evaluation pass records
+    three more forwards, which ``attnkit.clear_aux_losses`` must drop before the next step."""
+    import attnkit
+
+    if getattr(attnkit, "clear_aux_losses", None) is None:
+        pytest.skip("this attnkit has no clear_aux_losses (contract 2 not installed)")
+    cleared = []
+    real_clear = attnkit.clear_aux_losses
+    monkeypatch.setattr(attnkit, "clear_aux_losses", lambda model: (cleared.append(1), real_clear(model))[1])
+    out = tmp_path / "t"
+    with attnkit.registered(_Penalised, name="toy-penalised", family="test", summary="records a penalty",
+                            capabilities=_Penalised.capabilities, aux_losses={"penalty": 0.5}):
+        code, _, err = cli("train", "mqar", "--attention", "toy-penalised", "--steps", "4", "--eval-every", "1",
+                           "--eval-batches", "3", "--batch-size", "2", "--dim", "8", "--heads", "1", "--depth", "1",
+                           "--seq-len", "16", "--vocab", "16", "--num-kv-pairs", "2", "--out", str(out))
+    assert code == 0, err
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["status"] == "ok" and len(cleared) >= 4                # once per evaluation pass at least
+    history = [p["aux_losses"]["penalty"] for p in run["curve"]]
+    assert len(history) == 4
+    # w moves by about lr per step: one training forward gives 0.5 x w in (0.98, 1]; a leaked evaluation
+    # (3 more forwards) would log about 4 for the next step (1.3 after the moving average)
+    assert all(0.98 < h <= 1.0 for h in history), history
+    assert run["aux_losses"]["penalty"] == pytest.approx(history[-1])
+    w = torch.load(out / run["checkpoint"], weights_only=False)["state_dict"]
+    assert [v.item() < 2.0 for k, v in w.items() if k.endswith(".w")] == [True]   # the penalty had a gradient
+    assert "penalty=" in err                                          # the progress line

@@ -6,6 +6,9 @@ For each length every implementation and the exact baseline
 ``torch.no_grad()``, module in eval mode; ``fwdbwd``: forward and backward of
 ``(out * g).sum()`` for a fixed random ``g``, module in train mode):
 
+0. a length beyond an implementation's ``limits`` (``max_length``,
+   ``length_multiple``; attnkit contract 2) is recorded as ``skipped`` with
+   the limit (``max_length 512``), without calling it;
 1. first call, timed on its own and reported as ``first_call_s`` (it includes
    one-off costs such as numba compilation); a refusal (this length, causal,
    dtype...) is recorded as ``skipped`` and the sweep goes on; running out of
@@ -13,11 +16,17 @@ For each length every implementation and the exact baseline
    compilation) both take longer than ``time_limit`` it is ``timeout``.
    After ``oom`` or ``timeout`` longer lengths of that implementation are not
    tried (recorded as such);
-2. ``warmup - 1`` more untimed calls;
+2. warm-up: ``warmup`` untimed calls of every implementation at this length
+   and mode, after all first calls (so no compilation or first touch of
+   another implementation falls between warm-up and timing);
 3. ``repeats`` rounds; each round times every implementation once, in an
    order rotated every round, so drift of the machine (other load, clocks)
-   hits all of them alike. The median is reported with the quartiles;
+   hits all of them alike. The median is reported with its spread: min,
+   quartiles, max, interquartile range and ``spread`` = IQR / median;
 4. one more call measures peak memory (see :mod:`attnkit_lab.measure`).
+
+Ctrl-C stops the sweep: what was measured is written (``"interrupted": true``)
+and :class:`~attnkit_lab.interrupts.Interrupted` is raised.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import names as names_mod
+from .interrupts import Interrupted, is_interrupt, raise_if_interrupt
 from .measure import MEMORY_METHOD, peak_memory, time_call
 from .progress import Progress
 from .results import RunDir, environment, fmt_bytes, fmt_seconds, format_table, machine_line
@@ -157,6 +167,7 @@ def run_bench(choices: list[names_mod.AttentionChoice], settings: BenchSettings,
             mod = names_mod.build(ch, num_heads=settings.heads, head_dim=settings.head_dim, seed=settings.seed + i)
             mod = mod.to(device=device, dtype=dtype)
         except Exception as e:  # noqa: BLE001
+            raise_if_interrupt(e)
             if strict_build:
                 raise names_mod.UsageError(f"cannot build {ch.label!r}: {e}") from None
             build_failures[ch.label] = names_mod.describe_error(e)
@@ -172,82 +183,18 @@ def run_bench(choices: list[names_mod.AttentionChoice], settings: BenchSettings,
     if hint and show_progress:
         print(f"note: {hint}", file=sys.stderr)
     total = len(settings.lengths) * len(settings.modes)
-    gen = torch.Generator(device="cpu")
-    with Progress(total, "bench", enabled=show_progress) as bar:
-        for L in settings.lengths:
-            gen.manual_seed(settings.seed * 1_000_003 + L)
-            shape = (settings.batch, settings.heads, L, settings.head_dim)
-            q, k, v, g = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
-            for mode in settings.modes:
-                bar.set_postfix(L=L, mode=mode)
-                runnable: list[tuple[_Candidate, Callable[[], None], float]] = []
-                for c in candidates:
-                    rec = {"label": c.label, "length": L, "mode": mode}
-                    if c.stopped:
-                        records.append({**rec, "status": "skipped", "note": c.stopped})
-                        continue
-                    try:
-                        call = _make_call(c, mode, q, k, v, g)
-                        first = time_call(call, device)
-                    except Exception as e:  # noqa: BLE001 - one implementation never stops the sweep
-                        st = _status_of(e)
-                        records.append({**rec, "status": st, "note": names_mod.describe_error(e)})
-                        if st == "oom":
-                            c.stopped = f"not run: out of memory at L={L}"
-                        _free(device)
-                        continue
-                    if first > settings.time_limit:
-                        # the first call may be one-off compilation (numba): judge by a second call
-                        try:
-                            second = time_call(call, device)
-                        except Exception as e:  # noqa: BLE001
-                            records.append({**rec, "status": _status_of(e), "first_call_s": first,
-                                            "note": names_mod.describe_error(e)})
-                            continue
-                        if second > settings.time_limit:
-                            note = (f"a call took {second:.2f} s > --time-limit {settings.time_limit:g} s "
-                                    f"(first call {first:.2f} s)")
-                            records.append({**rec, "status": "timeout", "first_call_s": first, "note": note})
-                            c.stopped = f"not run: exceeded the time limit at L={L}"
-                            continue
-                    runnable.append((c, call, first))
-                times: dict[str, list[float]] = {c.label: [] for c, _, _ in runnable}
-                failed: dict[str, str] = {}
-                try:
-                    for _, call, _ in runnable:
-                        for _ in range(max(0, settings.warmup - 1)):
-                            call()
-                    for r in range(settings.repeats):
-                        order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
-                        for c, call, _ in order:
-                            if c.label in failed:
-                                continue
-                            try:
-                                times[c.label].append(time_call(call, device))
-                            except Exception as e:  # noqa: BLE001
-                                failed[c.label] = names_mod.describe_error(e)
-                except Exception as e:  # noqa: BLE001 - a warm-up failure
-                    for c, _, _ in runnable:
-                        failed.setdefault(c.label, names_mod.describe_error(e))
-                for c, call, first in runnable:
-                    rec = {"label": c.label, "length": L, "mode": mode, "first_call_s": first}
-                    if c.label in failed:
-                        records.append({**rec, "status": "error", "note": failed[c.label]})
-                        continue
-                    ts = sorted(times[c.label])
-                    quart = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
-                    q1, q3 = quart[0], quart[2]
-                    rec.update(status="ok", median_s=statistics.median(ts), min_s=ts[0], q1_s=q1, q3_s=q3,
-                               repeats=len(ts))
-                    if settings.memory:
-                        try:
-                            rec["peak_bytes"] = peak_memory(call, device)
-                        except Exception as e:  # noqa: BLE001
-                            rec["note"] = f"memory not measured: {names_mod.describe_error(e)}"
-                    records.append(rec)
-                bar.update(1)
-            del q, k, v, g
-            _free(device)
+    interrupted: BaseException | None = None
+    where = {"at": "the start"}
+    try:
+        with Progress(total, "bench", enabled=show_progress) as bar:
+            for L in settings.lengths:
+                for recs in _measure_length(candidates, L, settings, device, dtype, bar, where):
+                    records.extend(recs)
+                    bar.update(1)
+    except BaseException as e:
+        if not is_interrupt(e):
+            raise
+        interrupted = e
 
     labels = [c.label for c in candidates[1:]] + list(build_failures)
     _add_ratios(records)
@@ -260,25 +207,197 @@ def run_bench(choices: list[names_mod.AttentionChoice], settings: BenchSettings,
         "baseline": "torch.nn.functional.scaled_dot_product_attention",
         "memory_method": MEMORY_METHOD.get(device.type, ""),
         "environment": env,
+        "interrupted": interrupted is not None,
         "labels": labels,
         "crossover": summary,
         "records": records,
     }
     text = render_tables(records, labels, settings, summary, env)
+    if interrupted is not None:
+        text += (f"\n**Interrupted** (Ctrl-C) at {where['at']}: the tables hold what was measured before "
+                 "(lengths and modes not reached are missing).\n")
     if hint:
         text += f"\nNote: {hint}\n"
     out.write_json("results.json", payload)
-    out.write_csv("results.csv", records, ["label", "length", "mode", "status", "median_s", "min_s", "q1_s", "q3_s",
-                                           "repeats", "first_call_s", "peak_bytes", "time_ratio", "clearly_faster",
-                                           "memory_ratio",
-                                           "note"])
+    out.write_csv("results.csv", records, CSV_COLUMNS)
     out.write_text("table.md", text)
+    if interrupted is not None:
+        print(text)
+        raise Interrupted(f"bench {where['at']}") from interrupted
     if any(r["status"] == "ok" for r in records):
         from .plotting import bench_figure
 
         bench_figure(out.file("bench.png"), records, labels, _title(settings, env), settings.modes, settings.memory)
     print(text)
     return payload
+
+
+CSV_COLUMNS = ["label", "length", "mode", "status", "median_s", "min_s", "q1_s", "q3_s", "max_s", "iqr_s", "spread",
+               "repeats", "warmup_calls", "first_call_s", "peak_bytes", "time_ratio", "clearly_faster",
+               "memory_ratio", "note"]
+
+
+def limit_reason(module: torch.nn.Module | None, length: int) -> str | None:
+    """Why ``module`` cannot take sequences of ``length`` (L = S), from its ``limits``; None if it can.
+
+    Asks ``module.limits.why_not(L, L)`` (attnkit's contract 2:
+    :class:`attnkit.Limits` with ``max_length``, ``equal_length``,
+    ``length_multiple``), e.g. ``"max_length 512"``. A ``limits`` object
+    without ``why_not`` is read field by field; a module without ``limits``
+    (or whose property fails) is simply run, and its own call decides.
+    """
+    if module is None:
+        return None
+    try:
+        limits = getattr(module, "limits", None)
+        why_not = getattr(limits, "why_not", None)
+        if callable(why_not):
+            why = why_not(length, length)
+            return str(why) if why else None
+    except Exception as e:  # noqa: BLE001 - a broken property: let the call itself decide
+        raise_if_interrupt(e)
+        return None
+    if limits is None:
+        return None
+    max_length = getattr(limits, "max_length", None)
+    if max_length is not None and length > max_length:
+        return f"max_length {max_length}"
+    multiple = getattr(limits, "length_multiple", None)
+    if multiple and length % multiple:
+        return f"length_multiple {multiple}"
+    return None
+
+
+def _measure_length(candidates: list[_Candidate], L: int, settings: BenchSettings, device: torch.device,
+                    dtype: torch.dtype, bar: Progress, where: dict[str, str]) -> Iterator[list[dict[str, Any]]]:
+    """Yield the records of every mode at length ``L``, one list per mode; ``where['at']``: what runs now."""
+    where["at"] = f"L={L}"
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(settings.seed * 1_000_003 + L)
+    shape = (settings.batch, settings.heads, L, settings.head_dim)
+    failure: tuple[str, str] | None = None
+    try:
+        q, k, v, g = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
+    except Exception as e:  # noqa: BLE001 - inputs too large for this machine: no implementation runs
+        raise_if_interrupt(e)
+        failure = ("oom" if names_mod.is_oom(e) else "error",
+                   f"cannot allocate the inputs {tuple(shape)}: {names_mod.describe_error(e)}")
+    if failure is not None:     # recorded outside the except block: the failed allocation is released
+        _free(device)
+        status = {c.label: ("skipped", c.stopped) if c.stopped else failure for c in candidates}
+        for c in candidates:
+            if not c.stopped:
+                c.stopped = f"not run: the inputs could not be allocated at L={L}"
+        for mode in settings.modes:
+            yield [{"label": c.label, "length": L, "mode": mode, "status": status[c.label][0],
+                    "note": status[c.label][1]} for c in candidates]
+        return
+    try:
+        for mode in settings.modes:
+            where["at"] = f"L={L}, {mode}"
+            bar.set_postfix(L=L, mode=mode)
+            yield _measure_mode(candidates, L, mode, settings, device, q, k, v, g)
+    finally:
+        del q, k, v, g
+        _free(device)
+
+
+def _measure_mode(candidates: list[_Candidate], L: int, mode: str, settings: BenchSettings, device: torch.device,
+                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    runnable: list[tuple[_Candidate, Callable[[], None], float]] = []
+    # 1. first calls: one-off costs, refusals, out of memory, time limit
+    for c in candidates:
+        rec = {"label": c.label, "length": L, "mode": mode}
+        if c.stopped:
+            records.append({**rec, "status": "skipped", "note": c.stopped})
+            continue
+        why = limit_reason(c.module, L)
+        if why is not None:
+            records.append({**rec, "status": "skipped", "note": why})
+            continue
+        try:
+            call = _make_call(c, mode, q, k, v, g)
+            first = time_call(call, device)
+        except Exception as e:  # noqa: BLE001 - one implementation never stops the sweep
+            raise_if_interrupt(e)
+            st = _status_of(e)
+            records.append({**rec, "status": st, "note": names_mod.describe_error(e)})
+            if st == "oom":
+                c.stopped = f"not run: out of memory at L={L}"
+            _free(device)
+            continue
+        if first > settings.time_limit:
+            # the first call may be one-off compilation (numba): judge by a second call
+            try:
+                second = time_call(call, device)
+            except Exception as e:  # noqa: BLE001
+                raise_if_interrupt(e)
+                records.append({**rec, "status": _status_of(e), "first_call_s": first,
+                                "note": names_mod.describe_error(e)})
+                continue
+            if second > settings.time_limit:
+                note = (f"a call took {second:.2f} s > --time-limit {settings.time_limit:g} s "
+                        f"(first call {first:.2f} s)")
+                records.append({**rec, "status": "timeout", "first_call_s": first, "note": note})
+                c.stopped = f"not run: exceeded the time limit at L={L}"
+                continue
+        runnable.append((c, call, first))
+    # 2. warm-up of every (implementation, length, mode), after every first call (compilation
+    #    and first-touch costs of the others are over) and right before the timed rounds
+    failed: dict[str, str] = {}
+    for c, call, _ in runnable:
+        try:
+            for _ in range(settings.warmup):
+                call()
+        except Exception as e:  # noqa: BLE001
+            raise_if_interrupt(e)
+            failed[c.label] = f"warm-up: {names_mod.describe_error(e)}"
+    # 3. timed rounds, the order rotated every round
+    times: dict[str, list[float]] = {c.label: [] for c, _, _ in runnable}
+    for r in range(settings.repeats):
+        order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
+        for c, call, _ in order:
+            if c.label in failed:
+                continue
+            try:
+                times[c.label].append(time_call(call, device))
+            except Exception as e:  # noqa: BLE001
+                raise_if_interrupt(e)
+                failed[c.label] = names_mod.describe_error(e)
+    # 4. statistics and peak memory
+    for c, call, first in runnable:
+        rec = {"label": c.label, "length": L, "mode": mode, "first_call_s": first}
+        if c.label in failed:
+            records.append({**rec, "status": "error", "note": failed[c.label]})
+            continue
+        rec.update(status="ok", **timing_stats(times[c.label]), warmup_calls=settings.warmup)
+        if settings.memory:
+            try:
+                rec["peak_bytes"] = peak_memory(call, device)
+            except Exception as e:  # noqa: BLE001
+                raise_if_interrupt(e)
+                rec["note"] = f"memory not measured: {names_mod.describe_error(e)}"
+        records.append(rec)
+    return records
+
+
+def timing_stats(times: list[float]) -> dict[str, Any]:
+    """Median, min, quartiles, max, interquartile range and relative spread of timings (seconds).
+
+    ``spread`` is the interquartile range over the median. Quartiles use the
+    exclusive method and are clamped to [min, max] (with two or three timings
+    they are the extremes).
+    """
+    ts = sorted(times)
+    med = statistics.median(ts)
+    if len(ts) >= 2:
+        quart = statistics.quantiles(ts, n=4)
+        q1, q3 = max(ts[0], quart[0]), min(ts[-1], quart[2])
+    else:
+        q1 = q3 = ts[0]
+    return {"median_s": med, "min_s": ts[0], "q1_s": q1, "q3_s": q3, "max_s": ts[-1], "iqr_s": q3 - q1,
+            "spread": (q3 - q1) / med if med > 0 else None, "repeats": len(ts)}
 
 
 def thread_hint(choices: list[names_mod.AttentionChoice], device: torch.device) -> str:
@@ -337,6 +456,9 @@ def _cell(r: dict[str, Any] | None, key: str, ratio_key: str | None) -> str:
     if r["status"] != "ok":
         return r["status"]
     val = fmt_seconds(r.get(key)) if key == "median_s" else fmt_bytes(r.get(key))
+    if key == "median_s" and r.get("repeats", 0) >= 2 and r.get("spread") is not None:
+        half = 50 * r["spread"]         # half the interquartile range, in % of the median
+        val += f" ±{half:.0f}%" if half >= 1 else " ±<1%"
     if ratio_key and r.get(ratio_key) is not None:
         val += f" ({r[ratio_key]:.2f}×)"
     return val
@@ -347,7 +469,10 @@ def render_tables(records: list[dict[str, Any]], labels: list[str], settings: Be
     """Markdown: a time and a memory table per mode, the crossover table and notes."""
     index = {(r["label"], r["length"], r["mode"]): r for r in records}
     parts = [f"# attnkit bench\n\n{_title(settings, env)}\n\nMachine: {machine_line(env)}\n\n"
-             f"Command: `{env['command']}`\n\nCells: median (ratio to SDPA; < 1 is faster / smaller)."]
+             f"Command: `{env['command']}`\n\nCells: median of the timed rounds ± half their interquartile range "
+             f"in % of the median (ratio to SDPA; < 1 is faster / smaller). Every implementation had "
+             f"{settings.warmup} untimed warm-up call(s) at every length and mode before timing; min, "
+             f"quartiles and max of every timing are in results.json and results.csv."]
     cols = ["L", "SDPA"] + labels
     for mode in settings.modes:
         for key, ratio, what in (("median_s", "time_ratio", "time"), ("peak_bytes", "memory_ratio", "peak memory")):

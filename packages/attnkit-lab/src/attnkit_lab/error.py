@@ -41,6 +41,7 @@ from attnkit.errors import UsageError
 
 from . import names as names_mod
 from .bench import DTYPES
+from .interrupts import Interrupted, is_interrupt, raise_if_interrupt
 from .progress import Progress, status
 from .results import RunDir, environment, format_table, machine_line
 
@@ -214,13 +215,21 @@ def measure(choice: names_mod.AttentionChoice, inputs: Inputs, length: int, sett
 
 def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings, out: RunDir, *,
               from_run: str | None = None, show_progress: bool = True, preset: str | None = None,
-              from_run_label: str | None = None) -> dict[str, Any]:
+              from_run_label: str | None = None, budget_hint: bool = True) -> dict[str, Any]:
     """Measure every choice over budgets and lengths; write results into ``out``.
 
     ``from_run_label``: how to name ``from_run`` in the results (default: the path).
+    ``budget_hint``: print a hint (use ``--budget-option``) for a mechanism
+    without a budget option; the table states it either way. The demo, which
+    has no such option, turns it off.
+
+    Raises:
+        Interrupted: on Ctrl-C, after the configurations measured so far are
+            written (``"interrupted": true``; no plot).
     """
     specs = {c.label: names_mod.resolve_spec(c.name) for c in choices}
-    plan: list[tuple[names_mod.AttentionChoice, str | None, int | None, str]] = []  # choice, option, budget, sweep
+    # (the choice as given, the configuration run, budget option, budget, sweep)
+    plan: list[tuple[names_mod.AttentionChoice, names_mod.AttentionChoice, str | None, int | None, str]] = []
     budget_opts: dict[str, str | None] = {}
     for c in choices:
         opt = settings.budget_option or names_mod.budget_option(specs[c.label])
@@ -229,12 +238,12 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
         budget_opts[c.label] = opt
         if opt is not None and opt not in c.options:
             for b in settings.budgets:
-                plan.append((c.with_options(**{opt: b}), opt, b, "budget"))
+                plan.append((c, c.with_options(**{opt: b}), opt, b, "budget"))
         default = None
         if opt:
             o = names_mod.spec_options(specs[c.label]).get(opt)
             default = c.options.get(opt, o.default if o is not None else None)
-        plan.append((c, opt, default, "length"))
+        plan.append((c, c, opt, default, "length"))
     if settings.budget_option and not any(budget_opts.values()):
         raise UsageError(f"--budget-option {settings.budget_option!r} is not an option of any of "
                          f"{', '.join(c.label for c in choices)}")
@@ -254,7 +263,7 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
         return trials[0], trials
 
     jobs = []
-    for ch, opt, budget, sweep in plan:
+    for base, ch, opt, budget, sweep in plan:
         for dist in dists:
             if sweep == "budget":
                 lengths = [settings.budget_length]
@@ -265,26 +274,20 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
             else:
                 lengths = settings.lengths
             for L in lengths:
-                jobs.append((ch, opt, budget, sweep, L, dist))
+                jobs.append((base, ch, opt, budget, sweep, L, dist))
     records: list[dict[str, Any]] = []
-    with Progress(len(jobs), "error", enabled=show_progress) as bar:
-        for ch, opt, budget, sweep, L, dist in jobs:
-            base = next(c for c in choices
-                        if c.name == ch.name and all(ch.options.get(k) == v for k, v in c.options.items()))
-            rec: dict[str, Any] = {"label": base.label, "config": ch.label, "name": ch.name, "sweep": sweep,
-                                   "budget_option": opt, "budget": budget, "length": L, "dist": dist[0]}
-            bar.set_postfix(attn=ch.label, L=L, dist=dist[0])
-            if dist[0] == "trained":
-                assert trained is not None
-                rec["length"] = min(L, trained.max_length)
-            try:
-                inputs, trial_inputs = inputs_for(dist, L)
-                rec.update(measure(ch, inputs, rec["length"], settings, trial_inputs))
-            except Exception as e:  # noqa: BLE001 - one configuration never stops the sweep
-                rec.update(status="oom" if names_mod.is_oom(e) else "skipped" if names_mod.is_refusal(e) else "error",
-                           note=names_mod.describe_error(e))
-            records.append(rec)
-            bar.update(1)
+    interrupted: BaseException | None = None
+    where = "the start"
+    try:
+        _run_jobs(jobs, settings, trained, inputs_for, records, show_progress)
+    except BaseException as e:
+        if not is_interrupt(e):
+            raise
+        interrupted = e
+        where = f"job {len(records) + 1} of {len(jobs)}"
+        if len(records) < len(jobs):
+            _, ch, _, _, sweep, L, dist = jobs[len(records)]
+            where += f" ({ch.label}, {sweep} sweep, L={L}, {dist[0]})"
 
     env = environment(settings.device)
     dist_desc = {f"gauss-t{t:g}": f"q, k ~ N(0, 1/{t:g}) per coordinate (logit std {1 / t:g}), v ~ N(0, 1)"
@@ -303,11 +306,18 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
         "environment": env,
         "records": records,
     }
+    if interrupted is not None:
+        payload["interrupted"] = True
+        text += (f"\n**Interrupted** (Ctrl-C) at {where}: the tables hold the {len(records)} of {len(jobs)} "
+                 "configurations measured before it.\n")
     out.write_json("results.json", payload)
     out.write_csv("results.csv", records, ["label", "config", "name", "sweep", "budget_option", "budget", "length",
                                            "dist", "status", "out_rel_err", "out_rel_err_std", "weights_rel_err",
                                            "weights_rel_err_std", "note"])
     out.write_text("table.md", text)
+    if interrupted is not None:
+        print(text)
+        raise Interrupted(f"error {where}") from interrupted
     ok = [r for r in records if r.get("status") == "ok"]
     if ok:
         from .plotting import error_figure
@@ -318,11 +328,34 @@ def run_error(choices: list[names_mod.AttentionChoice], settings: ErrorSettings,
                      f"relative error vs exact softmax; budget sweep at L={settings.budget_length}, "
                      f"{'causal' if settings.causal else 'non-causal'}, mean of {settings.trials} trials")
     print(text)
-    for c in choices:
-        if budget_opts[c.label] is None:
-            status(f"error: {c.label}: no budget option found; only its default configuration was measured "
-                   "(use --budget-option NAME)")
+    if budget_hint:
+        for c in choices:
+            if budget_opts[c.label] is None:
+                status(f"error: {c.label}: no budget option found; only its default configuration was measured "
+                       "(use --budget-option NAME)")
     return payload
+
+
+def _run_jobs(jobs: list[tuple[Any, ...]], settings: ErrorSettings, trained: Inputs | None, inputs_for: Any,
+              records: list[dict[str, Any]], show_progress: bool) -> None:
+    """Measure every job, appending one record per job to ``records`` (interrupts propagate)."""
+    with Progress(len(jobs), "error", enabled=show_progress) as bar:
+        for base, ch, opt, budget, sweep, L, dist in jobs:
+            rec: dict[str, Any] = {"label": base.label, "config": ch.label, "name": ch.name, "sweep": sweep,
+                                   "budget_option": opt, "budget": budget, "length": L, "dist": dist[0]}
+            bar.set_postfix(attn=ch.label, L=L, dist=dist[0])
+            if dist[0] == "trained":
+                assert trained is not None
+                rec["length"] = min(L, trained.max_length)
+            try:
+                inputs, trial_inputs = inputs_for(dist, L)
+                rec.update(measure(ch, inputs, rec["length"], settings, trial_inputs))
+            except Exception as e:  # noqa: BLE001 - one configuration never stops the sweep
+                raise_if_interrupt(e)
+                rec.update(status="oom" if names_mod.is_oom(e) else "skipped" if names_mod.is_refusal(e) else "error",
+                           note=names_mod.describe_error(e))
+            records.append(rec)
+            bar.update(1)
 
 
 def _fmt_err(r: dict[str, Any] | None, key: str) -> str:
@@ -350,7 +383,9 @@ def render(records: list[dict[str, Any]], choices: list[names_mod.AttentionChoic
     for c in choices:
         s = specs[c.label]
         approx = "exact" if s.exact else (s.approximation or "approximate")
-        mech.append(f"- `{c.label}`: {approx}; budget option: `{budget_opts[c.label] or 'none found'}`")
+        opt = budget_opts[c.label]
+        budget = f"budget option: `{opt}`" if opt else "no budget option: measured at its default configuration only"
+        mech.append(f"- `{c.label}`: {approx}; {budget}")
     parts.append("Mechanisms:\n" + "\n".join(mech))
     for key, what in (("out_rel_err", "output"), ("weights_rel_err", "attention weights")):
         brows = [r for r in records if r["sweep"] == "budget"]
@@ -368,7 +403,9 @@ def render(records: list[dict[str, Any]], choices: list[names_mod.AttentionChoic
             rows = [[cfg, L] + [_fmt_err(idx.get((cfg, L, d)), key) for d in dists] for cfg, L in keys]
             parts.append(f"## Relative error of the {what} vs length (default budget)\n\n"
                          + format_table(rows, ["attention", "L"] + dists, align="lr" + "r" * len(dists)))
-    if any(r.get("length", 0) > settings.weights_max_length for r in records):
+    if settings.weights_max_length < 1:
+        parts.append("The attention-weights error was not computed (--weights-max-length 0).")
+    elif any(r.get("length", 0) > settings.weights_max_length for r in records):
         parts.append(f"The attention-weights error is computed for L ≤ {settings.weights_max_length} "
                      "(--weights-max-length); `—` above that.")
     if "trained" in dist_desc:

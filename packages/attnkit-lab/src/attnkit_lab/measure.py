@@ -48,8 +48,12 @@ def time_call(fn: Callable[[], object], device: torch.device | str) -> float:
 def _quiet_stderr_fd() -> Iterator[None]:
     """Silence C-level stderr (kineto prints a banner on profiler start/stop)."""
     try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, ValueError, OSError):
+        fd: int | None = sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):  # captured (pytest, notebooks): nothing to silence
+        fd = None
+    if fd is None:
+        # yield outside the except block: an exception thrown in here (Ctrl-C) must not get the
+        # handled error as its __context__, which would hide the KeyboardInterrupt numba chains
         yield
         return
     try:

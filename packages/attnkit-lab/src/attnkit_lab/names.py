@@ -102,17 +102,33 @@ def spec_options(spec: attnkit.AttentionSpec) -> dict[str, Any]:
         return {}
 
 
+def _value_checker() -> Any:
+    """``attnkit.options.check_value`` (types, ranges, choices of an option), or None on an older core."""
+    try:
+        from attnkit.options import check_value
+    except ImportError:
+        return None
+    return check_value
+
+
 def check_choices(choices: list[AttentionChoice], *, option: str = "NAME") -> list[attnkit.AttentionSpec]:
-    """Validate names and option keys before any work starts; returns the specs."""
+    """Validate names, option keys and option values before any work starts; returns the specs.
+
+    Values are checked against the spec's option schema where it declares
+    types, ranges or choices (``softmax@dropout=1.5`` is refused here, as
+    ``build`` would refuse it, instead of being recorded as a failed run); a
+    value only the constructor refuses is still recorded per run.
+    """
     seen: set[str] = set()
     specs = []
+    check_value = _value_checker()
     for c in choices:
         if c.label in seen:
             raise UsageError(f"{option}: {c.label!r} is given twice")
         seen.add(c.label)
         spec = resolve_spec(c.name, option=option)
         opts = spec_options(spec)
-        for key in c.options:
+        for key, value in c.options.items():
             if opts and key not in opts:
                 close = difflib.get_close_matches(key, list(opts), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -120,6 +136,11 @@ def check_choices(choices: list[AttentionChoice], *, option: str = "NAME") -> li
                     f"{option} {c.label!r}: {spec.name!r} has no option {key!r}{hint} "
                     f"(options: {', '.join(o for o in opts if o not in ('backend',))})"
                 )
+            if check_value is not None and key in opts:
+                try:
+                    check_value(f"{option} {c.label!r}", opts[key], value)
+                except ValueError as e:
+                    raise UsageError(str(e)) from None
         specs.append(spec)
     return specs
 

@@ -1,8 +1,11 @@
 """The lab's plugin: adds ``bench``, ``error``, ``train`` and ``demo`` to the attnkit CLI.
 
 Registered through the entry point ``attnkit.plugins: lab = attnkit_lab.plugin``,
-with the same ``attnkit_register_commands`` hook third-party plugins use. The
-command modules (torch-heavy, matplotlib) are imported only when a command runs.
+with the same ``attnkit_register_commands`` hook third-party plugins use. Only
+:mod:`attnkit_lab.cli` (argument parsing and range checks) is imported here; the
+command modules (:mod:`~attnkit_lab.bench`, :mod:`~attnkit_lab.error`,
+:mod:`~attnkit_lab.train`, :mod:`~attnkit_lab.demo`, and matplotlib for plots)
+are imported when their command runs.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 A command never leaves a half-written result that looks complete: it works in
 a hidden sibling directory (``.NAME.partial-XXXX``) created before any work
 starts (so an unwritable destination fails at once), and renames it to the
-destination only when everything is written. On an error or Ctrl-C the
-partial directory is removed.
+destination only when everything is written. On an error the partial
+directory is removed; on Ctrl-C (:func:`attnkit_lab.interrupts.is_interrupt`)
+what was written so far is published (the commands mark their results
+``"interrupted": true``), and an empty directory is removed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 from attnkit.errors import UsageError
 
+from .interrupts import is_interrupt
+
 
 def default_out_dir(command: str) -> Path:
     """``attnkit-runs/<command>-<YYYYmmdd-HHMMSS>`` under the working directory."""
@@ -41,7 +45,8 @@ class RunDir:
 
     Use as a context manager: files are written under :attr:`tmp` (use
     :meth:`file`); on normal exit the directory is renamed to :attr:`path`,
-    on an exception it is deleted.
+    on an exception it is deleted, on an interrupt what was written is kept
+    (renamed to :attr:`path`; deleted if nothing was written).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, force: bool = False, option: str = "--out"):
@@ -114,6 +119,8 @@ class RunDir:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
+            self.commit()
+        elif is_interrupt(exc) and self.tmp is not None and any(self.tmp.iterdir()):
             self.commit()
         else:
             self.abort()

@@ -12,6 +12,16 @@ tokens per second (model step only: forward, backward, optimiser; data
 generation and evaluation excluded), the peak memory of one training step
 (see :mod:`attnkit_lab.measure`; parameters and optimiser state allocated
 before the step are not counted) and the parameter count.
+
+Auxiliary losses: the loss of a training step is the task loss plus
+``sum(attnkit.aux_losses(model).values())`` (what the attention modules
+recorded in that step's forward, weighted by their specs); each named value
+is logged (moving average) in the curve points, the result and the progress
+line. Evaluation passes drop what they record (``attnkit.clear_aux_losses``).
+
+Ctrl-C (or numba's ``SystemError`` wrapping it) stops the run at once: the
+finished runs and the interrupted one (status ``interrupted``, its curve so
+far) are written and :class:`~attnkit_lab.interrupts.Interrupted` is raised.
 """
 
 from __future__ import annotations
@@ -28,11 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import attnkit
 from attnkit.errors import UsageError
 
 from . import names as names_mod
+from .interrupts import Interrupted, is_interrupt, raise_if_interrupt
 from .measure import MEMORY_METHOD, peak_memory
 from .models import LabModel, ModelConfig
+from .options import MAX_SEED, MAX_SIZE, check_float, check_int
 from .progress import Progress, status
 from .results import RunDir, environment, fmt_bytes, format_table, machine_line
 from .tasks import IGNORE, Batch, Task
@@ -61,16 +74,25 @@ class TrainSettings:
     device: str = "cpu"
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "dim", "depth", "heads"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        """Range checks; a value out of range is a usage error naming its option."""
+        for name in ("steps", "eval_every", "eval_batches"):
+            check_int(getattr(self, name), _flag(name), lo=1)
+        for name in ("batch_size", "dim", "heads"):
+            check_int(getattr(self, name), _flag(name), lo=1, hi=MAX_SIZE)
+        check_int(self.depth, "--depth", lo=1, hi=1024)
+        check_int(self.warmup, "--warmup", lo=0)
+        check_float(self.lr, "--lr", lo=0, lo_open=True)
+        check_float(self.weight_decay, "--weight-decay", lo=0)
+        check_float(self.mlp_ratio, "--mlp-ratio", lo=0, lo_open=True, hi=1024)
+        check_float(self.dropout, "--dropout", lo=0, hi=1, hi_open=True)
+        check_float(self.grad_clip, "grad_clip", lo=0)
+        check_int(self.seed, "--seed", lo=0, hi=MAX_SEED)
         if self.dim % self.heads:
-            raise UsageError(f"--dim must be a multiple of --heads={self.heads}, got {self.dim}")
-        if not self.lr > 0:
-            raise UsageError(f"--lr must be > 0, got {self.lr}")
-        if self.warmup < 0:
-            raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
+            raise UsageError(f"--dim: expected a multiple of --heads={self.heads}, got {self.dim}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -80,7 +102,7 @@ class RunResult:
     label: str
     name: str
     options: dict[str, Any]
-    status: str = "ok"          # ok | skipped | diverged | error
+    status: str = "ok"          # ok | skipped | diverged | oom | error | interrupted
     note: str = ""
     eval_loss: float | None = None
     eval_accuracy: float | None = None
@@ -93,6 +115,7 @@ class RunResult:
     wall_s: float | None = None
     curve: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: str | None = None
+    aux_losses: dict[str, float] = field(default_factory=dict)
 
 
 def safe_label(label: str) -> str:
@@ -136,6 +159,7 @@ def evaluate(model: LabModel, batches: list[Batch], task: Task, device: torch.de
         loss_sum += float(loss) * k
         n += k
         correct += c
+    discard_aux_losses(model)       # what evaluation recorded never enters a training step
     model.train(was)
     loss = loss_sum / max(n, 1)
     out = {"eval_loss": loss, "eval_accuracy": correct / max(n, 1)}
@@ -144,7 +168,7 @@ def evaluate(model: LabModel, batches: list[Batch], task: Task, device: torch.de
     return out
 
 
-def _record(holder: list[float], fn: Any, *args: Any) -> None:
+def _record(holder: list[Any], fn: Any, *args: Any) -> None:
     holder.append(fn(*args))
 
 
@@ -157,12 +181,76 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _aux_collector() -> Any:
+    """``attnkit.aux_losses`` when the installed core has it, else None (the lab runs on older cores)."""
+    return getattr(attnkit, "aux_losses", None)
+
+
+def discard_aux_losses(model: torch.nn.Module) -> None:
+    """Forget auxiliary losses recorded outside a training step (e.g. by an evaluation pass)."""
+    clear = getattr(attnkit, "clear_aux_losses", None)
+    if clear is not None:
+        clear(model)
+        return
+    collect = _aux_collector()
+    if collect is not None:
+        collect(model)
+
+
 def train_one(task: Task, choice: names_mod.AttentionChoice, settings: TrainSettings, eval_set: list[Batch],
               *, out_dir: Path | None = None, show_progress: bool = True) -> RunResult:
-    """Train one attention on ``task``; failures are recorded, never raised."""
+    """Train one attention on ``task``; failures are recorded in the result, never raised.
+
+    The loss is the task loss plus every auxiliary loss the attention modules
+    record (``sum(attnkit.aux_losses(model).values())``, weighted by their
+    specs' default weights) when the installed attnkit has ``aux_losses``;
+    each named auxiliary loss is logged (a moving average, like the training
+    loss) in the curve points, the result and the progress line.
+
+    Raises:
+        Interrupted: Ctrl-C (or numba's SystemError from it); its ``result``
+            attribute holds this run so far, with status ``"interrupted"``.
+    """
     res = RunResult(choice.label, choice.name, dict(choice.options))
-    device = torch.device(settings.device)
+    where = {"step": None}
     t_start = time.perf_counter()
+    try:
+        _train_into(res, where, task, choice, settings, eval_set, out_dir=out_dir, show_progress=show_progress,
+                    t_start=t_start)
+    except BaseException as e:
+        if not is_interrupt(e):
+            raise
+        res.status = "interrupted"
+        step = where["step"]
+        res.note = "interrupted" + (f" at step {step}" if step is not None else " before the first step")
+        res.wall_s = time.perf_counter() - t_start
+        _summarise(res, where)
+        err = Interrupted(f"train {task.name} {choice.label}" + (f", step {step}" if step is not None else ""))
+        err.result = res  # type: ignore[attr-defined]
+        raise err from e
+    return res
+
+
+def _summarise(res: RunResult, where: dict[str, Any]) -> None:
+    step_times, tokens = where.get("step_times") or [], where.get("tokens", 0)
+    if step_times:
+        total = sum(step_times)
+        res.tokens_per_s = tokens / total if total > 0 else None
+        res.step_time_s = statistics.median(step_times)
+    last_eval = where.get("last_eval") or {}
+    if last_eval:
+        res.eval_loss = last_eval["eval_loss"]
+        res.eval_accuracy = last_eval["eval_accuracy"]
+        res.perplexity = last_eval.get("perplexity")
+        res.best_accuracy = max(p["eval_accuracy"] for p in res.curve)
+    if where.get("aux"):
+        res.aux_losses = dict(where["aux"])
+
+
+def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names_mod.AttentionChoice,
+                settings: TrainSettings, eval_set: list[Batch], *, out_dir: Path | None, show_progress: bool,
+                t_start: float) -> None:
+    device = torch.device(settings.device)
     cfg = ModelConfig(
         vocab_size=task.vocab_size, num_outputs=task.num_outputs, max_len=task.seq_len,
         dim=settings.dim, depth=settings.depth, heads=settings.heads, kind=task.kind, causal=task.causal,
@@ -173,49 +261,66 @@ def train_one(task: Task, choice: names_mod.AttentionChoice, settings: TrainSett
         torch.manual_seed(settings.seed)
         model = LabModel(cfg).to(device)
     except Exception as e:  # noqa: BLE001 - recorded per attention
+        raise_if_interrupt(e)
         res.status = "skipped" if names_mod.is_refusal(e) else "error"
         res.note = f"cannot build: {names_mod.describe_error(e)}"
-        return res
+        return
     res.params = model.num_parameters()
     opt = torch.optim.AdamW(_param_groups(model, settings.weight_decay), lr=settings.lr, betas=(0.9, 0.98))
     stream = task.batches(settings.batch_size, settings.seed)
     step_times: list[float] = []
-    tokens = 0
+    aux_ema: dict[str, float] = {}
+    where.update(step_times=step_times, tokens=0, last_eval={}, aux=aux_ema)
     ema = None
-    last_eval: dict[str, float] = {}
     memory_step = 1 if settings.steps > 1 else 0
+    collect_aux = _aux_collector()
 
-    def one_step(batch: Batch) -> float:
+    def one_step(batch: Batch) -> tuple[float, dict[str, float]]:
         loss, _, _ = loss_and_counts(model, batch, task)
+        aux = collect_aux(model) if collect_aux is not None else {}
+        total = loss + sum(aux.values()) if aux else loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         if settings.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         opt.step()
-        return float(loss.detach())
+        return float(loss.detach()), {k: float(v.detach()) for k, v in aux.items()}
 
     model.train()
     desc = f"{task.name} {choice.label}"
     with Progress(settings.steps, desc, enabled=show_progress) as bar:
         for step in range(settings.steps):
+            where["step"] = step
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, settings)
             batch = next(stream).to(device)
             try:
                 if step == memory_step:
-                    holder: list[float] = []
+                    holder: list[tuple[float, dict[str, float]]] = []
                     res.peak_bytes = peak_memory(partial(_record, holder, one_step, batch), device)
-                    loss_val = holder[0]
+                    loss_val, aux_vals = holder[0]
                 else:
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     t0 = time.perf_counter()
-                    loss_val = one_step(batch)
+                    loss_val, aux_vals = one_step(batch)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     step_times.append(time.perf_counter() - t0)
-                    tokens += batch.num_tokens
+                    where["tokens"] += batch.num_tokens
+                if math.isfinite(loss_val) and all(math.isfinite(v) for v in aux_vals.values()):
+                    ema = loss_val if ema is None else 0.9 * ema + 0.1 * loss_val
+                    for name, v in aux_vals.items():
+                        aux_ema[name] = v if name not in aux_ema else 0.9 * aux_ema[name] + 0.1 * v
+                    if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
+                        where["last_eval"] = evaluate(model, eval_set, task, device)
+                        point = {"step": step + 1, "train_loss": ema, **where["last_eval"],
+                                 "tokens": where["tokens"], "elapsed_s": time.perf_counter() - t_start}
+                        if aux_ema:
+                            point["aux_losses"] = dict(aux_ema)
+                        res.curve.append(point)
             except Exception as e:  # noqa: BLE001 - recorded per attention
+                raise_if_interrupt(e)
                 res.status = "skipped" if (step == 0 and names_mod.is_refusal(e)) else "error"
                 if names_mod.is_oom(e):
                     res.status = "oom"
@@ -224,26 +329,17 @@ def train_one(task: Task, choice: names_mod.AttentionChoice, settings: TrainSett
             if not math.isfinite(loss_val):
                 res.status, res.note = "diverged", f"non-finite loss at step {step}"
                 break
-            ema = loss_val if ema is None else 0.9 * ema + 0.1 * loss_val
-            if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
-                last_eval = evaluate(model, eval_set, task, device)
-                point = {"step": step + 1, "train_loss": ema, **last_eval,
-                         "tokens": tokens, "elapsed_s": time.perf_counter() - t_start}
-                res.curve.append(point)
+            bad_aux = [n for n, v in aux_vals.items() if not math.isfinite(v)]
+            if bad_aux:
+                res.status, res.note = "diverged", f"non-finite auxiliary loss {bad_aux[0]!r} at step {step}"
+                break
             post: dict[str, Any] = {"loss": ema}
-            if last_eval:
-                post["eval"] = last_eval["perplexity" if task.metric == "perplexity" else "eval_accuracy"]
+            post.update(aux_ema)
+            if where["last_eval"]:
+                post["eval"] = where["last_eval"]["perplexity" if task.metric == "perplexity" else "eval_accuracy"]
             bar.update(1, **post)
     res.wall_s = time.perf_counter() - t_start
-    if step_times:
-        total = sum(step_times)
-        res.tokens_per_s = tokens / total if total > 0 else None
-        res.step_time_s = statistics.median(step_times)
-    if last_eval:
-        res.eval_loss = last_eval["eval_loss"]
-        res.eval_accuracy = last_eval["eval_accuracy"]
-        res.perplexity = last_eval.get("perplexity")
-        res.best_accuracy = max(p["eval_accuracy"] for p in res.curve)
+    _summarise(res, where)
     if out_dir is not None and res.status == "ok":
         d = out_dir / safe_label(choice.label)
         d.mkdir(parents=True, exist_ok=True)
@@ -256,7 +352,6 @@ def train_one(task: Task, choice: names_mod.AttentionChoice, settings: TrainSett
             "state_dict": model.state_dict(),
         }, d / "checkpoint.pt")
         res.checkpoint = f"{d.name}/checkpoint.pt"
-    return res
 
 
 # ---------------------------------------------------------------- reporting
@@ -266,6 +361,7 @@ def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[l
     else:
         headers = ["attention", "status", "accuracy", "best acc", "eval loss", "tokens/s", "peak step mem",
                    "params", "time"]
+    with_aux = any(r.aux_losses for r in results)
     rows = []
     for r in results:
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else None
@@ -273,11 +369,19 @@ def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[l
         status_cell = r.status if r.status == "ok" else f"{r.status}: {r.note}"[:70]
         mem = fmt_bytes(r.peak_bytes) if r.peak_bytes is not None else None
         if task.metric == "perplexity":
-            rows.append([r.label, status_cell, r.eval_loss, r.perplexity, tps, mem, r.params, wall])
+            row = [r.label, status_cell, r.eval_loss, r.perplexity, tps, mem, r.params, wall]
         else:
-            rows.append([r.label, status_cell, r.eval_accuracy, r.best_accuracy, r.eval_loss, tps, mem, r.params,
-                         wall])
+            row = [r.label, status_cell, r.eval_accuracy, r.best_accuracy, r.eval_loss, tps, mem, r.params, wall]
+        if with_aux:
+            row.append(", ".join(f"{n} {_cell_number(v)}" for n, v in r.aux_losses.items()) or None)
+        rows.append(row)
+    if with_aux:
+        headers.append("aux losses")
     return headers, rows
+
+
+def _cell_number(v: float) -> str:
+    return f"{v:.3g}"
 
 
 def plot_curves(path: Path, task: Task, results: list[RunResult], title: str) -> None:
@@ -289,23 +393,39 @@ def plot_curves(path: Path, task: Task, results: list[RunResult], title: str) ->
 def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: TrainSettings, out: RunDir, *,
               show_progress: bool = True, preset: str | None = None, extra_config: dict[str, Any] | None = None
               ) -> dict[str, Any]:
-    """Train every choice on ``task`` and write the results into ``out`` (an opened RunDir)."""
+    """Train every choice on ``task`` and write the results into ``out`` (an opened RunDir).
+
+    Raises:
+        Interrupted: on Ctrl-C, after the results so far (finished runs, and
+            the interrupted one with status ``"interrupted"``) are written,
+            without the plot.
+    """
     settings.validate()
     device = torch.device(settings.device)
-    eval_set = task.eval_batches(settings.batch_size, settings.eval_batches, settings.seed + 1_000_003)
-    info = dict(task.extra_info())
-    if isinstance(task, ListOpsTask):
-        label, frac = ListOpsTask.majority_floor(eval_set)
-        info["majority_class"] = label
-        info["majority_floor"] = frac
-        print(f"listops: majority-class floor on the evaluation set: {frac:.3f} (always answering {label})")
-    results = []
+    results: list[RunResult] = []
+    info: dict[str, Any] = {}
+    interrupted: BaseException | None = None
     assert out.tmp is not None
-    for choice in choices:
-        r = train_one(task, choice, settings, eval_set, out_dir=out.tmp, show_progress=show_progress)
-        if r.status != "ok":
-            status(f"{task.name} {choice.label}: {r.status}: {r.note}", enabled=True)
-        results.append(r)
+    try:
+        eval_set = task.eval_batches(settings.batch_size, settings.eval_batches, settings.seed + 1_000_003)
+        info.update(task.extra_info())
+        if isinstance(task, ListOpsTask):
+            label, frac = ListOpsTask.majority_floor(eval_set)
+            info["majority_class"] = label
+            info["majority_floor"] = frac
+            print(f"listops: majority-class floor on the evaluation set: {frac:.3f} (always answering {label})")
+        for choice in choices:
+            r = train_one(task, choice, settings, eval_set, out_dir=out.tmp, show_progress=show_progress)
+            if r.status != "ok":
+                status(f"{task.name} {choice.label}: {r.status}: {r.note}", enabled=True)
+            results.append(r)
+    except BaseException as e:
+        if not is_interrupt(e):
+            raise
+        interrupted = e
+        partial_result = getattr(e, "result", None)
+        if partial_result is not None:
+            results.append(partial_result)
     env = environment(str(device))
     headers, rows = result_rows(task, results)
     table = format_table(rows, headers, align="ll" + "r" * (len(headers) - 2))
@@ -314,8 +434,17 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
         floor = f"\nMajority-class floor: {info['majority_floor']:.3f}\n"
     steps_line = (f"{task.name}: {settings.steps} steps × batch {settings.batch_size} × length {task.seq_len}, "
                   f"dim {settings.dim}, depth {settings.depth}, heads {settings.heads}, seed {settings.seed}")
+    stopped = ""
+    if interrupted is not None:
+        finished = sum(r.status != "interrupted" for r in results)
+        stopped = (f"\n**Interrupted** (Ctrl-C) during {_where(interrupted)}: results so far "
+                   f"({finished} of {len(choices)} attentions finished).\n")
+    aux_line = ""
+    if any(r.aux_losses for r in results):
+        aux_line = ("\nAuxiliary losses (weighted, moving average at the last step) were added to the training "
+                    "loss; the train loss and the curves are the task loss alone.\n")
     md = (f"# attnkit train {task.name}\n\n{steps_line}\n\nMachine: {machine_line(env)}\n\n"
-          f"Command: `{env['command']}`\n{floor}\n{table}\n")
+          f"Command: `{env['command']}`\n{stopped}{floor}{aux_line}\n{table}\n")
     payload = {
         "command": "train",
         "task": {"name": task.name, "summary": task.summary, "options": task.options(), "info": info},
@@ -324,16 +453,27 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
         "memory_method": MEMORY_METHOD.get(device.type, ""),
         "environment": env,
         "config": extra_config or {},
+        "interrupted": interrupted is not None,
         "runs": [asdict(r) for r in results],
     }
     out.write_json("results.json", payload)
-    flat = [{k: v for k, v in asdict(r).items() if k not in ("curve",)} for r in results]
+    flat = [{k: v for k, v in asdict(r).items() if k not in ("curve", "aux_losses")}
+            | {f"aux:{n}": v for n, v in r.aux_losses.items()} for r in results]
     out.write_csv("results.csv", flat)
-    curve_rows = [{"attention": r.label, **p} for r in results for p in r.curve]
+    curve_rows = [{"attention": r.label, **{k: v for k, v in p.items() if k != "aux_losses"},
+                   **{f"aux:{n}": v for n, v in p.get("aux_losses", {}).items()}}
+                  for r in results for p in r.curve]
     out.write_csv("curves.csv", curve_rows)
     out.write_text("table.md", md)
+    print(f"\n{steps_line}\n{stopped}{floor}{table}")
+    if interrupted is not None:
+        raise Interrupted(_where(interrupted)) from interrupted
     title = f"{task.name}: {steps_line.split(': ', 1)[1]}"
     if any(r.curve for r in results):
         plot_curves(out.file("learning_curves.png"), task, results, title)
-    print(f"\n{steps_line}\n{floor}{table}")
     return payload
+
+
+def _where(exc: BaseException) -> str:
+    where = getattr(exc, "where", "")
+    return where or "the run"
