@@ -181,3 +181,19 @@ def test_backend_not_offered(name, backend):
     expected = rf"backend: expected one of \['auto'.*'numba', 'torch'\], got {backend!r}"
     with pytest.raises(InvalidInputError, match=expected):
         cls(num_heads=2, head_dim=8, backend=backend)
+
+
+@pytest.mark.parametrize("name, options, pattern", [
+    ("performer", {"num_features": 0}, r"build\('performer'\): option num_features: expected a value >= 1"),
+    ("performer", {"feature_map": "gelu"}, r"option feature_map: expected one of"),
+    ("rfa", {"gate_init": 1.0}, r"build\('rfa'\): option gate_init: expected a value < 1"),
+    ("rfa", {"sigma": 0.0}, r"option sigma: expected a value > 0"),
+    ("linear", {"chunk_size": 0}, r"build\('linear'\): option chunk_size: expected a value >= 1"),
+    ("fast-weight", {"beta": 0.0}, r"option beta: expected a value > 0"),
+])
+def test_option_ranges_are_declared_so_build_refuses_before_constructing(name, options, pattern):
+    import attnkit
+    from attnkit.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=pattern):
+        attnkit.build(name, head_dim=8, **options)

@@ -33,6 +33,9 @@ class KernelizedAttention(Attention):
     positions, since the value dimension E is known only then).
     """
 
+    #: ranges and choices checked by attnkit.build before the module is built (the constructor checks again)
+    option_constraints = {"chunk_size": {"minimum": 1}}
+
     refusal_reasons = {
         "attn_mask": ("a kernelized attention sums phi(k) v^T over keys before any query sees them, so it can "
                       "only drop whole keys (pass key_padding_mask, bool (B, S)) and the future (causal=True)"),

@@ -73,6 +73,10 @@ class FastWeightAttention(KernelizedAttention):
         InvalidInputError: an option of the wrong type or out of range (named in the message).
     """
 
+    #: ranges and choices checked by attnkit.build before the module is built (the constructor checks again)
+    option_constraints = {"feature_map": {"choices": DETERMINISTIC_MAPS}, "dpfp_nu": {"minimum": 1},
+                          "beta": {"minimum": 0, "maximum": 1, "exclusive_minimum": True}}
+
     capabilities = FAST_WEIGHT.capabilities  # the spec's one declaration; used when built without the registry
     state_keys: ClassVar[tuple[str, ...]] = ("S",)
 

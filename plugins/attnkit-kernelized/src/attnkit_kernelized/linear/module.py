@@ -44,6 +44,9 @@ class LinearAttention(KernelizedAttention):
         InvalidInputError: an option of the wrong type or out of range (named in the message).
     """
 
+    #: ranges and choices checked by attnkit.build before the module is built (the constructor checks again)
+    option_constraints = {"feature_map": {"choices": DETERMINISTIC_MAPS}, "dpfp_nu": {"minimum": 1}}
+
     capabilities = LINEAR.capabilities  # the spec's one declaration; used when built without the registry
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,

@@ -76,6 +76,10 @@ class PerformerAttention(KernelizedAttention):
         InvalidInputError: an option of the wrong type or out of range (named in the message).
     """
 
+    #: ranges and choices checked by attnkit.build before the module is built (the constructor checks again)
+    option_constraints = {"num_features": {"minimum": 1}, "feature_map": {"choices": FEATURE_MAPS},
+                          "redraw_interval": {"minimum": 1}, "seed": {"minimum": 0}}
+
     capabilities = PERFORMER.capabilities  # the spec's one declaration; used when built without the registry
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,

@@ -79,6 +79,12 @@ class RandomFeatureAttention(KernelizedAttention):
         InvalidInputError: an option of the wrong type or out of range (named in the message).
     """
 
+    #: ranges and choices checked by attnkit.build before the module is built (the constructor checks again)
+    option_constraints = {"num_features": {"minimum": 1}, "feature_map": {"choices": FEATURE_MAPS},
+                          "sigma": {"minimum": 0, "exclusive_minimum": True},
+                          "gate_init": {"minimum": 0, "maximum": 1, "exclusive_minimum": True,
+                                        "exclusive_maximum": True}, "seed": {"minimum": 0}}
+
     capabilities = RFA.capabilities  # the spec's one declaration; used when built without the registry
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
