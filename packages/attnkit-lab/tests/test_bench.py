@@ -222,3 +222,21 @@ def test_bench_limit_reason_asks_why_not():
     assert limit_reason(lim, 1024) == "max_length 512"
     assert limit_reason(lim, 48) == attnkit.Limits(length_multiple=32).why_not(48, 48)
     assert limit_reason(lim, 64) is None
+
+
+def test_bench_inputs_larger_than_memory_are_not_allocated(cli, tmp_path, monkeypatch):
+    from attnkit_lab import bench
+
+    # q, k, v, g in float32 at B=1, H=1, D=4: 1 KiB at L=16, 4 KiB at L=64
+    monkeypatch.setattr(bench, "available_memory", lambda device: 2048)
+    out = tmp_path / "b"
+    code, _, err = cli("bench", "softmax", "--lengths", "16,64,128", "--heads", "1", "--head-dim", "4",
+                       "--repeats", "1", "--modes", "fwd", "--no-memory", "--out", str(out), "-q")
+    assert code == 0, err
+    _, rec = _records(out)
+    assert rec[("sdpa", 16, "fwd")]["status"] == rec[("softmax", 16, "fwd")]["status"] == "ok"
+    for label in ("sdpa", "softmax"):
+        r = rec[(label, 64, "fwd")]
+        assert r["status"] == "oom" and "need 4.0 KiB, more than the 2.0 KiB available" in r["note"]
+        assert rec[(label, 128, "fwd")]["status"] == "skipped"
+        assert "inputs could not be allocated at L=64" in rec[(label, 128, "fwd")]["note"]

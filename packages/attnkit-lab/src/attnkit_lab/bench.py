@@ -276,12 +276,19 @@ def _measure_length(candidates: list[_Candidate], L: int, settings: BenchSetting
     gen.manual_seed(settings.seed * 1_000_003 + L)
     shape = (settings.batch, settings.heads, L, settings.head_dim)
     failure: tuple[str, str] | None = None
-    try:
-        q, k, v, g = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
-    except Exception as e:  # noqa: BLE001 - inputs too large for this machine: no implementation runs
-        raise_if_interrupt(e)
-        failure = ("oom" if names_mod.is_oom(e) else "error",
-                   f"cannot allocate the inputs {tuple(shape)}: {names_mod.describe_error(e)}")
+    need = 4 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    avail = available_memory(device)
+    if avail is not None and need > avail:
+        # never try: on Linux an allocation beyond free memory may succeed and get the process killed
+        failure = ("oom", f"the inputs q, k, v, g of shape {tuple(shape)} need {fmt_bytes(need)}, more than "
+                          f"the {fmt_bytes(avail)} available")
+    else:
+        try:
+            q, k, v, g = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
+        except Exception as e:  # noqa: BLE001 - inputs too large for this machine: no implementation runs
+            raise_if_interrupt(e)
+            failure = ("oom" if names_mod.is_oom(e) else "error",
+                       f"cannot allocate the inputs {tuple(shape)}: {names_mod.describe_error(e)}")
     if failure is not None:     # recorded outside the except block: the failed allocation is released
         _free(device)
         status = {c.label: ("skipped", c.stopped) if c.stopped else failure for c in candidates}
@@ -411,6 +418,21 @@ def thread_hint(choices: list[names_mod.AttentionChoice], device: torch.device) 
             "and compete with numba's threads on few cores, which can slow short calls many times over. "
             "Timings here are what this environment gives; OMP_WAIT_POLICY=PASSIVE avoids the contention "
             "(see docs/lab/bench.md).")
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can be allocated on ``device`` now (CPU: MemAvailable), or None if unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu":
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (OSError, ValueError, RuntimeError):
+        pass
+    return None
 
 
 def _free(device: torch.device) -> None:
