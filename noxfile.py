@@ -108,6 +108,9 @@ def demo(session: nox.Session) -> None:
     if Path(LAB, "pyproject.toml").exists():
         pkgs.append(LAB)
     install(session, *[a for p in pkgs for a in ("-e", p)])
+    # numba's OpenMP threads spin between parallel regions and slow torch's threads (docs/benchmarks.md);
+    # it must be set before torch starts, so the session sets it rather than the lab
+    session.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     session.run("attnkit", "list")
     if Path(LAB, "pyproject.toml").exists():
         session.run("attnkit", "demo", "--preset", "quick", *session.posargs)
