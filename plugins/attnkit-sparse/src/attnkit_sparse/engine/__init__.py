@@ -1,0 +1,185 @@
+"""The block-sparse engine: one set of kernels executing any mask object's block index.
+
+Public entry point::
+
+    out = attend(q, k, v, mask, scale=scale, backend="auto", block_size=None, positions=None)
+
+- ``q`` ``(B, H, L, D)``, ``k`` ``(B, H, S, D)``, ``v`` ``(B, H, S, E)``.
+- ``mask``: an :class:`attnkit.masks.Mask` (the whole mask: pattern, causal,
+  key padding, document, composed with ``&`` / ``|``) or None (dense).
+- returns ``(B, H, L, E)``; a query row with no allowed key is 0 (finite gradients).
+
+Every backend executes the same :class:`~attnkit_sparse.engine.plan.BlockPlan`
+(:func:`plan`): ``torch`` (block gather, any device, autograd), ``numba``
+(CPU kernels, forward and backward), ``flex`` (FlexAttention: CUDA forward and
+backward, CPU forward only) and ``triton`` (CUDA; CPU tensors under
+``TRITON_INTERPRET=1``). :func:`reference_attend` is the dense masked softmax
+every pattern's reference calls. See docs/sparse-engine.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from attnkit.errors import BackendUnavailableError, InvalidInputError
+from attnkit.masks import Mask
+from attnkit.positions import Positions, as_positions
+
+from .naive import reference_attend
+from .plan import DEFAULT_BLOCK_SIZE, BlockPlan, check_block_size, plan
+
+#: every backend of the engine, in the order ``auto`` prefers them on CUDA
+BACKENDS = ("flex", "triton", "numba", "torch")
+
+
+@cache
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _flex_importable() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def why_unavailable(backend: str, device: torch.device | str) -> str | None:
+    """None when ``backend`` can run on ``device`` here, else the reason.
+
+    ``flex`` on CPU runs the forward only (PyTorch has no CPU backward of
+    FlexAttention): :func:`attend` refuses it when a gradient is needed.
+    ``triton`` runs CUDA tensors, and CPU tensors when ``TRITON_INTERPRET=1``
+    was set before triton was imported.
+    """
+    device = torch.device(device)
+    if backend not in BACKENDS:
+        return f"unknown backend {backend!r}; the engine's backends are {BACKENDS}"
+    if backend == "torch":
+        return None
+    if backend == "numba":
+        if device.type != "cpu":
+            return f"numba kernels run on CPU tensors, the tensors are on {device.type}"
+        return None if _importable("numba") else "numba is not installed (pip install numba)"
+    if backend == "flex":
+        if not _flex_importable():
+            return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+        if device.type not in ("cpu", "cuda"):
+            return f"FlexAttention runs on CPU or CUDA tensors, the tensors are on {device.type}"
+        return None
+    if not _importable("triton"):
+        return "triton is not installed (pip install triton)"
+    if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    return (f"triton kernels run on CUDA tensors, the tensors are on {device.type} "
+            "(set TRITON_INTERPRET=1 before the run to use the interpreter on CPU tensors)")
+
+
+def available_backends(device: torch.device | str) -> tuple[str, ...]:
+    """The engine's backends that can run on ``device`` here, in :data:`BACKENDS` order."""
+    return tuple(b for b in BACKENDS if why_unavailable(b, device) is None)
+
+
+def auto_backend(device: torch.device | str, *, needs_grad: bool = False) -> str:
+    """The static choice of ``backend="auto"``: CPU -> numba (else torch); CUDA -> flex, else triton, else torch.
+
+    attnkit's measured choice (``attnkit tune``) is made by the core per
+    mechanism before the engine is called (``ctx.backend``); this is the
+    fallback when a caller passes ``"auto"`` itself.
+    """
+    device = torch.device(device)
+    order = ("numba", "torch") if device.type == "cpu" else ("flex", "triton", "torch")
+    for b in order:
+        if why_unavailable(b, device) is None:
+            return b
+    return "torch"
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, scale: float | None, backend: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise InvalidInputError(f"attend: {name} must be a floating tensor of rank 4 (B, H, *, *), got {got}")
+    B, H, _, D = q.shape
+    if k.shape[:2] != (B, H) or v.shape[:2] != (B, H) or k.shape[-1] != D or v.shape[-2] != k.shape[-2]:
+        raise InvalidInputError(f"attend: expected q (B, H, L, D), k (B, H, S, D), v (B, H, S, E); got q "
+                                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise InvalidInputError(f"attend: q, k, v must share dtype and device, got {q.dtype}/{q.device}, "
+                                f"{k.dtype}/{k.device}, {v.dtype}/{v.device}")
+    if mask is not None and not isinstance(mask, Mask):
+        raise InvalidInputError(f"mask: expected an attnkit.masks.Mask or None, got {type(mask).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise InvalidInputError(f"scale: expected None or a finite float, got {scale!r}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise InvalidInputError(f"backend: expected 'auto' or one of {BACKENDS}, got {backend!r}")
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float | None = None,
+           backend: str = "auto", block_size: int | tuple[int, int] | None = None,
+           positions: Positions | None = None) -> Tensor:
+    """Block-sparse masked softmax attention ``softmax(scale · q kᵀ, masked) v``.
+
+    Args:
+        q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``; one dtype and device.
+        mask: the whole :class:`attnkit.masks.Mask` (bool parts; an additive bias is refused) or None.
+        scale: multiplier of ``q · k`` (default ``1/sqrt(D)``).
+        backend: ``"auto"`` (:func:`auto_backend`), ``"torch"``, ``"numba"``, ``"flex"`` or ``"triton"``.
+        block_size: ``(BQ, BK)`` of the plan, an int for both, or None (64).
+        positions: :class:`attnkit.positions.Positions` (or what ``as_positions`` takes) or None.
+
+    Returns:
+        ``(B, H, L, E)``. A query with no allowed key gives 0 with finite gradients. Keys and values
+        at key-padding positions never reach an output or a gradient, whatever they hold.
+
+    Raises:
+        InvalidInputError: malformed inputs, an additive mask, a bad block size or backend name.
+        BackendUnavailableError: the backend cannot run here (e.g. ``flex`` on CPU with a gradient).
+    """
+    _check_inputs(q, k, v, mask, scale, backend)
+    B, H, L, D = q.shape
+    S = k.shape[-2]
+    if positions is not None and not isinstance(positions, Positions):
+        positions = as_positions(positions, L=L, S=S)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    name = auto_backend(q.device, needs_grad=needs_grad) if backend == "auto" else backend
+    reason = why_unavailable(name, q.device)
+    if reason is None and name == "flex" and needs_grad and q.device.type == "cpu":
+        reason = ("PyTorch's FlexAttention has no CPU backward and a gradient is needed; the backends "
+                  "that train on CPU are 'numba' and 'torch'")
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} cannot run: {reason}")
+    p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
+    if mask is not None:
+        kpm = mask.key_padding_mask
+        if kpm is not None:  # padded keys and values never reach an output or a gradient
+            keep = kpm.to(q.device)[:, None, :, None]
+            k = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
+            v = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    if name == "torch":
+        from . import torch_ops
+        return torch_ops.attend(q, k, v, p, scale)
+    if name == "numba":
+        from . import numba_ops
+        return numba_ops.attend(q, k, v, p, scale)
+    if name == "flex":
+        from . import flex
+        return flex.attend(q, k, v, mask, p, scale, positions)
+    from . import triton_ops
+    return triton_ops.attend(q, k, v, p, scale)
+
+
+__all__ = ["attend", "reference_attend", "plan", "BlockPlan", "BACKENDS", "DEFAULT_BLOCK_SIZE",
+           "available_backends", "why_unavailable", "auto_backend", "check_block_size"]

@@ -1,0 +1,237 @@
+"""The block plan: what every kernel of the engine executes, computed once per (mask, shape, block size).
+
+From a mask's :class:`attnkit.masks.BlockIndex` (``state`` ``(B', H', NQ, NK)``
+of SKIP / PARTIAL / FULL tiles) the plan keeps, per query block, the key
+blocks to visit and, per visited tile, whether it is FULL (no element mask)
+or PARTIAL (an index into a *bank* of element masks). The bank holds bool
+``(P, BQ, BK)`` tiles evaluated with the mask's own ``_keep`` on index
+tensors of those tiles only, so the plan costs memory proportional to the
+attended tiles, never an ``(L, S)`` tensor. The transposed (key-block-major)
+index serves the backward pass: dK/dV of one key block is written by one
+worker, which visits the query blocks that see it.
+
+Tile entries (``kv_tile`` / ``q_tile``): ``-1`` = FULL, ``p >= 0`` = bank entry
+``p``. Padding past a block's count holds index 0 and tile ``-2``. Tiles of
+the ragged last block (lengths not multiples of the block size) are FULL or
+PARTIAL like any other; kernels bound their loops by ``L`` and ``S``, and the
+bank is False outside ``[0, L) x [0, S)``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit.errors import InvalidInputError
+from attnkit.masks import FULL, PARTIAL, SKIP, Geometry, Mask
+from attnkit.positions import Positions
+
+__all__ = ["BlockPlan", "plan", "DEFAULT_BLOCK_SIZE", "check_block_size", "FULL_TILE", "PAD_TILE"]
+
+#: ``(BQ, BK)`` used when ``block_size`` is None (measured on CPU: see docs/sparse-engine.md).
+DEFAULT_BLOCK_SIZE = (64, 64)
+
+#: tile entry of a FULL tile / of padding past a block's count
+FULL_TILE, PAD_TILE = -1, -2
+
+# element-mask entries evaluated at once when the bank is built
+_BANK_CHUNK = 1 << 21
+
+_PLANS: weakref.WeakKeyDictionary[Mask, dict[tuple[Any, ...], BlockPlan]] = weakref.WeakKeyDictionary()
+_UNMASKED: dict[tuple[Any, ...], BlockPlan] = {}
+
+
+def check_block_size(block_size: Any) -> tuple[int, int]:
+    """``(BQ, BK)`` from ``None`` (the default), an int or a pair of ints >= 1.
+
+    Raises:
+        InvalidInputError: anything else (the message names ``block_size`` and the value given).
+    """
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZE
+    pair = (block_size, block_size) if isinstance(block_size, int) else block_size
+    ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in pair)
+    if not ok:
+        raise InvalidInputError(f"block_size: expected None, an int >= 1 or a pair (BQ, BK) of ints >= 1, "
+                                f"got {block_size!r}")
+    return int(pair[0]), int(pair[1])
+
+
+@dataclass(eq=False)
+class BlockPlan:
+    """The tiles a block-sparse kernel visits, for one (mask, B, H, L, S, block size, device).
+
+    Index tensors have a leading ``(B', H')`` with B' in (1, B), H' in (1, H)
+    (1: shared by every batch element / head: index with ``b % B'``).
+
+    Attributes:
+        L, S, block_size: ``(BQ, BK)``; NQ = ceil(L / BQ), NK = ceil(S / BK).
+        kv_count: int32 ``(B', H', NQ)``: key blocks visited by each query block.
+        kv_idx: int32 ``(B', H', NQ, CK)``: those key blocks, ascending (padded with 0).
+        kv_tile: int32 ``(B', H', NQ, CK)``: -1 FULL, p >= 0 bank entry, -2 padding.
+        q_count, q_idx, q_tile: the transposed index ``(B', H', NK)``, ``(B', H', NK, CQ)``:
+            query blocks that see each key block, with the same tile entries.
+        bank: bool ``(P, BQ, BK)``: element masks of the PARTIAL tiles (False outside L x S).
+        tiles: attended (non-skipped) tiles over all ``(B', H')``.
+        attended_pairs: allowed (query, key) pairs summed over ``(B', H')``.
+    """
+
+    L: int
+    S: int
+    block_size: tuple[int, int]
+    kv_count: Tensor
+    kv_idx: Tensor
+    kv_tile: Tensor
+    q_count: Tensor
+    q_idx: Tensor
+    q_tile: Tensor
+    bank: Tensor
+    tiles: int
+    attended_pairs: int
+    _numpy: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def num_blocks(self) -> tuple[int, int]:
+        return math.ceil(self.L / self.block_size[0]), math.ceil(self.S / self.block_size[1])
+
+    @property
+    def index_dims(self) -> tuple[int, int]:
+        """``(B', H')``."""
+        return int(self.kv_count.shape[0]), int(self.kv_count.shape[1])
+
+    def nbytes(self) -> int:
+        """Bytes held by the plan's tensors (index and bank)."""
+        ts = (self.kv_count, self.kv_idx, self.kv_tile, self.q_count, self.q_idx, self.q_tile, self.bank)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def numpy(self) -> dict[str, Any]:
+        """The index and bank as contiguous NumPy arrays (CPU plans; cached)."""
+        if self._numpy is None:
+            names = ("kv_count", "kv_idx", "kv_tile", "q_count", "q_idx", "q_tile", "bank")
+            self._numpy = {n: getattr(self, n).contiguous().numpy() for n in names}
+        return self._numpy
+
+    def __repr__(self) -> str:
+        nq, nk = self.num_blocks
+        return (f"BlockPlan(L={self.L}, S={self.S}, block_size={self.block_size}, blocks={nq}x{nk}, "
+                f"index_dims={self.index_dims}, tiles={self.tiles}, partial={self.bank.shape[0]}, "
+                f"max_kv={self.kv_idx.shape[-1]})")
+
+
+def _compact(sel: Tensor, tile_id: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of ``sel (..., N)``: count, selected column indices ascending, their tile ids (padded)."""
+    n = sel.shape[-1]
+    counts = sel.sum(-1, dtype=torch.int32)
+    width = max(1, int(counts.max()) if counts.numel() else 1)
+    key = (~sel).to(torch.int32) * n + torch.arange(n, device=sel.device, dtype=torch.int32)
+    order = key.argsort(dim=-1, stable=True)[..., :width]
+    valid = torch.arange(width, device=sel.device) < counts.unsqueeze(-1)
+    idx = torch.where(valid, order, torch.zeros_like(order)).to(torch.int32)
+    tiles = torch.where(valid, tile_id.gather(-1, order), torch.full_like(order, PAD_TILE)).to(torch.int32)
+    return counts, idx.contiguous(), tiles.contiguous()
+
+
+def _bank(mask: Mask, geom: Geometry, parts: Tensor, bq: int, bk: int) -> Tensor:
+    """Element masks ``(P, BQ, BK)`` of the tiles ``parts (P, 4)`` = (b', h', nq, nk), False outside L x S."""
+    dev = geom.device
+    P = parts.shape[0]
+    out = torch.zeros(P, bq, bk, dtype=torch.bool, device=dev)
+    per = max(1, _BANK_CHUNK // (bq * bk))
+    aq = torch.arange(bq, device=dev).view(1, 1, bq, 1)
+    ak = torch.arange(bk, device=dev).view(1, 1, 1, bk)
+    for c0 in range(0, P, per):
+        part = parts[c0:c0 + per]
+        n = part.shape[0]
+        b = part[:, 0].view(n, 1, 1, 1)
+        h = part[:, 1].view(n, 1, 1, 1)
+        qi = part[:, 2].view(n, 1, 1, 1) * bq + aq
+        ki = part[:, 3].view(n, 1, 1, 1) * bk + ak
+        valid = (qi < geom.L) & (ki < geom.S)
+        keep = mask._keep(b, h, qi.clamp(max=geom.L - 1), ki.clamp(max=geom.S - 1), geom)
+        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+            raise InvalidInputError(f"mask {mask!r}: its element mask must be a bool tensor, got {type(keep)}")
+        out[c0:c0 + n] = (keep.expand(n, 1, bq, bk) & valid).view(n, bq, bk)
+    return out
+
+
+def _pairs(state: Tensor, bank: Tensor, L: int, S: int, bq: int, bk: int) -> int:
+    """Allowed (query, key) pairs: FULL tiles by their (possibly ragged) size plus the bank's True entries."""
+    nq, nk = state.shape[-2], state.shape[-1]
+    rows = torch.full((nq,), bq, dtype=torch.int64, device=state.device)
+    rows[-1] = L - (nq - 1) * bq
+    cols = torch.full((nk,), bk, dtype=torch.int64, device=state.device)
+    cols[-1] = S - (nk - 1) * bk
+    size = rows[:, None] * cols[None, :]
+    return int(((state == FULL) * size).sum()) + int(bank.sum())
+
+
+def _build(mask: Mask | None, B: int, H: int, L: int, S: int, bq: int, bk: int, device: torch.device,
+           positions: Positions | None) -> BlockPlan:
+    nq, nk = math.ceil(L / bq), math.ceil(S / bk)
+    if mask is None:
+        state = torch.full((1, 1, nq, nk), FULL, dtype=torch.int8, device=device)
+        geom = None
+    else:
+        state = mask.block_index(B, H, L, S, block_size=(bq, bk), device=device, positions=positions).state
+        geom = Geometry(B, H, L, S, device, positions)
+    state = state.contiguous()
+    partial = state == PARTIAL
+    parts = partial.nonzero()
+    tile_id = torch.full(state.shape, FULL_TILE, dtype=torch.int64, device=device)
+    tile_id[partial] = torch.arange(parts.shape[0], device=device)
+    if parts.shape[0]:
+        bank = _bank(mask, geom, parts, bq, bk)  # type: ignore[arg-type]
+    else:
+        bank = torch.zeros(0, bq, bk, dtype=torch.bool, device=device)
+    visit = state != SKIP
+    kv_count, kv_idx, kv_tile = _compact(visit, tile_id)
+    q_count, q_idx, q_tile = _compact(visit.transpose(-1, -2), tile_id.transpose(-1, -2))
+    return BlockPlan(L, S, (bq, bk), kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank,
+                     tiles=int(visit.sum()), attended_pairs=_pairs(state, bank, L, S, bq, bk))
+
+
+def plan(mask: Mask | None, B: int, H: int, L: int, S: int, *, block_size: Any = None,
+         device: torch.device | str = "cpu", positions: Positions | None = None) -> BlockPlan:
+    """The :class:`BlockPlan` of ``mask`` for this shape, computed once and cached (weakly on the mask).
+
+    Args:
+        mask: an :class:`attnkit.masks.Mask` (bool parts only) or None (every pair allowed).
+        B, H, L, S: batch, heads, queries, keys.
+        block_size: None (:data:`DEFAULT_BLOCK_SIZE`), ``BQ`` or ``(BQ, BK)``.
+        device: where the plan lives (the device of q).
+        positions: :class:`attnkit.positions.Positions` or None; a plan for explicit
+            position tensors is not cached.
+
+    Raises:
+        InvalidInputError: a mask with an additive bias (the engine executes bool masks),
+            a bad ``block_size``, a mask that does not fit the shape.
+    """
+    bq, bk = check_block_size(block_size)
+    device = torch.device(device)
+    if mask is not None and not isinstance(mask, Mask):
+        raise InvalidInputError(f"mask: expected an attnkit.masks.Mask or None, got {type(mask).__name__}")
+    if mask is not None and mask.has_bias:
+        raise InvalidInputError(
+            f"mask: the block-sparse engine executes bool masks (True = may attend); got {mask!r} with an "
+            "additive float bias. Pass a bool attn_mask (or a mask without a float part); bool tensor masks "
+            "are honoured")
+    for name, n in (("B", B), ("H", H), ("L", L), ("S", S)):
+        if not isinstance(n, int) or n < 1:
+            raise InvalidInputError(f"plan: {name} must be an int >= 1, got {n!r}")
+    gkey = Geometry(B, H, L, S, device, positions).cache_key()
+    key = None if gkey is None else (*gkey, bq, bk)
+    cache = _UNMASKED if mask is None else _PLANS.setdefault(mask, {})
+    if key is not None and key in cache:
+        return cache[key]
+    out = _build(mask, B, H, L, S, bq, bk, device, positions)
+    if key is not None:
+        if len(cache) > 16:
+            cache.clear()
+        cache[key] = out
+    return out

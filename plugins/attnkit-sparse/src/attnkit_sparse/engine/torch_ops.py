@@ -1,0 +1,70 @@
+"""The ``torch`` backend: a readable, vectorised block-gather implementation (any device, autograd).
+
+For each query block, the key and value blocks the plan visits are gathered
+(padded to the largest count, with a validity mask), scores are computed per
+tile, FULL tiles are kept whole, PARTIAL tiles take their element mask from
+the plan's bank, and a stable softmax runs over the gathered keys. Memory is
+proportional to the attended tiles: ``B·H·NQ·CK·BK·(D + E)`` for the gathered
+blocks and ``B·H·NQ·BQ·CK·BK`` for the scores, never ``(L, S)`` (unless the
+mask is dense). Autograd differentiates through the gathers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .plan import FULL_TILE, BlockPlan
+
+__all__ = ["attend"]
+
+
+def _blocks(x: Tensor, n: int, block: int) -> Tensor:
+    """``(B, H, N, F)`` zero-padded to ``n * block`` rows -> ``(B, H, n, block, F)``."""
+    pad = n * block - x.shape[-2]
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return x.view(*x.shape[:2], n, block, x.shape[-1])
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
+    """Block-sparse ``softmax(scale · q kᵀ masked) v`` over the tiles of ``plan``.
+
+    Args:
+        q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``.
+        plan: the :class:`~attnkit_sparse.engine.plan.BlockPlan` for this shape.
+        scale: multiplier of ``q · k``.
+
+    Returns:
+        ``(B, H, L, E)``; rows with no allowed key are 0 (finite gradients).
+    """
+    B, H, L, D = q.shape
+    S, E = k.shape[-2], v.shape[-1]
+    bq, bk = plan.block_size
+    nq, nk = plan.num_blocks
+    dev = q.device
+    qb = _blocks(q, nq, bq)                                          # (B, H, NQ, BQ, D)
+    kb, vb = _blocks(k, nk, bk), _blocks(v, nk, bk)                  # (B, H, NK, BK, *)
+    cw = plan.kv_idx.shape[-1]
+    idx = plan.kv_idx.long().expand(B, H, nq, cw)                    # (B, H, NQ, CK)
+    tile = plan.kv_tile.long().expand(B, H, nq, cw)
+    flat = idx.reshape(B, H, nq * cw, 1, 1)
+    kg = kb.gather(2, flat.expand(B, H, nq * cw, bk, D)).view(B, H, nq, cw, bk, D)
+    vg = vb.gather(2, flat.expand(B, H, nq * cw, bk, E)).view(B, H, nq, cw, bk, E)
+    scores = torch.einsum("bhnqd,bhnckd->bhnqck", qb, kg) * scale     # (B, H, NQ, BQ, CK, BK)
+    # element mask per tile: FULL -> all, PARTIAL -> bank entry, padding -> none; keys past S never
+    P = plan.bank.shape[0]
+    bank = torch.cat([plan.bank, torch.ones(1, bq, bk, dtype=torch.bool, device=dev),
+                      torch.zeros(1, bq, bk, dtype=torch.bool, device=dev)])
+    which = torch.where(tile >= 0, tile, torch.where(tile == FULL_TILE, P, P + 1))
+    keep = bank[which]                                               # (B, H, NQ, CK, BQ, BK)
+    key_in = (idx.unsqueeze(-1) * bk + torch.arange(bk, device=dev)) < S   # (B, H, NQ, CK, BK)
+    keep = (keep & key_in.unsqueeze(-2)).permute(0, 1, 2, 4, 3, 5)   # (B, H, NQ, BQ, CK, BK)
+    scores = scores.masked_fill(~keep, float("-inf")).flatten(-2)
+    m = scores.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
+    p = torch.exp(scores - m)                                        # 0 where masked
+    den = p.sum(-1, keepdim=True)
+    p = p / torch.where(den > 0, den, torch.ones_like(den))
+    out = torch.einsum("bhnqj,bhnje->bhnqe", p, vg.flatten(3, 4))    # (B, H, NQ, BQ, E)
+    return out.reshape(B, H, nq * bq, E)[:, :, :L]
