@@ -47,6 +47,15 @@ def grads(outs, inputs, seed=3, allow_unused=False):
     return torch.autograd.grad(total, inputs, allow_unused=allow_unused)
 
 
+def agree(got, want, inputs, dtype):
+    """Every output of ``got`` equals ``want`` at the dtype's tolerance, and so does every gradient of
+    ``inputs`` (under the same seeded projection), at 10x it."""
+    for a, b in zip(got, want, strict=True):
+        close(a, b, dtype)
+    for a, b in zip(grads(got, inputs), grads(want, inputs), strict=True):
+        close(a, b, dtype, 10)
+
+
 def padding(B, S, pattern="mixed"):
     """A bool (B, S) key padding mask: batch 0 loses its last two keys, batch 1 its first (a causal query
     0 there sees nothing)."""

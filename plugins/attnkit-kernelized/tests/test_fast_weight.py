@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comparisons import DTYPES, against_reference, backends, build, close, grads, padding, rand
+from comparisons import DTYPES, against_reference, agree, backends, build, close, padding, rand
 
 from attnkit_kernelized._ops import backend_module
 from attnkit_kernelized.fast_weight import chunk, recurrent
@@ -41,10 +41,7 @@ def test_numba_operator_matches_torch_chunk(dtype, L, block):
     ins = _delta_inputs(L, dtype)
     want = chunk.delta_rule(*ins, chunk=5)
     got = backend_module("fast_weight", "numba").delta_rule(*ins, chunk=block)
-    for a, b in zip(got, want):
-        close(a, b, dtype)
-    for a, b in zip(grads(got, ins), grads(want, ins)):
-        close(a, b, dtype, 10)
+    agree(got, want, ins, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comparisons import DTYPES, against_reference, backends, build, close, grads, padding, rand
+from comparisons import DTYPES, against_reference, agree, backends, build, close, grads, padding, rand
 
 from attnkit_kernelized import feature_maps
 from attnkit_kernelized._ops import backend_module
@@ -61,10 +61,7 @@ def test_kernel_operator_matches_torch_chunk(backend, dtype, causal, L, S, block
     ins = _ops_inputs(L, S, dtype)
     want = chunk.linear_attention(*ins, causal=causal, chunk=5)
     got = backend_module("linear", backend).linear_attention(*ins, causal=causal, chunk=block)
-    for a, b in zip(got, want):
-        close(a, b, dtype)
-    for a, b in zip(grads(got, ins), grads(want, ins)):
-        close(a, b, dtype, 10)
+    agree(got, want, ins, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
