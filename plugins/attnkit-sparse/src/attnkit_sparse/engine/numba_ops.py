@@ -1,0 +1,156 @@
+"""The ``numba`` backend: CPU block-sparse kernels behind one ``torch.library`` custom operator.
+
+``attnkit_sparse::numba_block_attention(q, k, v, <plan tensors>, H, BQ, BK, scale) -> (out, lse)``
+runs :func:`._numba_kernels.forward`; its registered autograd runs
+``attnkit_sparse::numba_block_attention_backward`` (the two backward kernels,
+recomputing probabilities from the saved log-sum-exp), and fake
+implementations give ``torch.compile`` the output shapes, so a compiled model
+sees one operator. float32 and float64, CPU tensors.
+
+Threads: numba's pool follows ``torch.get_num_threads()`` at every call (capped
+by numba's own maximum); its idle threads sleep (``OMP_WAIT_POLICY=PASSIVE``
+while the pool starts) instead of spinning on the cores torch needs next.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from .plan import BlockPlan
+
+NAMESPACE = "attnkit_sparse"
+
+
+def _launch_threads() -> None:
+    """Start numba's pool with passive idle threads (see attnkit_kernelized._numba for the measurement)."""
+    key = "OMP_WAIT_POLICY"
+    user_set = key in os.environ
+    if not user_set:
+        os.environ[key] = "PASSIVE"
+    try:
+        numba.get_num_threads()
+    finally:
+        if not user_set:
+            os.environ.pop(key, None)
+
+
+_launch_threads()
+
+from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
+
+
+def _run(kernel: Any, items: int, *args: Any) -> Any:
+    """Run a parallel kernel with torch's thread count and a dynamic-ish chunk of work items per grab."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    old = numba.set_parallel_chunksize(max(1, items // (threads * 16)))
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_parallel_chunksize(old)
+
+
+def _arr(x: Tensor) -> np.ndarray:
+    return x.detach().contiguous().numpy()
+
+
+def _seq(x: Tensor) -> np.ndarray:
+    """``(B, H, N, F)`` -> contiguous NumPy ``(B·H, N, F)``."""
+    return _arr(x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]))
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"numba_block_attention: expected float32 or float64 CPU tensors, got {q.dtype} on "
+                         f"{q.device}")
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor,
+             q_idx: Tensor, q_tile: Tensor, bank: Tensor, bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor]:
+    _check(q, k, v)
+    B, H, L, _ = q.shape
+    E = v.shape[-1]
+    nq = kv_count.shape[-1]
+    cst = K.constants(_arr(q).dtype, scale)
+    out, lse = _run(K.forward, B * H * nq, _seq(q), _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx),
+                    _arr(kv_tile), _arr(bank), bq, bk, cst, q.dtype == torch.float32)
+    return torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(lse).view(B, H, L)
+
+
+def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, bq, bk, scale):
+    B, H, L, _ = q.shape
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L)
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, kv_count: Tensor,
+              kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor, q_idx: Tensor, q_tile: Tensor, bank: Tensor,
+              bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check(q, k, v)
+    B, H, L, D = q.shape
+    S, E = k.shape[-2], v.shape[-1]
+    delta = (g * out).sum(-1)                                    # Δ_i = dO_i · O_i
+    cst = K.constants(_arr(q).dtype, scale)
+    f32 = q.dtype == torch.float32
+    qa, ka, va, ga = _seq(q), _seq(k), _seq(v), _seq(g)
+    stats = (_arr(lse.reshape(B * H, L)), _arr(delta.reshape(B * H, L)), H)
+    bank_a = _arr(bank)
+    dq = _run(K.backward_dq, B * H * kv_count.shape[-1], qa, ka, va, ga, *stats, _arr(kv_count), _arr(kv_idx),
+              _arr(kv_tile), bank_a, bq, bk, cst, f32)
+    dk, dv = _run(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, _arr(q_count), _arr(q_idx),
+                  _arr(q_tile), bank_a, bq, bk, cst, f32)
+    return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
+            torch.from_numpy(dv).view(B, H, S, E))
+
+
+def _backward_fake(q, k, v, out, lse, g, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, bq, bk, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+numba_block_attention_backward = torch.library.custom_op(
+    f"{NAMESPACE}::numba_block_attention_backward", mutates_args=())(_backward)
+numba_block_attention_backward.register_fake(_backward_fake)
+
+numba_block_attention = torch.library.custom_op(f"{NAMESPACE}::numba_block_attention", mutates_args=())(_forward)
+numba_block_attention.register_fake(_forward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *index, bq, bk, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *index)
+    ctx.bq, ctx.bk, ctx.scale = bq, bk, scale
+
+
+def _autograd(ctx, g_out, g_lse):
+    q, k, v, out, lse, *index = ctx.saved_tensors
+    if g_out is None:
+        g_out = torch.zeros_like(out)
+    dq, dk, dv = numba_block_attention_backward(q, k, v, out, lse, g_out.contiguous(), *index, ctx.bq, ctx.bk,
+                                                ctx.scale)
+    return dq, dk, dv, *([None] * 10)
+
+
+numba_block_attention.register_autograd(_autograd, setup_context=_setup_context)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
+    """Block-sparse attention with the numba kernels (differentiable in q, k, v).
+
+    Args:
+        q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``; float32/float64 CPU tensors.
+        plan: the :class:`~attnkit_sparse.engine.plan.BlockPlan` (on CPU).
+        scale: multiplier of ``q · k``.
+
+    Returns:
+        ``(B, H, L, E)``; rows with no allowed key are 0.
+    """
+    bq, bk = plan.block_size
+    out, _ = numba_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
+                                   plan.q_tile, plan.bank, bq, bk, float(scale))
+    return out
