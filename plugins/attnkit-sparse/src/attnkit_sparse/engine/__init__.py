@@ -156,9 +156,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     name = auto_backend(q.device, needs_grad=needs_grad) if backend == "auto" else backend
     reason = why_unavailable(name, q.device)
-    if reason is None and name == "flex" and needs_grad and q.device.type == "cpu":
-        reason = ("PyTorch's FlexAttention has no CPU backward and a gradient is needed; the backends "
-                  "that train on CPU are 'numba' and 'torch'")
+    if reason is None and name == "flex" and q.device.type == "cpu":
+        from . import flex
+        if needs_grad:
+            reason = ("PyTorch's FlexAttention has no CPU backward and a gradient is needed; the backends "
+                      "that train on CPU are 'numba' and 'torch'")
+        elif flex.COMPILE and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            reason = (f"compiled FlexAttention on CPU takes float32, float16 or bfloat16, got {q.dtype}; "
+                      "use 'numba' or 'torch'")
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} cannot run: {reason}")
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
