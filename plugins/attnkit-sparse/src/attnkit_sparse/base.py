@@ -1,0 +1,203 @@
+"""What every sparse pattern shares: the module base class, option checks, dispatch to the engine, streaming.
+
+A pattern is an :class:`attnkit.masks.Mask` (``pattern_mask(L, S, causal=...)``);
+``forward`` runs ``pattern & <the caller's mask>`` on the block-sparse engine
+(:func:`attnkit_sparse.engine.attend`), so causal, key padding, documents,
+windows, mask functions, unions and bool tensors compose with every pattern
+and only the attended tiles are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from attnkit import Attention
+from attnkit.context import CallContext
+from attnkit.errors import InvalidInputError
+from attnkit.masks import Mask
+from attnkit.masks import causal as causal_mask
+from attnkit.positions import Positions
+
+__all__ = ["SparsePatternAttention", "check_int", "check_bool", "check_positions", "check_grid",
+           "CAUSAL_PATTERNS", "STREAMING_PATTERNS"]
+
+#: the registered patterns that have a causal form (named in the refusal of those that do not)
+CAUSAL_PATTERNS = ("local", "dilated", "block-local", "global", "random", "longformer", "strided", "fixed",
+                   "local-2d", "axial", "bp-transformer", "block-sparse")
+#: the patterns that stream exactly (their causal forms)
+STREAMING_PATTERNS = ("local", "dilated", "strided", "fixed")
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` when it is an int >= ``minimum`` (not a bool), else InvalidInputError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def check_positions(name: str, value: Any) -> tuple[int, ...]:
+    """A sequence of distinct ints >= 0 (sorted), else InvalidInputError naming ``name``."""
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InvalidInputError(f"{name}: expected a list of distinct positions (ints >= 0), got {value!r}")
+    out = []
+    for p in value:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise InvalidInputError(f"{name}: expected positions that are ints >= 0, got {p!r} in {list(value)!r}")
+        out.append(int(p))
+    dup = sorted({p for p in out if out.count(p) > 1})
+    if dup:
+        raise InvalidInputError(f"{name}: expected distinct positions, got {dup} more than once in {list(value)!r}")
+    if not out:
+        raise InvalidInputError(f"{name}: expected at least one position, got an empty list")
+    return tuple(sorted(out))
+
+
+def check_grid(name: str, value: Any) -> tuple[int, int] | int | None:
+    """None, an int (columns per row) or a pair (rows, cols) of ints >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return check_int(name, value)
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return check_int(f"{name}[0] (rows)", value[0]), check_int(f"{name}[1] (cols)", value[1])
+    raise InvalidInputError(f"{name}: expected None, an int (positions per row) or a pair (rows, cols) of ints "
+                            f">= 1, got {value!r}")
+
+
+class SparsePatternAttention(Attention):
+    """Softmax attention restricted to a position-based pattern, on the block-sparse engine.
+
+    Subclasses implement :meth:`_pattern` (the pattern as a mask object, for
+    the causal or the bidirectional form); streaming ones also set
+    :attr:`streams` and implement :meth:`_still_visible`.
+    """
+
+    option_constraints: ClassVar[dict[str, dict[str, Any]]] = {
+        "backend": {"choices": ("auto", "numba", "flex", "triton", "torch")},
+    }
+
+    #: the pattern has a causal form
+    has_causal_form: ClassVar[bool] = True
+    #: the causal form streams exactly (``step`` / ``forward(state=...)``)
+    streams: ClassVar[bool] = False
+
+    def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
+                 backend: str = "auto") -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        offered = ("auto", "numba", "flex", "triton", "torch")
+        if backend not in offered:
+            raise InvalidInputError(f"backend: expected one of {list(offered)}, got {backend!r}")
+        self._patterns: dict[bool, Mask | None] = {}
+
+    # ------------------------------------------------------------- the pattern
+    def _pattern(self, causal: bool) -> Mask | None:
+        """The pattern's allowed (query, key) pairs as a mask (None: every pair, block-sparse's case)."""
+        raise NotImplementedError
+
+    def pattern_mask(self, L: int, S: int, *, causal: bool = False) -> Mask | None:
+        """The pattern as an :class:`attnkit.masks.Mask` (the causal form includes the causal constraint).
+
+        One object per form, kept on the module, so its block indices are
+        computed once per shape. ``L`` and ``S`` are checked against the
+        pattern's own length rules (grid shapes, global positions).
+
+        Raises:
+            UnsupportedFeatureError: ``causal=True`` for a pattern without a causal form.
+            InvalidInputError: lengths the pattern's options do not fit.
+        """
+        if causal and not self.has_causal_form:
+            self._refuse("causal=True", "it has no causal form", causal=True)
+        self._check_lengths(L, S)
+        if causal not in self._patterns:
+            self._patterns[causal] = self._pattern(causal)
+        return self._patterns[causal]
+
+    def _check_lengths(self, L: int, S: int) -> None:
+        """Raise InvalidInputError when the options do not fit these lengths (default: any)."""
+
+    def state_owner(self) -> tuple[str, str]:
+        """The base's owner, with the pattern's options (a state never crosses to another window or stride)."""
+        name, conf = super().state_owner()
+        return name, f"{conf}; {self.extra_repr()}"
+
+    # ---------------------------------------------------------------- forward
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
+        from .engine import attend, reference_attend
+
+        L, S = q.shape[2], k.shape[2]
+        if ctx.return_state:
+            return self._stream(q, k, v, ctx)
+        pat = self.pattern_mask(L, S, causal=ctx.causal)
+        mask = ctx.mask if pat is None else (pat if ctx.mask is None else pat & ctx.mask)
+        if mask is not None and mask.has_bias:
+            # an additive float attn_mask is a dense (L, S) input: exact, on the dense masked softmax
+            return reference_attend(q, k, v, mask, scale=ctx.scale, positions=ctx.positions)
+        return attend(q, k, v, mask, scale=ctx.scale, backend=ctx.backend, positions=ctx.positions)
+
+    # -------------------------------------------------------------- streaming
+    def _still_visible(self, kpos: Tensor, next_pos: int) -> Tensor:
+        """Bool like ``kpos``: keys some query at a position >= ``next_pos`` may still see."""
+        raise NotImplementedError
+
+    def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+        return {"k": None, "v": None, "pos": None, "next": 0}
+
+    def _state_in(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict) or set(data) != {"k", "v", "pos", "next"}:
+            raise InvalidInputError(
+                f"state: expected the data of a state of {self.impl_name!r} (a dict with k, v, pos, next), "
+                f"got {type(data).__name__}")
+        return data
+
+    def _stream(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> tuple[Tensor, Any]:
+        rest = ctx.rest("causal")
+        if rest is not None:
+            raise InvalidInputError(
+                f"forward: with state= or return_state=True, {self.impl_name!r} takes causal=True only (the state "
+                f"holds the keys future positions can see); got the extra mask {rest!r}")
+        if ctx.positions is not None:
+            raise InvalidInputError(
+                f"forward: with state=, positions come from the state (it counts the positions consumed); "
+                f"got positions={ctx.positions!r}")
+        return self._advance(q, k, v, ctx.state, ctx.backend)
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+        return self._advance(q, k, v, state, self.resolve_backend(q, k, v))
+
+    def _advance(self, q: Tensor, k: Tensor, v: Tensor, data: Any, backend: str) -> tuple[Tensor, Any]:
+        """Attend a chunk of T new positions from the state; keep only the keys later queries can see."""
+        from .engine import attend
+
+        data = self._state_in(data)
+        T, start = q.shape[2], int(data["next"])
+        qpos = torch.arange(start, start + T, device=q.device)
+        if data["k"] is None:
+            K, V, kpos = k, v, qpos
+        else:
+            K, V = torch.cat([data["k"], k], dim=2), torch.cat([data["v"], v], dim=2)
+            kpos = torch.cat([data["pos"], qpos])
+        pat = self.pattern_mask(T, K.shape[2], causal=True)
+        mask = pat & causal_mask()
+        out = attend(q, K, V, mask, scale=self.get_scale(q), backend=backend, positions=Positions(q=qpos, k=kpos))
+        keep = self._still_visible(kpos, start + T)
+        if not bool(keep.all()):
+            idx = keep.nonzero().view(-1)
+            K, V, kpos = K.index_select(2, idx), V.index_select(2, idx), kpos[idx]
+        return out, {"k": K, "v": V, "pos": kpos, "next": start + T}
+
+    def state_size(self, state: Any) -> int:
+        """Keys held by a state (an :class:`attnkit.AttentionState` or its data)."""
+        data = getattr(state, "data", state)
+        return 0 if data["k"] is None else int(data["k"].shape[2])

@@ -1,0 +1,124 @@
+"""Sparse Transformer factorised patterns (Child et al. 2019): ``strided`` and ``fixed``, merged form.
+
+The paper defines two index sets per query ``i`` (keys ``j``), stride ``l``:
+
+* strided: ``A1 = {j : i - l <= j <= i}`` (the ``l`` previous positions and
+  itself), ``A2 = {j : (i - j) mod l = 0}`` (every ``l``-th position back);
+* fixed: ``A1 = {j : floor(j / l) = floor(i / l)}`` (its block of ``l``),
+  ``A2 = {j : j mod l in {l - c, ..., l - 1}}`` (the last ``c`` positions of
+  every block: the "summary" columns).
+
+The paper splits A1 and A2 across heads or layers, or merges them in one
+head; attnkit implements the **merged** head: a query sees ``A1 ∪ A2``.
+Causal forms add ``j <= i`` (the paper's autoregressive setting);
+bidirectional forms drop it (strided: ``|i - j| <= l`` or ``(i - j) mod l = 0``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnkit.errors import InvalidInputError
+from attnkit.masks import Mask
+from attnkit.masks import causal as causal_mask
+
+from ..base import SparsePatternAttention, check_int
+from ._atoms import BlockBand, KeyResidue, PeriodicBand
+
+__all__ = ["strided_mask", "fixed_mask", "StridedAttention", "FixedAttention"]
+
+
+def strided_mask(stride: int, causal: bool = False) -> Mask:
+    """``A1 ∪ A2`` of the strided pattern (module docs); causal: ``& causal()``."""
+    s = check_int("stride", stride)
+    a1 = PeriodicBand(1, s, 0 if causal else s, name="strided-A1")
+    a2 = PeriodicBand(s, None, None, name="strided-A2")
+    return (a1 | a2) & causal_mask() if causal else a1 | a2
+
+
+def fixed_mask(stride: int, c: int, causal: bool = False) -> Mask:
+    """``A1 ∪ A2`` of the fixed pattern (module docs); causal: ``& causal()``."""
+    s = check_int("stride", stride)
+    c = check_int("c", c)
+    if c > s:
+        raise InvalidInputError(f"c: expected an int in [1, stride] = [1, {s}] (summary positions per block), got {c}")
+    m = BlockBand(s, 0, 0, name="fixed-A1") | KeyResidue(s, s - c, s - 1, name="fixed-A2")
+    return m & causal_mask() if causal else m
+
+
+class StridedAttention(SparsePatternAttention):
+    """Sparse Transformer, strided pattern (merged head): the ``stride`` previous positions and every ``stride``-th.
+
+    Query ``i`` sees key ``j`` when ``0 <= i - j <= stride`` or ``(i - j) mod
+    stride = 0`` (causal); bidirectional: ``|i - j| <= stride`` or
+    ``(i - j) mod stride = 0``. Keys per query, causal: ``stride + 1``
+    (itself included) plus ``floor(i / stride) - 1`` column keys further back;
+    about ``stride + L / stride``, O(L·sqrt(L)) in all at ``stride ~ sqrt(L)``.
+    The causal form streams exactly, but every past key stays visible to a
+    later query through the column set A2, so its state is the whole KV cache.
+
+    Args:
+        stride: the paper's l (an int >= 1). Default 128.
+        num_heads: number of heads H; when given, inputs with another H are refused.
+        head_dim: head dimension D; when given, inputs with another D are refused.
+        scale: multiplier of q·k; None means 1/sqrt(D).
+        backend: "auto", "numba" (CPU), "flex" (CUDA), "triton" (CUDA) or "torch".
+    """
+
+    option_constraints = {"stride": {"minimum": 1}}
+    streams = True
+
+    def __init__(self, *, stride: int = 128, num_heads: int | None = None, head_dim: int | None = None,
+                 scale: float | None = None, backend: str = "auto") -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.stride = check_int("stride", stride)
+
+    def _pattern(self, causal: bool) -> Mask:
+        return strided_mask(self.stride, causal)
+
+    def _still_visible(self, kpos: Tensor, next_pos: int) -> Tensor:
+        return kpos >= 0  # the column set A2 reaches every earlier key: nothing can be dropped
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, stride={self.stride}"
+
+
+class FixedAttention(SparsePatternAttention):
+    """Sparse Transformer, fixed pattern (merged head): its block of ``stride`` and the last ``c`` of every block.
+
+    Query ``i`` sees key ``j`` when ``floor(j / stride) = floor(i / stride)``
+    or ``j mod stride >= stride - c`` (causal: and ``j <= i``). Keys per
+    query: ``stride`` (causal: ``i mod stride + 1``) plus ``c`` per other
+    block (causal: per earlier block). The causal form streams exactly with a
+    state of the current block and the ``c`` summary keys of every finished
+    block (``c / stride`` of the positions seen: it grows with the sequence,
+    because later queries still see those columns).
+
+    Args:
+        stride: the paper's l, the block length (an int >= 1). Default 128.
+        c: summary positions at the end of every block (an int in [1, stride]). Default 8.
+        num_heads: number of heads H; when given, inputs with another H are refused.
+        head_dim: head dimension D; when given, inputs with another D are refused.
+        scale: multiplier of q·k; None means 1/sqrt(D).
+        backend: "auto", "numba" (CPU), "flex" (CUDA), "triton" (CUDA) or "torch".
+    """
+
+    option_constraints = {"stride": {"minimum": 1}, "c": {"minimum": 1}}
+    streams = True
+
+    def __init__(self, *, stride: int = 128, c: int = 8, num_heads: int | None = None, head_dim: int | None = None,
+                 scale: float | None = None, backend: str = "auto") -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.stride = check_int("stride", stride)
+        self.c = check_int("c", c)
+        fixed_mask(self.stride, self.c)  # checks c <= stride
+
+    def _pattern(self, causal: bool) -> Mask:
+        return fixed_mask(self.stride, self.c, causal)
+
+    def _still_visible(self, kpos: Tensor, next_pos: int) -> Tensor:
+        s = self.stride
+        return (kpos // s == next_pos // s) | (kpos % s >= s - self.c)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, stride={self.stride}, c={self.c}"

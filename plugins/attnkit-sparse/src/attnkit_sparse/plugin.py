@@ -1,0 +1,110 @@
+"""attnkit plugin hooks: the position-based sparse patterns, one spec each, all on one block-sparse engine.
+
+Each spec names its factory and its plain reference by import path, so
+listing imports no pattern, engine or kernel code. Every pattern is a mask
+object (:mod:`attnkit_sparse.patterns`); the engine
+(:func:`attnkit_sparse.engine.attend`) executes ``pattern & <the caller's
+mask>`` from its block index, so every pattern honours causal (where it has
+a causal form), key padding, documents, windows, mask functions, unions and
+bool ``attn_mask`` tensors. An additive float ``attn_mask`` (a bias) is not
+a sparsity pattern: it is honoured exactly on the dense masked-softmax path
+(O(L·S), like SDPA).
+"""
+
+from __future__ import annotations
+
+import attnkit
+from attnkit import AttentionSpec, Capabilities, Paper
+
+ATTNKIT_API_VERSION = 1
+
+#: in order of preference: FlexAttention and triton on CUDA, numba on CPU, torch anywhere
+BACKENDS = ("flex", "triton", "numba", "torch")
+_KINDS = ("causal", "key_padding", "tensor", "sliding_window", "document", "function", "union")
+_MEMORY = "O(attended tiles) block index + O(L·E) output; no L x S matrix (additive bias: dense path)"
+
+_PARMAR = Paper("Parmar, Vaswani, Uszkoreit, Kaiser, Shazeer, Ku, Tran", 2018, "Image Transformer", "1802.05751")
+_LONGFORMER = Paper("Beltagy, Peters, Cohan", 2020, "Longformer: The Long-Document Transformer", "2004.05150")
+_BIGBIRD = Paper("Zaheer, Guruganesh, Dubey, Ainslie, Alberti, Ontanon, Pham, Ravula, Wang, Yang, Ahmed", 2020,
+                 "Big Bird: Transformers for Longer Sequences", "2007.14062")
+_CHILD = Paper("Child, Gray, Radford, Sutskever", 2019, "Generating Long Sequences with Sparse Transformers",
+               "1904.10509")
+
+
+def _caps(*, causal: bool = True, cross: bool = True, streaming: str | None = None, time: str) -> Capabilities:
+    return Capabilities(
+        causal=causal, noncausal=True, key_padding_mask=True, attn_mask=True, cross=cross,
+        causal_cross=causal and cross, streaming=streaming, positions=True,
+        mask_kinds=_KINDS if causal else tuple(k for k in _KINDS if k != "causal"),
+        dtypes=("float32", "float64"), backends=BACKENDS, time=time, memory=_MEMORY,
+    )
+
+
+def _spec(name: str, cls: str, module: str, summary: str, paper: Paper | None, caps: Capabilities, *,
+          aliases: tuple[str, ...] = (), exact: bool = False) -> AttentionSpec:
+    return AttentionSpec(
+        name=name, aliases=aliases, factory=f"attnkit_sparse.patterns.{module}:{cls}",
+        reference="attnkit_sparse.naive:reference", family="sparse", summary=summary, paper=paper, exact=exact,
+        approximation="" if exact else ("softmax attention restricted to the pattern's (query, key) pairs: exact "
+                                        "softmax over those pairs, a different attention from full softmax"),
+        error_bound=None, capabilities=caps,
+    )
+
+
+LOCAL = _spec("local", "LocalAttention", "local",
+              "Sliding window: each query sees `window` keys, itself included (causal: itself and the window - 1 "
+              "before).", _PARMAR, _caps(streaming="exact", time="O(L·window·D)"), aliases=("sliding-window", "band"))
+DILATED = _spec("dilated", "DilatedAttention", "local",
+                "Dilated window: `window` keys `dilation` apart, itself included; per-head dilations allowed.",
+                _LONGFORMER, _caps(streaming="exact", time="O(L·window·D)"))
+BLOCK_LOCAL = _spec("block-local", "BlockLocalAttention", "local",
+                    "Non-overlapping blocks of `block_size` positions attend within themselves (optionally also "
+                    "the previous block).", _PARMAR, _caps(time="O(L·block_size·D)"))
+GLOBAL = _spec("global", "GlobalAttention", "global_",
+               "Local window plus global tokens that see every key and are seen by every query.",
+               Paper("Ainslie, Ontanon, Alberti, Cvicek, Fisher, Pham, Ravula, Sanghai, Wang, Yang", 2020,
+                     "ETC: Encoding Long and Structured Inputs in Transformers", "2004.08483"),
+               _caps(time="O(L·(window + G)·D + G·S·D)"))
+RANDOM = _spec("random", "RandomAttention", "random_",
+               "Each query block sees `num_random` random key blocks, reproducible from `seed` (per head optional).",
+               _BIGBIRD, _caps(time="O(L·num_random·block_size·D)"))
+LONGFORMER = _spec("longformer", "LongformerAttention", "global_",
+                   "Longformer: (dilated) sliding window of w/2 keys per side plus global tokens (w = 512, the "
+                   "first token global).", _LONGFORMER, _caps(time="O(L·(window + G)·D + G·S·D)"))
+BIGBIRD = _spec("bigbird", "BigBirdAttention", "random_",
+                "BigBird-ITC on blocks: window blocks + global blocks (first and last) + random blocks; no causal "
+                "form.", _BIGBIRD, _caps(causal=False, time="O(L·(w + g + r)·block_size·D)"))
+STRIDED = _spec("strided", "StridedAttention", "sparse_transformer",
+                "Sparse Transformer strided pattern (merged head): the `stride` previous positions and every "
+                "`stride`-th one.", _CHILD, _caps(streaming="exact", time="O(L·(stride + L/stride)·D)"))
+FIXED = _spec("fixed", "FixedAttention", "sparse_transformer",
+              "Sparse Transformer fixed pattern (merged head): its block of `stride` and the last `c` positions of "
+              "every block.", _CHILD, _caps(streaming="exact", time="O(L·(stride + c·L/stride)·D)"))
+LOCAL_2D = _spec("local-2d", "Local2DAttention", "grid",
+                 "2-D local window over an image grid (raster order; causal form: rows above and the left part of "
+                 "its own row).", _PARMAR, _caps(cross=False, time="O(L·window_rows·window_cols·D)"))
+AXIAL = _spec("axial", "AxialAttention", "grid",
+              "Axial attention over a 2-D grid: its row and its column (union in one softmax, or one axis).",
+              Paper("Ho, Kalchbrenner, Weissenborn, Salimans", 2019, "Axial Attention in Multidimensional "
+                    "Transformers", "1912.12180"), _caps(cross=False, time="O(L·(rows + cols)·D)"))
+BP_TRANSFORMER = _spec("bp-transformer", "BPTransformerAttention", "bp",
+                       "BP-Transformer's binary-partition pattern on tokens: k neighbours per side at each level, "
+                       "fine near and coarse far (span nodes not modelled).",
+                       Paper("Ye, Guo, Gan, Qiu, Zhang", 2019, "BP-Transformer: Modelling Long-Range Context via "
+                             "Binary Partitioning", "1911.04070"), _caps(time="O(L·k·log(L)·D)"))
+BLOCK_SPARSE = _spec("block-sparse", "BlockSparseAttention", "block_sparse",
+                     "Runs the caller's mask object (any mask function) on the block-sparse engine; exact softmax "
+                     "over the pairs it allows.",
+                     Paper("Dong, Feng, Guessous, Liang, He", 2024, "Flex Attention: A Programming Model for "
+                           "Generating Optimized Attention Kernels", "2412.05496"),
+                     _caps(time="O(attended tiles·block²·D)"), exact=True)
+
+SPECS = (LOCAL, DILATED, BLOCK_LOCAL, GLOBAL, RANDOM, LONGFORMER, BIGBIRD, STRIDED, FIXED, LOCAL_2D, AXIAL,
+         BP_TRANSFORMER, BLOCK_SPARSE)
+
+
+@attnkit.hookimpl
+def attnkit_register_attention(register):
+    """Register the position-based sparse patterns."""
+    for spec in SPECS:
+        register(spec)
