@@ -240,6 +240,18 @@ class Attention(AuxLossMixin, nn.Module):
                f"scale={self.scale}; {shapes}"
         return self.impl_name, conf
 
+    def pattern_mask(self, L: int, S: int, *, causal: bool = False) -> _masks.Mask | None:
+        """The mechanism's static pattern of allowed (query, key) pairs, as a mask object, or None.
+
+        Sparse patterns (local windows, BigBird, ...) return their
+        :class:`attnkit.masks.Mask` for queries of length ``L`` and keys of
+        length ``S`` (the causal form with ``causal=True``, the causal
+        constraint included); ``attnkit describe NAME --plot FILE`` draws it
+        from its block index. The default, None, means no static pattern
+        (dense, content-based or kernelized attention).
+        """
+        return None
+
     # ------------------------------------------------------------ refusals
     def _refuse(self, argument: str, reason: str = "", *, given: str = "", **capability: Any) -> None:
         """Raise UnsupportedFeatureError; ``capability`` finds who supports it, ``refusal_reasons`` may reword."""

@@ -120,6 +120,8 @@ def _with_options(spec: Any) -> dict[str, Any]:
 
 
 def _cmd_describe_block(args: argparse.Namespace, reg: Registry, spec: Any) -> int:
+    if args.plot is not None:
+        raise UsageError(f"describe --plot: {spec.name!r} is a block; --plot draws an attention's pattern")
     d = _with_options(spec)
     if args.json:
         print(json.dumps(d, indent=2))
@@ -164,6 +166,10 @@ def _cmd_describe(args: argparse.Namespace, reg: Registry) -> int:
         if block is None:
             raise
         return _cmd_describe_block(args, reg, block)
+    if args.plot is not None:
+        return _cmd_plot(args, reg, spec)
+    if args.option or args.causal or args.length is not None:
+        raise UsageError("describe: --option, --length and --causal go with --plot FILE")
     d = _with_options(spec)
     if args.json:
         print(json.dumps(d, indent=2))
@@ -190,6 +196,84 @@ def _cmd_describe(args: argparse.Namespace, reg: Registry) -> int:
             print("  measured (attnkit tune):")
             for line in lines:
                 print(f"    {line}")
+    return 0
+
+
+def pattern_picture(attn: Any, L: int, S: int, *, causal: bool = False, block_size: int | None = None) -> Any:
+    """What ``describe --plot`` draws: ``(allowed (L, S) bool, tile states (NQ, NK) int8, block size)`` or None.
+
+    Read from the mask's block index, the one the engine executes: FULL tiles
+    are allowed throughout, SKIP tiles nowhere, and only PARTIAL tiles are
+    evaluated element by element (batch element 0, head 0).
+    """
+    import torch
+
+    from .masks import FULL, PARTIAL, Geometry
+
+    mask = attn.pattern_mask(L, S, causal=causal)
+    if mask is None:
+        return None
+    bq = bk = block_size or max(1, min(64, max(L, S) // 8))
+    H = attn.num_heads or 1
+    state = mask.block_index(1, H, L, S, block_size=(bq, bk)).state[0, 0]
+    allowed = torch.zeros(L, S, dtype=torch.bool)
+    geom = Geometry(1, H, L, S, torch.device("cpu"))
+    for t, u in (state != 0).nonzero().tolist():
+        q0, k0 = t * bq, u * bk
+        q1, k1 = min(L, q0 + bq), min(S, k0 + bk)
+        if state[t, u] == FULL:
+            allowed[q0:q1, k0:k1] = True
+        elif state[t, u] == PARTIAL:
+            qi = torch.arange(q0, q1).view(1, 1, -1, 1)
+            ki = torch.arange(k0, k1).view(1, 1, 1, -1)
+            keep = mask._keep(torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                              qi, ki, geom)
+            allowed[q0:q1, k0:k1] = keep.expand(1, 1, q1 - q0, k1 - k0)[0, 0]
+    return allowed, state, (bq, bk)
+
+
+def _cmd_plot(args: argparse.Namespace, reg: Registry, spec: Any) -> int:
+    L = 64 if args.length is None else args.length
+    if L < 1:
+        raise UsageError(f"describe --length: expected an int >= 1, got {L}")
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("describe --plot needs matplotlib, which is not installed: pip install matplotlib "
+                         "(or pip install 'attnkit-sparse[plot]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    options = parse_options(spec, args.option) if args.option else {}
+    attn = reg.build(spec.qualified_name if spec.distribution else spec.name, **options)
+    picture = pattern_picture(attn, L, L, causal=args.causal)
+    if picture is None:
+        raise UsageError(f"describe --plot: {spec.name!r} has no static pattern (its attention.pattern_mask() is "
+                         "None: dense, content-based or kernelized); nothing to draw")
+    allowed, state, (bq, bk) = picture
+    import numpy as np
+
+    img = np.full((L, L, 3), 1.0)
+    img[np.repeat(np.repeat(state.numpy() != 0, bq, 0), bk, 1)[:L, :L]] = (0.88, 0.92, 0.98)  # visited tiles
+    img[allowed.numpy()] = (0.12, 0.32, 0.62)
+    fig, ax = plt.subplots(figsize=(3.6, 3.8), dpi=100)
+    ax.imshow(img, interpolation="nearest")
+    for x in range(0, L + 1, bk):
+        ax.axvline(x - 0.5, color="0.75", lw=0.4)
+    for y in range(0, L + 1, bq):
+        ax.axhline(y - 0.5, color="0.75", lw=0.4)
+    opts = ", ".join(f"{k}={v}" for k, v in options.items())
+    pairs = int(allowed.sum())
+    ax.set_title(f"{spec.name}{' (' + opts + ')' if opts else ''}{' causal' if args.causal else ''}\n"
+                 f"L={L}: {pairs} of {L * L} pairs, tiles {bq}x{bk}", fontsize=8)
+    ax.set_xlabel("key", fontsize=8)
+    ax.set_ylabel("query", fontsize=8)
+    ax.tick_params(labelsize=6)
+    fig.tight_layout()
+    fig.savefig(args.plot)
+    plt.close(fig)
+    print(f"wrote {args.plot}: {spec.name} L={L}{' causal' if args.causal else ''}, {pairs} allowed pairs "
+          f"(dark), visited tiles of {bq}x{bk} (light)")
     return 0
 
 
@@ -306,6 +390,12 @@ def build_parser(reg: Registry) -> tuple[argparse.ArgumentParser, CommandLine]:
     def configure_describe(p: argparse.ArgumentParser) -> None:
         p.add_argument("name", help="registered name, alias, family/name or distribution:name")
         p.add_argument("--json", action="store_true", help="print JSON")
+        p.add_argument("--plot", metavar="FILE", help="draw the pattern's allowed (query, key) pairs from its "
+                       "block index into FILE (.png, .svg, ...; needs matplotlib)")
+        p.add_argument("--length", type=int, metavar="N", help="with --plot: queries and keys (default 64)")
+        p.add_argument("--causal", action="store_true", help="with --plot: the causal form")
+        p.add_argument("--option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --plot: build option, repeatable, e.g. -o window=8")
 
     def configure_check(p: argparse.ArgumentParser) -> None:
         p.add_argument("names", nargs="*", metavar="NAME", help="names to check (default: all installed)")
