@@ -118,3 +118,10 @@ def demo(session: nox.Session) -> None:
         session.run("python", "-c", (
             "import torch, attnkit; a = attnkit.build('softmax'); q = torch.randn(1, 2, 8, 4); "
             "print('softmax', tuple(a(q, q, q, causal=True).shape))"))
+
+
+@nox.session
+def pictures(session: nox.Session) -> None:
+    """Redraw docs/images/sparse/<pattern>.png from the code (``attnkit describe NAME --plot``); not in CI."""
+    install(session, "-e", CORE, "-e", str(ROOT / "plugins" / "attnkit-sparse"), "matplotlib")
+    session.run("python", "-m", "attnkit_sparse.pictures", str(ROOT / "docs" / "images" / "sparse"))
