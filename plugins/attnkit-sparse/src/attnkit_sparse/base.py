@@ -101,6 +101,13 @@ class SparsePatternAttention(Attention):
             raise InvalidInputError(f"backend: expected one of {list(offered)}, got {backend!r}")
         self._patterns: dict[bool, Mask | None] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pattern masks (and their block indices) are a cache: a copy or a pickle rebuilds them, so a
+        # third party's mask function (a lambda, a local function) never has to pickle
+        state = self.__dict__.copy()
+        state["_patterns"] = {}
+        return state
+
     # ------------------------------------------------------------- the pattern
     def _pattern(self, causal: bool) -> Mask | None:
         """The pattern's allowed (query, key) pairs as a mask (None: every pair, block-sparse's case)."""
