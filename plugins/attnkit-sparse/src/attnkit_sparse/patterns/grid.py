@@ -17,7 +17,7 @@ import torch
 
 from attnkit import Limits
 from attnkit.errors import InvalidInputError
-from attnkit.masks import PARTIAL, Geometry, Mask
+from attnkit.masks import PARTIAL, Geometry, Mask, _states
 from attnkit.masks import causal as causal_mask
 
 from ..base import SparsePatternAttention, check_grid, check_int
@@ -84,8 +84,21 @@ class _Window2D(Atom):
             any_ |= (dhi >= lo) & (dlo <= hi)
         if self.causal:
             any_ &= dhi >= 0
-        state = torch.where(any_, PARTIAL, 0).to(torch.int8)[None, None].contiguous()
-        return self._refine(geom, state, state == PARTIAL, bq, bk)  # exact: column wrap-around, full tiles
+        # tiles whose query block and key block each lie in one grid row: row offset and column ranges are
+        # exact there; only tiles crossing a row boundary are evaluated element by element
+        f = lambda x: torch.div(x, C, rounding_mode="floor")  # noqa: E731
+        one_row = (f(qlo) == f(qhi)) & (f(klo) == f(khi))
+        dr = f(qlo) - f(klo)
+        dclo, dchi = qlo % C - khi % C, qhi % C - klo % C
+        rows_ok = (dr <= self.rows[0]) & (dr >= -self.rows[1])
+        exact_any = rows_ok & (dchi >= -self.cols[1]) & (dclo <= self.cols[0])
+        exact_full = rows_ok & (dclo >= -self.cols[1]) & (dchi <= self.cols[0])
+        if self.causal:
+            exact_any &= dhi >= 0
+            exact_full &= dlo >= 0
+        state = torch.where(any_, PARTIAL, 0).to(torch.int8)
+        state = torch.where(one_row, _states(exact_full, exact_any), state)[None, None].contiguous()
+        return self._refine(geom, state, (state == PARTIAL) & ~one_row, bq, bk)
 
     def __repr__(self) -> str:
         return f"local_2d(grid={self.grid}, window={self.window}, causal={self.causal})"
