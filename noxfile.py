@@ -1,4 +1,4 @@
-"""Sessions for attnkit: lint, per-package tests, integration, kernels, demo.
+"""Sessions for attnkit: lint, per-package tests, integration, kernels, transformers, demo.
 
 ``nox`` with no arguments runs what CI needs (every session but ``demo``).
 Every install goes through ``constraints.txt`` (the local CPU torch wheel).
@@ -18,7 +18,7 @@ LAB = str(ROOT / "packages" / "attnkit-lab")
 PLUGINS = sorted(p.name for p in (ROOT / "plugins").glob("*") if (p / "pyproject.toml").exists())
 FIXTURES = ROOT / "integration_tests" / "fixtures"
 
-nox.options.sessions = ["lint", "tests", "lab", "plugin", "integration", "kernels"]
+nox.options.sessions = ["lint", "tests", "lab", "plugin", "integration", "kernels", "transformers"]
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = False
 
@@ -99,6 +99,16 @@ def kernels(session: nox.Session) -> None:
     session.env["TRITON_INTERPRET"] = "1"
     for p in with_kernels:
         pytest(session, str(ROOT / "plugins" / p / "tests"), "-m", "triton")
+
+
+@nox.session
+def transformers(session: nox.Session) -> None:
+    """attnkit-transformers with transformers from the index (pinned) and every plugin: tiny models, no downloads."""
+    path = ROOT / "packages" / "attnkit-transformers"
+    plugins = [a for p in PLUGINS for a in ("-e", str(ROOT / "plugins" / p))]
+    install(session, "-e", f"{CORE}[testing]", *plugins, "-e", str(path))
+    session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+    pytest(session, str(path / "tests"))
 
 
 @nox.session
