@@ -16,6 +16,7 @@ bidirectional forms drop it (strided: ``|i - j| <= l`` or ``(i - j) mod l = 0``)
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from attnkit.errors import InvalidInputError
@@ -23,17 +24,43 @@ from attnkit.masks import Mask
 from attnkit.masks import causal as causal_mask
 
 from ..base import SparsePatternAttention, check_int
-from ._atoms import BlockBand, KeyResidue, PeriodicBand
+from ._atoms import Atom, BlockBand, KeyResidue
 
 __all__ = ["strided_mask", "fixed_mask", "StridedAttention", "FixedAttention"]
+
+
+class _Strided(Atom):
+    """``d = pos(q) - pos(k)``: ``-after <= d <= before`` (A1) or ``d mod stride = 0`` (A2), classified as one set."""
+
+    def __init__(self, stride: int, before: int, after: int):
+        super().__init__()
+        self.stride, self.before, self.after = stride, before, after
+
+    def _allow(self, h, qpos, kpos, geom):
+        d = qpos - kpos
+        return ((d <= self.before) & (d >= -self.after)) | (d % self.stride == 0)
+
+    def _tiles(self, qlo, qhi, klo, khi, geom):
+        s, lo, hi = self.stride, -self.after, self.before
+        dlo, dhi = qlo - khi, qhi - klo  # every difference in between occurs in the tile
+        any_ = ((dhi >= lo) & (dlo <= hi)) | (torch.div(dhi, s, rounding_mode="floor") * s >= dlo)
+
+        def columns_only(a: Tensor, b: Tensor) -> Tensor:  # [a, b] (maybe empty) holds multiples of s only
+            return (a > b) | (s == 1) | ((a == b) & (a % s == 0))
+
+        full = columns_only(dlo, torch.minimum(dhi, torch.full_like(dhi, lo - 1))) & \
+            columns_only(torch.maximum(dlo, torch.full_like(dlo, hi + 1)), dhi)
+        return full, any_
+
+    def __repr__(self) -> str:
+        return f"strided(stride={self.stride}, before={self.before}, after={self.after})"
 
 
 def strided_mask(stride: int, causal: bool = False) -> Mask:
     """``A1 ∪ A2`` of the strided pattern (module docs); causal: ``& causal()``."""
     s = check_int("stride", stride)
-    a1 = PeriodicBand(1, s, 0 if causal else s, name="strided-A1")
-    a2 = PeriodicBand(s, None, None, name="strided-A2")
-    return (a1 | a2) & causal_mask() if causal else a1 | a2
+    m = _Strided(s, s, 0 if causal else s)
+    return m & causal_mask() if causal else m
 
 
 def fixed_mask(stride: int, c: int, causal: bool = False) -> Mask:
