@@ -34,6 +34,8 @@ PATTERNS = {
     "bigbird": lambda c: bigbird_mask(4, 2, 2, 3, 5),
     "strided": lambda c: strided_mask(5, c),
     "fixed": lambda c: fixed_mask(6, 2, c),
+    "strided-split": lambda c: strided_mask(4, c, "split"),
+    "fixed-split": lambda c: fixed_mask(5, 2, c, "split"),
     "local-2d": lambda c: local_2d_mask((3, 3), None, c),
     "local-2d-cols": lambda c: local_2d_mask((2, 3), 7, c),
     "axial": lambda c: axial_mask(None, "both", c),

@@ -67,6 +67,11 @@ class TestStridedConformance(AttentionConformance):
     options = {"stride": 3}
 
 
+class TestStridedSplitHeadsConformance(AttentionConformance):
+    name = "strided"
+    options = {"stride": 2, "heads": "split"}
+
+
 class TestFixedConformance(AttentionConformance):
     name = "fixed"
     options = {"stride": 4, "c": 1}

@@ -94,6 +94,11 @@ def test_a_mask_function_that_raises_or_returns_non_bool_surfaces_through_block_
 def test_other_bad_options():
     with pytest.raises(InvalidInputError, match=r"axis: expected one of \['both', 'row', 'column'\], got 'diag'"):
         attnkit.build("axial", axis="diag")
+    from attnkit_sparse.patterns import StridedAttention
+    with pytest.raises(InvalidInputError, match=r"heads: expected 'merged' .* or 'split' .*, got 'both'"):
+        StridedAttention(heads="both")
+    with pytest.raises(InvalidInputError, match=r"option heads: expected one of \['merged', 'split'\], got 'x'"):
+        attnkit.build("fixed", heads="x")
     with pytest.raises(InvalidInputError, match=r"option backend: expected one of"):
         attnkit.build("local", backend="cuda")
     attn = attnkit.build("dilated", window=2, dilation=[1, 2, 3])

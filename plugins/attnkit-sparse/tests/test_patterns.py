@@ -203,6 +203,21 @@ def test_fixed_matches_the_paper_on_a_hand_written_example():
     assert bidir.equal(brute(8, lambda i, j: j // 4 == i // 4 or j % 4 == 3))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_heads_give_a1_to_even_heads_and_a2_to_odd_heads(causal):
+    L, s = 12, 3
+    before_ok = (lambda i, j: j <= i) if causal else (lambda i, j: True)
+    st = dense(strided_mask(s, causal, heads="split"), L, H=4)[0]
+    assert st[0].equal(st[2]) and st[1].equal(st[3])
+    assert st[0].equal(brute(L, lambda i, j: -(0 if causal else s) <= i - j <= s and before_ok(i, j)))
+    assert st[1].equal(brute(L, lambda i, j: (i - j) % s == 0 and before_ok(i, j)))
+    fx = dense(fixed_mask(4, 1, causal, heads="split"), L, H=2)[0]
+    assert fx[0].equal(brute(L, lambda i, j: i // 4 == j // 4 and before_ok(i, j)))
+    assert fx[1].equal(brute(L, lambda i, j: j % 4 == 3 and before_ok(i, j)))
+    merged = dense(strided_mask(s, causal), L)[0, 0]
+    assert merged.equal(st[0] | st[1])
+
+
 def test_strided_bidirectional_definition():
     assert dense(strided_mask(3, False), 10)[0, 0].equal(brute(10, lambda i, j: abs(i - j) <= 3 or (i - j) % 3 == 0))
 

@@ -75,11 +75,13 @@ BIGBIRD = _spec("bigbird", "BigBirdAttention", "random_",
                 "BigBird-ITC on blocks: window blocks + global blocks (first and last) + random blocks; no causal "
                 "form.", _BIGBIRD, _caps(causal=False, time="O(L·(w + g + r)·block_size·D)"))
 STRIDED = _spec("strided", "StridedAttention", "sparse_transformer",
-                "Sparse Transformer strided pattern (merged head): the `stride` previous positions and every "
-                "`stride`-th one.", _CHILD, _caps(streaming="exact", time="O(L·(stride + L/stride)·D)"))
+                "Sparse Transformer strided pattern: the `stride` previous positions and every `stride`-th one "
+                "(merged in every head, or split across heads).", _CHILD,
+                _caps(streaming="exact", time="O(L·(stride + L/stride)·D)"))
 FIXED = _spec("fixed", "FixedAttention", "sparse_transformer",
-              "Sparse Transformer fixed pattern (merged head): its block of `stride` and the last `c` positions of "
-              "every block.", _CHILD, _caps(streaming="exact", time="O(L·(stride + c·L/stride)·D)"))
+              "Sparse Transformer fixed pattern: its block of `stride` and the last `c` positions of every block "
+              "(merged in every head, or split across heads).", _CHILD,
+              _caps(streaming="exact", time="O(L·(stride + c·L/stride)·D)"))
 LOCAL_2D = _spec("local-2d", "Local2DAttention", "grid",
                  "2-D local window over an image grid (raster order; causal form: rows above and the left part of "
                  "its own row).", _PARMAR, _caps(cross=False, time="O(L·window_rows·window_cols·D)"))
