@@ -77,7 +77,9 @@ class LocalAttention(SparsePatternAttention):
     -> ``(B, H, L, E)``.
 
     Args:
-        window: keys each query sees, itself included (an int >= 1). Default 256.
+        window: keys each query sees, itself included (an int >= 1): causal, itself and the
+            window - 1 before; bidirectional, window // 2 before and (window - 1) // 2 after.
+            Fewer near the sequence edges. Default 256.
         num_heads: number of heads H; when given, inputs with another H are refused.
         head_dim: head dimension D; when given, inputs with another D are refused.
         scale: multiplier of q·k; None means 1/sqrt(D).
@@ -112,7 +114,9 @@ class DilatedAttention(SparsePatternAttention):
     streams exactly with a state of the last ``(window - 1)·dilation`` keys.
 
     Args:
-        window: keys each query sees, itself included (an int >= 1). Default 256.
+        window: keys each query sees, itself included (an int >= 1), dilation apart: causal,
+            itself and window - 1 before; bidirectional, window // 2 before and (window - 1) // 2
+            after. Default 256.
         dilation: gap between attended keys (an int >= 1, or one per head). Default 2.
         num_heads: number of heads H; when given, inputs with another H are refused.
         head_dim: head dimension D; when given, inputs with another D are refused.
