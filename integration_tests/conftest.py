@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(os.environ.get("ATTNKIT_FIXTURES", Path(__file__).parent / "fixtures"))
+# the fixture distributions' own tests run in their own pytest process (test_thirdparty_plugin.py), with their config
+collect_ignore = ["fixtures"]
 CONSTRAINTS = os.environ.get("ATTNKIT_CONSTRAINTS", str(Path(__file__).parents[1] / "constraints.txt"))
 
 

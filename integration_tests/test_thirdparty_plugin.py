@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import torch
-from conftest import attnkit_cli, listed
+from conftest import FIXTURES, attnkit_cli, listed
 
 import attnkit
-from attnkit.testing import AttentionConformance
+from attnkit.testing import CHECKS
 
 
 def test_selected_by_name_in_process():
@@ -65,7 +69,13 @@ def test_broken_plugin_is_reported_and_isolated(broken_plugin_installed):
     assert strict.returncode == 2 and "plugin 'brokenplugin' failed to load" in strict.stderr
 
 
-class TestThirdPartyConformance(AttentionConformance):
-    """The third party runs the same conformance kit we use."""
-
-    name = "plain-softmax"
+def test_its_own_suite_runs_the_kit_through_the_pytest_option():
+    """The third party's pytest configuration says `addopts = --attnkit-check plain-softmax`, nothing more."""
+    res = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs"],
+                         cwd=FIXTURES / "attnkit-thirdparty", capture_output=True, text=True)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    kit = re.findall(r"test_attnkit_conformance\[plain-softmax-(\w+)\] (PASSED|SKIPPED)", out)
+    assert sorted(c for c, _ in kit) == sorted(CHECKS), out
+    assert ("reference", "PASSED") in kit and ("causality", "PASSED") in kit
+    assert "test_agrees_with_attnkit_softmax[plain-softmax] PASSED" in out
