@@ -21,8 +21,12 @@ __all__ = ["global_mask", "longformer_mask", "GlobalAttention", "LongformerAtten
 
 
 def _with_globals(band: Mask, positions: tuple[int, ...], causal: bool) -> Mask:
-    m = band | PositionSet(positions, "key") | PositionSet(positions, "query")
-    return m & causal_mask() if causal else m
+    """``band | global keys | global queries``; causal: ``band`` is already causal, the global parts get
+    ``& causal()`` each (so only their own diagonal tiles are refined, not every window tile)."""
+    keys, queries = PositionSet(positions, "key"), PositionSet(positions, "query")
+    if causal:
+        return band | (keys & causal_mask()) | (queries & causal_mask())
+    return band | keys | queries
 
 
 def global_mask(window: int, global_positions: tuple[int, ...], causal: bool = False) -> Mask:
