@@ -298,3 +298,18 @@ def test_additive_bias_is_exact_on_the_dense_path(qkv):
     keep = dense(local_mask(3), 9)[0, 0]
     want = attnkit.build("softmax")(q, k, v, attn_mask=bias.masked_fill(~keep, float("-inf")))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_repeated_calls_hand_the_engine_the_same_mask_object():
+    """forward makes a new causal mask per call; the module keeps one engine mask, so the engine's plan is reused."""
+    from attnkit.masks import causal, resolve
+
+    a = attnkit.build("dilated", window=3)
+    pat = a.pattern_mask(16, 16, causal=True)
+    assert a._engine_mask(pat, resolve(causal=True)) is a._engine_mask(pat, resolve(causal=True)) is pat
+    b = attnkit.build("block-sparse")
+    user = from_function(lambda b_, h, q, kv: q >= kv, name="f")
+    first = b._engine_mask(None, resolve(user, causal=True))
+    assert first is b._engine_mask(None, resolve(user, causal=True))
+    assert first is not b._engine_mask(None, resolve(from_function(lambda b_, h, q, kv: q >= kv), causal=True))
+    assert dense(first, 6).equal(dense(user & causal(), 6))

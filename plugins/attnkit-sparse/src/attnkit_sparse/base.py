@@ -100,12 +100,14 @@ class SparsePatternAttention(Attention):
         if backend not in offered:
             raise InvalidInputError(f"backend: expected one of {list(offered)}, got {backend!r}")
         self._patterns: dict[bool, Mask | None] = {}
+        self._combined: dict[tuple[Any, ...], tuple[tuple[Mask, ...], Mask | None]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # pattern masks (and their block indices) are a cache: a copy or a pickle rebuilds them, so a
         # third party's mask function (a lambda, a local function) never has to pickle
         state = self.__dict__.copy()
-        state["_patterns"] = {}
+        state["_patterns"], state["_combined"] = {}, {}
+        state.pop("_causal", None)
         return state
 
     # ------------------------------------------------------------- the pattern
@@ -146,12 +148,38 @@ class SparsePatternAttention(Attention):
         L, S = q.shape[2], k.shape[2]
         if ctx.return_state:
             return self._stream(q, k, v, ctx)
-        pat = self.pattern_mask(L, S, causal=ctx.causal)
-        mask = ctx.mask if pat is None else (pat if ctx.mask is None else pat & ctx.mask)
+        mask = self._engine_mask(self.pattern_mask(L, S, causal=ctx.causal), ctx.mask)
         if mask is not None and mask.has_bias:
             # an additive float attn_mask is a dense (L, S) input: exact, on the dense masked softmax
             return reference_attend(q, k, v, mask, scale=ctx.scale, positions=ctx.positions)
         return attend(q, k, v, mask, scale=ctx.scale, backend=ctx.backend, positions=ctx.positions)
+
+    def _engine_mask(self, pattern: Mask | None, mask: Mask | None) -> Mask | None:
+        """``pattern & mask``, the same object for the same parts, so the engine's cached plan is reused.
+
+        ``forward`` makes a new causal mask on every call; a pattern's causal form already holds the causal
+        constraint, so causal parts are dropped (or, with no pattern, replaced by one kept on the module).
+        The other parts (the caller's mask objects) are matched by identity.
+        """
+        if mask is None:
+            return pattern
+        parts = mask.conjuncts()
+        has_causal = any(p.kind == "causal" for p in parts)
+        rest = tuple(p for p in parts if p.kind != "causal")
+        key = (id(pattern), has_causal, *(id(p) for p in rest))
+        hit = self._combined.get(key)
+        if hit is not None and len(hit[0]) == len(rest) and all(a is b for a, b in zip(hit[0], rest)):
+            return hit[1]
+        if has_causal and pattern is None:
+            self.__dict__.setdefault("_causal", causal_mask())
+        head = [pattern] if pattern is not None else ([self._causal] if has_causal else [])
+        out: Mask | None = None
+        for p in [*head, *rest]:
+            out = p if out is None else out & p
+        if len(self._combined) > 16:
+            self._combined.clear()
+        self._combined[key] = (rest, out)  # holds the parts: their ids cannot be reused while cached
+        return out
 
     # -------------------------------------------------------------- streaming
     def _still_visible(self, kpos: Tensor, next_pos: int) -> Tensor:
