@@ -159,7 +159,8 @@ class SparsePatternAttention(Attention):
 
         ``forward`` makes a new causal mask on every call; a pattern's causal form already holds the causal
         constraint, so causal parts are dropped (or, with no pattern, replaced by one kept on the module).
-        The other parts (the caller's mask objects) are matched by identity.
+        The other parts (the caller's mask objects) are matched by identity; masks that change with
+        every batch (key padding, documents) are not kept.
         """
         if mask is None:
             return pattern
@@ -176,7 +177,9 @@ class SparsePatternAttention(Attention):
         out: Mask | None = None
         for p in [*head, *rest]:
             out = p if out is None else out & p
-        if len(self._combined) > 16:
+        if any(p.batch_dependent for p in rest):
+            return out  # key padding and documents change with every batch: not worth keeping their plans
+        if len(self._combined) > 8:
             self._combined.clear()
         self._combined[key] = (rest, out)  # holds the parts: their ids cannot be reused while cached
         return out
