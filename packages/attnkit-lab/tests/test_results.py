@@ -67,19 +67,23 @@ def test_json_and_table(tmp_path):
     assert lines[0].startswith("| name") and "—" in lines[2] and "2e+04" in lines[3]
 
 
-def test_progress_non_tty(capsys):
+def test_progress_draws_nothing_off_a_terminal_or_when_quiet():
     import io
 
-    buf = io.StringIO()
+    buf = io.StringIO()                                   # not a TTY: CI logs, pipes
     with Progress(20, "x", stream=buf) as p:
         for _ in range(20):
             p.update(1, loss=0.5)
-    lines = buf.getvalue().splitlines()
-    assert 5 <= len(lines) <= 12 and lines[-1].startswith("x: [") and "20/20" in lines[-1]
-    buf2 = io.StringIO()
-    with Progress(5, "y", stream=buf2, enabled=False) as p:
+    assert buf.getvalue() == "" and p.n == 20
+    tty = _Tty()
+    with Progress(5, "y", stream=tty, enabled=False) as p:   # --quiet
         p.update(5)
-    assert buf2.getvalue() == ""
+    assert tty.getvalue() == ""
+
+
+class _Tty(__import__("io").StringIO):
+    def isatty(self):
+        return True
 
 
 def test_result_files_get_usual_permissions(tmp_path):
@@ -93,16 +97,14 @@ def test_result_files_get_usual_permissions(tmp_path):
     assert (tmp_path / "out" / "a.txt").stat().st_mode & 0o777 == 0o644
 
 
-def test_progress_tty_redraws_in_place():
-    import io
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    buf = Tty()
+def test_progress_tty_redraws_in_place_with_postfix():
+    buf = _Tty()
     with Progress(3, "z", stream=buf) as p:
+        p.set_postfix(attn="performer")                         # drawn at once
         for _ in range(3):
-            p.update(1)
+            p.update(1, loss=0.25)                              # replaces the postfix
     text = buf.getvalue()
-    assert text.count("\r") >= 2 and text.endswith("\n") and "3/3" in text
+    assert text.count("\r") >= 2 and text.endswith("\n")        # tqdm redraws in place, then leaves the bar
+    assert "attn=performer" in text
+    last = text.rstrip("\n").split("\r")[-1]
+    assert last.startswith("z: 100%") and "3/3" in last and "loss=0.25" in last and "attn=" not in last

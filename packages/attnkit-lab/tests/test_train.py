@@ -114,7 +114,8 @@ class _Spanned(Attention):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def test_train_adds_and_logs_aux_losses(cli, tmp_path):
+def test_train_adds_and_logs_aux_losses(cli, tmp_path, monkeypatch):
+    monkeypatch.setattr("attnkit_lab.progress._isatty", lambda stream: True)   # draw the bar into capsys
     import attnkit
 
     if getattr(attnkit, "aux_losses", None) is None:
@@ -163,6 +164,7 @@ class _Penalised(Attention):
 def test_train_aux_losses_from_evaluation_do_not_leak_into_training(cli, tmp_path, monkeypatch):
     """One forward per training step records 0.5 x w (w ~ 2, weight 0.5); every evaluation pass records
     three more forwards, which ``attnkit.clear_aux_losses`` must drop before the next step."""
+    monkeypatch.setattr("attnkit_lab.progress._isatty", lambda stream: True)   # draw the bar into capsys
     import attnkit
 
     if getattr(attnkit, "clear_aux_losses", None) is None:
