@@ -138,6 +138,45 @@ def _axpy(OUT, on, C, Y, y0, yn):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _axpy_rows(OUT, o0, n, C, c0, Y, y0, j0, j1, e0, e1):  # pragma: no cover - compiled
+    """``OUT[o0 + r, e] += sum_{j0 <= j < j1} C[c0 + r, j] · Y[y0 + j, e]`` for ``r < n <= 4``, ``e0 <= e < e1``.
+
+    The span-restricted form of :func:`_axpy` used on PARTIAL tiles: only the
+    columns (and terms) that some row of the group can use are computed.
+    """
+    if n == 4:
+        oa = OUT[o0]; ob = OUT[o0 + 1]; oc = OUT[o0 + 2]; od = OUT[o0 + 3]
+        ca = C[c0]; cb = C[c0 + 1]; cc = C[c0 + 2]; cd = C[c0 + 3]
+        j4 = j1 - (j1 - j0) % 4
+        for j in range(j0, j4, 4):
+            y0_ = Y[y0 + j]; y1 = Y[y0 + j + 1]; y2 = Y[y0 + j + 2]; y3 = Y[y0 + j + 3]
+            p0 = ca[j]; p1 = ca[j + 1]; p2 = ca[j + 2]; p3 = ca[j + 3]
+            r0 = cb[j]; r1 = cb[j + 1]; r2 = cb[j + 2]; r3 = cb[j + 3]
+            s0 = cc[j]; s1 = cc[j + 1]; s2 = cc[j + 2]; s3 = cc[j + 3]
+            t0 = cd[j]; t1 = cd[j + 1]; t2 = cd[j + 2]; t3 = cd[j + 3]
+            for e in range(e0, e1):
+                u0 = y0_[e]; u1 = y1[e]; u2 = y2[e]; u3 = y3[e]
+                oa[e] += p0 * u0 + p1 * u1 + p2 * u2 + p3 * u3
+                ob[e] += r0 * u0 + r1 * u1 + r2 * u2 + r3 * u3
+                oc[e] += s0 * u0 + s1 * u1 + s2 * u2 + s3 * u3
+                od[e] += t0 * u0 + t1 * u1 + t2 * u2 + t3 * u3
+        for j in range(j4, j1):
+            yj = Y[y0 + j]
+            p0 = ca[j]; r0 = cb[j]; s0 = cc[j]; t0 = cd[j]
+            for e in range(e0, e1):
+                u = yj[e]
+                oa[e] += p0 * u; ob[e] += r0 * u; oc[e] += s0 * u; od[e] += t0 * u
+    else:
+        for r in range(n):
+            oa = OUT[o0 + r]; ca = C[c0 + r]
+            for j in range(j0, j1):
+                yj = Y[y0 + j]
+                p0 = ca[j]
+                for e in range(e0, e1):
+                    oa[e] += p0 * yj[e]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _apply_tile_mask(Sc, rn, cn, bank, t, transposed):  # pragma: no cover - compiled
     """``-inf`` where the bank entry ``t`` forbids a pair (``Sc`` is ``(rows, cols)``, transposed for key-major)."""
     ninf = -np.inf
@@ -155,7 +194,7 @@ def _apply_tile_mask(Sc, rn, cn, bank, t, transposed):  # pragma: no cover - com
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, bq, bk, cst, is32):  # pragma: no cover
+def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32):  # pragma: no cover
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]
@@ -167,32 +206,41 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, bq, bk, cst, is32):  # 
     ninf = cst[_NINF]
     for it in numba.prange(N * NQ):
         n = it // NQ; qb = it % NQ
-        bi = (n // H) % Bp; hi = (n % H) % Hp
+        bi = (n // H) % Bp; hi_ = (n % H) % Hp
         q0 = qb * bq
         qn = min(bq, L - q0)
         qs = q[n]; ks = k[n]; vs = v[n]
         acc = np.zeros((bq, E), dtype=q.dtype)
         KT = np.zeros((D, bk), dtype=q.dtype)
         Sc = np.empty((bq, bk), dtype=q.dtype)
+        Qs = np.empty((bq, D), dtype=q.dtype)       # the query block, scaled once
+        for i in range(qn):
+            for d in range(D):
+                Qs[i, d] = qs[q0 + i, d] * sc
         m = np.full(bq, ninf, dtype=q.dtype)
         lsum = np.zeros(bq, dtype=q.dtype)
         xrow = np.empty(bk, dtype=q.dtype)
         nbuf = np.empty(bk, dtype=np.int32)
-        for c in range(kv_count[bi, hi, qb]):
-            kb = kv_idx[bi, hi, qb, c]; t = kv_tile[bi, hi, qb, c]
+        lo = np.zeros(bq, dtype=np.int32)            # per row: the span of columns the tile allows
+        hi = np.zeros(bq, dtype=np.int32)
+        for c in range(kv_count[bi, hi_, qb]):
+            kb = kv_idx[bi, hi_, qb, c]; t = kv_tile[bi, hi_, qb, c]
             k0 = kb * bk
             kn = min(bk, S - k0)
             _transpose(ks, k0, kn, KT)
-            _dots(qs, q0, qn, KT, Sc, zero)
+            for i in range(qn):
+                if t >= 0:
+                    lo[i] = span[t, i, 0]; hi[i] = min(span[t, i, 1], kn)
+                else:
+                    lo[i] = 0; hi[i] = kn
+            _dots(Qs, 0, qn, KT, Sc, zero)
             if t >= 0:
                 _apply_tile_mask(Sc, qn, kn, bank, t, False)
             for i in range(qn):
                 row = Sc[i]
                 mx = ninf
                 for j in range(kn):
-                    x = row[j] * sc
-                    row[j] = x
-                    mx = max(mx, x)
+                    mx = max(mx, row[j])
                 mnew = max(m[i], mx)
                 if mnew == ninf:
                     for j in range(kn):
@@ -211,7 +259,13 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, bq, bk, cst, is32):  # 
                         ai[e] *= alpha
                 lsum[i] = lsum[i] * alpha + s
                 m[i] = mnew
-            _axpy(acc, qn, Sc, vs, k0, kn)
+            for g in range(0, qn, 4):
+                gn = min(4, qn - g)
+                c0 = bk; c1 = 0
+                for r in range(g, g + gn):
+                    c0 = min(c0, lo[r]); c1 = max(c1, hi[r])
+                if c1 > c0:
+                    _axpy_rows(acc, g, gn, Sc, g, vs, k0, c0, c1, 0, E)
         for i in range(qn):
             o = out[n, q0 + i]
             if lsum[i] > 0:

@@ -72,18 +72,19 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor,
-             q_idx: Tensor, q_tile: Tensor, bank: Tensor, bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor]:
+             q_idx: Tensor, q_tile: Tensor, bank: Tensor, span: Tensor, bq: int, bk: int,
+             scale: float) -> tuple[Tensor, Tensor]:
     _check(q, k, v)
     B, H, L, _ = q.shape
     E = v.shape[-1]
     nq = kv_count.shape[-1]
     cst = K.constants(_arr(q).dtype, scale)
     out, lse = _run(K.forward, B * H * nq, _seq(q), _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx),
-                    _arr(kv_tile), _arr(bank), bq, bk, cst, q.dtype == torch.float32)
+                    _arr(kv_tile), _arr(bank), _arr(span), bq, bk, cst, q.dtype == torch.float32)
     return torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(lse).view(B, H, L)
 
 
-def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, bq, bk, scale):
+def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, span, bq, bk, scale):
     B, H, L, _ = q.shape
     return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L)
 
@@ -121,7 +122,7 @@ numba_block_attention.register_fake(_forward_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *index, bq, bk, scale = inputs
+    q, k, v, *index, span, bq, bk, scale = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *index)
     ctx.bq, ctx.bk, ctx.scale = bq, bk, scale
@@ -133,7 +134,7 @@ def _autograd(ctx, g_out, g_lse):
         g_out = torch.zeros_like(out)
     dq, dk, dv = numba_block_attention_backward(q, k, v, out, lse, g_out.contiguous(), *index, ctx.bq, ctx.bk,
                                                 ctx.scale)
-    return dq, dk, dv, *([None] * 10)
+    return dq, dk, dv, *([None] * 11)
 
 
 numba_block_attention.register_autograd(_autograd, setup_context=_setup_context)
@@ -152,5 +153,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Te
     """
     bq, bk = plan.block_size
     out, _ = numba_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
-                                   plan.q_tile, plan.bank, bq, bk, float(scale))
+                                   plan.q_tile, plan.bank, plan.span, bq, bk, float(scale))
     return out

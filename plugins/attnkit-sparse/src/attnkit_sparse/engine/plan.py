@@ -78,6 +78,8 @@ class BlockPlan:
         q_count, q_idx, q_tile: the transposed index ``(B', H', NK)``, ``(B', H', NK, CQ)``:
             query blocks that see each key block, with the same tile entries.
         bank: bool ``(P, BQ, BK)``: element masks of the PARTIAL tiles (False outside L x S).
+        span: int32 ``(P, BQ, 2)``: per query row of each bank entry, the first allowed column and
+            one past the last (``(BK, 0)`` when none); kernels skip the columns outside it.
         tiles: attended (non-skipped) tiles over all ``(B', H')``.
         attended_pairs: allowed (query, key) pairs summed over ``(B', H')``.
     """
@@ -92,6 +94,7 @@ class BlockPlan:
     q_idx: Tensor
     q_tile: Tensor
     bank: Tensor
+    span: Tensor
     tiles: int
     attended_pairs: int
     _numpy: dict[str, Any] | None = field(default=None, repr=False)
@@ -107,13 +110,13 @@ class BlockPlan:
 
     def nbytes(self) -> int:
         """Bytes held by the plan's tensors (index and bank)."""
-        ts = (self.kv_count, self.kv_idx, self.kv_tile, self.q_count, self.q_idx, self.q_tile, self.bank)
+        ts = (self.kv_count, self.kv_idx, self.kv_tile, self.q_count, self.q_idx, self.q_tile, self.bank, self.span)
         return sum(t.numel() * t.element_size() for t in ts)
 
     def numpy(self) -> dict[str, Any]:
         """The index and bank as contiguous NumPy arrays (CPU plans; cached)."""
         if self._numpy is None:
-            names = ("kv_count", "kv_idx", "kv_tile", "q_count", "q_idx", "q_tile", "bank")
+            names = ("kv_count", "kv_idx", "kv_tile", "q_count", "q_idx", "q_tile", "bank", "span")
             self._numpy = {n: getattr(self, n).contiguous().numpy() for n in names}
         return self._numpy
 
@@ -160,6 +163,17 @@ def _bank(mask: Mask, geom: Geometry, parts: Tensor, bq: int, bk: int) -> Tensor
     return out
 
 
+def _spans(bank: Tensor) -> Tensor:
+    """int32 ``(P, BQ, 2)``: first allowed column and one past the last per row (``(BK, 0)`` for none)."""
+    bk = bank.shape[-1]
+    any_ = bank.any(-1)
+    first = bank.to(torch.int8).argmax(-1)
+    last = bk - bank.flip(-1).to(torch.int8).argmax(-1)
+    lo = torch.where(any_, first, torch.full_like(first, bk))
+    hi = torch.where(any_, last, torch.zeros_like(last))
+    return torch.stack([lo, hi], -1).to(torch.int32).contiguous()
+
+
 def _pairs(state: Tensor, bank: Tensor, L: int, S: int, bq: int, bk: int) -> int:
     """Allowed (query, key) pairs: FULL tiles by their (possibly ragged) size plus the bank's True entries."""
     nq, nk = state.shape[-2], state.shape[-1]
@@ -192,7 +206,7 @@ def _build(mask: Mask | None, B: int, H: int, L: int, S: int, bq: int, bk: int, 
     visit = state != SKIP
     kv_count, kv_idx, kv_tile = _compact(visit, tile_id)
     q_count, q_idx, q_tile = _compact(visit.transpose(-1, -2), tile_id.transpose(-1, -2))
-    return BlockPlan(L, S, (bq, bk), kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank,
+    return BlockPlan(L, S, (bq, bk), kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, _spans(bank),
                      tiles=int(visit.sum()), attended_pairs=_pairs(state, bank, L, S, bq, bk))
 
 
