@@ -24,6 +24,8 @@ class BlockSparseAttention(SparsePatternAttention):
     pair is attended (dense softmax on the engine). Exact: it equals
     ``softmax`` with the same mask.
 
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+
     Args:
         num_heads: number of heads H; when given, inputs with another H are refused.
         head_dim: head dimension D; when given, inputs with another D are refused.

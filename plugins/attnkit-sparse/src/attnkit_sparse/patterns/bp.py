@@ -85,6 +85,8 @@ class BPTransformerAttention(SparsePatternAttention):
     (the paper's language-model setting). BPT's span nodes (learned range
     summaries) are not modelled: a far span is represented by its first token.
 
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+
     Args:
         k: spans (tokens at level 0) on each side per level (an int >= 1). Default 4.
         levels: the coarsest level (an int >= 0); None: as many as the sequence needs. Default None.

@@ -84,6 +84,8 @@ class GlobalAttention(_GlobalTokens):
     ``window`` plus the global keys outside its window (every key, S, for a
     global query; causal: the earlier ones).
 
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+
     Args:
         window: keys of the local window, itself included (an int >= 1). Default 256.
         num_global: global tokens at positions 0 ... num_global - 1; None means 1
@@ -118,6 +120,8 @@ class LongformerAttention(_GlobalTokens):
     previous keys and itself. Global tokens see every key and are seen by
     every query (causal: earlier keys / later queries). Default: the paper's
     ``w = 512`` and one global token, the first ([CLS]).
+
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
 
     Args:
         window: the paper's w: w // 2 keys on each side (causal: w previous keys), itself

@@ -168,6 +168,8 @@ class Local2DAttention(_GridAttention):
     query blocks with a memory flange extended up, left and right share this
     shape; attnkit centres the window on each query instead of on a block.)
 
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+
     Args:
         window: (rows, cols) of the neighbourhood, or one int for both (ints >= 1). Default (5, 5).
         grid: (rows, cols) with rows x cols = L; an int (positions per row); or None
@@ -201,6 +203,8 @@ class AxialAttention(_GridAttention):
     ``axis="row"`` / ``axis="column"`` give each (stack two modules for the
     factorised form). Causal (raster order): earlier keys of its row and the
     same column of earlier rows.
+
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
 
     Args:
         grid: (rows, cols) with rows x cols = L; an int (positions per row); or None

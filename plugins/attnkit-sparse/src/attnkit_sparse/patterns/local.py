@@ -113,6 +113,8 @@ class DilatedAttention(SparsePatternAttention):
     value per head (Longformer's multi-head dilation). The causal form
     streams exactly with a state of the last ``(window - 1)·dilation`` keys.
 
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+
     Args:
         window: keys each query sees, itself included (an int >= 1), dilation apart: causal,
             itself and window - 1 before; bidirectional, window // 2 before and (window - 1) // 2
@@ -151,6 +153,8 @@ class BlockLocalAttention(SparsePatternAttention):
     ``previous``); causal: its block's positions up to itself
     (``p mod block_size + 1``, plus ``block_size`` with ``previous``).
     Blocks start at position 0.
+
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
 
     Args:
         block_size: positions per block (an int >= 1). Default 64.

@@ -126,6 +126,8 @@ class RandomAttention(SparsePatternAttention):
     exist or, causal, in the query's own block). Reproducible from ``seed``;
     ``per_head=True`` draws per head.
 
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+
     Args:
         block_size: positions per block (an int >= 1). Default 64.
         num_random: random key blocks per query block (an int >= 1). Default 3 (BigBird's r).
@@ -167,6 +169,8 @@ class BigBirdAttention(SparsePatternAttention):
     blocks drawn (from ``seed``) among the rest. Keys per query of a
     non-global block: ``(num_window + num_global + num_random) · block_size``
     when that many blocks exist. No causal form (the last block is global).
+
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
 
     Args:
         block_size: positions per block (an int >= 1). Default 64 (paper).

@@ -121,6 +121,8 @@ class StridedAttention(SparsePatternAttention):
 
     With ``heads="split"`` even heads see A1 only and odd heads A2 only.
 
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+
     Args:
         stride: the paper's l (an int >= 1). Default 128.
         heads: "merged" (every head sees A1 ∪ A2) or "split" (even heads A1, odd heads A2). Default "merged".
@@ -159,6 +161,8 @@ class FixedAttention(SparsePatternAttention):
     state of the current block and the ``c`` summary keys of every finished
     block (``c / stride`` of the positions seen: it grows with the sequence,
     because later queries still see those columns).
+
+    Shapes as SDPA: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
 
     Args:
         stride: the paper's l, the block length (an int >= 1). Default 128.
