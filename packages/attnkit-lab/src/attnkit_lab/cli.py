@@ -358,7 +358,8 @@ def configure_train(p: argparse.ArgumentParser) -> None:
                    help="lm: corpus files (default: the Python standard library's sources)")
     t.add_argument("--corpus-chars", type=int, default=None, help="lm: characters taken from the corpus")
     t.add_argument("--val-fraction", type=float, default=None, help="lm: held-out fraction (default 0.1)")
-    t.add_argument("--cache-dir", default=None, help="lm: tokenizer cache (default ~/.cache/attnkit)")
+    t.add_argument("--cache-dir", default=None,
+                   help="lm: tokenizer cache (default $ATTNKIT_CACHE_DIR, else the user cache dir: ~/.cache/attnkit)")
     add_common(p, out_help="results directory (default attnkit-runs/train-TASK-<time>)")
 
 

@@ -6,8 +6,9 @@ allowed), a ``"\\n"`` piece, byte fallback instead of ``<unk>``, digits split.
 The model is keyed by the corpus fingerprint and the settings, written
 atomically to ``<cache>/tokenizers/<key>.model``, and reused when present.
 
-Cache directory: ``--cache-dir``, else ``$ATTNKIT_CACHE_DIR``, else
-``$XDG_CACHE_HOME/attnkit``, else ``~/.cache/attnkit``.
+Cache directory: ``--cache-dir``, else ``$ATTNKIT_CACHE_DIR``, else the user
+cache directory of ``platformdirs.user_cache_dir("attnkit")`` (``$XDG_CACHE_HOME/attnkit``
+or ``~/.cache/attnkit`` on Linux), the one ``attnkit tune`` uses.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ TOKENIZER_SETTINGS_VERSION = 1
 
 
 def cache_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """``explicit``, else ``$ATTNKIT_CACHE_DIR``, else the platform's user cache directory for attnkit."""
     if explicit:
         return Path(explicit)
     if os.environ.get("ATTNKIT_CACHE_DIR"):
         return Path(os.environ["ATTNKIT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "attnkit"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("attnkit"))
 
 
 def _ensure_writable(d: Path) -> None:
