@@ -242,18 +242,29 @@ def attention_forward(entry: Entry, module: nn.Module, query: Tensor, key: Tenso
         # one query at the last position: causal (bottom-right) allows every key, so only padding is left
         conv = Converted(None if conv.key_padding is None else attnkit.masks.key_padding(conv.key_padding),
                          False, conv.key_padding, "key_padding" if conv.key_padding is not None else "none", S)
-    try:
-        if cached and not spec.exact:
-            out = _decode_from_state(entry, module, attn, query, key, value, conv, where)
-        else:
+    if cached and not spec.exact:
+        out = _decode_from_state(entry, module, attn, query, key, value, conv, where)
+    else:
+        try:
             out = _forward(entry, module, attn, query, key, value, conv, kwargs)
-    except UnsupportedFeatureError as exc:
-        raise UnsupportedFeatureError(
-            exc.implementation, f"the attention transformers asks for in {where}: {conv.kind} mask, "
-            f"L={L} queries, S={S} keys",
-            f"{exc}; pick a mechanism that honours it ({', '.join(exc.supported_by) or 'none installed'}) "
-            "or attn_implementation='sdpa'", exc.supported_by) from exc
+        except UnsupportedFeatureError as exc:
+            raise _in_context(exc, f"{where}: transformers built a {conv.kind} mask, L={L} queries, "
+                                   f"S={S} keys; use a mechanism that honours it or attn_implementation='sdpa'"
+                              ) from exc
     return out.transpose(1, 2).contiguous(), None
+
+
+def _in_context(exc: UnsupportedFeatureError, context: str) -> UnsupportedFeatureError:
+    """The same refusal with where it happened in the model added to its reason."""
+    msg = str(exc)
+    head = f"{exc.implementation!r} does not support {exc.argument}"
+    reason = msg[len(head):] if msg.startswith(head) else msg
+    for tail in (". Installed implementations that do:", ". No installed implementation supports it"):
+        if tail in reason:
+            reason = reason[:reason.index(tail)]
+    reason = reason.lstrip(": ").rstrip(".")
+    return UnsupportedFeatureError(exc.implementation, exc.argument,
+                                   f"{reason} ({context})" if reason else context, exc.supported_by)
 
 
 def _where(entry: Entry, module: nn.Module) -> str:
@@ -269,7 +280,13 @@ def _forward(entry: Entry, module: nn.Module, attn: attnkit.Attention, q: Tensor
     if not keep_state:
         module.__dict__.pop("_attnkit_stream", None)
         return attn(q, k, v, mask=conv.mask)
-    out, state = attn(q, k, v, mask=conv.mask, return_state=True)
+    try:
+        out, state = attn(q, k, v, mask=conv.mask, return_state=True)
+    except (InvalidInputError, UnsupportedFeatureError) as exc:
+        # e.g. a state that cannot start from a padded prompt: the forward itself is still fine;
+        # the next cached step is refused with this reason
+        module.__dict__["_attnkit_stream"] = str(exc)
+        return attn(q, k, v, mask=conv.mask)
     module.__dict__["_attnkit_stream"] = _Stream(entry.key, state, k.shape[2], k[:, :, -1].clone(),
                                                  conv.key_padding)
     return out
@@ -297,11 +314,12 @@ def _decode_from_state(entry: Entry, module: nn.Module, attn: attnkit.Attention,
         raise UnsupportedFeatureError(
             spec.name, f"cached decoding ({where}: {L} new queries after {S - L} cached keys)",
             f"'{spec.name}' is an approximation without an exact streaming form, so attending from the new "
-            f"tokens to the cached keys would not equal the full forward; {fix}",
-            [s.name for s in attnkit.available(streaming="exact")])
+            f"tokens to the cached keys would not equal the full forward; {fix}", _cached_ok(spec.name))
     st = module.__dict__.get("_attnkit_stream")
     why = None
-    if st is None or st.key != entry.key:
+    if isinstance(st, str):
+        why = f"its streaming state could not start from the prompt ({st})"
+    elif st is None or st.key != entry.key:
         why = "no streaming state from a prefill of this layer (was the prefill run with use_cache=True under no_grad?)"
     elif st.length != S - L or st.state.batch != B:
         why = (f"the layer's state covers {st.length} positions of batch {st.state.batch}, "
@@ -320,13 +338,18 @@ def _decode_from_state(entry: Entry, module: nn.Module, attn: attnkit.Attention,
         elif kp is None and past is not None:
             why = "the padding of the cached positions changed since the prefill"
     if why is not None:
-        raise UnsupportedFeatureError(
-            spec.name, f"cached decoding ({where})", f"{why}; {fix}")
+        raise UnsupportedFeatureError(spec.name, f"cached decoding ({where})", f"{why}; {fix}", _cached_ok(spec.name))
     out, state = attn.step(q, k[:, :, S - L:], v[:, :, S - L:], st.state)
     padding = None if st.key_padding is None else torch.cat(
         [st.key_padding, st.key_padding.new_ones(B, L)], dim=1)
     module.__dict__["_attnkit_stream"] = _Stream(entry.key, state, S, k[:, :, -1].clone(), padding)
     return out
+
+
+def _cached_ok(but: str) -> list[str]:
+    """Installed mechanisms other than ``but`` that decode with a KV cache: exact ones and exact streaming ones."""
+    return [s.name for s in attnkit.available()
+            if s.name != but and (s.exact or s.capabilities.streaming == "exact")]
 
 
 # ============================================================= building modules
