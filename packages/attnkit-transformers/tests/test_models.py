@@ -259,10 +259,26 @@ def test_options_from_register_and_config_and_reproducible_seeds():
 
 
 def test_learned_parameters_are_submodules():
-    model = make_model("llama", "attnkit:softmax")
+    """A learned mechanism's parameters are the model's: prepared before the optimizer, trained, moved."""
+    if not _has("fast-weight"):
+        pytest.skip("'fast-weight' comes with the attnkit-kernelized plugin, not installed here")
+    model = make_model("llama", "attnkit:fast-weight").train()
+    before = sum(p.numel() for p in model.parameters())
     assert attnkit_transformers.prepare(model) == 2
-    names = [n for n, _ in model.named_modules()]
-    assert "model.layers.1.self_attn.attnkit_mechanisms.attnkit:softmax" in names
+    ours = {n: p for n, p in model.named_parameters() if ".attnkit_mechanisms.attnkit:fast-weight." in n}
+    assert ours and sum(p.numel() for p in model.parameters()) == before + sum(p.numel() for p in ours.values())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    start = {n: p.detach().clone() for n, p in ours.items()}
+    ids = _ids(2, 6)
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    assert all(not torch.equal(start[n], p) for n, p in ours.items() if p.grad is not None)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in ours.values())
+    model.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in ours.values())
+    assert "model.layers.1.self_attn.attnkit_mechanisms.attnkit:fast-weight" in dict(model.named_modules())
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()       # runs in float64 with the moved parameters
 
 
 @needs_local
