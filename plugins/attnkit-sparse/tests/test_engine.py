@@ -271,6 +271,16 @@ def test_numba_custom_op_passes_opcheck():
     from attnkit_sparse.engine import numba_ops
     q, k, v = (t.requires_grad_() for t in inputs(20, 20))
     p = plan(masks.causal(), B, H, 20, 20, block_size=8)
-    args = (q, k, v, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx, p.q_tile, p.bank, p.span, 8, 8, 0.5)
+    args = (q, k, v, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx, p.q_tile, p.q_slot, p.bank, p.span, 8, 8,
+            0.5)
     torch.library.opcheck(numba_ops.numba_block_attention, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_numba_backward_without_the_ds_buffer(monkeypatch):
+    """Above DS_BUFFER_MAX_BYTES the backward recomputes the probabilities for dQ: same gradients."""
+    from attnkit_sparse.engine import numba_ops
+    monkeypatch.setattr(numba_ops, "DS_BUFFER_MAX_BYTES", 0)
+    for case in ("causal_window", "random_per_head", "empty_rows", "block_16x32"):
+        L, S, make, kw = CASES[case]
+        agree("numba", *inputs(L, S), make(), **kw)

@@ -26,6 +26,10 @@ from .plan import BlockPlan
 
 NAMESPACE = "attnkit_sparse"
 
+#: the backward keeps scale·dS per tile (tiles·BQ·BK floats) for dQ when it fits in this many bytes;
+#: above it, dQ recomputes the probabilities instead (two more tile products and an exp per tile)
+DS_BUFFER_MAX_BYTES = 1 << 30
+
 
 def _launch_threads() -> None:
     """Start numba's pool with passive idle threads (see attnkit_kernelized._numba for the measurement)."""
@@ -72,7 +76,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor,
-             q_idx: Tensor, q_tile: Tensor, bank: Tensor, span: Tensor, bq: int, bk: int,
+             q_idx: Tensor, q_tile: Tensor, q_slot: Tensor, bank: Tensor, span: Tensor, bq: int, bk: int,
              scale: float) -> tuple[Tensor, Tensor]:
     _check(q, k, v)
     B, H, L, _ = q.shape
@@ -84,14 +88,14 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, 
     return torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(lse).view(B, H, L)
 
 
-def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, span, bq, bk, scale):
+def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank, span, bq, bk, scale):
     B, H, L, _ = q.shape
     return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L)
 
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, kv_count: Tensor,
-              kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor, q_idx: Tensor, q_tile: Tensor, bank: Tensor,
-              bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+              kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor, q_idx: Tensor, q_tile: Tensor, q_slot: Tensor,
+              bank: Tensor, bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     _check(q, k, v)
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
@@ -101,15 +105,22 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     qa, ka, va, ga = _seq(q), _seq(k), _seq(v), _seq(g)
     stats = (_arr(lse.reshape(B * H, L)), _arr(delta.reshape(B * H, L)), H)
     bank_a = _arr(bank)
-    dq = _run(K.backward_dq, B * H * kv_count.shape[-1], qa, ka, va, ga, *stats, _arr(kv_count), _arr(kv_idx),
-              _arr(kv_tile), bank_a, bq, bk, cst, f32)
+    nq, ck = kv_idx.shape[-2], kv_idx.shape[-1]
+    keep_ds = B * H * nq * ck * bq * bk * q.element_size() <= DS_BUFFER_MAX_BYTES
+    ds = np.empty((B * H, nq, ck, bq, bk) if keep_ds else (0, 1, 1, 1, 1), dtype=qa.dtype)
     dk, dv = _run(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, _arr(q_count), _arr(q_idx),
-                  _arr(q_tile), bank_a, bq, bk, cst, f32)
+                  _arr(q_tile), _arr(q_slot), bank_a, bq, bk, cst, f32, ds)
+    if keep_ds:
+        dq = _run(K.backward_dq_from_ds, B * H * nq, ka, ds, L, H, _arr(kv_count), _arr(kv_idx), bq, bk)
+    else:
+        dq = _run(K.backward_dq, B * H * nq, qa, ka, va, ga, *stats, _arr(kv_count), _arr(kv_idx),
+                  _arr(kv_tile), bank_a, bq, bk, cst, f32)
     return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
             torch.from_numpy(dv).view(B, H, S, E))
 
 
-def _backward_fake(q, k, v, out, lse, g, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, bq, bk, scale):
+def _backward_fake(q, k, v, out, lse, g, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank, bq, bk,
+                   scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -134,7 +145,7 @@ def _autograd(ctx, g_out, g_lse):
         g_out = torch.zeros_like(out)
     dq, dk, dv = numba_block_attention_backward(q, k, v, out, lse, g_out.contiguous(), *index, ctx.bq, ctx.bk,
                                                 ctx.scale)
-    return dq, dk, dv, *([None] * 11)
+    return dq, dk, dv, *([None] * 12)
 
 
 numba_block_attention.register_autograd(_autograd, setup_context=_setup_context)
@@ -153,5 +164,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Te
     """
     bq, bk = plan.block_size
     out, _ = numba_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
-                                   plan.q_tile, plan.bank, plan.span, bq, bk, float(scale))
+                                   plan.q_tile, plan.q_slot, plan.bank, plan.span, bq, bk, float(scale))
     return out

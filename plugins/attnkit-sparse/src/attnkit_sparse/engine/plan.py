@@ -77,6 +77,8 @@ class BlockPlan:
         kv_tile: int32 ``(B', H', NQ, CK)``: -1 FULL, p >= 0 bank entry, -2 padding.
         q_count, q_idx, q_tile: the transposed index ``(B', H', NK)``, ``(B', H', NK, CQ)``:
             query blocks that see each key block, with the same tile entries.
+        q_slot: int32 ``(B', H', NK, CQ)``: for each transposed entry, its position ``c`` in the
+            query block's ``kv_idx`` row (so key-major and query-major kernels can share per-tile buffers).
         bank: bool ``(P, BQ, BK)``: element masks of the PARTIAL tiles (False outside L x S).
         span: int32 ``(P, BQ, 2)``: per query row of each bank entry, the first allowed column and
             one past the last (``(BK, 0)`` when none); kernels skip the columns outside it.
@@ -93,6 +95,7 @@ class BlockPlan:
     q_count: Tensor
     q_idx: Tensor
     q_tile: Tensor
+    q_slot: Tensor
     bank: Tensor
     span: Tensor
     tiles: int
@@ -110,13 +113,14 @@ class BlockPlan:
 
     def nbytes(self) -> int:
         """Bytes held by the plan's tensors (index and bank)."""
-        ts = (self.kv_count, self.kv_idx, self.kv_tile, self.q_count, self.q_idx, self.q_tile, self.bank, self.span)
+        ts = (self.kv_count, self.kv_idx, self.kv_tile, self.q_count, self.q_idx, self.q_tile, self.q_slot, self.bank,
+              self.span)
         return sum(t.numel() * t.element_size() for t in ts)
 
     def numpy(self) -> dict[str, Any]:
         """The index and bank as contiguous NumPy arrays (CPU plans; cached)."""
         if self._numpy is None:
-            names = ("kv_count", "kv_idx", "kv_tile", "q_count", "q_idx", "q_tile", "bank", "span")
+            names = ("kv_count", "kv_idx", "kv_tile", "q_count", "q_idx", "q_tile", "q_slot", "bank", "span")
             self._numpy = {n: getattr(self, n).contiguous().numpy() for n in names}
         return self._numpy
 
@@ -138,6 +142,25 @@ def _compact(sel: Tensor, tile_id: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     idx = torch.where(valid, order, torch.zeros_like(order)).to(torch.int32)
     tiles = torch.where(valid, tile_id.gather(-1, order), torch.full_like(order, PAD_TILE)).to(torch.int32)
     return counts, idx.contiguous(), tiles.contiguous()
+
+
+def _slots(kv_count: Tensor, kv_idx: Tensor, q_count: Tensor, q_idx: Tensor, nk: int) -> Tensor:
+    """int32 ``(B', H', NK, CQ)``: the position in ``kv_idx[b', h', qb]`` of each transposed entry ``(kb, qb)``."""
+    bd, hd, nq, ck = kv_idx.shape
+    dev = kv_idx.device
+    valid = torch.arange(ck, device=dev) < kv_count.unsqueeze(-1)
+    b, h, qb, c = valid.nonzero(as_tuple=True)
+    # (b', h', qb, kb) -> c, stored sparsely as a flat key
+    key = ((b * hd + h) * nq + qb) * nk + kv_idx[b, h, qb, c].long()
+    order = key.argsort()
+    skeys, svals = key[order], c[order]
+    cq = q_idx.shape[-1]
+    tvalid = torch.arange(cq, device=dev) < q_count.unsqueeze(-1)
+    b2, h2, kb2, c2 = tvalid.nonzero(as_tuple=True)
+    want = ((b2 * hd + h2) * nq + q_idx[b2, h2, kb2, c2].long()) * nk + kb2
+    out = torch.zeros(q_idx.shape, dtype=torch.int32, device=dev)
+    out[b2, h2, kb2, c2] = svals[torch.searchsorted(skeys, want)].to(torch.int32)
+    return out.contiguous()
 
 
 def _bank(mask: Mask, geom: Geometry, parts: Tensor, bq: int, bk: int) -> Tensor:
@@ -206,7 +229,8 @@ def _build(mask: Mask | None, B: int, H: int, L: int, S: int, bq: int, bk: int, 
     visit = state != SKIP
     kv_count, kv_idx, kv_tile = _compact(visit, tile_id)
     q_count, q_idx, q_tile = _compact(visit.transpose(-1, -2), tile_id.transpose(-1, -2))
-    return BlockPlan(L, S, (bq, bk), kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, _spans(bank),
+    q_slot = _slots(kv_count, kv_idx, q_count, q_idx, nk)
+    return BlockPlan(L, S, (bq, bk), kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank, _spans(bank),
                      tiles=int(visit.sum()), attended_pairs=_pairs(state, bank, L, S, bq, bk))
 
 
