@@ -73,7 +73,7 @@ def hash_scores(seed: int, h: Tensor, a: Tensor, b: Tensor) -> Tensor:
     sequence length, chunking or device.
     """
     P = 2147483647
-    x = (h * 1000003 + seed * 7919 + 12345) % P
+    x = (h * 1000003 + (seed % P) * 7919 + 12345) % P
     for v in (a, b):
         x = (x * 48271 + (v % P + P) % P) % P
         x = (x * 16807 + 11) % P
