@@ -248,8 +248,9 @@ def _cmd_plot(args: argparse.Namespace, reg: Registry, spec: Any) -> int:
     attn = reg.build(spec.qualified_name if spec.distribution else spec.name, **options)
     picture = pattern_picture(attn, L, L, causal=args.causal)
     if picture is None:
-        raise UsageError(f"describe --plot: {spec.name!r} has no static pattern (its attention.pattern_mask() is "
-                         "None: dense, content-based or kernelized); nothing to draw")
+        raise UsageError(f"describe --plot: {spec.name!r} has no static pattern of its own (its pattern_mask() is "
+                         "None: dense, content-based or kernelized attention, or one that runs the caller's mask); "
+                         "nothing to draw")
     allowed, state, (bq, bk) = picture
     import numpy as np
 
