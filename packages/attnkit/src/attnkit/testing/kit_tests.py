@@ -1,4 +1,4 @@
-"""The items ``pytest --attnkit-check NAME`` adds (see :mod:`attnkit.testing.pytest_plugin`).
+"""The items ``pytest --attnkit-check NAME`` adds (see :mod:`attnkit_pytest`).
 
 pytest collects this module only when the option is given; the plugin
 parametrises :func:`test_attnkit_conformance` over every (NAME, check) pair.

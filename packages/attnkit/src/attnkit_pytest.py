@@ -2,8 +2,10 @@
 
 Registered through the ``pytest11`` entry point of the ``attnkit``
 distribution, so every pytest run in an environment with attnkit loads this
-module. It must stay cheap: it imports neither torch nor attnkit, and loads no
-attnkit plugin or registry, until ``--attnkit-check`` is given. Without the
+module. It must stay cheap: it is a top-level module of the distribution (not
+inside the ``attnkit`` package, whose ``__init__`` imports torch), and it
+imports neither torch nor attnkit, nor loads any attnkit plugin or registry,
+until ``--attnkit-check`` is given. Without the
 option it adds no test and changes nothing.
 
 With ``--attnkit-check NAME`` (repeatable; ``NAME@key=value,key=value`` adds
@@ -25,13 +27,24 @@ option in your configuration to make it the default::
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 _KEY = pytest.StashKey[list]()
-_KIT_TESTS = Path(__file__).with_name("kit_tests.py")
+
+
+def _kit_tests() -> Path:
+    """``attnkit/testing/kit_tests.py``, found without importing attnkit (finding a spec runs no code)."""
+    spec = importlib.util.find_spec("attnkit")
+    if spec is None or not spec.submodule_search_locations:
+        raise pytest.UsageError("--attnkit-check: the attnkit package cannot be found in this environment")
+    return Path(next(iter(spec.submodule_search_locations))) / "testing" / "kit_tests.py"
+
+
+
 _FIXTURES = ("attnkit_name", "attnkit_mechanism", "attnkit_build")
 
 
@@ -84,7 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_KEY] = [_parse(e) for e in entries]
     config.addinivalue_line("markers", "attnkit_conformance: a check of the attnkit conformance kit")
     # the kit's items live in one module; collect it beside whatever else was asked for
-    config.args.append(str(_KIT_TESTS))
+    config.args.append(str(_kit_tests()))
 
 
 def _label(name: str, options: dict[str, Any]) -> str:
@@ -95,7 +108,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     targets = metafunc.config.stash.get(_KEY, None)
     if not targets:
         return
-    if metafunc.definition.name == "test_attnkit_conformance" and Path(str(metafunc.definition.path)) == _KIT_TESTS:
+    if metafunc.definition.name == "test_attnkit_conformance" and Path(str(metafunc.definition.path)) == _kit_tests():
         from attnkit.testing.checks import CHECKS
 
         cases = [(name, opts, check) for name, opts in targets for check in CHECKS]
