@@ -284,3 +284,16 @@ def test_numba_backward_without_the_ds_buffer(monkeypatch):
     for case in ("causal_window", "random_per_head", "empty_rows", "block_16x32"):
         L, S, make, kw = CASES[case]
         agree("numba", *inputs(L, S), make(), **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_a_nan_query_gives_nan_in_its_own_row_only(backend):
+    q, k, v = inputs(37, 37)
+    q[0, 0, 20] = float("nan")
+    m = masks.causal() & masks.sliding_window(20)
+    out = attend(q, k, v, m, backend=backend, block_size=16)
+    assert torch.isnan(out[0, 0, 20]).all()
+    clean = torch.ones_like(out, dtype=torch.bool)
+    clean[0, 0, 20] = False
+    ref = reference_attend(q.nan_to_num(), k, v, m)
+    torch.testing.assert_close(out[clean], ref[clean], **TOL[torch.float64])

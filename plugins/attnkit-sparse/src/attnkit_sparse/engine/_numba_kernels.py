@@ -53,16 +53,17 @@ _SC, _NINF, _LOG2E, _LN2_HI, _LN2_LO, _LO, _HALF, _POLY = range(8)
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _exp_row(x, n, out, nbuf, cst, is32):  # pragma: no cover - compiled
-    """``out[:n] = exp(x[:n])`` for ``x <= ~0``, 0 below the underflow bound (and for ``-inf``), in
-    vectorisable passes; ``x`` is overwritten with the reduced argument, ``nbuf`` is int32 scratch."""
+    """``out[:n] = exp(x[:n])`` for ``x <= ~0``, 0 below the underflow bound (and for ``-inf``), NaN for NaN,
+    in vectorisable passes; ``x`` is overwritten with the reduced argument, ``nbuf`` is int32 scratch."""
     lo = cst[_LO]; log2e = cst[_LOG2E]; c1 = cst[_LN2_HI]; c2 = cst[_LN2_LO]
     half = cst[_HALF]
     for j in range(n):
         xj = x[j]
         under = xj <= lo
-        xc = lo if under else xj
+        nan = xj != xj
+        xc = lo if (under or nan) else xj
         ni = np.int32(half - xc * log2e)      # round(-xc·log2 e) by truncation (xc <= ~0)
-        nbuf[j] = -1000 if under else -ni
+        nbuf[j] = 2000 if nan else (-1000 if under else -ni)
         x[j] = (xc + ni * c1) + ni * c2
         out[j] = cst[_POLY]
     K = cst.shape[0]
@@ -74,12 +75,12 @@ def _exp_row(x, n, out, nbuf, cst, is32):  # pragma: no cover - compiled
         oi = out.view(np.int32)
         for j in range(n):
             e = nbuf[j]
-            oi[j] = (oi[j] + (e << 23)) if e > -1000 else 0
+            oi[j] = (oi[j] + (e << 23)) if e > -1000 and e < 2000 else (0 if e <= -1000 else 0x7FC00000)
     else:
         ol = out.view(np.int64)
         for j in range(n):
             e = np.int64(nbuf[j])
-            ol[j] = (ol[j] + (e << 52)) if e > -1000 else 0
+            ol[j] = (ol[j] + (e << 52)) if e > -1000 and e < 2000 else (0 if e <= -1000 else 0x7FF8000000000000)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -244,8 +245,10 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
                 row = Sc[i]
                 mx = ninf
                 for j in range(kn):
-                    mx = max(mx, row[j])
-                mnew = max(m[i], mx)
+                    x = row[j]
+                    mx = x if (x > mx or x != x) else mx    # NaN propagates (NaN in, NaN out)
+                mi = m[i]
+                mnew = mi if (mi > mx or mi != mi) else mx
                 if mnew == ninf:
                     for j in range(kn):
                         row[j] = 0
@@ -272,7 +275,7 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
                     _axpy_rows(acc, g, gn, Sc, g, vs, k0, c0, c1, 0, E)
         for i in range(qn):
             o = out[n, q0 + i]
-            if lsum[i] > 0:
+            if lsum[i] > 0 or lsum[i] != lsum[i]:
                 r = 1 / lsum[i]
                 for e in range(E):
                     o[e] = acc[i, e] * r
