@@ -245,12 +245,12 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
                 row = Sc[i]
                 mx = ninf
                 for j in range(kn):
-                    x = row[j]
-                    mx = x if (x > mx or x != x) else mx    # NaN propagates (NaN in, NaN out)
-                mi = m[i]
-                mnew = mi if (mi > mx or mi != mi) else mx
+                    mx = max(mx, row[j])
+                mnew = max(m[i], mx)
                 if mnew == ninf:
                     for j in range(kn):
+                        if row[j] != row[j]:  # NaN in, NaN out (NaN scores elsewhere reach lsum through exp)
+                            lsum[i] = row[j]
                         row[j] = 0
                     continue
                 for j in range(kn):
