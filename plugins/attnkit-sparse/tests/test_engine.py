@@ -297,3 +297,21 @@ def test_a_nan_query_gives_nan_in_its_own_row_only(backend):
     clean[0, 0, 20] = False
     ref = reference_attend(q.nan_to_num(), k, v, m)
     torch.testing.assert_close(out[clean], ref[clean], **TOL[torch.float64])
+
+
+def test_numba_op_traces_in_torch_compile_fullgraph():
+    """torch.compile sees the numba kernels as one operator (no graph break), forward and backward."""
+    from attnkit_sparse.engine import numba_ops
+    q, k, v = (t.requires_grad_() for t in inputs(40, 40, torch.float32))
+    m = masks.causal() & masks.sliding_window(15)
+    p = plan(m, B, H, 40, 40, block_size=16)
+
+    def loss(q, k, v):
+        out, _ = numba_ops.numba_block_attention(q, k, v, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx,
+                                                 p.q_tile, p.q_slot, p.bank, p.span, 16, 16, 0.25)
+        return (out * out).sum()
+
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    want = torch.autograd.grad((reference_attend(q, k, v, m, scale=0.25) ** 2).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
