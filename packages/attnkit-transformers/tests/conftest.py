@@ -10,8 +10,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import attnkit_transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
+
+import attnkit_transformers  # noqa: E402
 
 VOCAB = 97
 

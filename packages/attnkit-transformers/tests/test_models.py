@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import attnkit_transformers
 import pytest
 import torch
 from conftest import VOCAB, make_model, twin
 
 import attnkit
+import attnkit_transformers
 from attnkit import UnsupportedFeatureError
 
 KINDS = ["llama", "gpt2"]

@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attnkit_sparse.engine import attend, plan
 
 from attnkit import masks
+from attnkit_sparse.engine import attend, plan
 
 B, H, D = 1, 8, 64
 

@@ -6,6 +6,10 @@ import itertools
 
 import pytest
 import torch
+
+import attnkit
+from attnkit.masks import FULL, SKIP, Geometry, _reduce_blocks
+from attnkit.positions import Positions
 from attnkit_sparse.patterns import (
     axial_mask,
     bigbird_mask,
@@ -19,10 +23,6 @@ from attnkit_sparse.patterns import (
     random_mask,
     strided_mask,
 )
-
-import attnkit
-from attnkit.masks import FULL, SKIP, Geometry, _reduce_blocks
-from attnkit.positions import Positions
 
 PATTERNS = {
     "dilated": lambda c: dilated_mask(4, 3, c),

@@ -11,14 +11,14 @@ import dataclasses
 
 import pytest
 import torch
-from attnkit_sparse import engine
-from attnkit_sparse.engine import attend, available_backends, plan, reference_attend, why_unavailable
-from attnkit_sparse.engine import flex as flex_backend
 
 import attnkit
 from attnkit import masks
 from attnkit.errors import BackendUnavailableError, InvalidInputError
 from attnkit.positions import Positions
+from attnkit_sparse import engine
+from attnkit_sparse.engine import attend, available_backends, plan, reference_attend, why_unavailable
+from attnkit_sparse.engine import flex as flex_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

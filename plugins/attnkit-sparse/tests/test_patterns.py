@@ -6,6 +6,10 @@ import math
 
 import pytest
 import torch
+from conftest import dense
+
+import attnkit
+from attnkit.masks import from_function
 from attnkit_sparse.patterns import (
     axial_mask,
     bigbird_mask,
@@ -20,10 +24,6 @@ from attnkit_sparse.patterns import (
     random_mask,
     strided_mask,
 )
-from conftest import dense
-
-import attnkit
-from attnkit.masks import from_function
 
 
 def brute(L, rule, S=None):
