@@ -171,3 +171,54 @@ def test_large_block_index_never_materialises_the_dense_mask():
     assert bi.num_blocks == (512, 512)
     counts, _ = bi.kv_indices()
     assert counts.max().item() == 3  # a 256-key window touches at most 3 key blocks of 128
+
+
+# ------------------------------------------------ analytic bands: causal & windows classified without evaluation
+BANDS = {
+    "window&causal": lambda S: M.sliding_window(5) & M.causal(),
+    "causal&window-both": lambda S: M.causal() & M.sliding_window(4, 3),
+    "two-windows": lambda S: M.sliding_window(6, 2) & M.sliding_window(3, 5),
+    "empty-band": lambda S: M.sliding_window(3) & M.sliding_window(0, 0) & M.causal() & M.sliding_window(9, 0),
+    "band&padding": lambda S: M.sliding_window(4) & M.causal() & M.key_padding(KPM[:, :S]),
+}
+
+
+@pytest.mark.parametrize("name", list(BANDS))
+@pytest.mark.parametrize("L,S", [(13, 13), (9, 13), (13, 7)])
+@pytest.mark.parametrize("block", [(4, 4), (5, 3), (1, 13), (16, 16), (3, 1)])
+def test_band_compositions_match_element_evaluation(name, L, S, block):
+    m = BANDS[name](S)
+    g = geom(L=L, S=S)
+    dense = m.dense(g).expand(2, 1, L, S)
+    got = m.block_index(2, 3, L, S, block_size=block).state
+    assert torch.equal(got.expand(2, 1, *got.shape[2:]), expected_states(dense, *block)), (name, L, S, block)
+    # the same states as evaluating every element (the generic path)
+    by_eval = m._blocks_by_evaluation(g, *block)
+    assert torch.equal(got.expand_as(by_eval), by_eval)
+
+
+@pytest.mark.parametrize("pos", [torch.arange(100, 113)[None], torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 5, 6, 7, 8, 9]]),
+                                 torch.tensor([[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24]])])
+def test_band_compositions_with_explicit_positions_stay_exact(pos):
+    # consecutive positions (an offset) take the analytic path; gaps or restarts fall back to evaluation
+    for make in BANDS.values():
+        m = make(13)
+        g = geom(L=13, S=13, positions=Positions(q=pos))
+        dense = m.dense(g).expand(2, 1, 13, 13)
+        for block in [(4, 4), (5, 3)]:
+            got = m.block_index(2, 3, 13, 13, block_size=block, positions=Positions(q=pos)).state
+            assert torch.equal(got.expand(2, 1, *got.shape[2:]), expected_states(dense, *block))
+
+
+def test_band_composition_classifies_a_long_window_without_refining(monkeypatch):
+    m = M.sliding_window(255) & M.causal()
+
+    def no_refine(*args, **kwargs):
+        raise AssertionError("the band composition should not evaluate elements")
+
+    monkeypatch.setattr(type(m), "_refine", no_refine)
+    bi = m.block_index(1, 1, 65536, 65536, block_size=64)
+    st = bi.state[0, 0]
+    assert int((st == PARTIAL).sum()) == 1024 + 1020   # diagonal tiles, and the far edge of full windows
+    assert int((st == FULL).sum()) == 3 * 1024 - 6
+    assert st[10, 10] == PARTIAL and st[10, 6] == PARTIAL and st[10, 7] == FULL and st[10, 5] == SKIP

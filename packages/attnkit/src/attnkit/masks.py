@@ -135,9 +135,40 @@ def _reduce_blocks(keep: Tensor, L: int, S: int, bq: int, bk: int) -> Tensor:
 
 
 def _states(full: Tensor, any_: Tensor) -> Tensor:
-    out = torch.where(any_, torch.full_like(any_, PARTIAL, dtype=torch.int8),
-                      torch.full_like(any_, SKIP, dtype=torch.int8))
-    return torch.where(full & any_, torch.full_like(out, FULL), out)
+    # SKIP = 0, PARTIAL = 1, FULL = 2: any + (full and any)
+    return any_.to(torch.int8) + (full & any_).to(torch.int8)
+
+
+def _consecutive_positions(geom: Geometry) -> bool:
+    """Query and key positions each step by exactly 1 (the default alignment, or an offset)."""
+    if geom.positions is None:
+        return True
+    return all(bool((p.diff(dim=-1) == 1).all()) for p in geom.pos())
+
+
+def _band_blocks(geom: Geometry, lo: float, hi: float, bq: int, bk: int) -> Tensor:
+    """Block states ``(B', 1, NQ, NK)`` of the band ``lo <= q_pos - kv_pos <= hi`` from per-block min/max positions.
+
+    FULL and SKIP-free (``any``) use the extreme differences ``q_min - kv_max`` and ``q_max - kv_min``,
+    which some pair of the tile attains, so FULL is exact for any positions; ``any`` is exact when the
+    differences inside a tile leave no gap (positions contiguous within blocks, e.g. the default).
+    """
+    qp, kp = geom.pos()
+    qlo, qhi = _block_minmax(qp, geom.L, bq)
+    klo, khi = _block_minmax(kp, geom.S, bk)
+    if lo > hi or qlo.numel() == 0 or klo.numel() == 0:
+        return torch.zeros(qlo.shape[0], 1, qlo.shape[1], klo.shape[1], dtype=torch.int8, device=qlo.device)
+    # compare in the positions' range (an infinite bound is one no difference reaches)
+    base = min(int(qlo.min()), int(klo.min()))
+    span = max(int(qhi.max()), int(khi.max())) - base + 1
+    lo_, hi_ = max(lo, -span), min(hi, span)
+    dt = torch.int32 if span < (1 << 30) else torch.int64   # differences of positions shifted by base
+    qlo, qhi = (qlo - base).to(dt)[:, :, None], (qhi - base).to(dt)[:, :, None]
+    klo, khi = (klo - base).to(dt)[:, None, :], (khi - base).to(dt)[:, None, :]
+    dmin, dmax = qlo - khi, qhi - klo
+    full = (dmin >= lo_) & (dmax <= hi_)
+    any_ = (dmax >= lo_) & (dmin <= hi_)
+    return _states(full, any_)[:, None]
 
 
 # ============================================================== block index
@@ -232,6 +263,15 @@ class Mask:
     def _blocks(self, geom: Geometry, bq: int, bk: int) -> Tensor:
         """Block states ``(B', H', NQ, NK)``; default: evaluate the mask a band of query rows at a time."""
         return self._blocks_by_evaluation(geom, bq, bk)
+
+    def _band(self) -> tuple[float, float] | None:
+        """``(lo, hi)`` when the mask is exactly ``lo <= q_pos - kv_pos <= hi`` (a position band), else None."""
+        return None
+
+    def _shift_invariant(self, geom: Geometry) -> bool:
+        """True when, on ``geom``, the mask depends only on ``q_idx - kv_idx`` (not on b, h or the indices
+        themselves), so two tiles with the same offset and the same valid region have the same element mask."""
+        return False
 
     def check(self, geom: Geometry, where: str = "forward") -> None:
         """Raise :class:`InvalidInputError` when the mask cannot apply to this shape/device."""
@@ -414,13 +454,14 @@ class _Causal(Mask):
         qp, kp = geom.pos()
         return _gather(qp, b, qi) >= _gather(kp, b, ki)
 
+    def _band(self):
+        return (0, math.inf)
+
+    def _shift_invariant(self, geom):
+        return geom.positions is None
+
     def _blocks(self, geom, bq, bk):
-        qp, kp = geom.pos()
-        qlo, qhi = _block_minmax(qp, geom.L, bq)
-        klo, khi = _block_minmax(kp, geom.S, bk)
-        full = khi[:, None, :] <= qlo[:, :, None]
-        any_ = klo[:, None, :] <= qhi[:, :, None]
-        return _states(full, any_)[:, None]
+        return _band_blocks(geom, 0, math.inf, bq, bk)
 
     def __repr__(self) -> str:
         return "causal()"
@@ -439,14 +480,14 @@ class _SlidingWindow(Mask):
         d = _gather(qp, b, qi) - _gather(kp, b, ki)  # how far back the key is
         return (d <= self.before) & (d >= -self.after)
 
+    def _band(self):
+        return (-self.after, self.before)
+
+    def _shift_invariant(self, geom):
+        return geom.positions is None
+
     def _blocks(self, geom, bq, bk):
-        qp, kp = geom.pos()
-        qlo, qhi = _block_minmax(qp, geom.L, bq)
-        klo, khi = _block_minmax(kp, geom.S, bk)
-        qlo, qhi, klo, khi = qlo[:, :, None], qhi[:, :, None], klo[:, None, :], khi[:, None, :]
-        full = (qhi - klo <= self.before) & (khi - qlo <= self.after)
-        any_ = (qlo - khi <= self.before) & (klo - qhi <= self.after)
-        return _states(full, any_)[:, None]
+        return _band_blocks(geom, -self.after, self.before, bq, bk)
 
     def __repr__(self) -> str:
         return f"sliding_window(before={self.before}, after={self.after})"
@@ -610,6 +651,27 @@ class _Function(Mask):
         return f"from_function({self.name!r})"
 
 
+class _Band(Mask):
+    """``lo <= q_pos - kv_pos <= hi``: the ``&`` of causal and sliding-window parts, classified in one pass."""
+
+    uses_positions = True
+
+    def __init__(self, lo: float, hi: float) -> None:
+        super().__init__()
+        self.lo, self.hi = lo, hi
+
+    def _keep(self, b, h, qi, ki, geom):
+        qp, kp = geom.pos()
+        d = _gather(qp, b, qi) - _gather(kp, b, ki)
+        return (d >= self.lo) & (d <= self.hi)
+
+    def _band(self):
+        return (self.lo, self.hi)
+
+    def _blocks(self, geom, bq, bk):
+        return _band_blocks(geom, self.lo, self.hi, bq, bk)
+
+
 class _Compound(Mask):
     op = "&"
 
@@ -641,8 +703,16 @@ class _Compound(Mask):
             keep = k if keep is None else self._combine_keep(keep, k)
         return keep
 
+    def _shift_invariant(self, geom):
+        return all(p._shift_invariant(geom) for p in self.parts)
+
+    def _block_parts(self, geom: Geometry) -> list[Mask]:
+        return self.parts
+
     def _blocks(self, geom, bq, bk):
-        states = [p._blocks(geom, bq, bk) for p in self.parts]
+        states = [p._blocks(geom, bq, bk) for p in self._block_parts(geom)]
+        if len(states) == 1:
+            return states[0]
         shape = torch.broadcast_shapes(*(s.shape for s in states))
         out = states[0].expand(shape)
         for s in states[1:]:
@@ -664,6 +734,24 @@ class _And(_Compound):
 
     def conjuncts(self):
         return [c for p in self.parts for c in p.conjuncts()]
+
+    def _band(self):
+        bands = [p._band() for p in self.parts]
+        if any(b is None for b in bands):
+            return None
+        return max(b[0] for b in bands), min(b[1] for b in bands)  # type: ignore[index]
+
+    def _block_parts(self, geom):
+        # position bands (causal, sliding windows) intersect into one band, classified exactly from block
+        # min/max positions when positions are contiguous within blocks (the default): no tile needs _refine
+        if not _consecutive_positions(geom):
+            return self.parts
+        bands = [p for p in self.parts if p._band() is not None]
+        if len(bands) < 2:
+            return self.parts
+        lo = max(p._band()[0] for p in bands)  # type: ignore[index]
+        hi = min(p._band()[1] for p in bands)  # type: ignore[index]
+        return [_Band(lo, hi)] + [p for p in self.parts if p._band() is None]
 
     @staticmethod
     def _combine_keep(a: Tensor, b: Tensor) -> Tensor:
