@@ -217,6 +217,31 @@ def test_plan_tiles_match_the_block_index():
             assert fwd == bwd
 
 
+@pytest.mark.parametrize("L,S,block", [(1000, 1000, (64, 64)), (300, 517, (16, 32)), (517, 300, (32, 16))])
+@pytest.mark.parametrize("make", [lambda: masks.causal() & masks.sliding_window(100),
+                                  lambda: masks.sliding_window(40, 17) | masks.causal()])
+def test_band_tiles_share_bank_entries_and_each_tile_reads_its_exact_mask(make, L, S, block):
+    m = make()
+    bq, bk = block
+    p = plan(m, 1, 2, L, S, block_size=block)
+    dense = m.dense(attnkit.masks.Geometry(1, 2, L, S, torch.device("cpu")))[0, 0]
+    n_partial = int((p.kv_tile >= 0).sum())
+    assert p.bank.shape[0] <= 12 < n_partial                        # a handful of offsets, not one per tile
+    assert p.attended_pairs == int(dense.sum())
+    for qb in range(p.num_blocks[0]):
+        for c in range(int(p.kv_count[0, 0, qb])):
+            kb, t = int(p.kv_idx[0, 0, qb, c]), int(p.kv_tile[0, 0, qb, c])
+            want = torch.zeros(bq, bk, dtype=torch.bool)
+            tile = dense[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+            want[:tile.shape[0], :tile.shape[1]] = tile
+            if t == -1:                                              # FULL: every pair inside L x S
+                got = torch.zeros(bq, bk, dtype=torch.bool)
+                got[:tile.shape[0], :tile.shape[1]] = True
+            else:
+                got = p.bank[t]
+            assert torch.equal(got, want), (qb, kb, t)
+
+
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_long_sparse_sequence_runs_in_memory_of_the_attended_tiles(backend):
     L = 16384                                         # an (L, L) float64 score matrix would be 2 GiB

@@ -135,6 +135,7 @@ def _compact(sel: Tensor, tile_id: Tensor) -> tuple[Tensor, Tensor, Tensor, Tens
     """Per row of ``sel (..., N)``: count, selected column indices ascending, their tile ids (padded), and
     ``pos (..., N)``: each selected column's position in its row (a cumulative sum and one scatter;
     no sort, so 64K x 64K indices build in milliseconds)."""
+    sel, tile_id = sel.contiguous(), tile_id.contiguous()  # the transposed index: a strided cumsum is slow
     counts = sel.sum(-1, dtype=torch.int32)
     width = max(1, int(counts.max()) if counts.numel() else 1)
     pos = sel.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1
@@ -194,14 +195,32 @@ def _spans(bank: Tensor) -> Tensor:
 
 
 def _pairs(kv_idx: Tensor, kv_tile: Tensor, bank: Tensor, L: int, S: int, bq: int, bk: int) -> int:
-    """Allowed (query, key) pairs: FULL tiles by their (possibly ragged) size plus the bank's True entries."""
+    """Allowed (query, key) pairs: FULL tiles by their (possibly ragged) size plus, per PARTIAL tile, the
+    True entries of its bank entry (entries may be shared by several tiles)."""
     nq = kv_idx.shape[-2]
     dev = kv_idx.device
     rows = torch.full((nq,), bq, dtype=torch.int64, device=dev)
     rows[-1] = L - (nq - 1) * bq
     cols = torch.minimum(S - kv_idx.long() * bk, torch.tensor(bk, device=dev))
     full = (kv_tile == FULL_TILE).long()
-    return int((full * cols * rows.view(nq, 1)).sum()) + int(torch.count_nonzero(bank))
+    per_entry = bank.flatten(1).sum(-1)
+    partial = kv_tile[kv_tile >= 0].long()
+    return int((full * cols * rows.view(nq, 1)).sum()) + int(per_entry[partial].sum())
+
+
+def _shared_entries(parts: Tensor, nq: int, nk: int, bq: int, bk: int, L: int, S: int) -> tuple[Tensor, Tensor]:
+    """For a mask that depends only on ``q_idx - kv_idx``: one representative per distinct element mask.
+
+    A tile's mask is fixed by its offset ``qb·BQ - kb·BK`` and whether it is the ragged last query / key
+    block. Returns ``(representatives (U,) into parts, entry (P,) in [0, U))``."""
+    offset = parts[:, 2] * bq - parts[:, 3] * bk
+    ragged_q = (parts[:, 2] == nq - 1) & (L % bq != 0)
+    ragged_k = (parts[:, 3] == nk - 1) & (S % bk != 0)
+    key = (offset - (offset.min() if offset.numel() else 0)) * 4 + ragged_q.long() * 2 + ragged_k.long()
+    uniq, entry = torch.unique(key, return_inverse=True)
+    rep = torch.empty(uniq.shape[0], dtype=torch.long, device=parts.device)
+    rep.scatter_(0, entry, torch.arange(parts.shape[0], device=parts.device))  # any tile of a group will do
+    return rep, entry
 
 
 def _build(mask: Mask | None, B: int, H: int, L: int, S: int, bq: int, bk: int, device: torch.device,
@@ -217,8 +236,13 @@ def _build(mask: Mask | None, B: int, H: int, L: int, S: int, bq: int, bk: int, 
     partial = state == PARTIAL
     parts = partial.nonzero()
     tile_id = torch.full(state.shape, FULL_TILE, dtype=torch.int64, device=device)
-    tile_id[partial] = torch.arange(parts.shape[0], device=device)
-    if parts.shape[0]:
+    if parts.shape[0] and mask._shift_invariant(geom):  # type: ignore[union-attr]
+        # causal / window bands: tiles at the same offset share one element mask (a handful of entries)
+        rep, entry = _shared_entries(parts, nq, nk, bq, bk, L, S)
+        tile_id[partial] = entry
+        bank = _bank(mask, geom, parts[rep], bq, bk)  # type: ignore[arg-type]
+    elif parts.shape[0]:
+        tile_id[partial] = torch.arange(parts.shape[0], device=device)
         bank = _bank(mask, geom, parts, bq, bk)  # type: ignore[arg-type]
     else:
         bank = torch.zeros(0, bq, bk, dtype=torch.bool, device=device)
