@@ -236,14 +236,3 @@ def test_the_contract_does_not_import_the_registry():
         tree = ast.parse((src / module).read_text(encoding="utf-8"))
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not {"registry", "cli", "testing"} & imported, (module, imported)
-
-
-def test_flex_runs_on_cpu_only_when_asked_for_by_name():
-    """FlexAttention has no CPU backward: automatic dispatch keeps it to CUDA, a forced flex runs the CPU forward."""
-    cpu = torch.device("cpu")
-    backends.clear_cache()
-    assert "asked for by name" in backends.why_unavailable("flex", cpu)
-    assert backends.why_unavailable("flex", cpu, forced=True) is None
-    common = dict(implementation="x", offered=("flex", "torch"), device=cpu)
-    assert backends.select_backend(**common, needs_grad=False) == "torch"
-    assert backends.select_backend(**common, requested="flex", needs_grad=False) == "flex"

@@ -2,7 +2,7 @@
 
 Backends are named strings: ``torch`` (the readable path, any device),
 ``sdpa`` (``torch.nn.functional.scaled_dot_product_attention``), ``flex``
-(FlexAttention, CUDA; on CPU forward-only, when forced), ``numba`` (CPU kernels) and ``triton`` (CUDA kernels;
+(FlexAttention, CUDA), ``numba`` (CPU kernels) and ``triton`` (CUDA kernels;
 also runnable on CPU tensors under ``TRITON_INTERPRET=1`` when forced).
 Availability is checked lazily, never imports a kernel module, and is cached
 per (backend, device type, forced, ``TRITON_INTERPRET``); :func:`clear_cache`
@@ -136,12 +136,9 @@ def _why_unavailable(backend: str, device: torch.device, *, forced: bool = False
             return "triton is not installed (pip install triton)"
         return None
     if backend == "flex":
-        # on CPU, compiled FlexAttention runs the forward only (PyTorch has no CPU backward): chosen by
-        # name it runs (the implementation refuses gradients there); automatic dispatch keeps to CUDA
-        if device.type == "cuda" or (forced and device.type == "cpu"):
-            return None
-        return (f"FlexAttention runs compiled on CUDA tensors (on CPU only when asked for by name, forward "
-                f"only), the tensors are on {device.type}")
+        if device.type != "cuda":
+            return f"FlexAttention runs compiled on CUDA tensors, the tensors are on {device.type}"
+        return None
     # a third party's backend: assume available; its implementation decides
     return None
 
