@@ -287,7 +287,9 @@ def test_availability():
     cpu = torch.device("cpu")
     assert {"torch", "numba", "flex"} <= set(available_backends(cpu))
     assert why_unavailable("numba", "cuda") is not None
-    assert "TRITON_INTERPRET" in (why_unavailable("triton", cpu) or "TRITON_INTERPRET")
+    # on CPU triton runs only in the interpreter (or is not installed at all, as in the plugin's own session)
+    reason = why_unavailable("triton", cpu)
+    assert reason is None or "TRITON_INTERPRET" in reason or "not installed" in reason
     assert engine.auto_backend(cpu) == "numba"
     assert set(engine.BACKENDS) == {"torch", "numba", "flex", "triton"}
 

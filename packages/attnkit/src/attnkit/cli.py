@@ -236,6 +236,8 @@ def _cmd_plot(args: argparse.Namespace, reg: Registry, spec: Any) -> int:
     L = 64 if args.length is None else args.length
     if L < 1:
         raise UsageError(f"describe --length: expected an int >= 1, got {L}")
+    # the caller's own values are checked first: a wrong option is reported whether or not matplotlib is here
+    options = parse_options(spec, args.option) if args.option else {}
     try:
         import matplotlib
     except ImportError:
@@ -244,7 +246,6 @@ def _cmd_plot(args: argparse.Namespace, reg: Registry, spec: Any) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    options = parse_options(spec, args.option) if args.option else {}
     attn = reg.build(spec.qualified_name if spec.distribution else spec.name, **options)
     picture = pattern_picture(attn, L, L, causal=args.causal)
     if picture is None:
