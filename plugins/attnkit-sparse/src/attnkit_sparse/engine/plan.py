@@ -131,33 +131,23 @@ class BlockPlan:
                 f"max_kv={self.kv_idx.shape[-1]})")
 
 
-def _compact(sel: Tensor, tile_id: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per row of ``sel (..., N)``: count, selected column indices ascending, their tile ids (padded), and
-    ``pos (..., N)``: each selected column's position in its row (a cumulative sum and one scatter;
-    no sort, so 64K x 64K indices build in milliseconds)."""
-    sel, tile_id = sel.contiguous(), tile_id.contiguous()  # the transposed index: a strided cumsum is slow
-    counts = sel.sum(-1, dtype=torch.int32)
+def _rows(b: Tensor, h: Tensor, row: Tensor, col: Tensor, tile: Tensor, dims: tuple[int, int, int],
+          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Compact entries ``(b, h, row, col, tile)`` sorted by ``(b, h, row)`` (then ``col`` ascending) into per-row
+    ``counts (B', H', R)``, ``idx``/``tiles (B', H', R, C)`` (padding 0 / -2) and each entry's slot ``c`` in its row.
+    Works on the K attended entries only (a bincount and a scatter): no pass over the ``(NQ, NK)`` grid."""
+    bp, hp, nrow = dims
+    dev = row.device
+    flat = (b * hp + h) * nrow + row
+    counts = torch.bincount(flat, minlength=bp * hp * nrow)
+    start = counts.cumsum(0) - counts
+    slot = torch.arange(flat.shape[0], device=dev) - start[flat]
     width = max(1, int(counts.max()) if counts.numel() else 1)
-    pos = sel.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1
-    where = sel.nonzero(as_tuple=True)
-    lead, col = where[:-1], where[-1]
-    slot = pos[where].long()
-    idx = torch.zeros(*sel.shape[:-1], width, dtype=torch.int32, device=sel.device)
-    tiles = torch.full((*sel.shape[:-1], width), PAD_TILE, dtype=torch.int32, device=sel.device)
-    idx[(*lead, slot)] = col.to(torch.int32)
-    tiles[(*lead, slot)] = tile_id[where].to(torch.int32)
-    return counts, idx, tiles, pos
-
-
-def _slots(pos: Tensor, q_count: Tensor, q_idx: Tensor) -> Tensor:
-    """int32 ``(B', H', NK, CQ)``: the position in ``kv_idx[b', h', qb]`` of each transposed entry ``(kb, qb)``,
-    read from ``pos`` (``(B', H', NQ, NK)``, from :func:`_compact` of the query-major index)."""
-    cq = q_idx.shape[-1]
-    valid = torch.arange(cq, device=q_idx.device) < q_count.unsqueeze(-1)
-    b, h, kb, c = valid.nonzero(as_tuple=True)
-    out = torch.zeros(q_idx.shape, dtype=torch.int32, device=q_idx.device)
-    out[b, h, kb, c] = pos[b, h, q_idx[b, h, kb, c].long(), kb]
-    return out.contiguous()
+    idx = torch.zeros(bp, hp, nrow, width, dtype=torch.int32, device=dev)
+    tiles = torch.full((bp, hp, nrow, width), PAD_TILE, dtype=torch.int32, device=dev)
+    idx[b, h, row, slot] = col.to(torch.int32)
+    tiles[b, h, row, slot] = tile.to(torch.int32)
+    return counts.view(bp, hp, nrow).to(torch.int32), idx, tiles, slot
 
 
 def _bank(mask: Mask, geom: Geometry, parts: Tensor, bq: int, bk: int) -> Tensor:
@@ -233,23 +223,30 @@ def _build(mask: Mask | None, B: int, H: int, L: int, S: int, bq: int, bk: int, 
         state = mask.block_index(B, H, L, S, block_size=(bq, bk), device=device, positions=positions).state
         geom = Geometry(B, H, L, S, device, positions)
     state = state.contiguous()
-    partial = state == PARTIAL
-    parts = partial.nonzero()
-    tile_id = torch.full(state.shape, FULL_TILE, dtype=torch.int64, device=device)
+    bp, hp = int(state.shape[0]), int(state.shape[1])
+    # one pass over the grid: the attended tiles, row-major (b', h', query block, key block ascending)
+    b, h, qb, kb = (state != SKIP).nonzero(as_tuple=True)
+    st = state[b, h, qb, kb]
+    is_partial = st == PARTIAL
+    parts = torch.stack([b, h, qb, kb], -1)[is_partial]
+    tile = torch.full(st.shape, FULL_TILE, dtype=torch.int64, device=device)
     if parts.shape[0] and mask._shift_invariant(geom):  # type: ignore[union-attr]
         # causal / window bands: tiles at the same offset share one element mask (a handful of entries)
         rep, entry = _shared_entries(parts, nq, nk, bq, bk, L, S)
-        tile_id[partial] = entry
+        tile[is_partial] = entry
         bank = _bank(mask, geom, parts[rep], bq, bk)  # type: ignore[arg-type]
     elif parts.shape[0]:
-        tile_id[partial] = torch.arange(parts.shape[0], device=device)
+        tile[is_partial] = torch.arange(parts.shape[0], device=device)
         bank = _bank(mask, geom, parts, bq, bk)  # type: ignore[arg-type]
     else:
         bank = torch.zeros(0, bq, bk, dtype=torch.bool, device=device)
-    visit = state != SKIP
-    kv_count, kv_idx, kv_tile, pos = _compact(visit, tile_id)
-    q_count, q_idx, q_tile, _ = _compact(visit.transpose(-1, -2), tile_id.transpose(-1, -2))
-    q_slot = _slots(pos, q_count, q_idx)
+    kv_count, kv_idx, kv_tile, slot = _rows(b, h, qb, kb, tile, (bp, hp, nq))
+    # the transposed index: the same entries ordered by (b', h', key block, query block)
+    order = (((b * hp + h) * nk + kb) * nq + qb).argsort()
+    bt, ht, kbt, qbt = b[order], h[order], kb[order], qb[order]
+    q_count, q_idx, q_tile, tslot = _rows(bt, ht, kbt, qbt, tile[order], (bp, hp, nk))
+    q_slot = torch.zeros(q_idx.shape, dtype=torch.int32, device=device)   # each entry's slot in its kv_idx row
+    q_slot[bt, ht, kbt, tslot] = slot[order].to(torch.int32)
     return BlockPlan(L, S, (bq, bk), kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank, _spans(bank),
                      tiles=int(kv_count.sum()), attended_pairs=_pairs(kv_idx, kv_tile, bank, L, S, bq, bk))
 
