@@ -344,8 +344,11 @@ def backward_dq(q, k, v, do, lse, delta, H, kv_count, kv_idx, kv_tile, bank, bq,
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def backward_dq_from_ds(k, ds, L, H, kv_count, kv_idx, bq, bk):  # pragma: no cover - compiled
-    """``dQ = sum over visited tiles of (scale·dS) K`` from the tiles :func:`backward_dkdv` kept in ``ds``."""
+def backward_dq_from_ds(k, ds, ds_off, L, H, kv_count, kv_idx, bq, bk):  # pragma: no cover - compiled
+    """``dQ = sum over visited tiles of (scale·dS) K`` from the tiles :func:`backward_dkdv` kept in ``ds``.
+
+    ``ds`` is compact: the tiles of query block ``qb`` start at ``ds_off[b', h', qb]`` (an exclusive
+    cumulative sum of ``kv_count``), so the buffer holds visited tiles only, never NQ x max(count)."""
     N, S, D = k.shape
     Bp, Hp, NQ = kv_count.shape
     dq = np.zeros((N, L, D), dtype=k.dtype)
@@ -358,14 +361,14 @@ def backward_dq_from_ds(k, ds, L, H, kv_count, kv_idx, bq, bk):  # pragma: no co
         acc = np.zeros((bq, D), dtype=k.dtype)
         for c in range(kv_count[bi, hi, qb]):
             k0 = kv_idx[bi, hi, qb, c] * bk
-            _axpy(acc, qn, ds[n, qb, c], ks, k0, min(bk, S - k0))
+            _axpy(acc, qn, ds[n, ds_off[bi, hi, qb] + c], ks, k0, min(bk, S - k0))
         dq[n, q0:q0 + qn] = acc[:qn]
     return dq
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, bank, bq, bk, cst, is32,
-                  ds):  # pragma: no cover - compiled
+                  ds, ds_off):  # pragma: no cover - compiled
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]
@@ -411,7 +414,7 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
                     dPT[j, i] = ST[j, i] * (dPT[j, i] - dl[i]) * sc
             _axpy(dka, kn, dPT, qs, q0, qn)
             if ds.shape[0]:  # keep scale·dS for dQ (query-major), at the tile's slot in kv_idx
-                dst = ds[n, qb, q_slot[bi, hi, kb, c]]
+                dst = ds[n, ds_off[bi, hi, qb] + q_slot[bi, hi, kb, c]]
                 for j in range(kn):
                     for i in range(qn):
                         dst[i, j] = dPT[j, i]

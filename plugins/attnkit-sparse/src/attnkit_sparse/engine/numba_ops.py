@@ -105,13 +105,19 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     qa, ka, va, ga = _seq(q), _seq(k), _seq(v), _seq(g)
     stats = (_arr(lse.reshape(B * H, L)), _arr(delta.reshape(B * H, L)), H)
     bank_a = _arr(bank)
-    nq, ck = kv_idx.shape[-2], kv_idx.shape[-1]
-    keep_ds = B * H * nq * ck * bq * bk * q.element_size() <= DS_BUFFER_MAX_BYTES
-    ds = np.empty((B * H, nq, ck, bq, bk) if keep_ds else (0, 1, 1, 1, 1), dtype=qa.dtype)
+    nq = kv_idx.shape[-2]
+    # compact dS buffer: the visited tiles of each query block one after another (a pattern with a few
+    # global rows visits NK tiles there and few elsewhere; NQ x max(count) would grow like L^2)
+    counts = kv_count.to(torch.int64)
+    ds_off = (counts.cumsum(-1) - counts).contiguous()
+    tiles = int(counts.sum(-1).max()) if counts.numel() else 0
+    keep_ds = B * H * tiles * bq * bk * q.element_size() <= DS_BUFFER_MAX_BYTES
+    ds = np.empty((B * H, tiles, bq, bk) if keep_ds else (0, 1, 1, 1), dtype=qa.dtype)
+    off_a = _arr(ds_off)
     dk, dv = _run(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, _arr(q_count), _arr(q_idx),
-                  _arr(q_tile), _arr(q_slot), bank_a, bq, bk, cst, f32, ds)
+                  _arr(q_tile), _arr(q_slot), bank_a, bq, bk, cst, f32, ds, off_a)
     if keep_ds:
-        dq = _run(K.backward_dq_from_ds, B * H * nq, ka, ds, L, H, _arr(kv_count), _arr(kv_idx), bq, bk)
+        dq = _run(K.backward_dq_from_ds, B * H * nq, ka, ds, off_a, L, H, _arr(kv_count), _arr(kv_idx), bq, bk)
     else:
         dq = _run(K.backward_dq, B * H * nq, qa, ka, va, ga, *stats, _arr(kv_count), _arr(kv_idx),
                   _arr(kv_tile), bank_a, bq, bk, cst, f32)
