@@ -1,4 +1,4 @@
-"""attnkit plugin hooks: the position-based sparse patterns, one spec each, all on one block-sparse engine.
+"""attnkit plugin hooks: the sparse patterns (position-based, and content-based ``lsh``), all on one engine.
 
 Each spec names its factory and its plain reference by import path, so
 listing imports no pattern, engine or kernel code. Every pattern is a mask
@@ -101,8 +101,32 @@ BLOCK_SPARSE = _spec("block-sparse", "BlockSparseAttention", "block_sparse",
                            "Generating Optimized Attention Kernels", "2412.05496"),
                      _caps(time="O(attended tiles·block²·D)"), exact=True)
 
+_KITAEV = Paper("Kitaev, Kaiser, Levskaya", 2020, "Reformer: The Efficient Transformer", "2001.04451")
+
+#: content-based mechanisms: the sequence is reordered from the data, the engine runs an explicit plan
+#: (attnkit_sparse.engine.attend_plan: torch and numba return the log-sum-exp the rounds are combined with)
+CONTENT_BACKENDS = ("numba", "torch")
+
+LSH = AttentionSpec(
+    name="lsh", aliases=("reformer",), factory="attnkit_sparse.lsh.attention:LSHAttention",
+    reference="attnkit_sparse.lsh.naive:reference", family="sparse",
+    summary="Reformer LSH attention, shared-QK: random-rotation hashes, n_hashes rounds sorted by bucket, each "
+            "position attends its chunk and the previous one (never itself unless alone), rounds combined by "
+            "log-sum-exp.",
+    paper=_KITAEV, exact=False,
+    approximation="softmax over the keys that share a sorted chunk (or the previous one) in some hash round; "
+                  "keys are unit vectors (shared-QK)",
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal", "key_padding"), positions=False, dtypes=("float32", "float64"),
+        backends=CONTENT_BACKENDS, shared_qk=True, time="O(n_hashes·L·bucket_size·D)",
+        memory="O(n_hashes·L·(D + E + bucket_size)): sorted copies and the chunks' element masks; no L x S matrix",
+    ),
+)
+
 SPECS = (LOCAL, DILATED, BLOCK_LOCAL, GLOBAL, RANDOM, LONGFORMER, BIGBIRD, STRIDED, FIXED, LOCAL_2D, AXIAL,
-         BP_TRANSFORMER, BLOCK_SPARSE)
+         BP_TRANSFORMER, BLOCK_SPARSE, LSH)
 
 
 @attnkit.hookimpl
