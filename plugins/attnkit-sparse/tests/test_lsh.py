@@ -153,7 +153,29 @@ def test_engine_runs_only_the_chunk_tiles(monkeypatch):
     assert p.index_dims == (B, H * R)
     assert p.tiles == B * H * R * (2 * nq - 1)            # its chunk and the previous one: linear in L
     assert p.attended_pairs <= B * H * R * L * 2 * cs
-    assert p.bank.shape == (p.tiles, cs, cs)
+    assert p.bank.shape == (B * H * R * nq * 2, cs, cs)   # one entry per (chunk, slot): an unused one for chunk 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_numba_chunk_masks_equal_the_torch_ones(causal):
+    import numpy as np
+
+    from attnkit_sparse.engine.plan import _spans
+    from attnkit_sparse.lsh._numba import chunk_masks
+    from attnkit_sparse.lsh.attention import _chunks, chunk_masks_torch
+    B, H, L, cs = 2, 2, 29, 4
+    attn = attnkit.build("lsh", bucket_size=cs, n_hashes=2)
+    kpm = torch.ones(B, L, dtype=torch.bool)
+    kpm[1, [2, 7, 28]] = False
+    perm = attn.sorted_rounds(_rand((B, H, L, 4), 1), kpm)
+    want = chunk_masks_torch(perm, kpm, cs, causal)
+    pos = _chunks(perm, cs, -1).reshape(B * H * 2, -1)
+    real = kpm.gather(1, pos.clamp(min=0).view(B, -1)).view(pos.shape)
+    bank, span, pairs = chunk_masks(np.ascontiguousarray(pos.numpy()), np.ascontiguousarray(real.numpy()), cs, causal)
+    bank = torch.from_numpy(bank)
+    assert torch.equal(bank, want.reshape(bank.shape))
+    assert torch.equal(torch.from_numpy(span).reshape(-1, cs, 2), _spans(bank.reshape(-1, cs, cs)))
+    assert int(pairs.sum()) == int(want.sum()) > 0
 
 
 def test_multi_head_attention_builds_no_key_projection():

@@ -238,7 +238,7 @@ def attend_plan(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, *, scale: floa
     return out, torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)
 
 
-from .explicit import explicit_plan  # noqa: E402
+from .explicit import band_plan, explicit_plan  # noqa: E402
 
-__all__ = ["attend", "attend_plan", "explicit_plan", "reference_attend", "plan", "BlockPlan", "BACKENDS",
+__all__ = ["attend", "attend_plan", "explicit_plan", "band_plan", "reference_attend", "plan", "BlockPlan", "BACKENDS",
            "DEFAULT_BLOCK_SIZE", "available_backends", "why_unavailable", "auto_backend", "check_block_size"]

@@ -25,7 +25,7 @@ from attnkit.errors import InvalidInputError
 
 from .plan import BlockPlan, _rows, _spans
 
-__all__ = ["explicit_plan"]
+__all__ = ["explicit_plan", "band_plan"]
 
 
 def explicit_plan(kv_idx: Tensor, bank: Tensor, L: int, S: int) -> BlockPlan:
@@ -83,3 +83,58 @@ def explicit_plan(kv_idx: Tensor, bank: Tensor, L: int, S: int) -> BlockPlan:
     q_slot[bt, ht, kbt, tslot] = slot[order].to(torch.int32)
     return BlockPlan(L, S, (bq, bk), kv_count, kv_i, kv_tile, q_count, q_idx, q_tile, q_slot, flat.contiguous(),
                      _spans(flat), tiles=P, attended_pairs=int(flat.sum()))
+
+
+def band_plan(bank: Tensor, L: int, *, span: Tensor | None = None, pairs: int | None = None) -> BlockPlan:
+    """The plan of "query block ``n`` visits key blocks ``n - 1`` and ``n``" (self-attention, ``L = S``).
+
+    The structure of sorted-chunk attention (Reformer's chunk and previous
+    chunk), built analytically: no pass over the bank besides its spans.
+
+    Args:
+        bank: bool ``(B', H', NQ, 2, BS, BS)``: element masks, slot 0 = the previous block
+            (ignored for block 0), slot 1 = the block itself; False past ``L``.
+        L: the sequence length (``NQ = ceil(L / BS)``).
+        span: optional int32 ``(B', H', NQ, 2, BS, 2)`` spans of the bank rows (first allowed column,
+            one past the last; ``(BS, 0)`` when none), when the caller computed them with the bank.
+        pairs: optional count of True entries of the bank (the plan's ``attended_pairs``).
+
+    Returns:
+        A :class:`BlockPlan` whose bank is ``bank`` viewed as ``(B'·H'·NQ·2, BS, BS)`` (no copy).
+
+    Raises:
+        InvalidInputError: a bank of another shape.
+    """
+    if bank.dim() != 6 or bank.shape[3] != 2 or bank.shape[-1] != bank.shape[-2] or bank.dtype != torch.bool:
+        raise InvalidInputError(f"band_plan: expected a bool bank (B', H', NQ, 2, BS, BS), got "
+                                f"{tuple(bank.shape)} {bank.dtype}")
+    bp, hp, nq, _, bs, _ = bank.shape
+    if nq != math.ceil(L / bs):
+        raise InvalidInputError(f"band_plan: {nq} blocks of {bs} do not cover L={L}")
+    dev = bank.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    n = torch.arange(nq, **i32)
+    base = (torch.arange(bp * hp, **i32) * (nq * 2)).view(bp, hp, 1, 1)
+    pad = torch.full((nq,), -2, **i32)
+    # query-major rows: [n - 1 (slot 0), n (slot 1)]; block 0: [0 (its slot 1), padding]
+    kv_idx = torch.stack([(n - 1).clamp(min=0), torch.where(n > 0, n, torch.zeros_like(n))], -1)
+    rel = torch.stack([n * 2, n * 2 + 1], -1)
+    rel[0] = torch.tensor([1, 0], **i32)
+    kv_tile = (base + rel.view(1, 1, nq, 2)).contiguous()
+    kv_tile[:, :, 0, 1] = -2
+    kv_count = torch.where(n > 0, 2, 1).to(torch.int32).view(1, 1, nq).expand(bp, hp, nq).contiguous()
+    # key-major rows: key block m is seen by query block m (its slot 1) and m + 1 (slot 0)
+    q_idx = torch.stack([n, (n + 1).clamp(max=nq - 1)], -1)
+    last = n == nq - 1
+    q_rel = torch.stack([n * 2 + 1, (n + 1) * 2], -1)
+    q_slot = torch.stack([torch.where(n > 0, 1, 0).to(torch.int32), torch.zeros_like(n)], -1)
+    q_tile = (base + q_rel.view(1, 1, nq, 2)).contiguous()
+    q_tile[:, :, :, 1] = torch.where(last.view(1, 1, nq), pad.view(1, 1, nq), q_tile[:, :, :, 1])
+    q_count = torch.where(last, 1, 2).to(torch.int32).view(1, 1, nq).expand(bp, hp, nq).contiguous()
+    q_idx = torch.where(last.view(nq, 1) & (torch.arange(2, device=dev) == 1), torch.zeros_like(q_idx), q_idx)
+    flat = bank.view(bp * hp * nq * 2, bs, bs)
+    sp = _spans(flat) if span is None else span.reshape(bp * hp * nq * 2, bs, 2)
+    return BlockPlan(L, L, (bs, bs), kv_count, kv_idx.view(1, 1, nq, 2).expand(bp, hp, nq, 2).contiguous(), kv_tile,
+                     q_count, q_idx.view(1, 1, nq, 2).expand(bp, hp, nq, 2).contiguous(), q_tile,
+                     q_slot.view(1, 1, nq, 2).expand(bp, hp, nq, 2).contiguous(), flat, sp,
+                     tiles=bp * hp * (2 * nq - 1), attended_pairs=int(flat.sum()) if pairs is None else int(pairs))

@@ -42,6 +42,22 @@ def _with_previous(xc: Tensor, fill: Any) -> Tensor:
     return torch.stack([prev, xc], -2)
 
 
+def chunk_masks_torch(perm: Tensor, kpm: Tensor | None, cs: int, causal: bool) -> Tensor:
+    """bool ``(B, H, R, NQ, 2, cs, cs)``: may sorted row ``i`` of chunk ``c`` attend row ``j`` of chunk ``c - 1``
+    (slot 0) / ``c`` (slot 1)? Not itself, not a padded key, not the future when causal; False past L."""
+    B = perm.shape[0]
+    qpos = _chunks(perm, cs, -1)                                         # (B, H, R, NQ, cs)
+    kpos = _with_previous(qpos, -1)                                      # (B, H, R, NQ, 2, cs)
+    qp, kp = qpos[..., None, :, None], kpos[..., None, :]
+    bank = (kp >= 0) & (qp >= 0) & (kp != qp)
+    if causal:
+        bank = bank & (kp <= qp)
+    if kpm is not None:
+        kok = kpm.gather(1, kpos.clamp(min=0).reshape(B, -1)).view(kpos.shape)
+        bank = bank & kok[..., None, :]
+    return bank
+
+
 class LSHAttention(Attention):
     """Reformer's LSH attention (Kitaev, Kaiser, Levskaya 2020), shared-QK, on the block-sparse engine.
 
@@ -132,8 +148,28 @@ class LSHAttention(Attention):
         lengths = real_lengths(B, L, key_padding_mask, k.device)
         return sort_rounds(buckets(k, rot, self.bucket_size, lengths), key_padding_mask)
 
+    def _plan(self, perm: Tensor, kpm: Tensor | None, cs: int, causal: bool, *, numba_masks: bool) -> Any:
+        """The engine's plan of the sorted rounds: chunk ``c`` x chunks ``(c - 1, c)`` with their element masks."""
+        from ..engine import band_plan
+
+        B, H, R, L = perm.shape
+        if numba_masks:
+            import numpy as np
+
+            from ._numba import chunk_masks
+            pos = _chunks(perm, cs, -1).reshape(B * H * R, -1)
+            real = torch.ones_like(pos, dtype=torch.bool) if kpm is None else \
+                kpm.gather(1, pos.clamp(min=0).view(B, -1)).view(pos.shape)
+            bank, span, pairs = chunk_masks(np.ascontiguousarray(pos.numpy()), np.ascontiguousarray(real.numpy()),
+                                            cs, bool(causal))
+            nq = pos.shape[-1] // cs
+            return band_plan(torch.from_numpy(bank).view(B, H * R, nq, 2, cs, cs), L,
+                             span=torch.from_numpy(span), pairs=int(pairs.sum()))
+        bank = chunk_masks_torch(perm, kpm, cs, causal)
+        return band_plan(bank.view(B, H * R, *bank.shape[3:]), L)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
-        from ..engine import attend_plan, explicit_plan
+        from ..engine import attend_plan
 
         B, H, L, D = q.shape
         E = v.shape[-1]
@@ -141,30 +177,18 @@ class LSHAttention(Attention):
         kpm = ctx.key_padding_mask
         kpm = None if kpm is None else kpm.to(q.device)
         perm = self.sorted_rounds(k, kpm)                                # (B, H, R, L)
-        # the element masks of the sorted sequence: query chunk c x key chunks (c - 1, c)
-        qpos = _chunks(perm, cs, -1)                                     # (B, H, R, NQ, cs)
-        kpos = _with_previous(qpos, -1)                                  # (B, H, R, NQ, 2, cs)
-        nq = qpos.shape[-2]
-        bank = (kpos[..., None, :] >= 0) & (qpos[..., None, :, None] >= 0)
-        bank = bank & (kpos[..., None, :] != qpos[..., None, :, None])
-        if ctx.causal:
-            bank = bank & (kpos[..., None, :] <= qpos[..., None, :, None])
-        if kpm is not None:
-            kok = kpm.gather(1, kpos.clamp(min=0).reshape(B, -1)).view(kpos.shape)
-            bank = bank & kok[..., None, :]                              # (B, H, R, NQ, 2, cs, cs)
-        blocks = torch.arange(nq, device=q.device)
-        kv_idx = torch.stack([blocks - 1, blocks], -1).view(1, 1, nq, 2)   # -1: no chunk before chunk 0
-        plan = explicit_plan(kv_idx.expand(B, H * R, nq, 2), bank.view(B, H * R, nq, 2, cs, cs), L, L)
-        # the sorted sequences, one per round, as heads of the engine
-        idx = perm.reshape(B, H, R * L, 1)
-        qs = q.gather(2, idx.expand(B, H, R * L, D)).view(B, H * R, L, D)
-        ks = unit(k).gather(2, idx.expand(B, H, R * L, D)).view(B, H * R, L, D)
-        vs = v.gather(2, idx.expand(B, H, R * L, E)).view(B, H * R, L, E)
+        plan = self._plan(perm, kpm, cs, ctx.causal, numba_masks=ctx.backend == "numba")
+        # the sorted sequences, one per round, as heads of the engine: rows of (B·H·L, D) picked by index
+        flat = (perm + (torch.arange(B * H, device=q.device) * L).view(B, H, 1, 1)).reshape(-1)
+        qs = q.reshape(B * H * L, D).index_select(0, flat).view(B, H * R, L, D)
+        ks = unit(k).reshape(B * H * L, D).index_select(0, flat).view(B, H * R, L, D)
+        vs = v.reshape(B * H * L, E).index_select(0, flat).view(B, H * R, L, E)
         out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=ctx.scale, backend=ctx.backend, return_lse=True)
         # unsort and combine the rounds by their log-sum-exp
         inv = perm.argsort(dim=-1)                                       # (B, H, R, L)
-        out_r = out_s.view(B, H, R, L, E).gather(3, inv[..., None].expand(B, H, R, L, E))
-        lse_r = lse_s.view(B, H, R, L).gather(3, inv)
+        inv_flat = (inv + (torch.arange(B * H * R, device=q.device) * L).view(B, H, R, 1)).reshape(-1)
+        out_r = out_s.reshape(B * H * R * L, E).index_select(0, inv_flat).view(B, H, R, L, E)
+        lse_r = lse_s.reshape(-1).index_select(0, inv_flat).view(B, H, R, L)
         m = lse_r.detach().amax(2, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         w = torch.exp(lse_r - m)                                         # 0 for a round with no pair

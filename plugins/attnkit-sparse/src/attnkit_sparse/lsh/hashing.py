@@ -57,18 +57,32 @@ def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor
     """int64 ``(B, H, n_hashes, L)`` buckets of ``x`` ``(B, H, L, D)`` (no gradient).
 
     Batch element ``b`` has ``n_buckets(lengths[b], bucket_size)`` buckets (its real length: padded keys
-    count as absent) and uses the first half of that many columns of ``rot`` ``(n_hashes, D, C)``.
+    count as absent) and uses the first half of that many columns of ``rot`` ``(n_hashes, D, C)``:
+    ``argmax([xR; -xR])`` is the column of ``max(xR)`` when ``max(xR) >= -min(xR)``, else ``C + `` the
+    column of ``min(xR)`` (labels in ``[0, 2C)``; one bucket: all 0).
     """
     B, H, L, _ = x.shape
     C = rot.shape[-1]
-    half = torch.tensor([n_buckets(int(n), bucket_size) // 2 for n in lengths.tolist()], device=x.device)
-    if int(half.max()) == 0:
-        return torch.zeros(B, H, rot.shape[0], L, dtype=torch.long, device=x.device)
-    proj = torch.einsum("bhld,rdn->bhrln", x.detach(), rot)           # (B, H, R, L, C)
-    use = (torch.arange(C, device=x.device) < half[:, None]).view(B, 1, 1, 1, C)
-    ninf = torch.full((), float("-inf"), dtype=proj.dtype, device=x.device)
-    both = torch.cat([torch.where(use, proj, ninf), torch.where(use, -proj, ninf)], -1)
-    return both.argmax(-1)                                            # labels in [0, 2C); all 0 with one bucket
+    halves = [n_buckets(int(n), bucket_size) // 2 for n in lengths.tolist()]
+    out = torch.zeros(B, H, rot.shape[0], L, dtype=torch.long, device=x.device)
+    groups: dict[int, list[int]] = {}
+    for b, half in enumerate(halves):
+        groups.setdefault(half, []).append(b)
+    for half, rows in groups.items():
+        if half == 0:
+            continue
+        sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=x.device)
+        xb = x.detach()[sel] if len(rows) != B else x.detach()
+        # (b, H, R, half, L): the reductions run over a strided dim, vectorised along L
+        proj = torch.einsum("rdn,bhld->bhrnl", rot[..., :half], xb)
+        mx, amx = proj.max(3)
+        mn, amn = proj.min(3)
+        lab = torch.where(mx >= -mn, amx, C + amn)
+        if len(rows) == B:
+            out = lab
+        else:
+            out[sel] = lab
+    return out
 
 
 def sort_rounds(bk: Tensor, key_padding_mask: Tensor | None) -> Tensor:
