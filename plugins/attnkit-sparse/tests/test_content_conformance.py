@@ -28,3 +28,17 @@ class TestReformerAliasConformance(AttentionConformance):
     options = {"bucket_size": 8, "n_hashes": 3}
     queries_interact = True
     skip = _LSH_SKIPS
+
+
+_ROUTING_SKIPS = {
+    "causality": "the top-w choice of each centroid ranks every position, future ones included (as in the "
+                 "paper): with causal=True no pair attends the future (test_routing.py), but a future token "
+                 "can change which past keys a cluster routes",
+}
+
+
+class TestRoutingConformance(AttentionConformance):
+    name = "routing"
+    options = {"num_clusters": 3, "seed": 2}
+    queries_interact = True
+    skip = _ROUTING_SKIPS

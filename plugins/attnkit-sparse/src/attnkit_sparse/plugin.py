@@ -125,8 +125,26 @@ LSH = AttentionSpec(
     ),
 )
 
+ROUTING = AttentionSpec(
+    name="routing", factory="attnkit_sparse.routing.attention:RoutingAttention",
+    reference="attnkit_sparse.routing.naive:reference", family="sparse",
+    summary="Routing Transformer: online k-means centroids (EMA in training) in the shared unit q/k space; each "
+            "cluster routes its top-w queries and keys and attends within; commitment auxiliary loss.",
+    paper=Paper("Roy, Saffar, Vaswani, Grangier", 2021, "Efficient Content-Based Sparse Attention with Routing "
+                "Transformers", "2003.05997"),
+    exact=False,
+    approximation="softmax over the keys routed to the same cluster(s) as the query; unrouted queries give 0",
+    error_bound=None, aux_losses={"routing_commitment": 1e-4},
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal", "key_padding"), positions=False, dtypes=("float32", "float64"),
+        backends=CONTENT_BACKENDS, time="O(L·(L/num_clusters)·D + L·num_clusters·D)",
+        memory="O(L·(D + E) + num_clusters·w²) with w = L/num_clusters; no L x S matrix",
+    ),
+)
+
 SPECS = (LOCAL, DILATED, BLOCK_LOCAL, GLOBAL, RANDOM, LONGFORMER, BIGBIRD, STRIDED, FIXED, LOCAL_2D, AXIAL,
-         BP_TRANSFORMER, BLOCK_SPARSE, LSH)
+         BP_TRANSFORMER, BLOCK_SPARSE, LSH, ROUTING)
 
 
 @attnkit.hookimpl
