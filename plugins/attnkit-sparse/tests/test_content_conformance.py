@@ -42,3 +42,8 @@ class TestRoutingConformance(AttentionConformance):
     options = {"num_clusters": 3, "seed": 2}
     queries_interact = True
     skip = _ROUTING_SKIPS
+
+
+class TestSinkhornConformance(AttentionConformance):
+    name = "sinkhorn"
+    options = {"block_size": 4, "sinkhorn_iters": 3, "temperature": 0.5}

@@ -143,8 +143,25 @@ ROUTING = AttentionSpec(
     ),
 )
 
+SINKHORN = AttentionSpec(
+    name="sinkhorn", factory="attnkit_sparse.sinkhorn.attention:SinkhornAttention",
+    reference="attnkit_sparse.sinkhorn.naive:reference", family="sparse",
+    summary="Sparse Sinkhorn attention: a learned sorting network and Gumbel-Sinkhorn give a soft block "
+            "permutation; each query block attends its own block and its sorted key block.",
+    paper=Paper("Tay, Bahri, Yang, Metzler, Juan", 2020, "Sparse Sinkhorn Attention", "2002.11296"),
+    exact=False,
+    approximation="softmax over the query's own block and one sorted (mixed) key block",
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal",), positions=False, dtypes=("float32", "float64"), backends=CONTENT_BACKENDS,
+        time="O(L·2·block_size·D + (L/block_size)²·D)",
+        memory="O(L·(D + E)) sorted copies + O((L/block_size)²) sorting matrix; no L x S matrix",
+    ),
+)
+
 SPECS = (LOCAL, DILATED, BLOCK_LOCAL, GLOBAL, RANDOM, LONGFORMER, BIGBIRD, STRIDED, FIXED, LOCAL_2D, AXIAL,
-         BP_TRANSFORMER, BLOCK_SPARSE, LSH, ROUTING)
+         BP_TRANSFORMER, BLOCK_SPARSE, LSH, ROUTING, SINKHORN)
 
 
 @attnkit.hookimpl
