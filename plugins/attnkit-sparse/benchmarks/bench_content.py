@@ -11,8 +11,9 @@ on this machine:
 
 Forward (``torch.no_grad``) and forward+backward (gradients of q, k, v): one warm-up, then ``--repeats``
 calls, median / min / max. Peak memory of one forward+backward per case is measured in a fresh
-subprocess (``ru_maxrss`` growth over the process's resident size after the inputs were made): a figure
-for the whole call, tensors freed or not. ``uptime`` is recorded before and after.
+subprocess: the growth of the resident size over its value before the call (inputs made, warm-up done),
+sampled every millisecond by a thread — every allocation of the call, freed later or not.
+``uptime`` is recorded before and after.
 
     flock /tmp/attnkit-bench.lock python plugins/attnkit-sparse/benchmarks/bench_content.py \\
         --lengths 1024,4096,16384 --threads 2 --out plugins/attnkit-sparse/benchmarks/results/bench_content_cpu.json
@@ -96,19 +97,41 @@ def timing(name: str, L: int, backward: bool, args: argparse.Namespace) -> dict[
     return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "repeats": reps}
 
 
+def _rss_kib() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() // 1024
+
+
 def peak_child(name: str, L: int, args: argparse.Namespace) -> None:
+    """Resident-size growth during one forward+backward, sampled every millisecond by a thread (the
+    process's high-water mark ``ru_maxrss`` would also count the imports and the warm-up)."""
+    import gc
+    import threading
+
     torch.set_num_threads(args.threads)
     fn = make(name, L, args)
-    fn(*[t.detach()[:, :, :64] for t in inputs(L, False)])   # imports, numba caches
+    small = [t.detach()[:, :, :128].contiguous().requires_grad_() for t in inputs(L, False)]
+    out = fn(*small)
+    out.backward(torch.ones_like(out))                         # imports, numba caches, autograd
     q, k, v = inputs(L, True)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    import gc
+    del out, small
     gc.collect()
-    rss_now = int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() // 1024
+    base = _rss_kib()
+    top = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            top[0] = max(top[0], _rss_kib())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
     out = fn(q, k, v)
     out.backward(torch.ones_like(out))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_mib": (peak - max(rss_now, 0)) / 1024, "maxrss_before_mib": base / 1024}))
+    done.set()
+    th.join()
+    top[0] = max(top[0], _rss_kib())
+    print(json.dumps({"peak_mib": (top[0] - base) / 1024, "rss_before_mib": base / 1024}))
 
 
 def peak(name: str, L: int, args: argparse.Namespace) -> float | None:
@@ -137,6 +160,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-peak", action="store_true")
+    ap.add_argument("--only-peak", action="store_true", help="peak memory only (no timings)")
     ap.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -155,8 +179,8 @@ def main() -> int:
             if name == "sdpa" and L > args.dense_max:
                 continue
             row: dict[str, Any] = {"L": L, "case": name}
-            row["forward"] = timing(name, L, False, args)
-            if not args.no_backward:
+            row["forward"] = {"median_s": float("nan")} if args.only_peak else timing(name, L, False, args)
+            if not args.no_backward and not args.only_peak:
                 row["forward_backward"] = timing(name, L, True, args)
             if not args.no_peak:
                 row["peak_fwd_bwd_mib"] = peak(name, L, args)
