@@ -153,6 +153,11 @@ def test_lazy_centroids_state_dict_and_layer():
     attn(_rand((1, 2, 6, 4), 1), _rand((1, 2, 6, 4), 2), _rand((1, 2, 6, 4), 3))
     assert attn.centroids.shape == (1, 3, 4)
     assert "centroids" in attn.state_dict()
+    attn.train()                                     # shared centroids (no num_heads) update from every head
+    before = attn.centroids.clone()
+    attn(_rand((1, 2, 6, 4), 4), _rand((1, 2, 6, 4), 5), _rand((1, 2, 6, 4), 6))
+    assert not torch.equal(attn.centroids, before)
+    torch.testing.assert_close(attn.centroids.norm(dim=-1), torch.ones(1, 3, dtype=before.dtype))
     mha = attnkit.MultiHeadAttention(16, 2, "routing", num_clusters=2)
     assert mha.k_proj is not None and mha.attention.centroids.shape == (2, 2, 8)
     assert mha(torch.randn(2, 9, 16), causal=True).shape == (2, 9, 16)
