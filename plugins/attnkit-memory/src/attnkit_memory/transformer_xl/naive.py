@@ -29,11 +29,11 @@ def gathered_encodings(attn: Any, dist: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def four_term_attention(attn: Any, q: Tensor, K: Tensor, V: Tensor, dist: Tensor, keep: Tensor,
-                        scale: float) -> Tensor:
+                        scale: float, with_weights: bool = False) -> Any:
     """``softmax(scale * (AC + B + C + D))`` over kept keys (0 for rows that keep none) times V.
 
     q ``(B, H, L, D)``, K ``(B, H, T, D)``, V ``(B, H, T, E)``, dist ``(L, T)`` int,
-    keep bool broadcastable to ``(B, H, L, T)``.
+    keep bool broadcastable to ``(B, H, L, T)``. With ``with_weights``: ``(out, weights (B, H, L, T))``.
     """
     R = gathered_encodings(attn, dist, q.dtype)                                   # (H, L, T, D)
     u = attn.u[None, :, None]
@@ -48,7 +48,7 @@ def four_term_attention(attn: Any, q: Tensor, K: Tensor, V: Tensor, dist: Tensor
     w = torch.where(keep, (s - m).exp(), torch.zeros_like(s))
     den = w.sum(-1, keepdim=True)
     w = w / torch.where(den > 0, den, torch.ones_like(den))
-    return w @ V
+    return (w @ V, w) if with_weights else w @ V
 
 
 def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = None,
