@@ -9,6 +9,7 @@ segment references, chunk by chunk.
 from __future__ import annotations
 
 from attnkit_memory.compressive import naive as compressive_naive
+from attnkit_memory.memory_tokens import naive as memory_tokens_naive
 from attnkit_memory.transformer_xl import naive as txl_naive
 
 from attnkit.testing import AttentionConformance, BlockConformance
@@ -55,3 +56,19 @@ class TestCompressiveMostUsedConformance(_Compressive):
 
 class TestGTrXLBlockConformance(BlockConformance):
     name = "gtrxl"
+
+
+class TestMemoryTokensConformance(AttentionConformance):
+    name = "memory-tokens"
+    options = {"num_memory": 3, "value_dim": 6}
+
+    def streaming_reference(self, attn, q, k, v, chunk):
+        return memory_tokens_naive.segment_reference(attn, q, k, v, chunk)
+
+
+class TestRMTAliasConformance(AttentionConformance):
+    name = "rmt"
+    options = {"num_memory": 2, "value_dim": 6, "grad_segments": 2}
+
+    def streaming_reference(self, attn, q, k, v, chunk):
+        return memory_tokens_naive.segment_reference(attn, q, k, v, chunk)

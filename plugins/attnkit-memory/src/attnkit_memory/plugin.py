@@ -1,4 +1,4 @@
-"""attnkit plugin hooks: registers ``transformer-xl`` and ``compressive`` (attentions) and ``gtrxl`` (a block).
+"""attnkit plugin hooks: attentions ``transformer-xl``, ``compressive``, ``memory-tokens``; the block ``gtrxl``.
 
 Each spec is the one declaration of its capabilities and names its factory and
 plain reference by import path (importing this module imports no mechanism).
@@ -59,6 +59,26 @@ COMPRESSIVE = AttentionSpec(
     ),
 )
 
+MEMORY_TOKENS = AttentionSpec(
+    name="memory-tokens",
+    aliases=("rmt",),
+    factory="attnkit_memory.memory_tokens.module:MemoryTokenAttention",
+    reference="attnkit_memory.memory_tokens.naive:reference",
+    family="memory",
+    summary=("Recurrent memory slots (after RMT): num_memory slots prepended to every segment's keys, read by "
+             "its queries and written by the slots' own attention over memory + segment, carried across segments."),
+    paper=Paper("Bulatov, Kuratov, Burtsev", 2022, "Recurrent Memory Transformer", "2207.06881"),
+    exact=False,
+    approximation=("softmax attention over learned, recurrently rewritten memory slots plus the segment; the "
+                   "attention-level form of RMT (each layer keeps its own slots)"),
+    error_bound=None,
+    capabilities=Capabilities(
+        **_MEMORY_CAPS,
+        time="O((L + N)·(N + S)·D) per segment",
+        memory="O((L + N)·(N + S)) scores per head + O(N·(D + E)) memory per head",
+    ),
+)
+
 GTRXL = BlockSpec(
     name="gtrxl",
     factory="attnkit_memory.gtrxl.block:GatedTransformerBlock",
@@ -71,12 +91,12 @@ GTRXL = BlockSpec(
     streaming="segment",
 )
 
-SPECS = (TRANSFORMER_XL, COMPRESSIVE)
+SPECS = (TRANSFORMER_XL, COMPRESSIVE, MEMORY_TOKENS)
 
 
 @attnkit.hookimpl
 def attnkit_register_attention(register):
-    """Register ``transformer-xl`` and ``compressive``."""
+    """Register ``transformer-xl``, ``compressive`` and ``memory-tokens``."""
     for spec in SPECS:
         register(spec)
 
