@@ -60,7 +60,7 @@ class TestGTrXLBlockConformance(BlockConformance):
 
 class TestMemoryTokensConformance(AttentionConformance):
     name = "memory-tokens"
-    options = {"num_memory": 3, "value_dim": 6}
+    options = {"num_memory": 3}
 
     def streaming_reference(self, attn, q, k, v, chunk):
         return memory_tokens_naive.segment_reference(attn, q, k, v, chunk)
@@ -68,7 +68,7 @@ class TestMemoryTokensConformance(AttentionConformance):
 
 class TestRMTAliasConformance(AttentionConformance):
     name = "rmt"
-    options = {"num_memory": 2, "value_dim": 6, "grad_segments": 2}
+    options = {"num_memory": 2, "grad_segments": 2}
 
     def streaming_reference(self, attn, q, k, v, chunk):
         return memory_tokens_naive.segment_reference(attn, q, k, v, chunk)

@@ -3,9 +3,9 @@
 Bulatov, Kuratov, Burtsev (2022), "Recurrent Memory Transformer", arXiv:2207.06881.
 
 The attention-level form of RMT: each attention module keeps ``num_memory``
-memory slots per head (a key ``(N, D)`` and a value ``(N, E)`` each),
-learned initial slots, and for every segment (one ``forward(...,
-state=..., return_state=True)`` or ``step``):
+memory slots per head (a key ``(N, D)`` and a value ``(N, E)`` each; the
+initial keys are learned, the initial values are 0), and for every segment
+(one ``forward(..., state=..., return_state=True)`` or ``step``):
 
 * read: the segment's queries attend to ``[memory slots | segment keys]``;
   the slots are visible to every query (prepended), the segment causally;
@@ -13,9 +13,10 @@ state=..., return_state=True)`` or ``step``):
   key when L > S) gives 0, as in every attnkit attention;
 * write: the slots' queries ``q_m = m_k W_q`` attend to ``[memory | segment]``
   (all of the segment: the write happens at its end, like RMT's write
-  tokens), and the slots become ``m_k + o W_k``, ``m_v + o W_v`` with the
-  written values ``o`` (residual updates; ``W_q`` starts at the identity,
-  ``W_k``/``W_v`` small);
+  tokens) with weights ``A``, and the slots become ``m_k + (A K) W_k`` and
+  ``m_v + A V`` (residual updates of the attended keys and values; ``W_q``
+  starts at the identity, ``W_k`` small; no parameter depends on E, so any
+  value width works);
 * the new slots are the state carried to the next segment.
 
 Gradients through memory: the memory is detached at every
@@ -48,7 +49,6 @@ class MemoryTokenAttention(Attention):
         num_heads: heads H (required: per-head slots and write projections).
         head_dim: head dimension D (required).
         num_memory: memory slots N >= 1 per head.
-        value_dim: value dimension E of the slots; None: D.
         grad_segments: truncated backpropagation: memory detached every
             ``grad_segments + 1`` segments (0: at every boundary).
         scale: score multiplier; None: 1/sqrt(D).
@@ -59,14 +59,14 @@ class MemoryTokenAttention(Attention):
 
     Raises:
         InvalidInputError: missing ``num_heads``/``head_dim``, ``num_memory`` < 1,
-            ``grad_segments`` < 0; in forward, values whose E is not ``value_dim``,
-            a state from another module, batch, dtype, device or configuration.
+            ``grad_segments`` < 0; in forward, a state from another module, batch,
+            dtype, device or configuration, or whose slots have another E.
     """
 
-    option_constraints = {"num_memory": {"minimum": 1}, "value_dim": {"minimum": 1}, "grad_segments": {"minimum": 0}}
+    option_constraints = {"num_memory": {"minimum": 1}, "grad_segments": {"minimum": 0}}
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, num_memory: int = 8,
-                 value_dim: int | None = None, grad_segments: int = 0, scale: float | None = None,
+                 grad_segments: int = 0, scale: float | None = None,
                  backend: str = "auto") -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
         if num_heads is None or head_dim is None:
@@ -74,37 +74,33 @@ class MemoryTokenAttention(Attention):
                 f"{type(self).__name__}: num_heads and head_dim are required (memory slots are per head), got "
                 f"num_heads={num_heads!r}, head_dim={head_dim!r}")
         check_int_option("num_memory", num_memory, 1)
-        check_int_option("value_dim", value_dim, 1, allow_none=True)
         check_int_option("grad_segments", grad_segments, 0)
-        E = head_dim if value_dim is None else value_dim
-        self.num_memory, self.value_dim, self.grad_segments = num_memory, E, grad_segments
+        self.num_memory, self.grad_segments = num_memory, grad_segments
         H, D, N = num_heads, head_dim, num_memory
-        self.mem_k = nn.Parameter(torch.randn(H, N, D))           # initial slots
-        self.mem_v = nn.Parameter(torch.randn(H, N, E))
+        self.mem_k = nn.Parameter(torch.randn(H, N, D))              # initial slot keys (values start at 0)
         self.w_q = nn.Parameter(torch.eye(D).repeat(H, 1, 1))       # slot queries q_m = m_k W_q
-        self.w_k = nn.Parameter(torch.randn(H, E, D) * E ** -0.5 * 0.5)  # written values -> key update
-        self.w_v = nn.Parameter(torch.randn(H, E, E) * E ** -0.5 * 0.5)  # written values -> value update
+        self.w_k = nn.Parameter(torch.randn(H, D, D) * D ** -0.5 * 0.5)  # attended keys -> key update
 
     def state_owner(self) -> tuple[str, str]:
         name, conf = super().state_owner()
-        return name, f"{conf}; num_memory={self.num_memory}; value_dim={self.value_dim}; " \
-                     f"grad_segments={self.grad_segments}"
+        return name, f"{conf}; num_memory={self.num_memory}; grad_segments={self.grad_segments}"
 
-    def _slots(self, data: Any, B: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    def _slots(self, data: Any, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        B, H = v.shape[:2]
         if data is None:
-            return (self.mem_k.to(dtype)[None].expand(B, -1, -1, -1), self.mem_v.to(dtype)[None].expand(B, -1, -1, -1),
-                    0)
+            mk = self.mem_k.to(v.dtype)[None].expand(B, -1, -1, -1)
+            return mk, v.new_zeros(B, H, self.num_memory, v.shape[-1]), 0
+        if data["v"].shape[-1] != v.shape[-1]:
+            raise InvalidInputError(
+                f"{self.impl_name}: the state's slots hold values with E={data['v'].shape[-1]}, got v "
+                f"{tuple(v.shape)}; a state serves one value dimension")
         return data["k"], data["v"], data["since"]
 
     def _compute(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, data: Any, scale: float,
                  want_state: bool) -> tuple[Tensor, Any]:
         B, H, L, _ = q.shape
         S, N = k.shape[2], self.num_memory
-        if v.shape[-1] != self.value_dim:
-            raise InvalidInputError(
-                f"{self.impl_name}: built for values with E=value_dim={self.value_dim} (the slots' width), got v "
-                f"{tuple(v.shape)}; build it with value_dim={v.shape[-1]}")
-        mk, mv, since = self._slots(data, B, q.dtype)
+        mk, mv, since = self._slots(data, v)
         K, V = torch.cat([mk, k], 2), torch.cat([mv, v], 2)
         real = torch.ones(B, S, dtype=torch.bool, device=q.device) if kpm is None else kpm
         real_all = torch.cat([torch.ones(B, N, dtype=torch.bool, device=q.device), real], 1)[:, None, None, :]
@@ -116,8 +112,8 @@ class MemoryTokenAttention(Attention):
         if not want_state:
             return out, None
         qm = mk @ self.w_q[None]                                              # (B, H, N, D)
-        o = masked_softmax((qm @ K.transpose(-1, -2)) * scale, real_all.expand(B, 1, N, N + S)) @ V
-        nk, nv = mk + o @ self.w_k[None], mv + o @ self.w_v[None]
+        a = masked_softmax((qm @ K.transpose(-1, -2)) * scale, real_all.expand(B, 1, N, N + S))
+        nk, nv = mk + (a @ K) @ self.w_k[None], mv + a @ V
         since += 1
         if since > self.grad_segments:
             nk, nv, since = nk.detach(), nv.detach(), 0

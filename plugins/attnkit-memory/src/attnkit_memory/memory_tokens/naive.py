@@ -48,7 +48,7 @@ def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None =
             pad = ~kpm[:, None, :, None]
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
     mk = attn.mem_k[None].expand(B, -1, -1, -1)
-    mv = attn.mem_v[None].expand(B, -1, -1, -1)
+    mv = v.new_zeros(B, H, attn.num_memory, v.shape[-1])
     return _read(attn, q, k, v, mk, mv, keep)
 
 
@@ -56,7 +56,7 @@ def segment_reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, chunk: int) ->
     """The sequence in segments of ``chunk``: read, then write each slot with its own attention row."""
     B, H, Ntot, _ = q.shape
     mk = attn.mem_k[None].expand(B, -1, -1, -1)
-    mv = attn.mem_v[None].expand(B, -1, -1, -1)
+    mv = v.new_zeros(B, H, attn.num_memory, v.shape[-1])
     scale = attn.get_scale(q)
     outs = []
     for a in range(0, Ntot, chunk):
@@ -69,8 +69,9 @@ def segment_reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, chunk: int) ->
             qn = mk[:, :, n] @ attn.w_q                       # (B, H, D)
             s = torch.cat([torch.einsum("bhd,bhmd->bhm", qn, mk), torch.einsum("bhd,bhsd->bhs", qn, ks)], -1)
             w = torch.softmax(s * scale, -1)
-            o = torch.einsum("bhm,bhme->bhe", w, torch.cat([mv, vs], 2))
-            new_k.append(mk[:, :, n] + torch.einsum("bhe,hed->bhd", o, attn.w_k))
-            new_v.append(mv[:, :, n] + torch.einsum("bhe,hef->bhf", o, attn.w_v))
+            ok = torch.einsum("bhm,bhmd->bhd", w, torch.cat([mk, ks], 2))
+            ov = torch.einsum("bhm,bhme->bhe", w, torch.cat([mv, vs], 2))
+            new_k.append(mk[:, :, n] + torch.einsum("bhd,hdf->bhf", ok, attn.w_k))
+            new_v.append(mv[:, :, n] + ov)
         mk, mv = torch.stack(new_k, 2), torch.stack(new_v, 2)
     return torch.cat(outs, 2)
