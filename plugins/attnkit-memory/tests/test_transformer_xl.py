@@ -158,3 +158,15 @@ def test_noncausal_is_refused():
     q, k, v = qkv(N=4)
     with pytest.raises(UnsupportedFeatureError, match="causal"):
         attn(q, k, v)
+
+
+def test_a_detached_memory_holds_no_graph():
+    """Default grad_segments=0: the returned memory has no autograd history (a later backward cannot reach it)."""
+    attn = build("transformer-xl", mem_len=3)
+    q, k, v = qkv(N=6, grad=True)
+    out, st = by_segments(attn, q, k, v, 3)
+    assert st.data["k"].grad_fn is None and not st.data["k"].requires_grad
+    out.sum().backward()
+    o2, _ = attn(q[:, :, :3].detach(), k[:, :, :3].detach(), v[:, :, :3].detach(), causal=True, state=st,
+                 return_state=True)
+    o2.sum().backward()      # would fail with "backward through the graph a second time" if st held the graph

@@ -180,7 +180,9 @@ class TransformerXLAttention(Attention):
             keep_all[:, keep_all.shape[1] - n:]
         sizes = (tuple(sizes) + (S,))[-self.grad_segments:] if self.grad_segments else ()
         live = min(sum(sizes), n)
-        if live < n:
+        if live == 0:  # all detached (an empty attached slice would still hold the graph)
+            k_all, v_all = k_all.detach(), v_all.detach()
+        elif live < n:
             cut = n - live
             k_all = torch.cat([k_all[:, :, :cut].detach(), k_all[:, :, cut:]], dim=2)
             v_all = torch.cat([v_all[:, :, :cut].detach(), v_all[:, :, cut:]], dim=2)
