@@ -170,3 +170,14 @@ def test_a_detached_memory_holds_no_graph():
     o2, _ = attn(q[:, :, :3].detach(), k[:, :, :3].detach(), v[:, :, :3].detach(), causal=True, state=st,
                  return_state=True)
     o2.sum().backward()      # would fail with "backward through the graph a second time" if st held the graph
+
+
+def test_relative_table_cache_follows_the_weights():
+    attn = build("transformer-xl", mem_len=3)
+    q, k, v = qkv(N=5)
+    with torch.no_grad():
+        a = attn(q, k, v, causal=True)
+        attn.r_proj.weight.mul_(2.0)                 # an in-place update (an optimiser step) invalidates it
+        b = attn(q, k, v, causal=True)
+    torch.testing.assert_close(b, naive.reference(attn, q, k, v).detach(), atol=1e-12, rtol=1e-10)
+    assert not torch.allclose(a, b)

@@ -116,10 +116,25 @@ class TransformerXLAttention(Attention):
 
     # ------------------------------------------------------------ pieces
     def rel_encodings(self, T: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """``W_r R_d`` for ``d = T-1, ..., 0`` (column order of the shift), as ``(H, T, D)``."""
+        """``W_r R_d`` for ``d = T-1, ..., 0`` (column order of the shift), as ``(H, T, D)``.
+
+        Without autograd (evaluation, ``step``) the projected table is cached and reused while
+        ``W_r`` is unchanged (its storage and version counter), so a segment does not re-project
+        ``T`` encodings; under autograd it is recomputed (``W_r`` gets its gradient).
+        """
+        w = self.r_proj.weight
+        cacheable = not (torch.is_grad_enabled() and w.requires_grad)
+        key = (T, dtype, device, w.data_ptr(), w._version)
+        if cacheable:
+            hit = self.__dict__.get("_rel_cache")
+            if hit is not None and hit[0] == key:
+                return hit[1]
         d = torch.arange(T - 1, -1, -1, device=device)
         r = self.r_proj(sinusoid(d, self.rel_dim, dtype))                     # (T, H*D)
-        return r.view(T, self.num_heads, self.head_dim).transpose(0, 1)
+        out = r.view(T, self.num_heads, self.head_dim).transpose(0, 1)
+        if cacheable:
+            self.__dict__["_rel_cache"] = (key, out)
+        return out
 
     def scores(self, q: Tensor, K: Tensor) -> Tensor:
         """The four-term relative scores ``(B, H, L, T)`` (unscaled, unmasked; future entries arbitrary)."""
