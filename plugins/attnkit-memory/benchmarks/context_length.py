@@ -61,6 +61,7 @@ def main() -> None:
             span = segment + m
             if mods and m and hasattr(mods[0], "cmem_len"):
                 span = segment + m + mods[0].cmem_len * mods[0].rate
+            span = min(span, task.seq_len)     # nothing before the evaluation window exists
             curve.append({"mem_len": m, "positions_reachable": span, "perplexity": ppl})
             print(f"{r['label']}: eval mem_len {m:4d} (reaches {span:4d} positions back): ppl {ppl:.3f}", flush=True)
         best = min(c["perplexity"] for c in curve)
