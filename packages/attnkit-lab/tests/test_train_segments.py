@@ -86,3 +86,11 @@ def test_segment_refused_for_classify_and_negative(cli, tmp_path):
     code, _, err = cli("train", "copy", "--attention", "softmax", "--segment", "-1", *TINY,
                        "--out", str(tmp_path / "b"))
     assert code != 0 and "--segment" in err
+
+
+def test_copy_trains_in_segments_with_memory(cli, tmp_path, toy_memory):
+    data, _ = _run(cli, tmp_path, "copy", "--attention", "toy-memory", "--seq-len", "16", "--vocab", "8",
+                   "--segment", "4")
+    r = data["runs"][0]
+    assert r["status"] == "ok" and toy_memory.calls_with_memory > 0
+    assert 0 <= r["curve"][-1]["eval_accuracy_no_memory"] <= 1
