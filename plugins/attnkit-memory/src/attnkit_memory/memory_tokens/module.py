@@ -13,10 +13,12 @@ initial keys are learned, the initial values are 0), and for every segment
   key when L > S) gives 0, as in every attnkit attention;
 * write: the slots' queries ``q_m = m_k W_q`` attend to ``[memory | segment]``
   (all of the segment: the write happens at its end, like RMT's write
-  tokens) with weights ``A``, and the slots become ``m_k + (A K) W_k`` and
-  ``m_v + A V`` (residual updates of the attended keys and values; ``W_q``
-  starts at the identity, ``W_k`` small; no parameter depends on E, so any
-  value width works);
+  tokens) with weights ``A``, and the slots become ``(A K) W_k`` and ``A V``
+  (convex combinations of the slots and the segment's keys/values, so the
+  state stays bounded over any number of segments; ``W_q`` and ``W_k`` start
+  at the identity; no parameter depends on E, so any value width works;
+  residual updates ``m + ...`` were tried first and made the slot values grow
+  with every segment, which trained markedly worse in the lab);
 * the new slots are the state carried to the next segment.
 
 Gradients through memory: the memory is detached at every
@@ -79,7 +81,7 @@ class MemoryTokenAttention(Attention):
         H, D, N = num_heads, head_dim, num_memory
         self.mem_k = nn.Parameter(torch.randn(H, N, D))              # initial slot keys (values start at 0)
         self.w_q = nn.Parameter(torch.eye(D).repeat(H, 1, 1))       # slot queries q_m = m_k W_q
-        self.w_k = nn.Parameter(torch.randn(H, D, D) * D ** -0.5 * 0.5)  # attended keys -> key update
+        self.w_k = nn.Parameter(torch.eye(D).repeat(H, 1, 1))  # attended keys -> new keys
 
     def state_owner(self) -> tuple[str, str]:
         name, conf = super().state_owner()
@@ -113,7 +115,7 @@ class MemoryTokenAttention(Attention):
             return out, None
         qm = mk @ self.w_q[None]                                              # (B, H, N, D)
         a = masked_softmax((qm @ K.transpose(-1, -2)) * scale, real_all.expand(B, 1, N, N + S))
-        nk, nv = mk + (a @ K) @ self.w_k[None], mv + a @ V
+        nk, nv = (a @ K) @ self.w_k[None], a @ V
         since += 1
         if since > self.grad_segments:
             nk, nv, since = nk.detach(), nv.detach(), 0
