@@ -61,7 +61,7 @@ def run_length(length: int, args) -> dict:
     mem = length - seg
     total_segments = max(args.segments, 2 * -(-mem // seg) + 8)  # fill the memory, then as many again
     x = torch.randn(1, total_segments * seg, args.dim)
-    txl = build("transformer-xl", args, mem_len=mem)
+    txl = build("transformer-xl", args, mem_len=mem, backend=args.backend)
     soft = build("softmax", args)
 
     state = txl.init_state(1)
@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", default="auto", help="transformer-xl's backend: auto (sdpa), sdpa or torch")
     p.add_argument("--out", default=None, help="write the results as JSON")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -135,8 +136,8 @@ def main() -> None:
     print(f"uptime after: {after}")
     if args.out:
         meta = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                "threads": args.threads, "dtype": "float32", "dim": args.dim, "depth": args.depth,
-                "heads": args.heads, "uptime_before": before, "uptime_after": after,
+                "threads": args.threads, "dtype": "float32", "backend": args.backend, "dim": args.dim,
+                "depth": args.depth, "heads": args.heads, "uptime_before": before, "uptime_after": after,
                 "command": "python plugins/attnkit-memory/benchmarks/bench_memory.py " + " ".join(
                     f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)}
         with open(args.out, "w") as f:

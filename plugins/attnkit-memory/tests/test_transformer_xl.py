@@ -181,3 +181,27 @@ def test_relative_table_cache_follows_the_weights():
         b = attn(q, k, v, causal=True)
     torch.testing.assert_close(b, naive.reference(attn, q, k, v).detach(), atol=1e-12, rtol=1e-10)
     assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("name,opts", [("transformer-xl", {"mem_len": 5}),
+                                       ("compressive", {"mem_len": 2, "cmem_len": 2, "compression_rate": 2})])
+def test_sdpa_path_equals_torch_path_with_memory_padding_and_gradients(name, opts):
+    fast, slow = build(name, backend="sdpa", **opts), build(name, backend="torch", **opts)
+    q, k, v = qkv(N=9, grad=True)
+    kpm = torch.ones(2, 3, dtype=torch.bool)
+    kpm[1] = False                                            # batch 1's first segment entirely padded
+    outs = []
+    for attn in (fast, slow):
+        st, parts = None, []
+        for s in range(0, 9, 3):
+            o, st = attn(q[:, :, s:s + 3], k[:, :, s:s + 3], v[:, :, s:s + 3], causal=True, state=st,
+                         return_state=True, key_padding_mask=kpm if s == 0 else None)
+            parts.append(o)
+        outs.append(torch.cat(parts, 2))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=1e-10)
+    assert outs[0][1, :, :3].abs().max() == 0                # rows that see no key give 0, not NaN
+    g = torch.randn_like(outs[0])
+    ga = torch.autograd.grad(outs[0], [q, k, v, fast.u, fast.v_bias, fast.r_proj.weight], g)
+    gb = torch.autograd.grad(outs[1], [q, k, v, slow.u, slow.v_bias, slow.r_proj.weight], g)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)

@@ -14,7 +14,6 @@ ATTNKIT_API_VERSION = 1
 _MEMORY_CAPS = dict(
     causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=True,
     streaming="segment", state_detached=False, positions=False, dtypes=("float32", "float64"),
-    backends=("torch",),
 )
 
 TRANSFORMER_XL = AttentionSpec(
@@ -32,7 +31,7 @@ TRANSFORMER_XL = AttentionSpec(
                    "biases u, v are added to the scores, and keys beyond the memory are not seen"),
     error_bound=None,
     capabilities=Capabilities(
-        **_MEMORY_CAPS,
+        **_MEMORY_CAPS, backends=("sdpa", "torch"),
         time="O(L·(M + S)·D) per segment",
         memory="O(L·(M + S)) scores per head (the shift is a view) + O(M·(D + E)) memory per head",
     ),
@@ -53,7 +52,7 @@ COMPRESSIVE = AttentionSpec(
     error_bound=None,
     aux_losses={"attention_reconstruction": 1.0},
     capabilities=Capabilities(
-        **_MEMORY_CAPS,
+        **_MEMORY_CAPS, backends=("sdpa", "torch"),
         time="O(L·(Mc + M + S)·D) per segment",
         memory="O(L·(Mc + M + S)) scores per head + O((Mc + M)·(D + E)) memory per head",
     ),
@@ -73,7 +72,7 @@ MEMORY_TOKENS = AttentionSpec(
                    "attention-level form of RMT (each layer keeps its own slots)"),
     error_bound=None,
     capabilities=Capabilities(
-        **_MEMORY_CAPS,
+        **_MEMORY_CAPS, backends=("torch",),
         time="O((L + N)·(N + S)·D) per segment",
         memory="O((L + N)·(N + S)) scores per head + O(N·(D + E)) memory per head",
     ),

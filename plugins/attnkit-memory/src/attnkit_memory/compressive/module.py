@@ -70,7 +70,8 @@ class CompressiveAttention(TransformerXLAttention):
         rel_dim: width of the sinusoidal relative encodings; None: H*D.
         max_distance: longest span ``Mc + M + S`` accepted; None: no limit.
         scale: score multiplier; None: 1/sqrt(D).
-        backend: only ``"torch"``.
+        backend: ``"auto"``, ``"sdpa"`` or ``"torch"`` (as Transformer-XL; ``"most_used"``
+            needs the attention weights, so its stateful calls run the torch path).
 
     Shapes: as :class:`~attnkit_memory.transformer_xl.module.TransformerXLAttention`.
 
@@ -149,6 +150,9 @@ class CompressiveAttention(TransformerXLAttention):
         ck = torch.einsum("bhgci,oci->bhgo", kk, self.conv_k.to(k.dtype))
         cv = torch.einsum("bhgci,oci->bhgo", vv, self.conv_v.to(v.dtype))
         return ck, cv, slot_keep
+
+    def _needs_probabilities(self) -> bool:
+        return self.compression == "most_used"
 
     # ---------------------------------------------------------------- memory
     def _attended(self, data: Any, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -53,7 +53,9 @@ class TransformerXLAttention(Attention):
             the relative-position table); None: no limit (encodings are
             computed for the distances of each call).
         scale: multiplier of the scores; None: 1/sqrt(D).
-        backend: only ``"torch"``.
+        backend: ``"auto"`` (``"sdpa"``), ``"sdpa"`` (fused scaled_dot_product_attention with the
+            position terms as its additive mask) or ``"torch"`` (the readable path: explicit scores,
+            masked softmax).
 
     Shapes: ``q`` ``(B, H, L, D)``, ``k`` ``(B, H, S, D)``, ``v`` ``(B, H, S, E)``
     -> ``(B, H, L, E)``. Causal only (``causal=True``); ``L <= S`` or ``L > S``
@@ -171,8 +173,12 @@ class TransformerXLAttention(Attention):
     def _keep_part(self, data: Any, S: int, kpm: Tensor | None, B: int, device: torch.device) -> Tensor:
         return torch.ones(B, S, dtype=torch.bool, device=device) if kpm is None else kpm
 
+    def _needs_probabilities(self) -> bool:
+        """Whether the state update reads the attention weights (compressive's most-used does)."""
+        return False
+
     def _compute(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, data: Any, scale: float,
-                 want_state: bool, training_call: bool) -> tuple[Tensor, Any]:
+                 want_state: bool, training_call: bool, backend: str = "torch") -> tuple[Tensor, Any]:
         B, H, L, _ = q.shape
         S = k.shape[2]
         pk, pv, pkeep = self._attended(data, q, k, v)
@@ -181,11 +187,31 @@ class TransformerXLAttention(Attention):
         self._check_span(T)
         cur_keep = self._keep_part(data, S, kpm, B, q.device)
         keep = causal_keep(L, T, q.device)[None, None] & torch.cat([pkeep, cur_keep], dim=1)[:, None, None, :]
-        p = masked_softmax(self.scores(q, K) * scale, keep)
-        out = p @ V
+        p = None
+        if backend == "sdpa" and not (want_state and self._needs_probabilities()):
+            out = self._sdpa(q, K, V, keep, scale)
+        else:
+            p = masked_softmax(self.scores(q, K) * scale, keep)
+            out = p @ V
         if not want_state:
             return out, None
         return out, self._update(data, q, k, v, cur_keep, p, scale, training_call)
+
+    def _sdpa(self, q: Tensor, K: Tensor, V: Tensor, keep: Tensor, scale: float) -> Tensor:
+        """The same attention through fused SDPA: content terms in SDPA, position terms as its additive mask.
+
+        ``(q + u)·k`` is SDPA's own product; ``scale * (q + v)·(W_r R_d)`` (shifted) is the float
+        ``attn_mask``, ``-inf`` where a key is not kept. Rows that keep no key get an all-zero mask
+        (no NaN) and a zero output afterwards.
+        """
+        T = K.shape[2]
+        bd = (q + self.v_bias[None, :, None]) @ self.rel_encodings(T, q.dtype, q.device).transpose(-1, -2)[None]
+        any_kept = keep.any(dim=-1, keepdim=True)
+        allowed = keep | ~any_kept
+        bias = (rel_shift(bd) * scale).masked_fill(~allowed, float("-inf"))
+        out = torch.nn.functional.scaled_dot_product_attention(q + self.u[None, :, None], K, V, attn_mask=bias,
+                                                               scale=scale)
+        return out.masked_fill(~any_kept, 0.0)
 
     def _trim(self, k_all: Tensor, v_all: Tensor, keep_all: Tensor, sizes: tuple[int, ...], S: int,
               keep_len: int) -> dict[str, Any]:
@@ -215,11 +241,12 @@ class TransformerXLAttention(Attention):
         if ctx.positions is not None:  # pragma: no cover - refused by the base class (positions=False)
             raise InvalidInputError("positions are not used by transformer-xl")
         out, new = self._compute(q, k, v, ctx.key_padding_mask, ctx.state, ctx.scale, ctx.return_state,
-                                 training_call=True)
+                                 training_call=True, backend=ctx.backend)
         return (out, new) if ctx.return_state else out
 
     def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> Any:
         return None  # an empty memory; tensors appear with the first segment
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        return self._compute(q, k, v, None, state, self.get_scale(q), True, training_call=False)
+        return self._compute(q, k, v, None, state, self.get_scale(q), True, training_call=False,
+                             backend=self.resolve_backend(q, k, v))
