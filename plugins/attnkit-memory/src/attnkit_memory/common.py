@@ -51,9 +51,10 @@ def rel_shift(raw: Tensor) -> Tensor:
     must be masked by the caller (their gradient is then zero).
     """
     B, H, L, T = raw.shape
-    raw = raw.contiguous()
-    sB, sH = raw.stride(0), raw.stride(1)
-    return raw.as_strided((B, H, L, T), (sB, sH, T - 1, 1), raw.storage_offset() + L - 1)
+    # a view starting L - 1 elements in (as_strided keeps a view's own offset: no storage_offset() call,
+    # which torch.compile cannot trace), then rows of stride T - 1
+    start = raw.contiguous().reshape(-1)[L - 1:]
+    return start.as_strided((B, H, L, T), (H * L * T, L * T, T - 1, 1))
 
 
 def causal_keep(L: int, T: int, device: torch.device) -> Tensor:

@@ -112,9 +112,9 @@ class TransformerXLAttention(Attention):
 
     @property
     def limits(self) -> Limits:
-        base = super().limits
-        return Limits(max_length=self.max_distance, equal_length=base.equal_length,
-                      length_multiple=base.length_multiple)
+        c = self.caps
+        return Limits(max_length=self.max_distance, equal_length=not (c.cross or c.causal_cross),
+                      length_multiple=c.length_multiple)
 
     # ------------------------------------------------------------ pieces
     def rel_encodings(self, T: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -125,8 +125,8 @@ class TransformerXLAttention(Attention):
         ``T`` encodings; under autograd it is recomputed (``W_r`` gets its gradient).
         """
         w = self.r_proj.weight
-        cacheable = not (torch.is_grad_enabled() and w.requires_grad)
-        key = (T, dtype, device, w.data_ptr(), w._version)
+        cacheable = not (torch.is_grad_enabled() and w.requires_grad) and not torch.compiler.is_compiling()
+        key = (T, dtype, device, w.data_ptr(), w._version) if cacheable else None
         if cacheable:
             hit = self.__dict__.get("_rel_cache")
             if hit is not None and hit[0] == key:
