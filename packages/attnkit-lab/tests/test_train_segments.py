@@ -89,8 +89,10 @@ def test_segment_refused_for_classify_and_negative(cli, tmp_path):
 
 
 def test_copy_trains_in_segments_with_memory(cli, tmp_path, toy_memory):
-    data, _ = _run(cli, tmp_path, "copy", "--attention", "toy-memory", "--seq-len", "16", "--vocab", "8",
-                   "--segment", "4")
+    data, stdout = _run(cli, tmp_path, "copy", "--attention", "toy-memory", "--seq-len", "16", "--vocab", "8",
+                        "--segment", "4")
     r = data["runs"][0]
     assert r["status"] == "ok" and toy_memory.calls_with_memory > 0
-    assert 0 <= r["curve"][-1]["eval_accuracy_no_memory"] <= 1
+    assert 0 <= r["eval_accuracy_no_memory"] <= 1 and r["eval_accuracy_no_memory"] == \
+        r["curve"][-1]["eval_accuracy_no_memory"]
+    assert "accuracy no memory" in stdout

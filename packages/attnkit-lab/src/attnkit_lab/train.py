@@ -111,6 +111,7 @@ class RunResult:
     perplexity: float | None = None
     perplexity_no_memory: float | None = None
     eval_loss_no_memory: float | None = None
+    eval_accuracy_no_memory: float | None = None
     best_accuracy: float | None = None
     tokens_per_s: float | None = None
     step_time_s: float | None = None
@@ -290,6 +291,7 @@ def _summarise(res: RunResult, where: dict[str, Any]) -> None:
         res.perplexity = last_eval.get("perplexity")
         res.perplexity_no_memory = last_eval.get("perplexity_no_memory")
         res.eval_loss_no_memory = last_eval.get("eval_loss_no_memory")
+        res.eval_accuracy_no_memory = last_eval.get("eval_accuracy_no_memory")
         res.best_accuracy = max(p["eval_accuracy"] for p in res.curve)
     if where.get("aux"):
         res.aux_losses = dict(where["aux"])
@@ -404,7 +406,7 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
 
 # ---------------------------------------------------------------- reporting
 def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[list[Any]]]:
-    with_mem = any(r.perplexity_no_memory is not None for r in results)
+    with_mem = any(r.eval_loss_no_memory is not None for r in results)
     if task.metric == "perplexity":
         headers = ["attention", "status", "val loss", "val ppl", "tokens/s", "peak step mem", "params", "time"]
         if with_mem:
@@ -412,6 +414,8 @@ def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[l
     else:
         headers = ["attention", "status", "accuracy", "best acc", "eval loss", "tokens/s", "peak step mem",
                    "params", "time"]
+        if with_mem:
+            headers[3:3] = ["accuracy no memory"]
     with_aux = any(r.aux_losses for r in results)
     rows = []
     for r in results:
@@ -425,6 +429,8 @@ def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[l
                 row[4:4] = [r.perplexity_no_memory]
         else:
             row = [r.label, status_cell, r.eval_accuracy, r.best_accuracy, r.eval_loss, tps, mem, r.params, wall]
+            if with_mem:
+                row[3:3] = [r.eval_accuracy_no_memory]
         if with_aux:
             row.append(", ".join(f"{n} {_cell_number(v)}" for n, v in r.aux_losses.items()) or None)
         rows.append(row)
