@@ -364,7 +364,39 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     t.add_argument("--val-fraction", type=float, default=None, help="lm: held-out fraction (default 0.1)")
     t.add_argument("--cache-dir", default=None,
                    help="lm: tokenizer cache (default $ATTNKIT_CACHE_DIR, else the user cache dir: ~/.cache/attnkit)")
+    r = p.add_argument_group("checkpoints and resuming")
+    r.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="save the training state (model, optimizer, schedule step, RNG states, data position) "
+                        "every N steps, atomically, per attention (default: no checkpoints)")
+    r.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="where the checkpoints go (default: OUT.checkpoints next to --out)")
+    r.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue a killed run from the checkpoints in DIR (same task, attentions and settings); "
+                        "the resumed run ends with the parameters of the uninterrupted one")
     add_common(p, out_help="results directory (default attnkit-runs/train-TASK-<time>)")
+
+
+def checkpointing(args: argparse.Namespace, out: Path) -> Any:
+    """The :class:`~attnkit_lab.checkpoint.Checkpointing` of ``--checkpoint-every/--checkpoint-dir/--resume``."""
+    from .checkpoint import Checkpointing
+
+    every = args.checkpoint_every
+    if every is not None:
+        check_int(every, "--checkpoint-every", lo=1)
+    if args.resume is not None:
+        d = Path(args.resume)
+        if not d.is_dir():
+            raise UsageError(f"--resume {args.resume!r}: expected the directory of a run's checkpoints")
+        if args.checkpoint_dir is not None and Path(args.checkpoint_dir).absolute() != d.absolute():
+            raise UsageError("--checkpoint-dir: a resumed run keeps checkpointing into --resume DIR; "
+                             f"got another directory {args.checkpoint_dir!r}")
+        return Checkpointing(d, every or 0, resume=True)
+    if every is None:
+        if args.checkpoint_dir is not None:
+            raise UsageError("--checkpoint-dir needs --checkpoint-every N")
+        return None
+    d = Path(args.checkpoint_dir) if args.checkpoint_dir is not None else out.with_name(out.name + ".checkpoints")
+    return Checkpointing(d, every)
 
 
 def task_options(args: argparse.Namespace) -> tuple[type, dict[str, Any]]:
@@ -427,11 +459,14 @@ def run_train_cmd(args: argparse.Namespace) -> int:
     choices, _ = _choices(args.attention, option="--attention")
     settings = train_settings(args, task_name)
     task_options(args)                               # ranges, before the run directory exists
+    args.out = args.out or str(default_out_dir(f"train-{task_name}"))  # one name for the run and its checkpoints
+    ckpt = checkpointing(args, Path(args.out))
     out = _open(args, f"train-{task_name}")
 
     def body() -> None:
         task = build_task(args, log=lambda m: status(m, enabled=not args.quiet))
-        run_train(task, choices, settings, out, show_progress=not args.quiet, preset=args.preset)
+        run_train(task, choices, settings, out, show_progress=not args.quiet, preset=args.preset,
+                  checkpointing=ckpt)
 
     return _run_in(out, "train", ["table.md", "results.json", "results.csv", "curves.csv",
                                   "learning_curves.png"], body)

@@ -42,6 +42,8 @@ import attnkit
 from attnkit.errors import UsageError
 
 from . import names as names_mod
+from .checkpoint import FORMAT as STATE_FORMAT
+from .checkpoint import Checkpointing, atomic_save, load_state, rng_state, set_rng_state
 from .interrupts import Interrupted, is_interrupt, raise_if_interrupt
 from .measure import MEMORY_METHOD, peak_memory
 from .models import LabModel, ModelConfig
@@ -245,7 +247,8 @@ def discard_aux_losses(model: torch.nn.Module) -> None:
 
 
 def train_one(task: Task, choice: names_mod.AttentionChoice, settings: TrainSettings, eval_set: list[Batch],
-              *, out_dir: Path | None = None, show_progress: bool = True) -> RunResult:
+              *, out_dir: Path | None = None, show_progress: bool = True,
+              checkpointing: Checkpointing | None = None) -> RunResult:
     """Train one attention on ``task``; failures are recorded in the result, never raised.
 
     The loss is the task loss plus every auxiliary loss the attention modules
@@ -254,16 +257,20 @@ def train_one(task: Task, choice: names_mod.AttentionChoice, settings: TrainSett
     each named auxiliary loss is logged (a moving average, like the training
     loss) in the curve points, the result and the progress line.
 
+    ``checkpointing`` (:mod:`attnkit_lab.checkpoint`): save the training state
+    every N steps (atomically) and, when resuming, continue from it.
+
     Raises:
         Interrupted: Ctrl-C (or numba's SystemError from it); its ``result``
             attribute holds this run so far, with status ``"interrupted"``.
+        UsageError: resuming from a checkpoint of another task, attention or settings.
     """
     res = RunResult(choice.label, choice.name, dict(choice.options))
     where = {"step": None}
     t_start = time.perf_counter()
     try:
         _train_into(res, where, task, choice, settings, eval_set, out_dir=out_dir, show_progress=show_progress,
-                    t_start=t_start)
+                    t_start=t_start, checkpointing=checkpointing)
     except BaseException as e:
         if not is_interrupt(e):
             raise
@@ -299,7 +306,7 @@ def _summarise(res: RunResult, where: dict[str, Any]) -> None:
 
 def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names_mod.AttentionChoice,
                 settings: TrainSettings, eval_set: list[Batch], *, out_dir: Path | None, show_progress: bool,
-                t_start: float) -> None:
+                t_start: float, checkpointing: Checkpointing | None = None) -> None:
     device = torch.device(settings.device)
     cfg = ModelConfig(
         vocab_size=task.vocab_size, num_outputs=task.num_outputs, max_len=task.seq_len,
@@ -324,6 +331,31 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
     ema = None
     memory_step = 1 if settings.steps > 1 else 0
     collect_aux = _aux_collector()
+    start, every, ckpt_path = 0, 0, None
+    identity = {"label": choice.label, "task": {"name": task.name, "options": task.options()},
+                "settings": asdict(settings)}
+    if checkpointing is not None:
+        ckpt_path, every = checkpointing.path(safe_label(choice.label)), checkpointing.every
+        state = load_state(ckpt_path, expect=identity) if checkpointing.resume else None
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            start, ema, every = state["step"], state["ema"], every or state["every"]
+            aux_ema.update(state["aux_ema"])
+            res.curve = list(state["curve"])
+            step_times.extend(state["step_times"])
+            where.update(tokens=state["tokens"], last_eval=dict(state["last_eval"]))
+            for _ in range(state["batches_drawn"]):  # the data position: the stream is reproducible
+                next(stream)
+            set_rng_state(state["rng"], device)
+            status(f"{task.name} {choice.label}: resumed from {ckpt_path} at step {start}", enabled=show_progress)
+
+    def save_state(done: int) -> None:
+        atomic_save({"format": STATE_FORMAT, **identity, "step": done, "batches_drawn": done, "every": every,
+                     "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(device),
+                     "ema": ema, "aux_ema": dict(aux_ema), "curve": list(res.curve),
+                     "step_times": list(step_times), "tokens": where["tokens"],
+                     "last_eval": dict(where["last_eval"])}, ckpt_path)
 
     def one_step(batch: Batch) -> tuple[float, dict[str, float]]:
         loss, _, _ = loss_and_counts(model, batch, task, settings.segment)
@@ -339,7 +371,9 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
     model.train()
     desc = f"{task.name} {choice.label}"
     with Progress(settings.steps, desc, enabled=show_progress) as bar:
-        for step in range(settings.steps):
+        if start:
+            bar.update(start)
+        for step in range(start, settings.steps):
             where["step"] = step
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, settings)
@@ -388,6 +422,8 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
             if where["last_eval"]:
                 post["eval"] = where["last_eval"]["perplexity" if task.metric == "perplexity" else "eval_accuracy"]
             bar.update(1, **post)
+            if ckpt_path is not None and every and ((step + 1) % every == 0 or step + 1 == settings.steps):
+                save_state(step + 1)
     res.wall_s = time.perf_counter() - t_start
     _summarise(res, where)
     if out_dir is not None and res.status == "ok":
@@ -450,8 +486,8 @@ def plot_curves(path: Path, task: Task, results: list[RunResult], title: str) ->
 
 
 def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: TrainSettings, out: RunDir, *,
-              show_progress: bool = True, preset: str | None = None, extra_config: dict[str, Any] | None = None
-              ) -> dict[str, Any]:
+              show_progress: bool = True, preset: str | None = None, extra_config: dict[str, Any] | None = None,
+              checkpointing: Checkpointing | None = None) -> dict[str, Any]:
     """Train every choice on ``task`` and write the results into ``out`` (an opened RunDir).
 
     Raises:
@@ -476,7 +512,8 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
             info["majority_floor"] = frac
             print(f"listops: majority-class floor on the evaluation set: {frac:.3f} (always answering {label})")
         for choice in choices:
-            r = train_one(task, choice, settings, eval_set, out_dir=out.tmp, show_progress=show_progress)
+            r = train_one(task, choice, settings, eval_set, out_dir=out.tmp, show_progress=show_progress,
+                          checkpointing=checkpointing)
             if r.status != "ok":
                 status(f"{task.name} {choice.label}: {r.status}: {r.note}", enabled=True)
             results.append(r)
