@@ -1,0 +1,88 @@
+"""attnkit plugin hooks: registers ``nystrom``, ``linformer`` and ``soft``.
+
+Each spec is the one declaration of its capabilities (the module classes read
+theirs from here) and names its factory and plain reference by import path, so
+listing the registry imports none of the modules. Every mechanism here is a
+chain of dense matrix products on ``torch`` (one backend): no kernel would beat
+the BLAS these products already run on.
+"""
+
+from __future__ import annotations
+
+import attnkit
+from attnkit import AttentionSpec, Capabilities, Paper
+
+ATTNKIT_API_VERSION = 1
+
+NYSTROM = AttentionSpec(
+    name="nystrom",
+    aliases=("nystromformer",),
+    factory="attnkit_lowrank.nystrom.module:NystromAttention",
+    reference="attnkit_lowrank.nystrom.naive:reference",
+    family="lowrank",
+    summary=("Nystromformer: softmax(Q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ K^T) V with m segment-mean "
+             "landmarks and an iterative pseudo-inverse (optional depthwise-conv residual on V)."),
+    paper=Paper("Xiong, Zeng, Chakraborty, Tan, Fung, Li, Singh", 2021,
+                "Nystromformer: A Nystrom-Based Algorithm for Approximating Self-Attention", "2102.03902"),
+    exact=False,
+    approximation=("Nystrom approximation of the softmax matrix from m landmarks (segment means of queries and of "
+                   "the real keys); exact when every token is its own landmark and the pseudo-inverse converged"),
+    # measured on the kit's distribution (N(0, 1), D=16, L=64, m=64 default would refuse: the kit runs m=8): ~0.5
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O((L + S)·m·D + m^3·iterations)", memory="O((L + S)·m + m^2) per head; no L x S matrix",
+    ),
+)
+
+LINFORMER = AttentionSpec(
+    name="linformer",
+    factory="attnkit_lowrank.linformer.module:LinformerAttention",
+    reference="attnkit_lowrank.linformer.naive:reference",
+    family="lowrank",
+    summary=("Linformer: keys and values projected along the length by learned E, F (proj_len x max_length), "
+             "softmax(Q (E K)^T) (F V); shared or per-head projections, optional E = F."),
+    paper=Paper("Wang, Li, Khabsa, Fang, Ma", 2020, "Linformer: Self-Attention with Linear Complexity",
+                "2006.04768"),
+    exact=False,
+    approximation=("softmax over proj_len learned linear combinations of the keys (and values): a different "
+                   "attention with learned projections, not an estimate of softmax attention"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O((L + S)·proj_len·D)", memory="O(L·proj_len) per head + proj_len x max_length parameters",
+    ),
+)
+
+SOFT = AttentionSpec(
+    name="soft",
+    factory="attnkit_lowrank.soft.module:SoftAttention",
+    reference="attnkit_lowrank.soft.naive:reference",
+    family="lowrank",
+    summary=("SOFT: softmax-free Gaussian-kernel attention exp(-scale/2 |q - k|^2), approximated as "
+             "P A^+ P^T V from bottleneck tokens (strided conv or average pooling) with a Newton-Raphson "
+             "Moore-Penrose inverse."),
+    paper=Paper("Lu, Yao, Zhang, Zhu, Xu, Gao, Xiang, Xiang, Zhang", 2021,
+                "SOFT: Softmax-free Transformer with Linear Complexity", "2110.11945"),
+    exact=False,
+    approximation=("a softmax-free Gaussian-kernel attention (no normalisation), itself approximated by a Nystrom "
+                   "factorisation through bottleneck tokens: not an estimate of softmax attention"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O(L·m·D + m^3·iterations), m = ceil(L / stride)",
+        memory="O(L·m + m^2) per head; no L x L matrix",
+    ),
+)
+
+SPECS = (NYSTROM, LINFORMER, SOFT)
+
+
+@attnkit.hookimpl
+def attnkit_register_attention(register):
+    """Register the low-rank attentions."""
+    for spec in SPECS:
+        register(spec)

@@ -1,0 +1,26 @@
+"""The attnkit conformance kit on every registered name: one thin subclass per configuration.
+
+The kit holds the torch path to each spec's own plain reference
+(``attnkit_lowrank.<mechanism>.naive:reference``) in float64, outputs and
+gradients, and checks refusals, padding, empty sequences, gradients and
+serialisation. Options keep the landmark counts within the kit's lengths
+(L = 9, S = 12, padded rows with 6 real keys).
+"""
+
+from __future__ import annotations
+
+from attnkit.testing import AttentionConformance
+
+
+class TestNystromConformance(AttentionConformance):
+    name = "nystrom"
+    options = {"num_landmarks": 3}
+    queries_interact = True     # query landmarks are means over the queries
+
+
+class TestNystromConvConformance(AttentionConformance):
+    name = "nystrom"
+    options = {"num_landmarks": 4, "pinv_iterations": 3, "conv_kernel_size": 3}
+    queries_interact = True
+    skip = {"key_padding": ("the convolution residual reads neighbouring positions, so a padded key is a zero "
+                            "value there rather than absent (the attention part holds it: the class above)")}
