@@ -24,3 +24,23 @@ class TestNystromConvConformance(AttentionConformance):
     queries_interact = True
     skip = {"key_padding": ("the convolution residual reads neighbouring positions, so a padded key is a zero "
                             "value there rather than absent (the attention part holds it: the class above)")}
+
+
+class TestLinformerConformance(AttentionConformance):
+    name = "linformer"
+    options = {"proj_len": 5, "max_length": 128}
+
+
+class TestLinformerPerHeadSharedConformance(AttentionConformance):
+    name = "linformer"
+    options = {"proj_len": 4, "max_length": 80, "per_head": True, "share_kv": True}
+
+
+class TestSoftConvConformance(AttentionConformance):
+    name = "soft"
+    options = {"stride": 3}
+
+
+class TestSoftPoolConformance(AttentionConformance):
+    name = "soft"
+    options = {"stride": 4, "bottleneck": "pool", "pinv_iterations": 8}
