@@ -44,3 +44,25 @@ class TestSoftConvConformance(AttentionConformance):
 class TestSoftPoolConformance(AttentionConformance):
     name = "soft"
     options = {"stride": 4, "bottleneck": "pool", "pinv_iterations": 8}
+
+
+class TestMemoryCompressedConformance(AttentionConformance):
+    name = "memory-compressed"
+    options = {"value_dim": 6}
+
+
+class TestMcaPoolConformance(AttentionConformance):
+    name = "mca"
+    options = {"stride": 2, "compression": "pool"}
+
+
+class TestInformerConformance(AttentionConformance):
+    name = "informer"
+    options = {"factor": 1}
+    queries_interact = True     # the top-u choice ranks queries against each other
+
+
+class TestProbsparseAllActiveConformance(AttentionConformance):
+    name = "probsparse"
+    options = {"factor": 50}     # u >= L: every query active
+    queries_interact = True

@@ -92,3 +92,18 @@ def test_soft_conv_needs_head_dim():
 def test_bad_options_name_the_option(name, options, match):
     with pytest.raises(InvalidInputError, match=match):
         attnkit.build(name, **options)
+
+
+def test_memory_compressed_refuses_a_stride_that_does_not_fit_and_a_wrong_value_dim():
+    attn = attnkit.build("mca", stride=4, compression="pool")
+    with pytest.raises(InvalidInputError, match=r"stride: a compression window of 4 positions does not fit in the "
+                                                r"S=3 keys; expected stride <= 3"):
+        attn(*_qkv(8, 3))
+    attn = attnkit.build("mca", head_dim=8)                       # value_dim defaults to head_dim
+    with pytest.raises(InvalidInputError, match=r"v: the value convolution was built for E=8"):
+        attn(*_qkv(9, E=6))
+
+
+def test_informer_refuses_causal_with_its_reason():
+    with pytest.raises(UnsupportedFeatureError, match="later query changes which earlier queries are active"):
+        attnkit.build("informer")(*_qkv(8), causal=True)

@@ -131,3 +131,36 @@ def test_newton_pinv_of_a_singular_matrix_is_the_moore_penrose_inverse():
     a = gauss(x, x, 0.5)
     z = newton_pinv(a, 200)
     torch.testing.assert_close(z, torch.linalg.pinv(a, hermitian=True), atol=1e-7, rtol=1e-6)
+
+
+def test_informer_with_every_query_active_is_exact():
+    q, k, v = _qkv(L=12, S=20)
+    attn = attnkit.build("informer", factor=50).double()
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v
+    torch.testing.assert_close(attn(q, k, v), ref, atol=1e-12, rtol=1e-10)
+
+
+def test_informer_lazy_queries_output_mean_of_values_and_active_ones_attend():
+    q, k, v = _qkv(L=40, S=40)
+    attn = attnkit.build("informer", factor=2).double()          # u = 2·ceil(ln 40) = 8 active queries
+    out = attn(q, k, v)
+    exact = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v
+    lazy = (out - v.mean(2, keepdim=True)).abs().amax(-1) < 1e-12
+    active = (out - exact).abs().amax(-1) < 1e-12
+    assert torch.all(lazy.sum(-1) == 32) and torch.all(active.sum(-1) == 8)
+
+
+def test_memory_compressed_with_stride_one_pooling_is_exact_softmax_both_forms():
+    q, k, v = _qkv(L=10, S=10)
+    attn = attnkit.build("memory-compressed", stride=1, compression="pool").double()
+    for causal in (False, True):
+        s = q @ k.transpose(-1, -2) / 8 ** 0.5
+        if causal:
+            s = s.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(attn(q, k, v, causal=causal), torch.softmax(s, -1) @ v, atol=1e-12, rtol=1e-10)
+
+
+def test_memory_compressed_causal_first_queries_see_no_window_and_give_zeros():
+    q, k, v = _qkv(L=9, S=9)
+    out = attnkit.build("mca", stride=3, compression="pool").double()(q, k, v, causal=True)
+    assert torch.all(out[:, :, :2] == 0) and torch.all(out[:, :, 2:].abs().sum(-1) > 0)

@@ -1,4 +1,4 @@
-"""attnkit plugin hooks: registers ``nystrom``, ``linformer`` and ``soft``.
+"""attnkit plugin hooks: registers ``nystrom``, ``linformer``, ``soft``, ``memory-compressed`` and ``informer``.
 
 Each spec is the one declaration of its capabilities (the module classes read
 theirs from here) and names its factory and plain reference by import path, so
@@ -78,7 +78,49 @@ SOFT = AttentionSpec(
     ),
 )
 
-SPECS = (NYSTROM, LINFORMER, SOFT)
+MCA = AttentionSpec(
+    name="memory-compressed",
+    aliases=("mca",),
+    factory="attnkit_lowrank.mca.module:MemoryCompressedAttention",
+    reference="attnkit_lowrank.mca.naive:reference",
+    family="lowrank",
+    summary=("Memory-compressed attention: softmax attention over keys and values shortened by a strided "
+             "convolution (kernel = stride = 3); causal form sees only windows wholly in the past."),
+    paper=Paper("Liu, Saleh, Pot, Goodrich, Sepassi, Kaiser, Shazeer", 2018,
+                "Generating Wikipedia by Summarizing Long Sequences", "1801.10198"),
+    exact=False,
+    approximation=("softmax attention over ceil(S / stride) learned summaries of the keys and values: a different "
+                   "attention, not an estimate of softmax attention"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O(L·S/stride·D + S·D^2)", memory="O(L·S/stride) per head",
+    ),
+)
+
+INFORMER = AttentionSpec(
+    name="informer",
+    aliases=("probsparse",),
+    factory="attnkit_lowrank.informer.module:InformerAttention",
+    reference="attnkit_lowrank.informer.naive:reference",
+    family="lowrank",
+    summary=("Informer ProbSparse attention: the u = c·ln L queries with the largest sampled max-minus-mean "
+             "score attend fully, the others output mean(V)."),
+    paper=Paper("Zhou, Zhang, Peng, Zhang, Li, Xiong, Zhang", 2021,
+                "Informer: Beyond Efficient Transformer for Long Sequence Time-Series Forecasting", "2012.07436"),
+    exact=False,
+    approximation=("only the top-u queries by a sampled sparsity measure attend exactly; the rest output mean(V). "
+                   "Exact when u >= L"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O(L·ln S·D + ln L·S·D)", memory="O(chunk·ln S·D + ln L·S) per head",
+    ),
+)
+
+SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER)
 
 
 @attnkit.hookimpl

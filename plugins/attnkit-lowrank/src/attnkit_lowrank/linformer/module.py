@@ -89,7 +89,20 @@ class LinformerAttention(attnkit.Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
         e, f = self.projections(k.shape[2], q.dtype)
-        k_p = e @ k                                                   # (B, H, proj_len, D)
-        v_p = f @ v                                                   # (B, H, proj_len, E)
-        w = torch.softmax(ctx.scale * (q @ k_p.transpose(-1, -2)), dim=-1)
+        k_p = project(e, k)                                           # (B, H, proj_len, D)
+        v_p = k_p if self.proj_v is None and v is k else project(f, v)
+        w = torch.softmax(q @ (ctx.scale * k_p).transpose(-1, -2), dim=-1)
         return w @ v_p
+
+
+def project(e: Tensor, x: Tensor) -> Tensor:
+    """``e @ x`` for ``e`` ``(1 or H, k, S)`` and ``x`` ``(B, H, S, D)`` -> ``(B, H, k, D)``.
+
+    A projection shared by the heads is one ``(k, S) x (S, B·H·D)`` product
+    (broadcasting it over B and H would copy it B·H times).
+    """
+    B, H, S, D = x.shape
+    if e.shape[0] != 1:
+        return e @ x
+    y = e[0] @ x.permute(2, 0, 1, 3).reshape(S, B * H * D)
+    return y.view(-1, B, H, D).permute(1, 2, 0, 3)

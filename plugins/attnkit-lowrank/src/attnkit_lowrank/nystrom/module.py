@@ -125,9 +125,10 @@ class NystromAttention(attnkit.Attention):
         scale = ctx.scale
         q_l = landmarks(q, None, m)
         k_l = landmarks(k, keep, m)
-        f = torch.softmax(scale * (q @ k_l.transpose(-1, -2)), dim=-1)
-        a = torch.softmax(scale * (q_l @ k_l.transpose(-1, -2)), dim=-1)
-        g = scale * (q_l @ k.transpose(-1, -2))
+        k_ls = scale * k_l                              # the scale on the small (m, D) side
+        f = torch.softmax(q @ k_ls.transpose(-1, -2), dim=-1)
+        a = torch.softmax(q_l @ k_ls.transpose(-1, -2), dim=-1)
+        g = (scale * q_l) @ k.transpose(-1, -2)
         if keep is not None:
             g = g.masked_fill(~keep[:, None, None, :], torch.finfo(g.dtype).min)
         g = torch.softmax(g, dim=-1)

@@ -37,9 +37,18 @@ BOTTLENECKS = ("conv", "pool")
 
 
 def gaussian_kernel(x: Tensor, y: Tensor, scale: float) -> Tensor:
-    """``exp(-scale/2 · |x_i - y_j|^2)`` for ``x`` ``(..., n, D)``, ``y`` ``(..., m, D)`` -> ``(..., n, m)``."""
-    d2 = (x * x).sum(-1, keepdim=True) + (y * y).sum(-1).unsqueeze(-2) - 2 * (x @ y.transpose(-1, -2))
-    return torch.exp(-0.5 * scale * d2)
+    """``exp(-scale/2 · |x_i - y_j|^2)`` for ``x`` ``(..., n, D)``, ``y`` ``(..., m, D)`` -> ``(..., n, m)``.
+
+    One matrix product and one ``exp``: the exponent
+    ``scale·x·y - scale/2·|x|^2 - scale/2·|y|^2`` is the product of
+    ``[scale·x, -scale/2·|x|^2, 1]`` and ``[y, 1, -scale/2·|y|^2]``, so no
+    ``(n, m)`` temporaries beyond the result.
+    """
+    hx = (-0.5 * scale) * (x * x).sum(-1, keepdim=True)
+    hy = (-0.5 * scale) * (y * y).sum(-1, keepdim=True)
+    xa = torch.cat([scale * x, hx, torch.ones_like(hx)], -1)
+    ya = torch.cat([y, torch.ones_like(hy), hy], -1)
+    return torch.exp(xa @ ya.transpose(-1, -2))
 
 
 class SoftAttention(attnkit.Attention):
