@@ -66,3 +66,15 @@ class TestProbsparseAllActiveConformance(AttentionConformance):
     name = "probsparse"
     options = {"factor": 50}     # u >= L: every query active
     queries_interact = True
+
+
+class TestClusteredConformance(AttentionConformance):
+    name = "clustered"
+    options = {"clusters": 3, "bits": 8, "iterations": 3}
+    queries_interact = True     # queries share clusters and centroids
+
+
+class TestImprovedClusteredConformance(AttentionConformance):
+    name = "improved-clustered"
+    options = {"clusters": 3, "bits": 8, "iterations": 3, "top_k": 3}
+    queries_interact = True

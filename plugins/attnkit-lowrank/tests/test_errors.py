@@ -107,3 +107,11 @@ def test_memory_compressed_refuses_a_stride_that_does_not_fit_and_a_wrong_value_
 def test_informer_refuses_causal_with_its_reason():
     with pytest.raises(UnsupportedFeatureError, match="later query changes which earlier queries are active"):
         attnkit.build("informer")(*_qkv(8), causal=True)
+
+
+def test_clustered_refuses_more_clusters_than_queries_and_top_k_above_keys():
+    with pytest.raises(InvalidInputError, match=r"clusters: 9 clusters outnumber the L=8 queries; expected "
+                                                r"clusters <= 8"):
+        attnkit.build("clustered", clusters=9)(*_qkv(8))
+    with pytest.raises(InvalidInputError, match=r"top_k: 10 keys per cluster outnumber the S=8 keys"):
+        attnkit.build("improved-clustered", clusters=2, top_k=10)(*_qkv(8))

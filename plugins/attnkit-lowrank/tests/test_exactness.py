@@ -164,3 +164,30 @@ def test_memory_compressed_causal_first_queries_see_no_window_and_give_zeros():
     q, k, v = _qkv(L=9, S=9)
     out = attnkit.build("mca", stride=3, compression="pool").double()(q, k, v, causal=True)
     assert torch.all(out[:, :, :2] == 0) and torch.all(out[:, :, 2:].abs().sum(-1) > 0)
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered"])
+def test_clustered_with_one_query_per_cluster_is_exact(name):
+    q, k, v = _qkv(L=10, S=14)
+    opts = {"top_k": 2} if name == "improved-clustered" else {}
+    attn = attnkit.build(name, clusters=10, bits=63, **opts).double()
+    from attnkit_lowrank.clustered.module import cluster
+    assert all(len(set(a.tolist())) == 10 for a in cluster(q, 10, 63, 10, 0).flatten(0, 1))   # distinct codes
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v
+    torch.testing.assert_close(attn(q, k, v), ref, atol=1e-12, rtol=1e-10)
+
+
+def test_improved_clustered_with_every_key_in_the_top_k_is_exact():
+    q, k, v = _qkv(L=12, S=9)
+    attn = attnkit.build("improved-clustered", clusters=2, top_k=9).double()
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v
+    torch.testing.assert_close(attn(q, k, v), ref, atol=1e-12, rtol=1e-10)
+
+
+def test_clustered_members_share_their_centroid_output():
+    q, k, v = _qkv(B=1, H=1, L=30, S=12)
+    attn = attnkit.build("clustered", clusters=4, bits=16).double()
+    from attnkit_lowrank.clustered.module import cluster
+    assign = cluster(q, 4, 16, 10, 0)[0, 0]
+    out = attn(q, k, v)[0, 0]
+    assert len(torch.unique(out, dim=0)) == len(torch.unique(assign))

@@ -1,4 +1,5 @@
-"""attnkit plugin hooks: registers ``nystrom``, ``linformer``, ``soft``, ``memory-compressed`` and ``informer``.
+"""attnkit plugin hooks: registers ``nystrom``, ``linformer``, ``soft``, ``memory-compressed``,
+``informer``, ``clustered`` and ``improved-clustered``.
 
 Each spec is the one declaration of its capabilities (the module classes read
 theirs from here) and names its factory and plain reference by import path, so
@@ -120,7 +121,48 @@ INFORMER = AttentionSpec(
     ),
 )
 
-SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER)
+_VYAS = Paper("Vyas, Katharopoulos, Fleuret", 2020, "Fast Transformers with Clustered Attention", "2007.04825")
+
+CLUSTERED = AttentionSpec(
+    name="clustered",
+    factory="attnkit_lowrank.clustered.module:ClusteredAttention",
+    reference="attnkit_lowrank.clustered.naive:reference",
+    family="lowrank",
+    summary=("Clustered attention: queries grouped by LSH codes + Hamming K-means into C clusters; each "
+             "centroid attends and its members share the output."),
+    paper=_VYAS,
+    exact=False,
+    approximation=("every query receives its cluster centroid's softmax attention; exact with one query per "
+                   "cluster"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O(L·bits·(D + C·iterations) + C·S·D)", memory="O(L·C + C·S) per head",
+    ),
+)
+
+IMPROVED_CLUSTERED = AttentionSpec(
+    name="improved-clustered",
+    aliases=("i-clustered",),
+    factory="attnkit_lowrank.clustered.module:ImprovedClusteredAttention",
+    reference="attnkit_lowrank.clustered.naive:reference",
+    family="lowrank",
+    summary=("Improved clustered attention: clustered attention, plus each query's exact softmax over its "
+             "cluster's top-k keys (scaled by the centroid's weight on them)."),
+    paper=_VYAS,
+    exact=False,
+    approximation=("exact per-query softmax over each cluster's top-k keys, the centroid's weights elsewhere; "
+                   "exact with one query per cluster"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O(L·bits·(D + C·iterations) + C·S·D + L·top_k·D)", memory="O(L·(C + top_k) + C·S) per head",
+    ),
+)
+
+SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED)
 
 
 @attnkit.hookimpl
