@@ -28,10 +28,12 @@ def matrices():
         q = torch.randn(L, D, generator=g, dtype=torch.float64) * std
         k = torch.randn(L, D, generator=g, dtype=torch.float64) * std
         ql, kl = q.view(M, L // M, D).mean(1), k.view(M, L // M, D).mean(1)
-        yield "nystrom", std, torch.softmax(ql @ kl.T / D ** 0.5, -1), nystrom_pinv, (0, 1, 2, 3, 4, 5, 6, 8, 10, 15, 20)
+        a = torch.softmax(ql @ kl.T / D ** 0.5, -1)
+        yield "nystrom", std, a, nystrom_pinv, (0, 1, 2, 3, 4, 5, 6, 8, 10, 15, 20)
         # SOFT with single keys as tokens (stride 1) and with window means (stride 64)
         yield "soft", std, gaussian_kernel(k[:M], k[:M], D ** -0.5), newton_pinv, (0, 2, 4, 6, 8, 10, 12, 15, 20, 30)
-        yield "soft (pooled tokens)", std, gaussian_kernel(kl, kl, D ** -0.5), newton_pinv, (0, 2, 4, 6, 8, 10, 15, 20, 30)
+        a = gaussian_kernel(kl, kl, D ** -0.5)
+        yield "soft (pooled tokens)", std, a, newton_pinv, (0, 2, 4, 6, 8, 10, 15, 20, 30)
 
 
 def main() -> None:
