@@ -78,3 +78,13 @@ class TestImprovedClusteredConformance(AttentionConformance):
     name = "improved-clustered"
     options = {"clusters": 3, "bits": 8, "iterations": 3, "top_k": 3}
     queries_interact = True
+
+
+class TestIsabConformance(AttentionConformance):
+    name = "isab"
+    options = {"num_inducing": 4}
+
+
+class TestIsabPerHeadConformance(AttentionConformance):
+    name = "isab"
+    options = {"num_inducing": 3, "per_head": True}

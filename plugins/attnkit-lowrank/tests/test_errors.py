@@ -115,3 +115,10 @@ def test_clustered_refuses_more_clusters_than_queries_and_top_k_above_keys():
         attnkit.build("clustered", clusters=9)(*_qkv(8))
     with pytest.raises(InvalidInputError, match=r"top_k: 10 keys per cluster outnumber the S=8 keys"):
         attnkit.build("improved-clustered", clusters=2, top_k=10)(*_qkv(8))
+
+
+def test_isab_needs_head_dim_and_num_heads_per_head():
+    with pytest.raises(InvalidInputError, match="head_dim"):
+        attnkit.build("isab")
+    with pytest.raises(InvalidInputError, match="num_heads"):
+        attnkit.build("isab", head_dim=8, per_head=True)

@@ -191,3 +191,10 @@ def test_clustered_members_share_their_centroid_output():
     assign = cluster(q, 4, 16, 10, 0)[0, 0]
     out = attn(q, k, v)[0, 0]
     assert len(torch.unique(out, dim=0)) == len(torch.unique(assign))
+
+
+def test_isab_is_invariant_to_the_order_of_the_keys():
+    q, k, v = _qkv(L=7, S=11)
+    attn = attnkit.build("isab", head_dim=8, num_inducing=5).double()
+    perm = torch.randperm(11)
+    torch.testing.assert_close(attn(q, k, v), attn(q, k[:, :, perm], v[:, :, perm]), atol=1e-12, rtol=1e-10)

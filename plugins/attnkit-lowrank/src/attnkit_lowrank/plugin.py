@@ -1,5 +1,5 @@
 """attnkit plugin hooks: registers ``nystrom``, ``linformer``, ``soft``, ``memory-compressed``,
-``informer``, ``clustered`` and ``improved-clustered``.
+``informer``, ``clustered``, ``improved-clustered`` and ``isab``.
 
 Each spec is the one declaration of its capabilities (the module classes read
 theirs from here) and names its factory and plain reference by import path, so
@@ -162,7 +162,28 @@ IMPROVED_CLUSTERED = AttentionSpec(
     ),
 )
 
-SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED)
+ISAB = AttentionSpec(
+    name="isab",
+    factory="attnkit_lowrank.isab.module:InducedAttention",
+    reference="attnkit_lowrank.isab.naive:reference",
+    family="lowrank",
+    summary=("Induced set attention (Set Transformer): m learned inducing points attend to the keys, the "
+             "queries attend to the packed keys and values."),
+    paper=Paper("Lee, Lee, Kim, Kosiorek, Choi, Teh", 2019,
+                "Set Transformer: A Framework for Attention-based Permutation-Invariant Neural Networks",
+                "1810.00825"),
+    exact=False,
+    approximation=("attention through m learned inducing points (a rank-m bottleneck): a different attention, "
+                   "not an estimate of softmax attention"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O((L + S)·m·D)", memory="O((L + S)·m) per head",
+    ),
+)
+
+SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED, ISAB)
 
 
 @attnkit.hookimpl
