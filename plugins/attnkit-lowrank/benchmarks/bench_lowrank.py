@@ -40,6 +40,9 @@ import attnkit
 H, D = 8, 64
 NYSTROM_M, LINFORMER_K, SOFT_STRIDE, PINV_ITERS, NEWTON_ITERS = 64, 256, 64, 6, 20
 IMPLS = ("sdpa", "nystrom", "linformer", "soft", "soft-m128")
+#: the other mechanisms at their papers' defaults (``--impls``): informer c=5, memory-compressed stride 3 (conv),
+#: clustered / improved-clustered C=100 (top-k 32), isab 32 inducing points
+OTHERS = ("informer", "memory-compressed", "clustered", "improved-clustered", "isab")
 
 
 def _cpu_model() -> str:
@@ -80,6 +83,8 @@ def build(name: str, L: int, max_length: int) -> torch.nn.Module | None:
         return attnkit.build("nystrom", num_landmarks=NYSTROM_M, pinv_iterations=PINV_ITERS)
     if name == "linformer":
         return attnkit.build("linformer", proj_len=LINFORMER_K, max_length=max_length)
+    if name in OTHERS:
+        return attnkit.build(name, head_dim=D) if name in ("memory-compressed", "isab") else attnkit.build(name)
     return attnkit.build("soft", head_dim=D, stride=soft_stride(name, L), pinv_iterations=NEWTON_ITERS)
 
 
@@ -89,6 +94,8 @@ def flops(name: str, L: int) -> float:
     E = D
     if name == "sdpa":
         return H * 4 * L * S * D
+    if name in OTHERS:
+        return float("nan")                                     # not modelled
     if name == "nystrom":
         m = NYSTROM_M
         per = 2 * m * (L * D + S * D + S * E + L * E) + 2 * m * m * (D + E) + PINV_ITERS * 4 * 2 * m ** 3
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sdpa-max", type=int, default=16384)
     p.add_argument("--soft-max", type=int, default=16384, help="longest L for soft at stride 64 (m = L/64 grows)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + OTHERS)
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--out", type=Path)
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     base = t["median_s"]
                 elif base is not None:
                     row["speedup_vs_sdpa"] = base / t["median_s"]
-                if mode == "fwd":
+                if mode == "fwd" and name not in OTHERS:
                     row["gflops"] = flops(name, L) / t["median_s"] / 1e9
                     row["fraction_of_matmul_rate"] = row["gflops"] * 1e9 / rate
                 rows.append(row)

@@ -38,27 +38,34 @@ def hyperplanes(seed: int, bits: int, D: int, dtype: torch.dtype, device: torch.
 
 
 def cluster(q: Tensor, C: int, bits: int, iterations: int, seed: int) -> Tensor:
-    """Cluster index ``(B, H, L)`` of each query: LSH codes, then Hamming K-means (no gradient)."""
+    """Cluster index ``(B, H, L)`` of each query: LSH codes, then Hamming K-means (no gradient).
+
+    Codes are kept as +-1, so the Hamming distance is ``(bits - x·c) / 2``: one
+    product per Lloyd step; the centroid codes are majority votes of per-cluster
+    bit counts summed with ``index_add``.
+    """
     B, H, L, D = q.shape
     with torch.no_grad():
-        codes = (q @ hyperplanes(seed, bits, D, q.dtype, q.device) > 0).to(q.dtype)     # (B, H, L, bits)
+        codes = torch.where(q @ hyperplanes(seed, bits, D, q.dtype, q.device) > 0, 1.0, -1.0).to(q.dtype)
         init = torch.div(torch.arange(C, device=q.device) * L, C, rounding_mode="floor")
         cent = codes[:, :, init]                                                     # (B, H, C, bits)
-        assign = hamming_argmin(codes, cent)
+        assign = nearest(codes, cent)
+        base = (torch.arange(B * H, device=q.device) * C)[:, None]
+        flat_codes = codes.reshape(B * H * L, bits)
         for _ in range(iterations):
-            onehot = torch.nn.functional.one_hot(assign, C).to(q.dtype)              # (B, H, L, C)
-            count = onehot.sum(2)                                                    # (B, H, C)
-            ones = onehot.transpose(-1, -2) @ codes                                  # (B, H, C, bits)
-            new = (2 * ones > count[..., None]).to(q.dtype)
-            cent = torch.where(count[..., None] > 0, new, cent)                      # empty cluster: keep
-            assign = hamming_argmin(codes, cent)
+            idx = (assign.reshape(B * H, L) + base).flatten()
+            total = torch.zeros(B * H * C, bits, dtype=q.dtype, device=q.device).index_add_(0, idx, flat_codes)
+            count = torch.bincount(idx, minlength=B * H * C).view(B, H, C, 1)
+            total = total.view(B, H, C, bits)
+            new = torch.where(total > 0, 1.0, -1.0).to(q.dtype)       # majority of +1 (a tie votes -1: bit 0)
+            cent = torch.where(count > 0, new, cent)                  # an empty cluster keeps its code
+            assign = nearest(codes, cent)
     return assign
 
 
-def hamming_argmin(codes: Tensor, cent: Tensor) -> Tensor:
-    """Index of the nearest centroid code (Hamming distance, ties to the lower index)."""
-    dist = codes @ (1 - cent).transpose(-1, -2) + (1 - codes) @ cent.transpose(-1, -2)
-    return dist.argmin(-1)
+def nearest(codes: Tensor, cent: Tensor) -> Tensor:
+    """Index of the nearest centroid code (Hamming distance = (bits - codes·cent)/2; ties to the lower index)."""
+    return (codes @ cent.transpose(-1, -2)).argmax(-1)
 
 
 def centroids(q: Tensor, assign: Tensor, C: int) -> tuple[Tensor, Tensor]:
@@ -189,16 +196,19 @@ class ImprovedClusteredAttention(ClusteredAttention):
         in_top = torch.zeros_like(a, dtype=torch.bool).scatter(-1, top, True)
         mass = (a * in_top).sum(-1, keepdim=True)               # (B, H, C, 1): centroid weight on its top-k
         rest = (a * ~in_top) @ v                                # centroid weights on the other keys
-        # each query: exact softmax over its cluster's top-k keys
-        tq = top.gather(2, assign[..., None].expand(B, H, L, T))                       # (B, H, L, T)
-        kt = k.gather(2, tq.reshape(B, H, L * T, 1).expand(B, H, L * T, D)).view(B, H, L, T, D)
-        vt = v.gather(2, tq.reshape(B, H, L * T, 1).expand(B, H, L * T, E)).view(B, H, L, T, E)
-        s = (kt @ (ctx.scale * q)[..., None]).squeeze(-1)                               # (B, H, L, T)
+        # each query: exact softmax over its cluster's top-k keys (the cluster's T keys copied per query)
+        BH = B * H
+        rows = (assign.reshape(BH, L) + (torch.arange(BH, device=q.device) * C)[:, None]).flatten()
+        top_flat = top.reshape(B, H, C * T)
+        kt = k.gather(2, top_flat[..., None].expand(B, H, C * T, D)).view(BH * C, T, D).index_select(0, rows)
+        vt = v.gather(2, top_flat[..., None].expand(B, H, C * T, E)).view(BH * C, T, E).index_select(0, rows)
+        s = torch.bmm(kt, (ctx.scale * q).reshape(BH * L, D, 1)).view(B, H, L, T)
         if keep is not None:
-            kt_keep = keep[:, None, :].expand(B, H, S).gather(2, tq.reshape(B, H, L * T)).view(B, H, L, T)
+            kt_keep = keep[:, None, :].expand(B, H, S).gather(2, top_flat).view(BH * C, T).index_select(0, rows)
+            kt_keep = kt_keep.view(B, H, L, T)
             s = s.masked_fill(~kt_keep, torch.finfo(s.dtype).min)
             p = torch.softmax(s, -1) * kt_keep
         else:
             p = torch.softmax(s, -1)
-        exact = (p[..., None, :] @ vt).squeeze(-2)                                      # (B, H, L, E)
+        exact = torch.bmm(p.reshape(BH * L, 1, T), vt).view(B, H, L, E)
         return onehot @ rest + (onehot @ mass) * exact
