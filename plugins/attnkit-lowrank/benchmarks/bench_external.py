@@ -102,7 +102,7 @@ def main() -> int:
             for mode in ("fwd", "fwd+bwd"):
                 t = {}
                 for side, layer in (("public", pub), ("attnkit", ours)):
-                    def run(layer=layer, mode=mode):
+                    def run(layer=layer, mode=mode, x=x):
                         if mode == "fwd":
                             with torch.no_grad():
                                 layer(x)
