@@ -88,3 +88,21 @@ class TestIsabConformance(AttentionConformance):
 class TestIsabPerHeadConformance(AttentionConformance):
     name = "isab"
     options = {"num_inducing": 3, "per_head": True}
+
+
+class TestNystromDefaultConformance(AttentionConformance):
+    """Defaults as `attnkit check nystrom` runs them: 64 landmarks capped at the kit's short lengths."""
+
+    name = "nystrom"
+    queries_interact = True
+
+
+class TestSoftDefaultConformance(AttentionConformance):
+    """Defaults: stride 64 on the kit's 9- to 67-token sequences (one or two zero-filled windows)."""
+
+    name = "soft"
+
+
+class TestClusteredDefaultConformance(AttentionConformance):
+    name = "improved-clustered"      # 100 clusters and top-32 capped at L and S
+    queries_interact = True

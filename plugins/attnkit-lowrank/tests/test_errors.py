@@ -122,3 +122,22 @@ def test_isab_needs_head_dim_and_num_heads_per_head():
         attnkit.build("isab")
     with pytest.raises(InvalidInputError, match="num_heads"):
         attnkit.build("isab", head_dim=8, per_head=True)
+
+
+@pytest.mark.parametrize("name", ["nystrom", "linformer", "soft", "memory-compressed", "informer", "clustered",
+                                  "improved-clustered", "isab"])
+def test_defaults_run_short_sequences_in_a_transformer(name):
+    """Paper defaults (64 landmarks, 100 clusters, stride 64, ...) adapt to 8 tokens; explicit values do not."""
+    torch.manual_seed(0)
+    model = attnkit.Transformer(16, depth=1, num_heads=2, attention=name)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    y = model(x)
+    y.square().mean().backward()
+    assert y.shape == (2, 8, 16) and torch.isfinite(x.grad).all()
+
+
+def test_default_landmarks_and_clusters_follow_the_length():
+    assert attnkit.build("nystrom").landmark_count(9, 5) == 9
+    assert attnkit.build("nystrom").landmark_count(500, 300) == 64
+    assert attnkit.build("clustered").cluster_count(50) == 50
+    assert attnkit.build("improved-clustered").top_k_count(10) == 10

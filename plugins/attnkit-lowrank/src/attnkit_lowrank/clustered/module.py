@@ -30,6 +30,8 @@ from attnkit import InvalidInputError
 from ..common import check_int
 from ..plugin import CLUSTERED, IMPROVED_CLUSTERED
 
+DEFAULT_CLUSTERS, DEFAULT_TOP_K = 100, 32        # the paper's
+
 
 def hyperplanes(seed: int, bits: int, D: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``(D, bits)`` Gaussian projections from ``torch.Generator().manual_seed(seed)``."""
@@ -91,7 +93,8 @@ class ClusteredAttention(attnkit.Attention):
         head_dim: head dimension D; when given, inputs with another D are refused.
         scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
         backend: ``"auto"`` or ``"torch"``.
-        clusters: number of clusters C (the paper's 100); must not exceed L.
+        clusters: number of clusters C, taken literally: more than L is an
+            error. None (default): the paper's 100, or L for fewer queries.
         bits: hash bits per query (the paper's 63).
         iterations: Lloyd iterations of the Hamming K-means (the paper's 10).
         seed: seed of the hash hyperplanes.
@@ -111,10 +114,10 @@ class ClusteredAttention(attnkit.Attention):
     }
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
-                 backend: str = "auto", clusters: int = 100, bits: int = 63, iterations: int = 10,
+                 backend: str = "auto", clusters: int | None = None, bits: int = 63, iterations: int = 10,
                  seed: int = 0) -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
-        self.clusters = check_int("clusters", clusters)
+        self.clusters = check_int("clusters", clusters, allow_none=True)
         self.bits = check_int("bits", bits)
         self.iterations = check_int("iterations", iterations, minimum=0)
         self.seed = check_int("seed", seed, minimum=0)
@@ -122,14 +125,21 @@ class ClusteredAttention(attnkit.Attention):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, clusters={self.clusters}, bits={self.bits}, iterations={self.iterations}"
 
+    def cluster_count(self, L: int) -> int:
+        """C for L queries: ``clusters`` (refused when it outnumbers them) or min(100, L)."""
+        if self.clusters is None:
+            return min(DEFAULT_CLUSTERS, L)
+        self._check_lengths(L, L)
+        return self.clusters
+
     def _check_lengths(self, L: int, S: int) -> None:
-        if self.clusters > L:
+        if self.clusters is not None and self.clusters > L:
             raise InvalidInputError(f"clusters: {self.clusters} clusters outnumber the L={L} queries; expected "
                                     f"clusters <= {L}")
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
         self._check_lengths(q.shape[2], k.shape[2])
-        C = self.clusters
+        C = self.cluster_count(q.shape[2])
         keep = ctx.key_padding_mask
         assign = cluster(q, C, self.bits, self.iterations, self.seed)
         qc, onehot = centroids(q, assign, C)
@@ -150,11 +160,13 @@ class ImprovedClusteredAttention(ClusteredAttention):
         head_dim: head dimension D; when given, inputs with another D are refused.
         scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
         backend: ``"auto"`` or ``"torch"``.
-        clusters: number of clusters C (the paper's 100); must not exceed L.
+        clusters: number of clusters C, taken literally: more than L is an
+            error. None (default): the paper's 100, or L for fewer queries.
         bits: hash bits per query (the paper's 63).
         iterations: Lloyd iterations of the Hamming K-means (the paper's 10).
         seed: seed of the hash hyperplanes.
-        top_k: keys per cluster attended exactly (the paper's 32); must not exceed S.
+        top_k: keys per cluster attended exactly, taken literally: more than S
+            is an error. None (default): the paper's 32, or S for fewer keys.
 
     Raises:
         InvalidInputError: an option of the wrong type or out of range; at
@@ -166,18 +178,22 @@ class ImprovedClusteredAttention(ClusteredAttention):
     capabilities = IMPROVED_CLUSTERED.capabilities
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
-                 backend: str = "auto", clusters: int = 100, bits: int = 63, iterations: int = 10,
-                 seed: int = 0, top_k: int = 32) -> None:
+                 backend: str = "auto", clusters: int | None = None, bits: int = 63, iterations: int = 10,
+                 seed: int = 0, top_k: int | None = None) -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend, clusters=clusters,
                          bits=bits, iterations=iterations, seed=seed)
-        self.top_k = check_int("top_k", top_k)
+        self.top_k = check_int("top_k", top_k, allow_none=True)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, top_k={self.top_k}"
 
+    def top_k_count(self, S: int) -> int:
+        """Keys per cluster for S keys: ``top_k`` (refused above S) or min(32, S)."""
+        return min(DEFAULT_TOP_K, S) if self.top_k is None else self.top_k
+
     def _check_lengths(self, L: int, S: int) -> None:
         super()._check_lengths(L, S)
-        if self.top_k > S:
+        if self.top_k is not None and self.top_k > S:
             raise InvalidInputError(f"top_k: {self.top_k} keys per cluster outnumber the S={S} keys; expected "
                                     f"top_k <= {S}")
 
@@ -185,7 +201,7 @@ class ImprovedClusteredAttention(ClusteredAttention):
         B, H, L, D = q.shape
         S, E = k.shape[2], v.shape[-1]
         self._check_lengths(L, S)
-        C, T = self.clusters, self.top_k
+        C, T = self.cluster_count(L), self.top_k_count(S)
         keep = ctx.key_padding_mask
         assign = cluster(q, C, self.bits, self.iterations, self.seed)
         qc, onehot = centroids(q, assign, C)

@@ -49,8 +49,8 @@ def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None =
     """``clustered`` / ``improved-clustered`` the obvious way with ``attn``'s options; ``(B, H, L, E)``."""
     B, H, L, D = q.shape
     S = k.shape[2]
-    C = attn.clusters
-    top_k = getattr(attn, "top_k", None)
+    C = attn.cluster_count(L)
+    top_k = attn.top_k_count(S) if hasattr(attn, "top_k_count") else None
     scale = attn.get_scale(q)
     kpm = None if mask is None else mask.key_padding_mask
     w = hyperplanes(attn.seed, attn.bits, D, q.dtype, q.device)

@@ -27,6 +27,8 @@ from attnkit import InvalidInputError
 from ..common import check_int, nystrom_pinv, segment_weights
 from ..plugin import NYSTROM
 
+DEFAULT_LANDMARKS = 64        # the paper's
+
 
 def landmarks(x: Tensor, keep: Tensor | None, m: int) -> Tensor:
     """``m`` segment means of ``x`` ``(B, H, n, D)`` over the kept tokens -> ``(B, H, m, D)``."""
@@ -69,8 +71,10 @@ class NystromAttention(attnkit.Attention):
         head_dim: head dimension D; when given, inputs with another D are refused.
         scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
         backend: ``"auto"`` or ``"torch"``.
-        num_landmarks: number of landmarks m (the paper uses 64); must not
-            exceed L or S.
+        num_landmarks: number of landmarks m, taken literally: more than L or S
+            is an error. None (default): the paper's 64, or L for fewer queries
+            (every query its own landmark; key landmarks repeat when there are
+            fewer keys).
         pinv_iterations: iterations of the pseudo-inverse (the paper's 6).
         conv_kernel_size: odd kernel size of the depthwise-convolution residual
             on V (the paper's code uses 33), or None for none. Needs L == S
@@ -92,10 +96,10 @@ class NystromAttention(attnkit.Attention):
     }
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
-                 backend: str = "auto", num_landmarks: int = 64, pinv_iterations: int = 6,
+                 backend: str = "auto", num_landmarks: int | None = None, pinv_iterations: int = 6,
                  conv_kernel_size: int | None = None) -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
-        self.num_landmarks = check_int("num_landmarks", num_landmarks)
+        self.num_landmarks = check_int("num_landmarks", num_landmarks, allow_none=True)
         self.pinv_iterations = check_int("pinv_iterations", pinv_iterations, minimum=0)
         self.conv_kernel_size = check_int("conv_kernel_size", conv_kernel_size, allow_none=True)
         if conv_kernel_size is not None:
@@ -118,9 +122,20 @@ class NystromAttention(attnkit.Attention):
         return (f"{super().extra_repr()}, num_landmarks={self.num_landmarks}, "
                 f"pinv_iterations={self.pinv_iterations}, conv_kernel_size={self.conv_kernel_size}")
 
+    def landmark_count(self, L: int, S: int) -> int:
+        """m for L queries and S keys: ``num_landmarks`` (refused when it outnumbers them) or min(64, L).
+
+        The default follows the query length only, so key padding never changes
+        it (fewer real keys than m: key landmarks repeat, see ``segment_weights``).
+        """
+        if self.num_landmarks is None:
+            return min(DEFAULT_LANDMARKS, L)
+        check_landmarks("num_landmarks", self.num_landmarks, L, S)
+        return self.num_landmarks
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
-        L, S, m = q.shape[2], k.shape[2], self.num_landmarks
-        check_landmarks("num_landmarks", m, L, S)
+        L, S = q.shape[2], k.shape[2]
+        m = self.landmark_count(L, S)
         keep = ctx.key_padding_mask
         scale = ctx.scale
         q_l = landmarks(q, None, m)

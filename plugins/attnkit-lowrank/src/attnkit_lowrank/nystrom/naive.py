@@ -42,7 +42,7 @@ def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None =
     """``nystrom`` the obvious way with ``attn``'s options; q ``(B, H, L, D)`` ... -> ``(B, H, L, E)``."""
     B, H, L, _ = q.shape
     S, E = k.shape[2], v.shape[-1]
-    m = attn.num_landmarks
+    m = attn.landmark_count(L, S)
     scale = attn.get_scale(q)
     kpm = None if mask is None else mask.key_padding_mask
     out = q.new_zeros(B, H, L, E)

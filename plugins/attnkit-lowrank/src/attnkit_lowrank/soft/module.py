@@ -34,6 +34,7 @@ from ..common import check_choice, check_int, newton_pinv
 from ..plugin import SOFT
 
 BOTTLENECKS = ("conv", "pool")
+DEFAULT_STRIDE = 64
 
 
 def gaussian_kernel(x: Tensor, y: Tensor, scale: float) -> Tensor:
@@ -65,8 +66,9 @@ class SoftAttention(attnkit.Attention):
         backend: ``"auto"`` or ``"torch"``.
         stride: bottleneck window: each bottleneck token summarises ``stride``
             consecutive keys (the last window may be shorter), so
-            ``m = ceil(L / stride)``. Must not exceed L. The paper reduces 3136
-            tokens to 49 (a factor of 64).
+            ``m = ceil(L / stride)``; taken literally, a stride longer than L is
+            an error. None (default): 64 (the paper reduces 3136 tokens to 49, a
+            factor of 64), and a shorter sequence is one zero-filled window.
         bottleneck: ``"conv"`` (a learned strided convolution, kernel = stride,
             no bias; the paper's better choice) or ``"pool"`` (average pooling).
         pinv_iterations: Newton-Raphson iterations of the Moore-Penrose inverse
@@ -90,18 +92,19 @@ class SoftAttention(attnkit.Attention):
     }
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
-                 backend: str = "auto", stride: int = 64, bottleneck: str = "conv",
+                 backend: str = "auto", stride: int | None = None, bottleneck: str = "conv",
                  pinv_iterations: int = 20) -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
-        self.stride = check_int("stride", stride)
+        self.stride = check_int("stride", stride, allow_none=True)
+        self.window = DEFAULT_STRIDE if stride is None else stride
         self.bottleneck = check_choice("bottleneck", bottleneck, BOTTLENECKS)
         self.pinv_iterations = check_int("pinv_iterations", pinv_iterations, minimum=0)
         if bottleneck == "conv":
             if head_dim is None:
                 raise InvalidInputError("head_dim: the strided convolution maps head_dim channels; give head_dim "
                                         "with bottleneck='conv' (or use bottleneck='pool')")
-            bound = 1 / math.sqrt(head_dim * stride)     # nn.Conv1d's default init
-            self.conv_weight = nn.Parameter(torch.empty(head_dim, head_dim, stride).uniform_(-bound, bound))
+            bound = 1 / math.sqrt(head_dim * self.window)     # nn.Conv1d's default init
+            self.conv_weight = nn.Parameter(torch.empty(head_dim, head_dim, self.window).uniform_(-bound, bound))
         else:
             self.conv_weight = None
 
@@ -112,7 +115,7 @@ class SoftAttention(attnkit.Attention):
     def bottleneck_tokens(self, k: Tensor) -> Tensor:
         """``ceil(S / stride)`` bottleneck tokens of ``k`` ``(B, H, S, D)`` -> ``(B, H, m, D)``."""
         B, H, S, D = k.shape
-        s = self.stride
+        s = self.window
         m = -(-S // s)
         if self.conv_weight is None:
             if S % s == 0:
@@ -128,7 +131,7 @@ class SoftAttention(attnkit.Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
         S = k.shape[2]
-        if self.stride > S:
+        if self.stride is not None and self.stride > S:
             raise InvalidInputError(
                 f"stride: a bottleneck window of {self.stride} positions does not fit in the S={S} keys; "
                 f"expected stride <= {S}")

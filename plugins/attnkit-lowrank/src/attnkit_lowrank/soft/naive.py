@@ -29,7 +29,7 @@ def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None =
               positions: Any = None) -> Tensor:
     """``soft`` the obvious way with ``attn``'s options and convolution; ``(B, H, L, E)``."""
     B, H, L, D = q.shape
-    S, s = k.shape[2], attn.stride
+    S, s = k.shape[2], attn.window
     m = -(-S // s)
     scale = attn.get_scale(q)
     w = None if attn.conv_weight is None else attn.conv_weight.to(q.dtype)
