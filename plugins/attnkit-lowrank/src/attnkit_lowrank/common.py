@@ -99,3 +99,28 @@ def segment_weights(keep: Tensor | None, batch: int, n: int, m: int, dtype: torc
     inside = keep[:, None, :] & (rank[:, None, :] >= lo[:, :, None]) & (rank[:, None, :] < hi[:, :, None])
     w = inside.to(dtype) / (hi - lo).to(dtype)[:, :, None]
     return w[:, None]
+
+
+#: elements of one query chunk's (chunk, m) score block per head: small enough to stay in cache
+CHUNK_ELEMENTS = 1 << 16
+
+
+def chunk_rows(L: int, m: int) -> int:
+    """Queries per chunk for ``m`` columns: about CHUNK_ELEMENTS scores per head, between 64 and L."""
+    return max(64, min(L, CHUNK_ELEMENTS // max(m, 1)))
+
+
+def softmax_attend(q: Tensor, kt: Tensor, v: Tensor) -> Tensor:
+    """``softmax(q @ kt) @ v`` for ``q`` ``(B, H, L, D)``, ``kt`` ``(..., D, m)``, ``v`` ``(..., m, E)``.
+
+    Query chunks of ``chunk_rows(L, m)`` rows: each ``(chunk, m)`` score block is
+    computed, normalised and used while it is still in cache (the whole
+    ``(L, m)`` block written and read three times ran at half the speed: 16K
+    queries x 256 columns x 8 heads, one thread, 338 -> 164 ms). Same values,
+    same autograd.
+    """
+    L, m = q.shape[2], kt.shape[-1]
+    c = chunk_rows(L, m)
+    if c >= L:
+        return torch.softmax(q @ kt, -1) @ v
+    return torch.cat([torch.softmax(q[:, :, i:i + c] @ kt, -1) @ v for i in range(0, L, c)], 2)

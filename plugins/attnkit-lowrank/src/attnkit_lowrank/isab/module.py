@@ -23,7 +23,7 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_bool, check_int
+from ..common import check_bool, check_int, softmax_attend
 from ..plugin import ISAB
 
 
@@ -82,4 +82,4 @@ class InducedAttention(attnkit.Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
         k_p, v_p = self.pack(k, v, ctx.scale, ctx.key_padding_mask)
-        return torch.softmax(q @ (ctx.scale * k_p).transpose(-1, -2), -1) @ v_p
+        return softmax_attend(q, (ctx.scale * k_p).transpose(-1, -2), v_p)

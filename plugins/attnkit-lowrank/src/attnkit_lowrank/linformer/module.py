@@ -20,7 +20,7 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_bool, check_int
+from ..common import check_bool, check_int, softmax_attend
 from ..plugin import LINFORMER
 
 
@@ -91,8 +91,7 @@ class LinformerAttention(attnkit.Attention):
         e, f = self.projections(k.shape[2], q.dtype)
         k_p = project(e, k)                                           # (B, H, proj_len, D)
         v_p = k_p if self.proj_v is None and v is k else project(f, v)
-        w = torch.softmax(q @ (ctx.scale * k_p).transpose(-1, -2), dim=-1)
-        return w @ v_p
+        return softmax_attend(q, (ctx.scale * k_p).transpose(-1, -2), v_p)
 
 
 def project(e: Tensor, x: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_choice, check_int
+from ..common import check_choice, check_int, softmax_attend
 from ..plugin import MCA
 
 COMPRESSIONS = ("conv", "pool")
@@ -111,9 +111,9 @@ class MemoryCompressedAttention(attnkit.Attention):
                                     f"(value_dim), got v {tuple(v.shape)}")
         k_c = compress(k, self.stride, self.conv_k)
         v_c = compress(v, self.stride, self.conv_v)
-        s = q @ (ctx.scale * k_c).transpose(-1, -2)                      # (B, H, L, m)
         if not ctx.causal:
-            return torch.softmax(s, -1) @ v_c
+            return softmax_attend(q, (ctx.scale * k_c).transpose(-1, -2), v_c)
+        s = q @ (ctx.scale * k_c).transpose(-1, -2)                      # (B, H, L, m)
         keep = visible(L, S, self.stride, q.device)
         s = s.masked_fill(~keep, torch.finfo(s.dtype).min)
         w = torch.softmax(s, -1) * keep                                    # rows with no visible key: 0

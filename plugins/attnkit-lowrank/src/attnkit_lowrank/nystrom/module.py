@@ -24,7 +24,7 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_int, nystrom_pinv, segment_weights
+from ..common import check_int, nystrom_pinv, segment_weights, softmax_attend
 from ..plugin import NYSTROM
 
 DEFAULT_LANDMARKS = 64        # the paper's
@@ -141,13 +141,12 @@ class NystromAttention(attnkit.Attention):
         q_l = landmarks(q, None, m)
         k_l = landmarks(k, keep, m)
         k_ls = scale * k_l                              # the scale on the small (m, D) side
-        f = torch.softmax(q @ k_ls.transpose(-1, -2), dim=-1)
         a = torch.softmax(q_l @ k_ls.transpose(-1, -2), dim=-1)
         g = (scale * q_l) @ k.transpose(-1, -2)
         if keep is not None:
             g = g.masked_fill(~keep[:, None, None, :], torch.finfo(g.dtype).min)
         g = torch.softmax(g, dim=-1)
-        out = f @ (nystrom_pinv(a, self.pinv_iterations) @ (g @ v))
+        out = softmax_attend(q, k_ls.transpose(-1, -2), nystrom_pinv(a, self.pinv_iterations) @ (g @ v))
         if self.conv_weight is not None:
             out = out + depthwise_conv(v, self.conv_weight)
         return out
