@@ -71,6 +71,12 @@ def matmul_rate() -> float:
     return 2 * 2048 ** 3 / timed(lambda: a @ b, 5)["median_s"]
 
 
+def matmul_rate_near() -> float:
+    """float32 FLOP/s of a 1024^3 matmul (median of 3), measured right before a cell: the load moves."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return 2 * 1024 ** 3 / timed(lambda: a @ b, 3)["median_s"]
+
+
 def soft_stride(name: str, L: int) -> int:
     return SOFT_STRIDE if name == "soft" else max(1, L // 128)
 
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.impls:
                 if (name == "sdpa" and L > args.sdpa_max) or (name == "soft" and L > args.soft_max):
                     continue
+                near = matmul_rate_near() if mode == "fwd" else None
                 t = timed(runner(name, L, mode == "fwd+bwd", max_length), args.repeats)
                 row = {"L": L, "mode": mode, "impl": name, **t}
                 if name == "sdpa":
@@ -200,9 +207,12 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "fwd" and name not in OTHERS:
                     row["gflops"] = flops(name, L) / t["median_s"] / 1e9
                     row["fraction_of_matmul_rate"] = row["gflops"] * 1e9 / rate
+                    row["matmul_gflops_before"] = near / 1e9
+                    row["fraction_of_matmul_rate_before"] = row["gflops"] * 1e9 / near
                 rows.append(row)
                 extra = f"  {row['speedup_vs_sdpa']:7.1f}x sdpa" if "speedup_vs_sdpa" in row else ""
-                extra += f"  {row['gflops']:6.1f} GFLOP/s" if "gflops" in row else ""
+                extra += (f"  {row['gflops']:6.1f} GFLOP/s ({row['fraction_of_matmul_rate_before']:.0%} of "
+                          f"matmul {row['matmul_gflops_before']:.0f} just before)") if "gflops" in row else ""
                 print(f"L={L:6d} {mode:8s} {name:10s} {t['median_s'] * 1e3:10.1f} ms{extra}", flush=True)
     result["time"] = rows
     mem = []
