@@ -11,8 +11,9 @@ float32, B=1, H=8, D=E=64, non-causal self-attention, L from 1K up:
   ``--sdpa-max``), with the achieved GFLOP/s of each forward from its
   matrix-product FLOP count next to the float32 matmul rate measured in the
   same run (a 2048^3 product);
-* ``memory``: peak resident memory of one forward+backward above the
-  process's resident memory just before it, one fresh process per cell (Linux).
+* ``memory``: peak resident memory of the first forward+backward above the
+  process's resident memory just before it (inputs and module built), one fresh
+  process per cell (Linux).
 
 Raw JSON goes to ``--out``. Run it alone, e.g.::
 
@@ -151,8 +152,10 @@ def _status_kib(field: str) -> int:
 
 
 def peak_child(name: str, L: int, max_length: int) -> None:
+    """Peak resident memory of the first forward+backward above the process just before it (inputs and module
+    built). The first call, not a second one: memory freed by a warm-up stays resident (the allocator keeps it),
+    so a second call would mostly reuse it and understate the peak."""
     run = runner(name, L, True, max_length)
-    run()
     Path("/proc/self/clear_refs").write_text("5")   # reset VmHWM to the current VmRSS
     before = _status_kib("VmRSS")
     run()
@@ -167,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + OTHERS)
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--no-time", action="store_true", help="peak memory only")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--out", type=Path)
     p.add_argument("--peak-child", nargs=3, help=argparse.SUPPRESS)
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     result["matmul_gflops"] = rate / 1e9
     print(f"float32 matmul 2048^3: {rate / 1e9:.1f} GFLOP/s", flush=True)
     rows = []
-    for L in args.lengths:
+    for L in ([] if args.no_time else args.lengths):
         for mode in ("fwd", "fwd+bwd"):
             base = None
             for name in args.impls:
