@@ -28,7 +28,7 @@ NYSTROM = AttentionSpec(
     exact=False,
     approximation=("Nystrom approximation of the softmax matrix from m landmarks (segment means of queries and of "
                    "the real keys); exact when every token is its own landmark and the pseudo-inverse converged"),
-    # measured on the kit's distribution (N(0, 1), D=16, L=64, m=64 default would refuse: the kit runs m=8): ~0.5
+    # no bound: on unstructured inputs its error is that of mean(V) until m nears L (docs/lowrank.md)
     error_bound=None,
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
