@@ -198,3 +198,16 @@ def test_isab_is_invariant_to_the_order_of_the_keys():
     attn = attnkit.build("isab", head_dim=8, num_inducing=5).double()
     perm = torch.randperm(11)
     torch.testing.assert_close(attn(q, k, v), attn(q, k[:, :, perm], v[:, :, perm]), atol=1e-12, rtol=1e-10)
+
+
+def test_soft_in_multihead_attention_shares_the_query_projection():
+    """The spec declares shared_qk: the layer builds no key projection and hands the attention k = q."""
+    from attnkit_lowrank.soft.naive import reference
+    torch.manual_seed(0)
+    layer = attnkit.MultiHeadAttention(16, 2, "soft", stride=3).double()
+    assert layer.k_proj is None
+    x = torch.randn(2, 9, 16, dtype=F64)
+    q = layer.q_proj(x).view(2, 9, 2, 8).transpose(1, 2)
+    v = layer.v_proj(x).view(2, 9, 2, 8).transpose(1, 2)
+    want = layer.out_proj(reference(layer.attention, q, q, v).transpose(1, 2).reshape(2, 9, 16))
+    torch.testing.assert_close(layer(x), want, atol=1e-9, rtol=1e-7)

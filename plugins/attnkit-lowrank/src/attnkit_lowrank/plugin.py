@@ -74,6 +74,7 @@ SOFT = AttentionSpec(
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        shared_qk=True,      # the paper's shared Q/K projection: MultiHeadAttention passes k = q
         time="O(L·m·D + m^3·iterations), m = ceil(L / stride)",
         memory="O(L·m + m^2) per head; no L x L matrix",
     ),
