@@ -15,13 +15,11 @@ from attnkit.testing import AttentionConformance
 class TestNystromConformance(AttentionConformance):
     name = "nystrom"
     options = {"num_landmarks": 3}
-    queries_interact = True     # query landmarks are means over the queries
 
 
 class TestNystromConvConformance(AttentionConformance):
     name = "nystrom"
     options = {"num_landmarks": 4, "pinv_iterations": 3, "conv_kernel_size": 3}
-    queries_interact = True
     skip = {"key_padding": ("the convolution residual reads neighbouring positions, so a padded key is a zero "
                             "value there rather than absent (the attention part holds it: the class above)")}
 
@@ -59,25 +57,21 @@ class TestMcaPoolConformance(AttentionConformance):
 class TestInformerConformance(AttentionConformance):
     name = "informer"
     options = {"factor": 1}
-    queries_interact = True     # the top-u choice ranks queries against each other
 
 
 class TestProbsparseAllActiveConformance(AttentionConformance):
     name = "probsparse"
     options = {"factor": 50}     # u >= L: every query active
-    queries_interact = True
 
 
 class TestClusteredConformance(AttentionConformance):
     name = "clustered"
     options = {"clusters": 3, "bits": 8, "iterations": 3}
-    queries_interact = True     # queries share clusters and centroids
 
 
 class TestImprovedClusteredConformance(AttentionConformance):
     name = "improved-clustered"
     options = {"clusters": 3, "bits": 8, "iterations": 3, "top_k": 3}
-    queries_interact = True
 
 
 class TestIsabConformance(AttentionConformance):
@@ -94,7 +88,6 @@ class TestNystromDefaultConformance(AttentionConformance):
     """Defaults as `attnkit check nystrom` runs them: 64 landmarks capped at the kit's short lengths."""
 
     name = "nystrom"
-    queries_interact = True
 
 
 class TestSoftDefaultConformance(AttentionConformance):
@@ -105,4 +98,3 @@ class TestSoftDefaultConformance(AttentionConformance):
 
 class TestClusteredDefaultConformance(AttentionConformance):
     name = "improved-clustered"      # 100 clusters and top-32 capped at L and S
-    queries_interact = True

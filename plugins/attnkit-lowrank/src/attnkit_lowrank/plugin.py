@@ -33,6 +33,7 @@ NYSTROM = AttentionSpec(
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        queries_interact=True,
         time="O((L + S)·m·D + m^3·iterations)", memory="O((L + S)·m + m^2) per head; no L x S matrix",
     ),
 )
@@ -118,6 +119,7 @@ INFORMER = AttentionSpec(
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        queries_interact=True,
         time="O(L·ln S·D + ln L·S·D)", memory="O(chunk·ln S·D + ln L·S) per head",
     ),
 )
@@ -139,6 +141,7 @@ CLUSTERED = AttentionSpec(
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        queries_interact=True,
         time="O(L·bits·(D + C·iterations) + C·S·D)", memory="O(L·C + C·S) per head",
     ),
 )
@@ -159,6 +162,7 @@ IMPROVED_CLUSTERED = AttentionSpec(
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        queries_interact=True,
         time="O(L·bits·(D + C·iterations) + C·S·D + L·top_k·D)", memory="O(L·(C + top_k) + C·S) per head",
     ),
 )
