@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from broken_impls import QueryMixingAttention
+
 import attnkit
 from attnkit.testing import run_conformance
-
-from broken_impls import QueryMixingAttention
 
 
 def test_default_is_false():
