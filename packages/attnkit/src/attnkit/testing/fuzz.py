@@ -104,27 +104,27 @@ def _relative(modulus: int):
     return fn
 
 
-def _mask_object(case: FuzzCase) -> Any:
+def _mask_object(case: FuzzCase, device: torch.device | str = "cpu") -> Any:
     if case.mask is None:
         return None
     kind = case.mask[0]
     if kind == "window":
         return _masks.sliding_window(case.mask[1], case.mask[2])
     if kind == "document":
-        return _masks.document(torch.tensor(case.mask[1], dtype=torch.long).view(case.B, case.L),
-                               torch.tensor(case.mask[2], dtype=torch.long).view(case.B, case.S))
+        return _masks.document(torch.tensor(case.mask[1], dtype=torch.long, device=device).view(case.B, case.L),
+                               torch.tensor(case.mask[2], dtype=torch.long, device=device).view(case.B, case.S))
     if kind == "function":
         return _masks.from_function(_relative(case.mask[1]), name=f"fuzz-mod{case.mask[1]}")
     if kind == "tensor":
-        return _masks.from_tensor(torch.tensor(case.mask[1], dtype=torch.bool).view(case.mask[2]))
+        return _masks.from_tensor(torch.tensor(case.mask[1], dtype=torch.bool, device=device).view(case.mask[2]))
     raise ValueError(f"unknown fuzz mask {case.mask!r}")
 
 
-def _kwargs(case: FuzzCase) -> dict[str, Any]:
+def _kwargs(case: FuzzCase, device: torch.device | str = "cpu") -> dict[str, Any]:
     kw: dict[str, Any] = {"causal": case.causal}
     if case.padding is not None:
-        kw["key_padding_mask"] = torch.tensor(case.padding, dtype=torch.bool).view(case.B, case.S)
-    mask = _mask_object(case)
+        kw["key_padding_mask"] = torch.tensor(case.padding, dtype=torch.bool, device=device).view(case.B, case.S)
+    mask = _mask_object(case, device)
     if mask is not None:
         kw["mask"] = mask
     return kw
@@ -243,9 +243,9 @@ def run_case(cfg: ConformanceConfig, case: FuzzCase) -> str:
         c.fail(f"{label}: building raised {type(exc).__name__}: {exc} (not an attnkit error)")
     q, k, v = make_inputs(case.B, case.H, case.L, case.S, case.D, case.E, dtype=dt, device=c.device,
                           seed=case.seed)
-    kw = _kwargs(case)
+    kw = _kwargs(case, c.device)
     if case.poison is not None and case.padding is not None:
-        pad = ~kw["key_padding_mask"].to(c.device)[:, None, :, None]
+        pad = ~kw["key_padding_mask"][:, None, :, None]
         k, v = (torch.where(pad, torch.full_like(t, case.poison), t) for t in (k, v))
     try:
         with torch.no_grad():
@@ -322,6 +322,9 @@ def check_fuzz(cfg: ConformanceConfig) -> str:
         raise CheckFailed(f"[fuzz] {cfg.spec.name!r}: {msg}\n  reproduce (shrunk by hypothesis): "
                           f"attnkit.testing.fuzz.replay({cfg.name!r}, attnkit.testing.fuzz.{exc.case!r}{opts})"
                           ) from None
+    if counts["matched"] == 0:
+        c.skip(f"all {budget} draws were refused with attnkit errors (nothing was compared with the reference); "
+               f"raise ATTNKIT_FUZZ_EXAMPLES or check the spec's declared capabilities and limits")
     dts = ", ".join(sorted({DTYPE_NAMES[DTYPES[d]] for d in cfg.caps.dtypes}))
     return (f"{budget} examples (ATTNKIT_FUZZ_EXAMPLES): {counts['matched']} matched the reference, "
             f"{counts['refused']} refused clearly (dtypes {dts})")
