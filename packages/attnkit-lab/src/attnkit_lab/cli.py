@@ -364,6 +364,9 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     t.add_argument("--val-fraction", type=float, default=None, help="lm: held-out fraction (default 0.1)")
     t.add_argument("--cache-dir", default=None,
                    help="lm: tokenizer cache (default $ATTNKIT_CACHE_DIR, else the user cache dir: ~/.cache/attnkit)")
+    g.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data-parallel training on N CPU processes (torch.distributed.run, gloo): each takes "
+                        "--batch-size of every global batch of N x --batch-size; gradients are averaged (default 1)")
     r = p.add_argument_group("checkpoints and resuming")
     r.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="save the training state (model, optimizer, schedule step, RNG states, data position) "
@@ -448,13 +451,59 @@ def train_settings(args: argparse.Namespace, task_name: str) -> Any:
     return s
 
 
+def _launch(nproc: int) -> int:
+    """Re-run this command line under ``torch.distributed.run`` with ``nproc`` processes; their exit status."""
+    import os
+    import subprocess
+
+    words, argv = [], sys.argv[1:]
+    if "train" not in argv:
+        raise UsageError("--nproc: launch from the command line (attnkit train ... --nproc N)")
+    skip = False
+    for w in argv:  # the workers get the command without --nproc (torch.distributed.run would take it as its own)
+        if skip:
+            skip = False
+        elif w == "--nproc":
+            skip = True
+        elif not w.startswith("--nproc="):
+            words.append(w)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "attnkit", *words]
+    return subprocess.call(cmd, env={**os.environ, "ATTNKIT_LAB_NPROC": str(nproc)})
+
+
+def _join_process_group(args: argparse.Namespace) -> Path | None:
+    """Inside ``torch.distributed.run``: join the gloo group; ranks > 0 write their results to a scratch
+    directory (returned, to be removed); rank 0 writes ``--out``."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        return None
+    scratch = Path(tempfile.mkdtemp(prefix="attnkit-rank"))
+    args.out, args.force, args.quiet = str(scratch / "out"), False, True
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints the tables; the process ends after the run
+    return scratch
+
+
 @_interruptible("train")
 def run_train_cmd(args: argparse.Namespace) -> int:
+    import os
+
     from .progress import status
     from .tasks import task_class
     from .train import run_train
 
     task_name = task_class(args.task).name          # unknown task: a usage error before anything else
+    check_int(args.nproc, "--nproc", lo=1, hi=MAX_THREADS)
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(args.nproc)
+    launched = "LOCAL_RANK" in os.environ and os.environ.get("ATTNKIT_LAB_NPROC", "1") != "1"
+    scratch = _join_process_group(args) if launched else None
     _check_common(args)
     choices, _ = _choices(args.attention, option="--attention")
     settings = train_settings(args, task_name)
@@ -468,8 +517,14 @@ def run_train_cmd(args: argparse.Namespace) -> int:
         run_train(task, choices, settings, out, show_progress=not args.quiet, preset=args.preset,
                   checkpointing=ckpt)
 
-    return _run_in(out, "train", ["table.md", "results.json", "results.csv", "curves.csv",
-                                  "learning_curves.png"], body)
+    try:
+        return _run_in(out, "train", ["table.md", "results.json", "results.csv", "curves.csv",
+                                      "learning_curves.png"], body)
+    finally:
+        if scratch is not None:
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 # -------------------------------------------------------------------- demo

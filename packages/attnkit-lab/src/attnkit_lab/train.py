@@ -217,6 +217,39 @@ def evaluate(model: LabModel, batches: list[Batch], task: Task, device: torch.de
     return out
 
 
+def data_parallel() -> tuple[int, int]:
+    """``(world size, rank)`` of an initialised process group (``attnkit train --nproc N``), else ``(1, 0)``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
+def shard(batch: Batch, rank: int, world: int) -> Batch:
+    """Rank ``rank``'s contiguous slice of a batch drawn for all ``world`` ranks."""
+    if world == 1:
+        return batch
+    n = batch.inputs.shape[0] // world
+    part = slice(rank * n, (rank + 1) * n)
+    kpm = batch.key_padding_mask
+    return Batch(batch.inputs[part], batch.targets[part], None if kpm is None else kpm[part])
+
+
+def average_gradients(model: torch.nn.Module, loss: torch.Tensor, world: int) -> torch.Tensor:
+    """All-reduce (mean) every gradient and the loss over the ranks: the step of one process on the global batch.
+
+    The ranks' batches have equal sizes and scored-token counts (the tasks' layouts are fixed), so the mean of
+    the ranks' mean losses is the global mean loss.
+    """
+    dist = torch.distributed
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    loss = loss.clone()
+    dist.all_reduce(loss)
+    return loss / world
+
+
 def _record(holder: list[Any], fn: Any, *args: Any) -> None:
     holder.append(fn(*args))
 
@@ -323,8 +356,10 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
         res.note = f"cannot build: {names_mod.describe_error(e)}"
         return
     res.params = model.num_parameters()
+    world, rank = data_parallel()
     opt = torch.optim.AdamW(_param_groups(model, settings.weight_decay), lr=settings.lr, betas=(0.9, 0.98))
-    stream = task.batches(settings.batch_size, settings.seed)
+    # data parallel (attnkit train --nproc N): one stream of N x batch_size, each rank takes its slice
+    stream = task.batches(settings.batch_size * world, settings.seed)
     step_times: list[float] = []
     aux_ema: dict[str, float] = {}
     where.update(step_times=step_times, tokens=0, last_eval={}, aux=aux_ema)
@@ -363,6 +398,8 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
         total = loss + sum(aux.values()) if aux else loss
         opt.zero_grad(set_to_none=True)
         total.backward()
+        if world > 1:
+            loss = average_gradients(model, loss.detach(), world)
         if settings.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         opt.step()
@@ -377,7 +414,7 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
             where["step"] = step
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, settings)
-            batch = next(stream).to(device)
+            batch = shard(next(stream), rank, world).to(device)
             try:
                 if step == memory_step:
                     holder: list[tuple[float, dict[str, float]]] = []
@@ -422,11 +459,12 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
             if where["last_eval"]:
                 post["eval"] = where["last_eval"]["perplexity" if task.metric == "perplexity" else "eval_accuracy"]
             bar.update(1, **post)
-            if ckpt_path is not None and every and ((step + 1) % every == 0 or step + 1 == settings.steps):
+            if ckpt_path is not None and every and rank == 0 and ((step + 1) % every == 0
+                                                                  or step + 1 == settings.steps):
                 save_state(step + 1)
     res.wall_s = time.perf_counter() - t_start
     _summarise(res, where)
-    if out_dir is not None and res.status == "ok":
+    if out_dir is not None and res.status == "ok" and rank == 0:
         d = out_dir / safe_label(choice.label)
         d.mkdir(parents=True, exist_ok=True)
         torch.save({
@@ -504,7 +542,9 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
     interrupted: BaseException | None = None
     assert out.tmp is not None
     try:
-        eval_set = task.eval_batches(settings.batch_size, settings.eval_batches, settings.seed + 1_000_003)
+        # the global batch size: --nproc N --batch-size B evaluates like one process with N x B
+        eval_set = task.eval_batches(settings.batch_size * data_parallel()[0], settings.eval_batches,
+                                     settings.seed + 1_000_003)
         info.update(task.extra_info())
         if isinstance(task, ListOpsTask):
             label, frac = ListOpsTask.majority_floor(eval_set)
@@ -532,6 +572,9 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
         floor = f"\nMajority-class floor: {info['majority_floor']:.3f}\n"
     steps_line = (f"{task.name}: {settings.steps} steps × batch {settings.batch_size} × length {task.seq_len}, "
                   f"dim {settings.dim}, depth {settings.depth}, heads {settings.heads}, seed {settings.seed}")
+    world = data_parallel()[0]
+    if world > 1:
+        steps_line += f" (per process: {world} processes, global batch {world * settings.batch_size})"
     if settings.segment:
         steps_line += (f", segments of {settings.segment} (state carried across segments by attentions with "
                        "'segment' streaming; 'no memory' resets it every segment)")
@@ -555,6 +598,7 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
         "environment": env,
         "config": extra_config or {},
         "interrupted": interrupted is not None,
+        "processes": world,
         "runs": [asdict(r) for r in results],
     }
     out.write_json("results.json", payload)
