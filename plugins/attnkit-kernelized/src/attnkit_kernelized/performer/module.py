@@ -31,17 +31,17 @@ redrawn on demand (:meth:`PerformerAttention.redraw_features`) or every
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
-
-from typing import Any
 
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
 from ..feature_maps import draw_gaussian_features, favor_generalized, key_max
-from .chunk import NO_KEY, log_space_causal
 from ..options import check_bool, check_choice, check_int, check_seed
 from ..plugin import PERFORMER
+from .chunk import NO_KEY, log_space_causal
 
 FEATURE_MAPS = ("positive", "trig", "generalized")
 
