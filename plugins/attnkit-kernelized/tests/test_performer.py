@@ -7,7 +7,12 @@ import torch
 from comparisons import against_reference, backends, build, padding
 
 import attnkit
+from attnkit.testing import CheckFailed, ConformanceConfig
+from attnkit.testing.scaled_inputs import check_scaled_inputs
 from attnkit_kernelized import feature_maps
+from attnkit_kernelized.common import padded, zero_padded
+from attnkit_kernelized.performer.module import PerformerAttention
+from attnkit_kernelized.plugin import PERFORMER
 
 OPTIONS = [{"num_features": 16}, {"num_features": 16, "orthogonal": False, "scale": 0.3},
            {"num_features": 8, "feature_map": "trig"}, {"num_features": 16, "feature_map": "generalized"}]
@@ -94,3 +99,46 @@ def test_favor_positive_is_positive_and_unbiased_at_zero():
     phi = feature_maps.favor_positive(torch.zeros(8, dtype=torch.float64), w)
     assert torch.all(phi > 0)
     torch.testing.assert_close((phi * phi).sum(), torch.tensor(1.0, dtype=torch.float64))   # exp(0 . 0) = 1
+
+
+class _Unstabilised(PerformerAttention):
+    """The features as the paper writes them, no shift (what this plugin computed before the log-space form)."""
+
+    _log_space = False
+
+    def feature_pair(self, q, k, *, causal, key_padding_mask=None):
+        s, w = self.get_scale(q) ** 0.5, self.features.to(q.dtype)
+        return (feature_maps.favor_positive(q, w, scale=s),
+                zero_padded(feature_maps.favor_positive(k, w, scale=s), padded(key_padding_mask)))
+
+
+def test_the_kit_catches_unstabilised_features_and_passes_ours():
+    """Unshifted FAVOR+ features give all-zero rows for q, k scaled by 10 in float32: the kit's scaled_inputs
+    check fails on them and passes on the module (causal and non-causal, both forms of stabiliser)."""
+    with attnkit.registered(_Unstabilised, name="performer-unstabilised", exact=False,
+                            reference="attnkit_kernelized.performer.naive:reference",
+                            capabilities=PERFORMER.capabilities):
+        with pytest.raises(CheckFailed, match=r"scaled by (10|30|100).*(all zeros|non-finite)"):
+            check_scaled_inputs(ConformanceConfig(name="performer-unstabilised", options={"num_features": 64}))
+    for opts in ({"num_features": 64}, {"num_features": 64, "feature_map": "trig"}):
+        assert "x100" in check_scaled_inputs(ConformanceConfig(name="performer", options=opts))
+
+
+@pytest.mark.parametrize("scale", [10.0, 30.0, 100.0, 1e4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_large_inputs_and_scale_give_no_zero_rows(scale, causal):
+    """The inputs of the issue: D=64, M=256, float32, q and k scaled (and scale=1e4 on unit inputs)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 64, generator=g) for _ in range(3))
+    if scale == 1e4:
+        attn = attnkit.build("performer", num_heads=2, head_dim=64, num_features=256, seed=0, scale=1e4)
+    else:
+        attn = attnkit.build("performer", num_heads=2, head_dim=64, num_features=256, seed=0)
+        q, k = q * scale, k * scale
+    out = attn(q, k, v, causal=causal)
+    assert torch.isfinite(out).all()
+    assert (out.abs().amax(-1) > 0).all()
+    attn64 = attn.double()
+    want = attnkit.get_spec("performer").load_reference()(
+        attn64, q.double(), k.double(), v.double(), mask=attnkit.masks.resolve(causal=causal))
+    assert ((out.double() - want).norm() / want.norm()).item() < 1e-3
