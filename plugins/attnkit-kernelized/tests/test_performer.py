@@ -142,3 +142,44 @@ def test_large_inputs_and_scale_give_no_zero_rows(scale, causal):
     want = attnkit.get_spec("performer").load_reference()(
         attn64, q.double(), k.double(), v.double(), mask=attnkit.masks.resolve(causal=causal))
     assert ((out.double() - want).norm() / want.norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("feature_map", ["positive", "trig"])
+@pytest.mark.parametrize("causal,L,S", [(True, 21, 21), (False, 13, 9)])
+@pytest.mark.parametrize("std", [10.0, 30.0])
+def test_large_norm_inputs_match_the_reference_with_gradients(feature_map, causal, L, S, std):
+    """float64, q, k, v of std 10 and 30 (exponents in the thousands: the causal form's chunks then take the
+    pairwise path), padding, segments of 8 with the state carried: outputs and gradients equal the reference."""
+    against_reference("performer", {"num_features": 16, "feature_map": feature_map}, "torch", causal=causal, L=L,
+                      S=S, kpm=padding(2, S), std=std, segment=8 if causal else None)
+
+
+def test_the_pairwise_path_is_taken_and_agrees_with_the_factored_one():
+    """With exponents growing sharply inside a chunk the block is computed pairwise; with a large limit the
+    factored block (which is then exact in float64 too) gives the same outputs."""
+    from attnkit_kernelized.performer import chunk as performer_chunk
+
+    g = torch.Generator().manual_seed(0)
+    lq, lk = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) * 60 for _ in range(2))
+    v = torch.randn(1, 2, 16, 3, generator=g, dtype=torch.float64)
+    calls = []
+    real = performer_chunk._pairwise_chunks
+
+    def spy(*args):
+        calls.append(int(args[2].sum()))
+        return real(*args)
+
+    performer_chunk._pairwise_chunks = spy
+    try:
+        out, _ = performer_chunk.log_space_causal(lq, lk, v, chunk=8)
+    finally:
+        performer_chunk._pairwise_chunks = real
+    assert calls and calls[0] > 0
+    old = dict(performer_chunk.GROWTH_LIMIT)
+    performer_chunk.GROWTH_LIMIT[torch.float64] = 600.0
+    try:
+        factored, _ = performer_chunk.log_space_causal(lq, lk, v, chunk=8)
+    finally:
+        performer_chunk.GROWTH_LIMIT.clear()
+        performer_chunk.GROWTH_LIMIT.update(old)
+    torch.testing.assert_close(out, factored)

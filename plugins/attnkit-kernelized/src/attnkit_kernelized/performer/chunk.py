@@ -81,6 +81,32 @@ def _pairwise(lq: Tensor, lk: Tensor, c: Tensor, a: Tensor | None, b: Tensor | N
     return w.sum(-1)
 
 
+def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, lk: Tensor, prev: Tensor,
+                     a: Tensor | None, b: Tensor | None, future: Tensor) -> tuple[Tensor, Tensor]:
+    """``(A, q_inter)`` with the chunks ``pairwise`` marks recomputed in the per-position shift
+    ``c'_t = max_m (lq_tm + max(prev_m, max_{j <= t} lk_jm)) >= c_t``: their block pairwise (every exponent
+    <= 0) and their across-chunk query factors multiplied by ``exp(c_t - c'_t) <= 1``, so numerator and
+    denominator of each row keep one shift. Under ``torch.compile``: every chunk, selected (no data-dependent
+    branch)."""
+    if torch.compiler.is_compiling():
+        sel = (slice(None),) * 3
+    else:
+        sel = pairwise.nonzero(as_tuple=True)
+    lq_s, lk_s, prev_s = lq[sel], lk[sel], prev[sel]
+    a_s = None if a is None else a[sel]
+    b_s = None if b is None else b[sel]
+    with torch.no_grad():
+        mk = torch.maximum(torch.cummax(lk_s.detach(), dim=-2).values, prev_s.detach())
+        c_pos = (lq_s.detach() + mk).amax(-1, keepdim=True)                 # per position
+        c_chunk = (lq_s.detach() + torch.maximum(prev_s.detach(), lk_s.detach()[..., :1, :])).amax(-1, keepdim=True)
+    block = _pairwise(lq_s, lk_s, c_pos, a_s, b_s, future)
+    rescale = torch.exp(c_chunk - c_pos)                                   # (..., C, 1), <= 1
+    if torch.compiler.is_compiling():
+        sel_ = pairwise[..., None, None]
+        return torch.where(sel_, block, A), q_inter * torch.where(sel_, rescale, torch.ones_like(rescale))
+    return A.index_put(sel, block), q_inter.index_put(sel, q_inter[sel] * rescale)
+
+
 def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None, b: Tensor | None = None,
                      pad: Tensor | None = None, state: tuple[Tensor, Tensor, Tensor] | None = None, *,
                      chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
@@ -109,8 +135,6 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     vp = with_ones_column(v)
     if pad is not None:
         vp = vp.masked_fill(pad, 0.0)
-    with torch.no_grad():
-        lk_d = lk.detach() if pad is None else lk.detach().masked_fill(pad, NO_KEY)
     if state is None:
         Sp = vp.new_zeros(B, H, M, E + 1)
         m0 = vp.new_full((B, H, Mk), NO_KEY)
@@ -121,20 +145,18 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         return v.new_zeros(B, H, 0, E), (Sp[..., :E], Sp[..., E], m0)
     C = max(1, min(chunk, L))
     N = -(-L // C)
-    with torch.no_grad():
-        mk = torch.maximum(torch.cummax(lk_d, dim=2).values, m0.detach().unsqueeze(2))   # (B, H, L, Mk)
-        c = (lq.detach() + mk).amax(-1, keepdim=True)                                     # (B, H, L, 1)
-        tail = N * C - L
-        mk_c = torch.cat([mk, mk[:, :, -1:].expand(-1, -1, tail, -1)], dim=2) if tail else mk
-        mk_c = mk_c.reshape(B, H, N, C, Mk)                                               # the tail keeps the last max
-        first = mk_c[:, :, :, :1]                                                         # r per chunk
-        end = mk_c[:, :, :, -1:]                                                          # R' per chunk
-        prev = torch.cat([m0.detach()[:, :, None, None], end[:, :, :-1]], dim=2)          # R per chunk
-        lk_cd = _chunks(lk_d, C, N, NO_KEY)
-        growth = (lk_cd - first).amax(dim=(-2, -1))                                       # (B, H, N)
-        pairwise = growth > limit
-    lq_c, c_c = _chunks(lq, C, N, NO_KEY), _chunks(c, C, N, 0.0)      # tail queries: factors exp(-1e30) = 0
     lk_c = _chunks(lk.masked_fill(pad, NO_KEY) if pad is not None else lk, C, N, NO_KEY)
+    with torch.no_grad():
+        lk_cd = lk_c.detach()
+        # references per chunk, all from keys up to the chunk's first position or its end (prefix-safe):
+        # end = running max through the chunk's last key (R'), prev = the one before (R), first = max(prev,
+        # the chunk's first key), all (B, H, N, 1, Mk)
+        end = torch.maximum(torch.cummax(lk_cd.amax(3), dim=2).values, m0.detach().unsqueeze(2)).unsqueeze(3)
+        prev = torch.cat([m0.detach()[:, :, None, None], end[:, :, :-1]], dim=2)
+        first = torch.maximum(prev, lk_cd[:, :, :, :1])
+        growth = (end - first).amax(dim=(-2, -1))                                         # (B, H, N)
+        pairwise = growth > limit
+    lq_c = _chunks(lq, C, N, NO_KEY)                                        # tail queries: factors exp(-1e30) = 0
     a_c = None if a is None else _chunks(a, C, N, 0.0)
     if b is not None and pad is not None:
         b = b.masked_fill(pad, 0.0)                                         # NaN there must not reach A @ v
@@ -144,26 +166,27 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     def times(x: Tensor, y: Tensor | None) -> Tensor:
         return x if y is None else x * y
 
-    q_inter = times(torch.exp(lq_c + prev - c_c), a_c)                     # (B, H, N, C, M), <= 1
-    q_intra = times(torch.exp(lq_c + first - c_c), a_c)                    # <= 1
-    k_intra = times(torch.exp(torch.clamp(lk_c - first, max=limit)), b_c)  # <= e^limit (pairwise beyond)
-    k_state = times(torch.exp(lk_c - end), b_c)                            # <= 1
+    t = lq_c + first                                                        # (B, H, N, C, M)
+    c_c = t.detach().amax(-1, keepdim=True)                                 # the query's shift c_t
+    q_intra = torch.exp(t - c_c)                                            # <= 1, the largest 1
+    q_inter = times(q_intra * torch.exp(prev - first), a_c)                 # <= 1 (prev <= first)
+    q_intra = times(q_intra, a_c)
+    k_state = torch.exp(lk_c - end)                                         # <= 1
+    k_intra = times(k_state * torch.exp(torch.clamp(end - first, max=limit)), b_c)   # <= e^growth
+    k_state = times(k_state, b_c)
     future = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
     A = (q_intra @ k_intra.transpose(-1, -2)).masked_fill(future, 0.0)     # (B, H, N, C, C)
-    if torch.compiler.is_compiling():
-        # no data-dependent branch in a traced graph: every chunk's block pairwise where needed, by a select
-        A = torch.where(pairwise[..., None, None], _pairwise(lq_c, lk_c, c_c, a_c, b_c, future), A)
-    elif bool(pairwise.any()):
-        idx = pairwise.nonzero(as_tuple=True)
-        A = A.index_put(idx, _pairwise(*(None if t is None else t[idx] for t in (lq_c, lk_c, c_c, a_c, b_c)),
-                                       future))
+    if torch.compiler.is_compiling() or bool(pairwise.any()):
+        A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
     intra = A @ vp_c                                                        # (B, H, N, C, E+1)
     kv = k_state.transpose(-1, -2) @ vp_c                                   # (B, H, N, M, E+1)
-    decay = torch.exp(prev - end).squeeze(-2)                               # (B, H, N, Mk), <= 1
-    outs = []
-    for n in range(N):  # over chunks, not positions
-        outs.append(intra[:, :, n] + q_inter[:, :, n] @ Sp)
-        Sp = decay[:, :, n, :, None] * Sp + kv[:, :, n]
-    out = torch.cat(outs, dim=2)[:, :, :L]
-    m_end = mk[:, :, -1]
+    decay = torch.exp(prev - end).transpose(-1, -2)                         # (B, H, N, Mk, 1), <= 1
+    starts = [Sp]
+    for n in range(N - 1):  # over chunks, not positions: one fused op each (few ops: cheap under contention)
+        starts.append(torch.addcmul(kv[:, :, n], decay[:, :, n], starts[-1]))
+    Sp = torch.addcmul(kv[:, :, N - 1], decay[:, :, N - 1], starts[-1])
+    out = torch.baddbmm(intra.reshape(-1, C, E + 1), q_inter.reshape(-1, C, M),
+                        torch.stack(starts, dim=2).reshape(-1, M, E + 1))           # every chunk at once
+    out = out.reshape(B, H, N * C, E + 1)[:, :, :L]
+    m_end = end[:, :, -1, 0]
     return normalize(out[..., :E], out[..., E]), (Sp[..., :E], Sp[..., E], m_end)
