@@ -183,3 +183,25 @@ def test_the_pairwise_path_is_taken_and_agrees_with_the_factored_one():
         performer_chunk.GROWTH_LIMIT.clear()
         performer_chunk.GROWTH_LIMIT.update(old)
     torch.testing.assert_close(out, factored)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bounded_and_log_space_forms_hand_the_state_to_each_other(backend):
+    """A causal stream whose first segment has tame inputs (the linear kernels run) and whose second has
+    large-norm keys (the log-space form runs), and the reverse: outputs and gradients equal the reference."""
+    attn = build("performer", backend=backend, num_features=16, chunk_size=4)
+    attn.segment_length = 8
+    ref_fn = attnkit.get_spec("performer").load_reference()
+    for big_first in (False, True):
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(2, 2, 16, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        factor = torch.ones(1, 1, 16, 1, dtype=torch.float64)
+        factor[:, :, :8] = 1.0 if not big_first else 40.0
+        factor[:, :, 8:] = 40.0 if not big_first else 1.0
+        q, k = (q * factor).requires_grad_(), (k * factor).requires_grad_()
+        v.requires_grad_()
+        out = attn(q, k, v, causal=True)
+        want = ref_fn(attn, q, k, v, mask=attnkit.masks.resolve(causal=True), positions=None)
+        torch.testing.assert_close(out, want, atol=1e-9, rtol=1e-7)
+        for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-6)

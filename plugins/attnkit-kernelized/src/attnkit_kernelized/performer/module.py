@@ -36,12 +36,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._ops import backend_module, runnable_backend
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
 from ..feature_maps import draw_gaussian_features, favor_generalized, key_max
 from ..options import check_bool, check_choice, check_int, check_seed
 from ..plugin import PERFORMER
 from .chunk import NO_KEY, log_space_causal
+
+#: the positive map's causal form runs on the linear kernels (no shift of the keys) when every key exponent
+#: lies within [-bound, bound] for the dtype (features between e^-bound and e^bound: far from under- and overflow)
+BOUNDED_EXPONENT = {torch.float32: 60.0, torch.float64: 600.0}
 
 FEATURE_MAPS = ("positive", "trig", "generalized")
 
@@ -212,7 +217,60 @@ class PerformerAttention(KernelizedAttention):
                         backend: str) -> tuple[Tensor, Any]:
         if not self._log_space:
             return super()._causal_segment(q, k, v, kpm, state, backend)
+        if self.feature_map == "positive" and not torch.compiler.is_compiling():
+            out = self._bounded_causal(q, k, v, kpm, state, backend)
+            if out is not None:
+                return out
         return self._log_space_causal(q, k, v, kpm, state, self.chunk_size)
+
+    def _bounded_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                        backend: str) -> tuple[Tensor, Any] | None:
+        """The positive map's causal form on the linear kernels when every key exponent (and the state's
+        reference) lies within ``[-BOUND, BOUND]`` (:data:`BOUNDED_EXPONENT`); else None (the log-space form).
+
+        Then ``phi_k = exp(lk)`` needs no shift (no key feature under- or overflows, and the query's largest
+        feature, 1 after its row shift, meets key features >= e^-BOUND: no row can vanish), and the state
+        is returned relative to the per-feature key maximum, as the log-space form keeps it. Both forms
+        compute the same function; which one runs changes rounding only.
+        """
+        bound = BOUNDED_EXPONENT.get(q.dtype)
+        if bound is None:
+            return None
+        lq, _ = self.log_features(q)
+        lk, _ = self.log_features(k)
+        pad = padded(kpm)
+        with torch.no_grad():
+            lk_d = lk.detach()
+            hi = (lk_d if pad is None else lk_d.masked_fill(pad, -float("inf"))).amax(dim=2)   # (B, H, M)
+            lo = lk_d if pad is None else lk_d.masked_fill(pad, 0.0)
+            fresh = state is None
+            m0 = None if fresh else state[2].detach()
+            ok = bool(lo.amin() >= -bound) if lo.numel() else True
+            ok = ok and bool(hi.amax() <= bound) if hi.numel() else ok
+            if ok and not fresh:
+                seen = m0 > NO_KEY / 2
+                ok = bool(((m0.abs() <= bound) | ~seen).all())
+        if not ok:
+            return None
+        phi_q = torch.exp(lq - lq.detach().amax(-1, keepdim=True))
+        phi_k = zero_padded(torch.exp(lk), pad)
+        if fresh:
+            S0 = z0 = None
+            ref = hi
+        else:
+            S0r, z0r, _ = state
+            scale = torch.where(seen, torch.exp(torch.where(seen, m0, torch.zeros_like(m0))),
+                                torch.zeros_like(m0))                    # the state relative to exponent 0
+            S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale
+            ref = torch.maximum(hi, m0)
+        chosen = runnable_backend(backend, phi_q, phi_k, v)
+        out, S, z = backend_module("linear", chosen).linear_attention(phi_q, phi_k, v, S0, z0, causal=True,
+                                                                     chunk=self.chunk_size)
+        seen_end = ref > NO_KEY / 2                                      # a real key seen, in the past or here
+        ref = torch.where(seen_end, ref, torch.full_like(ref, NO_KEY))
+        back = torch.where(seen_end, torch.exp(-torch.where(seen_end, ref, torch.zeros_like(ref))),
+                           torch.zeros_like(ref))
+        return out, (S * back.unsqueeze(-1), z * back, ref)
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         if not self._log_space:
