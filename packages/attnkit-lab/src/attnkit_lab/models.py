@@ -87,7 +87,10 @@ class LabModel(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
 
-    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None, *, state: Any = None,
+                return_state: bool = False) -> Tensor | tuple[Tensor, Any]:
+        """Logits; with ``state``/``return_state`` the blocks carry state (segment-level training, ``tokens``
+        tasks): returns ``(logits, new_state)``, positions restart at 0 in every segment."""
         B, L = tokens.shape
         if L > self.config.max_len:
             raise ValueError(f"tokens: length {L} exceeds the model's max_len {self.config.max_len}")
@@ -96,6 +99,10 @@ class LabModel(nn.Module):
         if self.shift is not None:
             x = x + self.shift(F.pad(x, (0, 0, 1, 0))[:, :-1])
         x = self.drop(x)
+        if state is not None or return_state:
+            x, state = self.body(x, causal=self.config.causal, key_padding_mask=key_padding_mask, state=state,
+                                 return_state=True)
+            return self.head(x), state
         x = self.body(x, causal=self.config.causal, key_padding_mask=key_padding_mask)
         if self.config.kind == "tokens":
             return self.head(x)
@@ -105,6 +112,11 @@ class LabModel(nn.Module):
             w = key_padding_mask.to(x.dtype)[..., None]
             pooled = (x * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
         return self.head(pooled)
+
+    def carries_segment_state(self) -> bool:
+        """True when every attention declares ``"segment"`` streaming (a memory carried across segments)."""
+        mods = self.attention_modules()
+        return bool(mods) and all(m.caps.streaming == "segment" for m in mods)
 
     def attention_modules(self) -> list[attnkit.Attention]:
         """The attention module of every block, in order."""
