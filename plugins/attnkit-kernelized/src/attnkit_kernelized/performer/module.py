@@ -22,7 +22,10 @@ constant that cancels between numerator and denominator, and is detached):
 * causal (positive and trig maps, also streaming): the same shifts with a
   *prefix* maximum (over keys up to each position, never a later one), in
   the log-space chunked form of :mod:`.chunk`; the state carries the
-  reference ``m`` of its sums (``{"S", "z", "m"}``).
+  reference ``m`` of its sums (``{"S", "z", "m"}``). The positive map runs
+  on the linear kernels instead (unshifted keys) while every key exponent
+  lies within :data:`BOUNDED_EXPONENT` (no feature can under- or overflow
+  there); the two forms pass the state to each other.
 The random projection lives in the ``features`` buffer (state_dict, ``.to()``),
 drawn from ``seed`` (or torch's global RNG when ``seed`` is None), and can be
 redrawn on demand (:meth:`PerformerAttention.redraw_features`) or every
