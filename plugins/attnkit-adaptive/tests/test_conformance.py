@@ -1,0 +1,30 @@
+"""The attnkit conformance kit on every registered name (small options so spans cross block boundaries)."""
+
+from __future__ import annotations
+
+from attnkit.testing import AttentionConformance
+
+
+class TestAdaptiveSpanConformance(AttentionConformance):
+    name = "adaptive-span"
+    options = {"max_span": 16, "ramp": 3.0, "init_span": 5.5, "block_size": 4}
+
+
+class TestAdaptiveSpanFullConformance(AttentionConformance):
+    name = "adaptive-span"
+    options = {"max_span": 128, "ramp": 8.0, "init_span": 100.0, "block_size": 8}
+
+
+class TestDynamicSpanConformance(AttentionConformance):
+    name = "dynamic-span"
+    options = {"max_span": 16, "ramp": 3.0, "init_span": 6.0, "block_size": 4}
+
+
+class TestEntmaxConformance(AttentionConformance):
+    name = "entmax"
+    options = {"alpha": 1.5}
+
+
+class TestEntmaxSparsemaxConformance(AttentionConformance):
+    name = "entmax"
+    options = {"alpha": [2.0, 1.2], "learn_alpha": False}
