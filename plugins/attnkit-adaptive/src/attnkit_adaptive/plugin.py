@@ -72,6 +72,17 @@ ENTMAX = AttentionSpec(
 )
 
 SPECS = [ADAPTIVE_SPAN, DYNAMIC_SPAN, ENTMAX]
+
+ACT = attnkit.BlockSpec(
+    name="act",
+    aliases=("universal",),
+    factory="attnkit_adaptive.act.module:ACTBlock",
+    family="adaptive",
+    summary="Universal Transformer block: one shared pre-norm block over depth with ACT halting per position "
+            "(threshold 1 - epsilon, remainder, ponder cost N + R), coordinate embeddings of position and step.",
+    paper=Paper("Dehghani, Gouws, Vinyals, Uszkoreit, Kaiser", 2019, "Universal Transformers", "1807.03819"),
+    aux_losses={"ponder": 0.01},
+)
 assert MAX_SPAN_LIMIT > 0
 
 
@@ -80,3 +91,9 @@ def attnkit_register_attention(register):
     """Register the adaptive attentions."""
     for spec in SPECS:
         register(spec)
+
+
+@attnkit.hookimpl
+def attnkit_register_block(register):
+    """Register the ACT / Universal Transformer block."""
+    register(ACT)

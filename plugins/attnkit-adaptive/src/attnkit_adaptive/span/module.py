@@ -21,6 +21,9 @@ __all__ = ["AdaptiveSpanAttention", "DynamicSpanAttention"]
 class _SpanAttention(Attention):
     """Shared by the span mechanisms: options, the band path, the span penalty."""
 
+    refusal_reasons = {"noncausal": "the span mask looks back from each query (Sukhbaatar et al.'s causal "
+                                    "language models); pass causal=True"}
+
     def __init__(self, *, num_heads: int, max_span: int, ramp: float, block_size: int, head_dim: int | None,
                  scale: float | None, backend: str) -> None:
         super().__init__(num_heads=positive_int("num_heads", num_heads), head_dim=head_dim, scale=scale,
