@@ -28,3 +28,13 @@ class TestEntmaxConformance(AttentionConformance):
 class TestEntmaxSparsemaxConformance(AttentionConformance):
     name = "entmax"
     options = {"alpha": [2.0, 1.2], "learn_alpha": False}
+
+
+class TestSparseAdaptiveConformance(AttentionConformance):
+    name = "sparse-adaptive"
+    options = {"num_edges": 3, "predictor_dim": 4, "distance_buckets": 4, "chunk_size": 5}
+
+
+class TestSparseAdaptiveAllEdgesConformance(AttentionConformance):
+    name = "sac"
+    options = {"num_edges": 200, "chunk_size": 64}

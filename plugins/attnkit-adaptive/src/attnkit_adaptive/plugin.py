@@ -71,7 +71,29 @@ ENTMAX = AttentionSpec(
     ),
 )
 
-SPECS = [ADAPTIVE_SPAN, DYNAMIC_SPAN, ENTMAX]
+SPARSE_ADAPTIVE = AttentionSpec(
+    name="sparse-adaptive",
+    aliases=("sac",),
+    factory="attnkit_adaptive.sac.module:SparseAdaptiveAttention",
+    reference="attnkit_adaptive.sac.naive:reference",
+    family="adaptive",
+    summary="Sparse Adaptive Connection (simplified): a learned edge predictor picks num_edges keys per query; "
+            "softmax over those edges only.",
+    paper=Paper("Li, Meng, Zhou, Han, Wu, Li", 2020,
+                "SAC: Accelerating and Structuring Self-Attention via Sparse Adaptive Connection", "2003.09833"),
+    exact=False,
+    approximation="softmax over the num_edges keys a learned predictor picks per query (plus the predictor's "
+                  "score in the logit): a different, sparse attention; the predictor trains through the chosen "
+                  "edges instead of REINFORCE (docs/mechanisms/sparse-adaptive.md)",
+    capabilities=Capabilities(
+        causal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("causal", "key_padding"), dtypes=("float32", "float64"), backends=("torch",),
+        time="O(L·S·r) predictor (r = predictor_dim) + O(L·num_edges·D) attention",
+        memory="O(chunk_size·S) predictor scores + O(L·num_edges·D) gathered keys",
+    ),
+)
+
+SPECS = [ADAPTIVE_SPAN, DYNAMIC_SPAN, ENTMAX, SPARSE_ADAPTIVE]
 
 ACT = attnkit.BlockSpec(
     name="act",
