@@ -95,6 +95,8 @@ class ACTBlock(Block):
         with torch.no_grad():
             self.halting.bias.fill_(bias)
         self.last_info: ACTInfo | None = None
+        self.last_mean_steps: float | None = None
+        self.last_mean_ponder: float | None = None
 
     @property
     def threshold(self) -> float:
@@ -129,7 +131,17 @@ class ACTBlock(Block):
         if x.shape[1] > 0:
             self.record_aux_loss("ponder", cost)
         self.last_info = ACTInfo(info.weights.detach(), info.steps.detach(), info.remainders.detach())
+        steps = info.steps.detach()
+        self.last_mean_steps = float(steps.mean() if real_pos is None
+                                     else (steps * real_pos).sum() / real_pos.sum().clamp_min(1))
+        self.last_mean_ponder = float(cost.detach())
         return out
+
+    def lab_stats(self) -> dict[str, Any]:
+        """For ``attnkit train``: average ACT steps N and ponder cost N + R per real position, last forward."""
+        if self.last_mean_steps is None:
+            return {}
+        return {"act_steps": round(self.last_mean_steps, 3), "act_ponder": round(self.last_mean_ponder, 3)}
 
     def _act(self, x: Tensor, kw: dict[str, Any]) -> tuple[Tensor, ACTInfo]:
         B, L, _ = x.shape

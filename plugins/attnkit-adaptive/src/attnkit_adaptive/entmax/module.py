@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -81,6 +83,10 @@ class EntmaxAttention(Attention):
             s = s.masked_fill(~keep, float("-inf"))
         w = entmax_bisect(s, self.alphas(s.dtype).view(1, -1, 1, 1), n_iter=self.n_iter)
         return torch.matmul(w, v)
+
+    def lab_stats(self) -> dict[str, Any]:
+        """For ``attnkit train``: alpha of each head."""
+        return {"alpha": [round(float(a), 3) for a in self.alphas().detach()]}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, learn_alpha={self.learn_alpha}"

@@ -95,6 +95,10 @@ class AdaptiveSpanAttention(_SpanAttention):
         """The current span of each head in positions, ``(H,)`` (detached)."""
         return (self.span_fraction.detach().clamp(0.0, 1.0) * self.max_span)
 
+    def lab_stats(self) -> dict[str, Any]:
+        """For ``attnkit train``: the learned span of each head, in positions."""
+        return {"spans": [round(float(z), 1) for z in self.spans]}
+
     def spans_for(self, q: Tensor) -> Tensor:
         """``(1, H, 1)`` spans in positions, in the graph (the gradient reaches ``span_fraction``)."""
         z = self.span_fraction.clamp(0.0, 1.0) * self.max_span
@@ -151,6 +155,10 @@ class DynamicSpanAttention(_SpanAttention):
     def spans(self) -> Tensor | None:
         """The mean predicted span of each head at the last forward, ``(H,)``, or None before any."""
         return self._last_spans
+
+    def lab_stats(self) -> dict[str, Any]:
+        """For ``attnkit train``: the mean predicted span of each head at the last forward."""
+        return {} if self._last_spans is None else {"mean_spans": [round(float(z), 1) for z in self._last_spans]}
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
