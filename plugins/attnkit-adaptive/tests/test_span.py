@@ -41,6 +41,19 @@ def test_band_equals_dense_reference_outputs_and_grads(qkv, block_size, spans):
     assert _grads(out, params)[3].abs().sum() > 0  # the spans do learn
 
 
+@pytest.mark.parametrize("L", [13, 21, 30])
+def test_ragged_last_block_with_tiny_spans_has_finite_grads(qkv, L):
+    """Padded query rows of the last block (L not a multiple of the block) never make an empty softmax row."""
+    attn = _build(num_heads=2, max_span=16, ramp=1.5, init_span=0.0, block_size=8)
+    q, k, v = qkv(L, grad=True)
+    out = attn(q, k, v, causal=True)
+    ref = reference(attn, q, k, v, mask=causal())
+    params = (q, k, v, attn.span_fraction)
+    for a, b in zip(_grads(out, params), _grads(ref, params)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
+
+
 def test_dynamic_span_band_equals_reference_incl_predictor_grads(qkv):
     L = 19
     attn = _build("dynamic-span", num_heads=2, head_dim=8, max_span=12, ramp=2.0, init_span=4.0, block_size=4)

@@ -10,9 +10,11 @@ than ``ceil(z_max + R) - 1``. :func:`span_band_attention` splits the queries
 into blocks of ``block_size`` and gives each block the keys of its own block
 and of the ``nb = ceil((ceil(z_max + R) - 1) / block_size)`` blocks before it
 (one ``unfold`` of the keys and values); keys beyond the largest current span,
-rounded up to a block, are never read. Cost ``O(L·(nb + 1)·block_size·D)``,
-memory ``O(L·(nb + 1)·block_size)`` scores; autograd gives the gradients of
-q, k, v and of the spans (through ``m_z``).
+rounded up to a block, are never read. The soft mask enters as a log-weight,
+``softmax(s + log m_z)`` (= ``m_z exp(s) / sum m_z exp(s)``, ``log 0 = -inf``), so
+a block is two batched matmuls and one fused softmax. Cost
+``O(L·(nb + 1)·block_size·D)``, memory ``O(L·(nb + 1)·block_size)`` scores;
+autograd gives the gradients of q, k, v and of the spans (through ``log m_z``).
 
 Why not the sparse engine (:mod:`attnkit_sparse.engine`): its kernels run a
 *bool* block mask and refuse an additive bias, and they return no row
@@ -73,22 +75,31 @@ def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float,
     ar_w = torch.arange(W, device=dev)
     x = (ar_c[:, None] + nb * C - ar_w[None, :]).to(q.dtype)                   # distance i - j, (C, W)
     keypos = torch.arange(nq, device=dev)[:, None] * C - nb * C + ar_w[None, :]  # (nq, W)
-    valid = ((keypos >= 0) & (keypos < L))[None, None, :, None, :]              # (1, 1, nq, 1, W)
+    # keys before the sequence are invalid; the zero keys padded after it are seen only by the padded
+    # queries (a real query never looks forward), which keeps every padded row's diagonal: no empty row
+    valid = (keypos >= 0)[None, None, :, None, :]                               # (1, 1, nq, 1, W)
     if key_padding_mask is not None:
-        kp = F.pad(key_padding_mask, (nb * C, Lp - L), value=False).unfold(1, W, C)  # (B, nq, W)
-        valid = valid & kp[:, None, :, None, :]
+        kp = F.pad(F.pad(key_padding_mask, (0, Lp - L), value=True), (nb * C, 0), value=False)
+        valid = valid & kp.unfold(1, W, C)[:, None, :, None, :]                 # (B, 1, nq, 1, W)
     zb = z if z.dim() == 3 else z.reshape(z.shape[-3:])
     if zb.shape[-1] == 1:
         zc = zb[..., None, None]                                                # (Bz, H, 1, 1, 1)
     else:
         zc = F.pad(zb, (0, Lp - L)).view(zb.shape[0], H, nq, C, 1)
-    m = ((ramp + zc - x) / ramp).clamp(0.0, 1.0) * (x >= 0).to(q.dtype)        # (Bz, H, nq|1, C, W)
-    allowed = valid & (m > 0)
-    s = s.masked_fill(~allowed, float("-inf"))
-    mx = s.detach().amax(-1, keepdim=True)
-    mx = torch.where(torch.isinf(mx), torch.zeros((), dtype=mx.dtype, device=dev), mx)
-    p = torch.exp(s - mx) * m
-    den = p.sum(-1, keepdim=True)
+    # the soft mask as a log-weight: log m_z(x) on its support, -inf elsewhere (and at invalid keys), so
+    # that m · exp(s) / sum(m · exp(s)) is one fused softmax of s + log m
+    m = ((ramp + zc - x) / ramp).clamp(0.0, 1.0)                               # (Bz, H, nq|1, C, W)
+    on = (m > 0) & (x >= 0)
+    one = torch.ones((), dtype=q.dtype, device=dev)
+    logm = torch.where(on, torch.log(torch.where(on, m, one)), torch.full((), float("-inf"), dtype=q.dtype,
+                                                                          device=dev))
+    logm = logm.masked_fill(~valid, float("-inf"))
+    s = s + logm
+    if key_padding_mask is None:
+        p = torch.softmax(s, dim=-1)  # every real query sees itself (m_z(0) = 1): no empty row
+    else:
+        row_any = (valid & on).any(-1, keepdim=True)
+        p = torch.softmax(torch.where(row_any, s, torch.zeros((), dtype=s.dtype, device=dev)), dim=-1)
+        p = p * row_any
     out = torch.matmul(p, vw)
-    out = out / torch.where(den > 0, den, torch.ones((), dtype=den.dtype, device=dev))
     return out.reshape(B, H, Lp, E)[:, :, :L]
