@@ -104,6 +104,7 @@ def test_low_halting_bias_runs_max_steps():
     ({"epsilon": 0.0}, r"epsilon: expected a finite float in \(0, 1\), got 0.0"),
     ({"epsilon": 1.0}, r"epsilon: expected a finite float in \(0, 1\), got 1.0"),
     ({"epsilon": -0.5}, r"epsilon: .*got -0.5"),
+    ({"halting_bias": float("inf")}, r"halting_bias: expected a finite"),
 ])
 def test_bad_options(kw, match):
     with pytest.raises(InvalidInputError, match=match):
