@@ -65,6 +65,29 @@ def plugin(session: nox.Session, name: str) -> None:
     install(session, "-e", f"{CORE}[testing]", "-e", str(path))
     session.env["ATTNKIT_STRICT_PLUGINS"] = "1"
     pytest(session, str(path / "tests"), "-m", "not triton")
+    siblings = nox_siblings(path)
+    if siblings:  # again with the sibling plugins whose optional fast paths this plugin uses
+        install(session, *[a for s in siblings for a in ("-e", str(ROOT / "plugins" / s))])
+        pytest(session, str(path / "tests"), "-m", "not triton")
+
+
+def nox_siblings(path: Path) -> list[str]:
+    """``[tool.attnkit.nox] siblings`` of a plugin's pyproject: plugins of this repository it can use.
+
+    A plugin must pass with only the core installed; its optional paths through a sibling plugin
+    (an extra, not a dependency: the siblings are not on the package index) are tested in a second run.
+    """
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pip's vendored copy of the same parser
+        from pip._vendor import tomli as tomllib
+
+    table = tomllib.loads((path / "pyproject.toml").read_text(encoding="utf-8"))
+    siblings = table.get("tool", {}).get("attnkit", {}).get("nox", {}).get("siblings", [])
+    missing = [s for s in siblings if not (ROOT / "plugins" / s / "pyproject.toml").exists()]
+    if missing:
+        raise ValueError(f"{path.name}: [tool.attnkit.nox] siblings names {missing}, not plugins of this repository")
+    return list(siblings)
 
 
 @nox.session
