@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from attnkit_lab.models import LabModel, ModelConfig
-from attnkit_lab.tasks.listops import VOCAB, ListOpsTask, evaluate, tokens
 
 import attnkit
+from attnkit_lab.models import LabModel, ModelConfig
+from attnkit_lab.tasks.listops import VOCAB, ListOpsTask, evaluate, tokens
 
 
 def depth(tree) -> int:
@@ -74,7 +74,8 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % 50 == 0:
-            curve.append({"step": step + 1, "loss": float(loss), "ponder": float(aux["ponder"]) / args.ponder_weight,
+            ponder = float(aux["ponder"].detach()) / args.ponder_weight
+            curve.append({"step": step + 1, "loss": float(loss.detach()), "ponder": ponder,
                           "act_steps": act.last_mean_steps})
             print(curve[-1], flush=True)
     train_s = time.perf_counter() - t0

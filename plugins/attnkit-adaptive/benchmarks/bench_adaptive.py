@@ -126,10 +126,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=("span", "entmax", "all"), default="all")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--length", type=int, default=8192, help="span part: L")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="entmax part")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     before = uptime()
     print("uptime before:", before, flush=True)
     res = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,

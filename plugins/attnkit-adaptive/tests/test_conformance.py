@@ -38,3 +38,9 @@ class TestSparseAdaptiveConformance(AttentionConformance):
 class TestSparseAdaptiveAllEdgesConformance(AttentionConformance):
     name = "sac"
     options = {"num_edges": 200, "chunk_size": 64}
+
+
+class TestAdaptiveSpanDefaultsConformance(AttentionConformance):
+    """The default options (what ``attnkit check adaptive-span`` runs)."""
+
+    name = "adaptive-span"

@@ -68,8 +68,8 @@ def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float,
     W = (nb + 1) * C
     dev = q.device
     qc = F.pad(q, (0, 0, 0, Lp - L)).view(B, H, nq, C, D)
-    kw = F.pad(k, (0, 0, nb * C, Lp - L)).unfold(2, W, C)                     # (B, H, nq, D, W)
-    vw = F.pad(v, (0, 0, nb * C, Lp - L)).unfold(2, W, C).transpose(-1, -2)   # (B, H, nq, W, E)
+    kw = F.pad(k, (0, 0, nb * C, Lp - L)).unfold(2, W, C).contiguous()        # (B, H, nq, D, W)
+    vw = F.pad(v, (0, 0, nb * C, Lp - L)).unfold(2, W, C).transpose(-1, -2).contiguous()  # (B, H, nq, W, E)
     s = torch.matmul(qc, kw) * scale                                           # (B, H, nq, C, W)
     ar_c = torch.arange(C, device=dev)
     ar_w = torch.arange(W, device=dev)
