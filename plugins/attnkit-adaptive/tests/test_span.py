@@ -157,3 +157,23 @@ def test_direct_band_function_with_per_query_spans(qkv):
 
     out = span_band_attention(q, k, v, z, 1.5, scale=0.3, block_size=5)
     torch.testing.assert_close(out, reference(A(), q, k, v, mask=causal()), atol=1e-12, rtol=1e-10)
+
+
+def test_span_pushed_out_of_range_is_projected_back_and_learns_again(qkv):
+    """An optimizer step below 0 must not kill the span (the clamp would pass no gradient there)."""
+    attn = _build(num_heads=2, max_span=16, ramp=2.0, init_span=4.0, block_size=4)
+    with torch.no_grad():
+        attn.span_fraction.copy_(torch.tensor([-0.3, 1.4], dtype=torch.float64))
+    q, k, v = qkv(12, grad=True)
+    out = attn(q, k, v, causal=True)
+    torch.testing.assert_close(attn.span_fraction.detach(), torch.tensor([0.0, 1.0], dtype=torch.float64))
+    (out * torch.randn_like(out)).sum().backward()
+    assert attn.span_fraction.grad[0] != 0  # at the bound the gradient flows again
+
+
+def test_repeated_forwards_in_one_graph_backpropagate(qkv):
+    attn = _build(num_heads=2, max_span=16, ramp=2.0, init_span=4.0, block_size=4)
+    q, k, v = qkv(12, E=8, grad=True)
+    out = attn(attn(q, k, v, causal=True), k, v, causal=True)
+    out.sum().backward()
+    assert attn.span_fraction.grad is not None

@@ -55,7 +55,9 @@ class AdaptiveSpanAttention(_SpanAttention):
 
     Query ``i`` weights key ``j`` (distance ``x = i - j``) by
     ``m_z(x) = clamp((R + z - x) / R, 0, 1)``: ``a_ij = m_z(x) exp(s_ij) / sum m_z(x') exp(s_ij')``,
-    with ``z = max_span · clamp(span_fraction, 0, 1)`` a learned parameter per head.
+    with ``z = max_span · clamp(span_fraction, 0, 1)`` a learned parameter per head (projected back
+    into [0, 1] in place at the next forward when an optimizer step moved it out, as the paper does
+    after each step: otherwise a span pushed below 0 would never get a gradient again).
     The L1 penalty on the spans is recorded as the auxiliary loss ``span_l1``
     (the mean span over heads, in positions; default weight 2e-6, the
     paper's). Compute follows the spans: keys further back than the largest
@@ -99,8 +101,22 @@ class AdaptiveSpanAttention(_SpanAttention):
         """For ``attnkit train``: the learned span of each head, in positions."""
         return {"spans": [round(float(z), 1) for z in self.spans]}
 
+    def project_(self) -> None:
+        """Put ``span_fraction`` back into [0, 1] in place when an optimizer step moved it out.
+
+        As the paper's ``clamp_param`` after each step: a fraction left below 0 would get no gradient
+        through the clamp (the span would stay 0 for good); projected to 0 it gets one again (the clamp
+        passes gradients at its bounds). Called at the start of every forward; a no-op (no version
+        bump, so repeated forwards in one graph, as inside an ACT block, are safe) when in range.
+        """
+        p = self.span_fraction
+        with torch.no_grad():
+            if bool(((p < 0) | (p > 1)).any()):
+                p.clamp_(0.0, 1.0)
+
     def spans_for(self, q: Tensor) -> Tensor:
         """``(1, H, 1)`` spans in positions, in the graph (the gradient reaches ``span_fraction``)."""
+        self.project_()
         z = self.span_fraction.clamp(0.0, 1.0) * self.max_span
         return z.to(q.dtype).view(1, -1, 1)
 
