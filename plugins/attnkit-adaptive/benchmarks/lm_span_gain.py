@@ -19,6 +19,7 @@ import subprocess
 import time
 
 import torch
+
 from attnkit_lab.models import LabModel, ModelConfig
 
 
