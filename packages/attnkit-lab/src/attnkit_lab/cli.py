@@ -346,6 +346,10 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=None,
                    help="add a learned projection of the previous token's embedding (a width-2 causal "
                         "convolution; the quick mqar and copy presets use it)")
+    g.add_argument("--segment", type=int, default=None, metavar="N",
+                   help="segment-level training (tokens tasks): feed each window in segments of N tokens, carrying "
+                        "the state of 'segment'-streaming attentions (transformer-xl, compressive, ...) across them; "
+                        "evaluation reports perplexity with and without memory (default 0: whole windows)")
     t = p.add_argument_group("task options (default: the preset's)")
     t.add_argument("--seq-len", type=int, default=None, help="sequence length (mqar, copy, lm)")
     t.add_argument("--vocab", type=int, default=None, help="vocabulary size (mqar, copy; lm: tokenizer size)")

@@ -78,10 +78,20 @@ class BlockStack(nn.Module):
             for _ in range(config.depth))
         self.norm = nn.LayerNorm(config.dim)
 
-    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
-        for block in self.blocks:
-            x = block(x, causal=causal, key_padding_mask=key_padding_mask)
-        return self.norm(x)
+    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
+                state: list[Any] | None = None, return_state: bool = False) -> Tensor | tuple[Tensor, list[Any]]:
+        """As :meth:`attnkit.Transformer.forward`: ``state`` holds one entry per block (blocks that keep no
+        state refuse it with their own error)."""
+        if state is None and not return_state:
+            for block in self.blocks:
+                x = block(x, causal=causal, key_padding_mask=key_padding_mask)
+            return self.norm(x)
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, causal=causal, key_padding_mask=key_padding_mask,
+                         state=None if state is None else state[i], return_state=True)
+            new.append(s)
+        return (self.norm(x), new) if return_state else self.norm(x)
 
 
 def lab_stats(model: nn.Module) -> dict[str, Any]:
@@ -131,7 +141,10 @@ class LabModel(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
 
-    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None, *, state: Any = None,
+                return_state: bool = False) -> Tensor | tuple[Tensor, Any]:
+        """Logits; with ``state``/``return_state`` the blocks carry state (segment-level training, ``tokens``
+        tasks): returns ``(logits, new_state)``, positions restart at 0 in every segment."""
         B, L = tokens.shape
         if L > self.config.max_len:
             raise ValueError(f"tokens: length {L} exceeds the model's max_len {self.config.max_len}")
@@ -140,6 +153,10 @@ class LabModel(nn.Module):
         if self.shift is not None:
             x = x + self.shift(F.pad(x, (0, 0, 1, 0))[:, :-1])
         x = self.drop(x)
+        if state is not None or return_state:
+            x, state = self.body(x, causal=self.config.causal, key_padding_mask=key_padding_mask, state=state,
+                                 return_state=True)
+            return self.head(x), state
         x = self.body(x, causal=self.config.causal, key_padding_mask=key_padding_mask)
         if self.config.kind == "tokens":
             return self.head(x)
@@ -149,6 +166,11 @@ class LabModel(nn.Module):
             w = key_padding_mask.to(x.dtype)[..., None]
             pooled = (x * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)
         return self.head(pooled)
+
+    def carries_segment_state(self) -> bool:
+        """True when every attention declares ``"segment"`` streaming (a memory carried across segments)."""
+        mods = self.attention_modules()
+        return bool(mods) and all(m.caps.streaming == "segment" for m in mods)
 
     def attention_modules(self) -> list[attnkit.Attention]:
         """The attention module of every block, in order."""

@@ -72,6 +72,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     seed: int = 0
     device: str = "cpu"
+    segment: int = 0  # 0: whole windows; N > 0: segment-level training (see :func:`loss_and_counts`)
     block: str = "pre-norm"
 
     def validate(self) -> None:
@@ -81,6 +82,7 @@ class TrainSettings:
         for name in ("batch_size", "dim", "heads"):
             check_int(getattr(self, name), _flag(name), lo=1, hi=MAX_SIZE)
         check_int(self.depth, "--depth", lo=1, hi=1024)
+        check_int(self.segment, "--segment", lo=0, hi=MAX_SIZE)
         check_int(self.warmup, "--warmup", lo=0)
         check_float(self.lr, "--lr", lo=0, lo_open=True)
         check_float(self.weight_decay, "--weight-decay", lo=0)
@@ -109,6 +111,9 @@ class RunResult:
     eval_loss: float | None = None
     eval_accuracy: float | None = None
     perplexity: float | None = None
+    perplexity_no_memory: float | None = None
+    eval_loss_no_memory: float | None = None
+    eval_accuracy_no_memory: float | None = None
     best_accuracy: float | None = None
     tokens_per_s: float | None = None
     step_time_s: float | None = None
@@ -135,9 +140,38 @@ def lr_at(step: int, settings: TrainSettings) -> float:
     return settings.lr * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def loss_and_counts(model: LabModel, batch: Batch, task: Task) -> tuple[torch.Tensor, int, int]:
-    """Mean loss over scored positions, the number scored and the number correct."""
-    logits = model(batch.inputs, batch.key_padding_mask)
+def segment_logits(model: LabModel, batch: Batch, segment: int, memory: bool) -> torch.Tensor:
+    """Logits ``(B, L, V)`` of a window fed in segments of ``segment`` tokens.
+
+    With ``memory`` (and attentions declaring ``"segment"`` streaming) the
+    blocks' state is carried from one segment to the next, under autograd in
+    training (how far gradients reach back is the mechanism's choice, e.g.
+    ``grad_segments``); without, every segment starts fresh. Positions restart
+    at 0 in every segment. The last segment may be shorter.
+    """
+    carry = memory and model.carries_segment_state()
+    outs, state = [], None
+    kpm = batch.key_padding_mask
+    for s in range(0, batch.inputs.shape[1], segment):
+        part = None if kpm is None else kpm[:, s:s + segment]
+        if carry:
+            o, state = model(batch.inputs[:, s:s + segment], part, state=state, return_state=True)
+        else:
+            o = model(batch.inputs[:, s:s + segment], part)
+        outs.append(o)
+    return torch.cat(outs, dim=1)
+
+
+def loss_and_counts(model: LabModel, batch: Batch, task: Task, segment: int = 0,
+                    memory: bool = True) -> tuple[torch.Tensor, int, int]:
+    """Mean loss over scored positions, the number scored and the number correct.
+
+    ``segment > 0`` (``tokens`` tasks): the window is fed in segments (:func:`segment_logits`).
+    """
+    if segment and task.kind == "tokens":
+        logits = segment_logits(model, batch, segment, memory)
+    else:
+        logits = model(batch.inputs, batch.key_padding_mask)
     if task.kind == "classify":
         loss = F.cross_entropy(logits.float(), batch.targets)
         correct = int((logits.argmax(-1) == batch.targets).sum())
@@ -151,23 +185,36 @@ def loss_and_counts(model: LabModel, batch: Batch, task: Task) -> tuple[torch.Te
 
 
 @torch.no_grad()
-def evaluate(model: LabModel, batches: list[Batch], task: Task, device: torch.device) -> dict[str, float]:
+def evaluate(model: LabModel, batches: list[Batch], task: Task, device: torch.device,
+             segment: int = 0) -> dict[str, float]:
+    """Loss, accuracy (and perplexity for ``lm``) on ``batches``.
+
+    With ``segment > 0``: fed in segments carrying the memory, and again with
+    the memory reset at every segment (``eval_loss_no_memory``,
+    ``perplexity_no_memory``: the same segment length, no context from
+    earlier segments) when the model carries segment state.
+    """
     was = model.training
     model.eval()
-    loss_sum = 0.0
-    n = correct = 0
-    for b in batches:
-        b = b.to(device)
-        loss, k, c = loss_and_counts(model, b, task)
-        loss_sum += float(loss) * k
-        n += k
-        correct += c
+    modes = [True, False] if segment and task.kind == "tokens" and model.carries_segment_state() else [True]
+    out: dict[str, float] = {}
+    for memory in modes:
+        loss_sum = 0.0
+        n = correct = 0
+        for b in batches:
+            b = b.to(device)
+            loss, k, c = loss_and_counts(model, b, task, segment, memory)
+            loss_sum += float(loss) * k
+            n += k
+            correct += c
+        loss = loss_sum / max(n, 1)
+        tag = "" if memory else "_no_memory"
+        out[f"eval_loss{tag}"] = loss
+        out[f"eval_accuracy{tag}"] = correct / max(n, 1)
+        if task.metric == "perplexity":
+            out[f"perplexity{tag}"] = math.exp(min(loss, 50.0))
     discard_aux_losses(model)       # what evaluation recorded never enters a training step
     model.train(was)
-    loss = loss_sum / max(n, 1)
-    out = {"eval_loss": loss, "eval_accuracy": correct / max(n, 1)}
-    if task.metric == "perplexity":
-        out["perplexity"] = math.exp(min(loss, 50.0))
     return out
 
 
@@ -245,6 +292,9 @@ def _summarise(res: RunResult, where: dict[str, Any]) -> None:
         res.eval_loss = last_eval["eval_loss"]
         res.eval_accuracy = last_eval["eval_accuracy"]
         res.perplexity = last_eval.get("perplexity")
+        res.perplexity_no_memory = last_eval.get("perplexity_no_memory")
+        res.eval_loss_no_memory = last_eval.get("eval_loss_no_memory")
+        res.eval_accuracy_no_memory = last_eval.get("eval_accuracy_no_memory")
         res.best_accuracy = max(p["eval_accuracy"] for p in res.curve)
     if where.get("aux"):
         res.aux_losses = dict(where["aux"])
@@ -281,7 +331,7 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
     collect_aux = _aux_collector()
 
     def one_step(batch: Batch) -> tuple[float, dict[str, float]]:
-        loss, _, _ = loss_and_counts(model, batch, task)
+        loss, _, _ = loss_and_counts(model, batch, task, settings.segment)
         aux = collect_aux(model) if collect_aux is not None else {}
         total = loss + sum(aux.values()) if aux else loss
         opt.zero_grad(set_to_none=True)
@@ -318,7 +368,7 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
                     for name, v in aux_vals.items():
                         aux_ema[name] = v if name not in aux_ema else 0.9 * aux_ema[name] + 0.1 * v
                     if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
-                        where["last_eval"] = evaluate(model, eval_set, task, device)
+                        where["last_eval"] = evaluate(model, eval_set, task, device, settings.segment)
                         point = {"step": step + 1, "train_loss": ema, **where["last_eval"],
                                  "tokens": where["tokens"], "elapsed_s": time.perf_counter() - t_start}
                         if aux_ema:
@@ -365,11 +415,16 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
 
 # ---------------------------------------------------------------- reporting
 def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[list[Any]]]:
+    with_mem = any(r.eval_loss_no_memory is not None for r in results)
     if task.metric == "perplexity":
         headers = ["attention", "status", "val loss", "val ppl", "tokens/s", "peak step mem", "params", "time"]
+        if with_mem:
+            headers[4:4] = ["val ppl no memory"]
     else:
         headers = ["attention", "status", "accuracy", "best acc", "eval loss", "tokens/s", "peak step mem",
                    "params", "time"]
+        if with_mem:
+            headers[3:3] = ["accuracy no memory"]
     with_aux = any(r.aux_losses for r in results)
     with_stats = any(r.stats for r in results)
     rows = []
@@ -380,8 +435,12 @@ def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[l
         mem = fmt_bytes(r.peak_bytes) if r.peak_bytes is not None else None
         if task.metric == "perplexity":
             row = [r.label, status_cell, r.eval_loss, r.perplexity, tps, mem, r.params, wall]
+            if with_mem:
+                row[4:4] = [r.perplexity_no_memory]
         else:
             row = [r.label, status_cell, r.eval_accuracy, r.best_accuracy, r.eval_loss, tps, mem, r.params, wall]
+            if with_mem:
+                row[3:3] = [r.eval_accuracy_no_memory]
         if with_aux:
             row.append(", ".join(f"{n} {_cell_number(v)}" for n, v in r.aux_losses.items()) or None)
         if with_stats:
@@ -421,6 +480,8 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
             without the plot.
     """
     settings.validate()
+    if settings.segment and task.kind != "tokens":
+        raise UsageError(f"--segment applies to tokens tasks (lm, copy, mqar), not to {task.name}")
     device = torch.device(settings.device)
     results: list[RunResult] = []
     info: dict[str, Any] = {}
@@ -455,6 +516,9 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
     steps_line = (f"{task.name}: {settings.steps} steps × batch {settings.batch_size} × length {task.seq_len}, "
                   f"dim {settings.dim}, depth {settings.depth}, heads {settings.heads}, seed {settings.seed}"
                   + (f", block {settings.block}" if settings.block != "pre-norm" else ""))
+    if settings.segment:
+        steps_line += (f", segments of {settings.segment} (state carried across segments by attentions with "
+                       "'segment' streaming; 'no memory' resets it every segment)")
     stopped = ""
     if interrupted is not None:
         finished = sum(r.status != "interrupted" for r in results)

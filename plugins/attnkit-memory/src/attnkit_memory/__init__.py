@@ -1,0 +1,1 @@
+"""attnkit plugin: segment-recurrent memory attention (Transformer-XL, Compressive Transformer) and GTrXL gating."""

@@ -1,0 +1,1 @@
+"""pytest configuration of the memory plugin's tests (helpers live in ``memory_helpers``)."""
