@@ -58,6 +58,10 @@ class MultiHeadAttention(nn.Module):
         **attention_options: passed to :func:`attnkit.build`.
 
     Shapes: ``x`` ``(B, L, dim)``, ``context`` ``(B, S, dim)``, output ``(B, L, dim)``.
+
+    For a shared-QK attention (``Capabilities.shared_qk``, e.g. Reformer's
+    ``lsh``) there is no key projection (``k_proj`` is None) and the attention
+    gets ``k = q``; a ``context`` is then refused (self-attention only).
     """
 
     def __init__(self, dim: int, num_heads: int, attention: str | Attention = "softmax", *,
@@ -70,10 +74,17 @@ class MultiHeadAttention(nn.Module):
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.attention = _make_attention(attention, num_heads, self.head_dim, attention_options)
         self.q_proj = nn.Linear(dim, dim, bias=bias)
-        self.k_proj = nn.Linear(dim, dim, bias=bias)
+        #: shared-QK mechanisms (``Capabilities.shared_qk``) derive keys from queries: no key projection
+        self.shared_qk = bool(getattr(self.attention.caps, "shared_qk", False))
+        self.k_proj = None if self.shared_qk else nn.Linear(dim, dim, bias=bias)
         self.v_proj = nn.Linear(dim, dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
+
+    def _qkv(self, x: Tensor, src: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q = self._split(self.q_proj(x))
+        k = q if self.k_proj is None else self._split(self.k_proj(src))
+        return q, k, self._split(self.v_proj(src))
 
     def _split(self, x: Tensor) -> Tensor:
         B, L, _ = x.shape
@@ -103,7 +114,11 @@ class MultiHeadAttention(nn.Module):
         src = x if context is None else context
         if context is not None:
             self._check_x(context, "context")
-        q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(src)), self._split(self.v_proj(src))
+            if self.shared_qk:
+                raise InvalidInputError(
+                    f"context: {self.attention.impl_name!r} shares queries and keys (shared-QK): it is "
+                    "self-attention only, got a context for cross-attention")
+        q, k, v = self._qkv(x, src)
         out = self.attention(q, k, v, mask=mask, causal=causal, key_padding_mask=key_padding_mask,
                              attn_mask=attn_mask, positions=positions, state=state, return_state=return_state)
         if return_state:
@@ -119,7 +134,7 @@ class MultiHeadAttention(nn.Module):
     def step(self, x: Tensor, state: Any) -> tuple[Tensor, Any]:
         """Consume ``x`` ``(B, T, dim)`` new positions; returns ``((B, T, dim), new_state)``."""
         self._check_x(x, "x")
-        q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
+        q, k, v = self._qkv(x, x)
         out, state = self.attention.step(q, k, v, state)
         return self.dropout(self.out_proj(self._merge(out))), state
 

@@ -90,6 +90,12 @@ class Capabilities:
         forward_only_backends: backends without a backward; skipped by
             automatic dispatch when a gradient is needed.
         time, memory: complexity, e.g. ``"O(L·M·D)"``.
+        shared_qk: the mechanism ties keys to queries (Reformer's shared-QK: the key of
+            a position is derived from its query): :class:`attnkit.MultiHeadAttention`
+            builds no key projection and passes ``k = q``; self-attention only.
+        queries_interact: an output row depends on other queries (landmarks,
+            clusters or a top-u choice mix them), so a NaN query may spread: the
+            conformance kit's ``nan_queries`` check is skipped with that reason.
     """
 
     causal: bool = True
@@ -110,6 +116,8 @@ class Capabilities:
     forward_only_backends: tuple[str, ...] = ()
     time: str = ""
     memory: str = ""
+    shared_qk: bool = False
+    queries_interact: bool = False
 
     def __post_init__(self) -> None:
         if self.streaming is not None and self.streaming not in STREAMING_KINDS:

@@ -1,4 +1,4 @@
-"""attnkit plugin hooks: the position-based sparse patterns, one spec each, all on one block-sparse engine.
+"""attnkit plugin hooks: the sparse patterns (position-based, and content-based ``lsh``), all on one engine.
 
 Each spec names its factory and its plain reference by import path, so
 listing imports no pattern, engine or kernel code. Every pattern is a mask
@@ -101,8 +101,67 @@ BLOCK_SPARSE = _spec("block-sparse", "BlockSparseAttention", "block_sparse",
                            "Generating Optimized Attention Kernels", "2412.05496"),
                      _caps(time="O(attended tiles·block²·D)"), exact=True)
 
+_KITAEV = Paper("Kitaev, Kaiser, Levskaya", 2020, "Reformer: The Efficient Transformer", "2001.04451")
+
+#: content-based mechanisms: the sequence is reordered from the data, the engine runs an explicit plan
+#: (attnkit_sparse.engine.attend_plan: torch and numba return the log-sum-exp the rounds are combined with)
+CONTENT_BACKENDS = ("numba", "torch")
+
+LSH = AttentionSpec(
+    name="lsh", aliases=("reformer",), factory="attnkit_sparse.lsh.attention:LSHAttention",
+    reference="attnkit_sparse.lsh.naive:reference", family="sparse",
+    summary="Reformer LSH attention, shared-QK: random-rotation hashes, n_hashes rounds sorted by bucket, each "
+            "position attends its chunk and the previous one (never itself unless alone), rounds combined by "
+            "log-sum-exp.",
+    paper=_KITAEV, exact=False,
+    approximation="softmax over the keys that share a sorted chunk (or the previous one) in some hash round; "
+                  "keys are unit vectors (shared-QK)",
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal", "key_padding"), positions=False, dtypes=("float32", "float64"),
+        backends=CONTENT_BACKENDS, shared_qk=True, time="O(n_hashes·L·bucket_size·D)",
+        memory="O(n_hashes·L·(D + E + bucket_size)): sorted copies and the chunks' element masks; no L x S matrix",
+    ),
+)
+
+ROUTING = AttentionSpec(
+    name="routing", factory="attnkit_sparse.routing.attention:RoutingAttention",
+    reference="attnkit_sparse.routing.naive:reference", family="sparse",
+    summary="Routing Transformer: online k-means centroids (EMA in training) in the shared unit q/k space; each "
+            "cluster routes its top-w queries and keys and attends within; commitment auxiliary loss.",
+    paper=Paper("Roy, Saffar, Vaswani, Grangier", 2021, "Efficient Content-Based Sparse Attention with Routing "
+                "Transformers", "2003.05997"),
+    exact=False,
+    approximation="softmax over the keys routed to the same cluster(s) as the query; unrouted queries give 0",
+    error_bound=None, aux_losses={"routing_commitment": 1e-4},
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal", "key_padding"), positions=False, dtypes=("float32", "float64"),
+        backends=CONTENT_BACKENDS, time="O(L·(L/num_clusters)·D + L·num_clusters·D)",
+        memory="O(L·(D + E) + num_clusters·w²) with w = L/num_clusters; no L x S matrix",
+    ),
+)
+
+SINKHORN = AttentionSpec(
+    name="sinkhorn", factory="attnkit_sparse.sinkhorn.attention:SinkhornAttention",
+    reference="attnkit_sparse.sinkhorn.naive:reference", family="sparse",
+    summary="Sparse Sinkhorn attention: a learned sorting network and Gumbel-Sinkhorn give a soft block "
+            "permutation; each query block attends its own block and its sorted key block.",
+    paper=Paper("Tay, Bahri, Yang, Metzler, Juan", 2020, "Sparse Sinkhorn Attention", "2002.11296"),
+    exact=False,
+    approximation="softmax over the query's own block and one sorted (mixed) key block",
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal",), positions=False, dtypes=("float32", "float64"), backends=CONTENT_BACKENDS,
+        time="O(L·2·block_size·D + (L/block_size)²·D)",
+        memory="O(L·(D + E)) sorted copies + O((L/block_size)²) sorting matrix; no L x S matrix",
+    ),
+)
+
 SPECS = (LOCAL, DILATED, BLOCK_LOCAL, GLOBAL, RANDOM, LONGFORMER, BIGBIRD, STRIDED, FIXED, LOCAL_2D, AXIAL,
-         BP_TRANSFORMER, BLOCK_SPARSE)
+         BP_TRANSFORMER, BLOCK_SPARSE, LSH, ROUTING, SINKHORN)
 
 
 @attnkit.hookimpl

@@ -190,11 +190,13 @@ def check_nan_queries(cfg: ConformanceConfig) -> None:
     One query row (b=0, h=0, i=L//2) set to NaN, every causal mode, self and
     cross as declared, on every backend; the other rows equal the clean
     call's (bitwise on CPU). Skipped for mechanisms whose configuration says
-    queries interact (``queries_interact=True``).
+    queries interact (``queries_interact=True``, or the spec's ``Capabilities.queries_interact``).
     """
     c = Ctx("nan_queries", cfg)
     if cfg.queries_interact:
         c.skip("configured with queries_interact=True: a query may influence other rows, so a NaN query may spread")
+    if getattr(c.caps, "queries_interact", False):
+        c.skip("the spec declares queries_interact: a query may influence other rows, so a NaN query may spread")
     dt = c.precise()
     backends, _ = c.backends()
     for backend in backends:

@@ -186,5 +186,59 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
     return triton_ops.attend(q, k, v, p, scale)
 
 
-__all__ = ["attend", "reference_attend", "plan", "BlockPlan", "BACKENDS", "DEFAULT_BLOCK_SIZE",
-           "available_backends", "why_unavailable", "auto_backend", "check_block_size"]
+def attend_plan(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, *, scale: float | None = None,
+                backend: str = "auto", return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Block-sparse masked softmax over the tiles of a given plan (e.g. :func:`explicit_plan`).
+
+    The entry point of content-based mechanisms: they reorder the sequence and
+    build the plan of the reordered sequence themselves (docs/sparse-engine.md,
+    "Content-based use").
+
+    Args:
+        q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``; one dtype and device.
+        plan: a :class:`BlockPlan` for ``(L, S)`` whose index dims ``(B', H')`` divide ``(B, H)``.
+        scale: multiplier of ``q · k`` (default ``1/sqrt(D)``).
+        backend: ``"auto"``, ``"torch"`` or ``"numba"`` (the backends that return the log-sum-exp).
+        return_lse: also return the log-sum-exp ``(B, H, L)`` of the allowed scaled scores per row,
+            differentiable (``-inf`` for a row with no allowed key).
+
+    Returns:
+        ``(B, H, L, E)`` (rows with no allowed key are 0), or ``(out, lse)``.
+
+    Raises:
+        InvalidInputError: malformed inputs, a plan for another shape, a backend without this entry point.
+        BackendUnavailableError: the backend cannot run here.
+    """
+    _check_inputs(q, k, v, None, scale, backend)
+    B, H, L, D = q.shape
+    S = k.shape[-2]
+    if not isinstance(plan, BlockPlan) or (plan.L, plan.S) != (L, S):
+        got = f"({plan.L}, {plan.S})" if isinstance(plan, BlockPlan) else type(plan).__name__
+        raise InvalidInputError(f"plan: expected a BlockPlan for (L, S) = ({L}, {S}), got {got}")
+    bp, hp = plan.index_dims
+    if B % bp or H % hp:
+        raise InvalidInputError(f"plan: index dims (B', H') = ({bp}, {hp}) do not divide (B, H) = ({B}, {H})")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    name = auto_backend(q.device) if backend == "auto" else backend
+    if name not in ("torch", "numba"):
+        raise InvalidInputError(f"backend: attend_plan runs 'torch' or 'numba' (the backends that return the "
+                                f"log-sum-exp with its gradient), got {name!r}")
+    reason = why_unavailable(name, q.device)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} cannot run: {reason}")
+    if name == "torch":
+        from . import torch_ops
+        res = torch_ops.attend(q, k, v, plan, scale, return_lse=return_lse)
+    else:
+        from . import numba_ops
+        res = numba_ops.attend(q, k, v, plan, scale, return_lse=return_lse)
+    if not return_lse:
+        return res
+    out, lse = res
+    return out, torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)
+
+
+from .explicit import band_plan, explicit_plan  # noqa: E402
+
+__all__ = ["attend", "attend_plan", "explicit_plan", "band_plan", "reference_attend", "plan", "BlockPlan", "BACKENDS",
+           "DEFAULT_BLOCK_SIZE", "available_backends", "why_unavailable", "auto_backend", "check_block_size"]

@@ -99,13 +99,14 @@ def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_
     return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L)
 
 
-def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, kv_count: Tensor,
+def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, g_lse: Tensor, kv_count: Tensor,
               kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor, q_idx: Tensor, q_tile: Tensor, q_slot: Tensor,
               bank: Tensor, bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     _check(q, k, v)
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
-    delta = (g * out).sum(-1)                                    # Δ_i = dO_i · O_i
+    # Δ_i = dO_i · O_i - dlse_i: the log-sum-exp's own gradient (dlse_i/ds_ij = P_ij) enters dS = P (dP - Δ)
+    delta = (g * out).sum(-1) - g_lse
     cst = K.constants(_arr(q).dtype, scale)
     f32 = q.dtype == torch.float32
     qa, ka, va, ga = _seq(q), _seq(k), _seq(v), _seq(g)
@@ -131,7 +132,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
             torch.from_numpy(dv).view(B, H, S, E))
 
 
-def _backward_fake(q, k, v, out, lse, g, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank, bq, bk,
+def _backward_fake(q, k, v, out, lse, g, g_lse, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank, bq, bk,
                    scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -155,16 +156,19 @@ def _autograd(ctx, g_out, g_lse):
     q, k, v, out, lse, *index = ctx.saved_tensors
     if g_out is None:
         g_out = torch.zeros_like(out)
-    dq, dk, dv = numba_block_attention_backward(q, k, v, out, lse, g_out.contiguous(), *index, ctx.bq, ctx.bk,
-                                                ctx.scale)
+    if g_lse is None:
+        g_lse = torch.zeros_like(lse)
+    dq, dk, dv = numba_block_attention_backward(q, k, v, out, lse, g_out.contiguous(), g_lse.contiguous(), *index,
+                                                ctx.bq, ctx.bk, ctx.scale)
     return dq, dk, dv, *([None] * 12)
 
 
 numba_block_attention.register_autograd(_autograd, setup_context=_setup_context)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
-    """Block-sparse attention with the numba kernels (differentiable in q, k, v).
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
+           return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Block-sparse attention with the numba kernels (differentiable in q, k, v, and through the lse).
 
     Args:
         q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``; float32/float64 CPU tensors.
@@ -172,9 +176,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Te
         scale: multiplier of ``q · k``.
 
     Returns:
-        ``(B, H, L, E)``; rows with no allowed key are 0.
+        ``(B, H, L, E)``; rows with no allowed key are 0. With ``return_lse`` also the log-sum-exp
+        ``(B, H, L)`` of the scaled scores per row (``+inf`` for a row with no allowed key).
     """
     bq, bk = plan.block_size
-    out, _ = numba_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
+    out, lse = numba_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
                                    plan.q_tile, plan.q_slot, plan.bank, plan.span, bq, bk, float(scale))
-    return out
+    return (out, lse) if return_lse else out

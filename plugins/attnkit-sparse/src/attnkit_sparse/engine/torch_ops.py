@@ -27,7 +27,8 @@ def _blocks(x: Tensor, n: int, block: int) -> Tensor:
     return x.view(*x.shape[:2], n, block, x.shape[-1])
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
+           return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse ``softmax(scale · q kᵀ masked) v`` over the tiles of ``plan``.
 
     Args:
@@ -36,7 +37,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Te
         scale: multiplier of ``q · k``.
 
     Returns:
-        ``(B, H, L, E)``; rows with no allowed key are 0 (finite gradients).
+        ``(B, H, L, E)``; rows with no allowed key are 0 (finite gradients). With ``return_lse`` also
+        the log-sum-exp ``(B, H, L)`` of the scaled scores per row (``+inf`` for a row with no key).
     """
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
@@ -67,4 +69,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Te
     den = p.sum(-1, keepdim=True)
     p = p / torch.where(den > 0, den, torch.ones_like(den))
     out = torch.einsum("bhnqj,bhnje->bhnqe", p, vg.flatten(3, 4))    # (B, H, NQ, BQ, E)
-    return out.reshape(B, H, nq * bq, E)[:, :, :L]
+    out = out.reshape(B, H, nq * bq, E)[:, :, :L]
+    if not return_lse:
+        return out
+    has = den > 0
+    lse = torch.where(has, m + torch.log(torch.where(has, den, torch.ones_like(den))),
+                      torch.full_like(den, float("inf")))
+    return out, lse.reshape(B, H, nq * bq)[:, :, :L]

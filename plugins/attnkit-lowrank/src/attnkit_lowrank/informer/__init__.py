@@ -1,0 +1,1 @@
+"""``informer`` (alias ``probsparse``): the module (``module.py``) and its plain reference (``naive.py``)."""

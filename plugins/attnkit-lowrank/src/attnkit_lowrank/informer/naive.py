@@ -1,0 +1,38 @@
+"""The plain reference of ``informer``: per head, explicit sampled scores, a sort, and row-by-row attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit.masks import Mask
+
+from .module import counts, sample_indices
+
+
+def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = None,
+              positions: Any = None) -> Tensor:
+    """``informer`` the obvious way with ``attn``'s factor and seed; ``(B, H, L, E)``."""
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    U, u = counts(attn.factor, L, S)
+    idx = sample_indices(attn.seed, L, S, U, q.device)
+    scale = attn.get_scale(q)
+    out = q.new_zeros(B, H, L, v.shape[-1])
+    for b in range(B):
+        for h in range(H):
+            m = []
+            for i in range(L):
+                s = torch.stack([q[b, h, i] @ k[b, h, j] for j in idx[i].tolist()])
+                m.append(float((s.max() - s.sum() / S).detach()))
+            active = set(sorted(range(L), key=lambda i: -m[i])[:u])
+            for i in range(L):
+                if i in active:
+                    sc = scale * k[b, h] @ q[b, h, i]
+                    p = torch.exp(sc - sc.max())
+                    out[b, h, i] = (p / p.sum()) @ v[b, h]
+                else:
+                    out[b, h, i] = v[b, h].mean(0)
+    return out

@@ -1,0 +1,1 @@
+"""``isab``: the module (``module.py``) and its plain reference (``naive.py``)."""

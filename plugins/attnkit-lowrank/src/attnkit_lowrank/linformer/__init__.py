@@ -1,0 +1,1 @@
+"""``linformer``: the module (``module.py``) and its plain reference (``naive.py``)."""

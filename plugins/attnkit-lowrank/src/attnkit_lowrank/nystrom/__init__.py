@@ -1,0 +1,1 @@
+"""``nystrom``: the module (``module.py``) and its plain reference (``naive.py``)."""

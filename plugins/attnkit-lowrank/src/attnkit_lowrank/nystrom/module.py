@@ -1,0 +1,158 @@
+"""``nystrom``: :class:`NystromAttention` (Nystromformer, Xiong et al. 2021), the torch path.
+
+Three softmax kernels through ``m`` landmarks, never an ``L x S`` matrix::
+
+    F = softmax(scale · Q K~^T)          (L, m)
+    A = softmax(scale · Q~ K~^T)         (m, m)
+    G = softmax(scale · Q~ K^T)          (m, S)   padded keys excluded
+    out = F (Z (G V)),  Z = iterative pseudo-inverse of A
+
+``Q~`` are the segment means of the queries, ``K~`` the segment means of the
+real (not padded) keys (:func:`attnkit_lowrank.common.segment_weights`). With
+``conv_kernel_size`` a depthwise convolution of V along the sequence (one
+kernel per head, as in the paper's code) is added to the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import attnkit
+from attnkit import InvalidInputError
+
+from ..common import check_int, nystrom_pinv, segment_weights, softmax_attend
+from ..plugin import NYSTROM
+
+DEFAULT_LANDMARKS = 64        # the paper's
+
+
+def landmarks(x: Tensor, keep: Tensor | None, m: int) -> Tensor:
+    """``m`` segment means of ``x`` ``(B, H, n, D)`` over the kept tokens -> ``(B, H, m, D)``."""
+    B, _, n, _ = x.shape
+    if keep is None and n % m == 0:
+        return x.unflatten(2, (m, n // m)).mean(3)
+    return segment_weights(keep, B, n, m, x.dtype, x.device) @ x
+
+
+def check_landmarks(name: str, m: int, L: int, S: int) -> None:
+    """InvalidInputError when ``m`` landmarks outnumber the ``L`` queries or the ``S`` keys."""
+    if m > L or m > S:
+        raise InvalidInputError(
+            f"{name}: {m} landmarks outnumber the tokens (L={L} queries, S={S} keys); expected "
+            f"{name} <= min(L, S) = {min(L, S)}")
+
+
+class _SameLength(attnkit.Limits):
+    """L must equal S, except when one of them is 0 (empty in, empty or zeros out, as for any attention)."""
+
+    def why_not(self, L: int, S: int) -> str | None:
+        if L and S and L != S:
+            return "L must equal S (the convolution residual adds V position by position)"
+        return None
+
+
+class NystromAttention(attnkit.Attention):
+    """Nystromformer attention: the softmax matrix approximated through ``m`` landmarks.
+
+    Shapes as in :func:`torch.nn.functional.scaled_dot_product_attention`:
+    q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
+    Non-causal only (landmarks average over the whole sequence); cross-attention
+    (L != S) without the convolution. ``key_padding_mask`` is honoured: key
+    landmarks are means of the real keys only and padded keys get no weight,
+    so a padded key is absent, not zero (a row with no real key gives 0).
+    Queries interact (the query landmarks mix them): a NaN query spreads.
+
+    Args:
+        num_heads: number of heads H (required with ``conv_kernel_size``).
+        head_dim: head dimension D; when given, inputs with another D are refused.
+        scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
+        backend: ``"auto"`` or ``"torch"``.
+        num_landmarks: number of landmarks m, taken literally: more than L or S
+            is an error. None (default): the paper's 64, or L for fewer queries
+            (every query its own landmark; key landmarks repeat when there are
+            fewer keys).
+        pinv_iterations: iterations of the pseudo-inverse (the paper's 6).
+        conv_kernel_size: odd kernel size of the depthwise-convolution residual
+            on V (the paper's code uses 33), or None for none. Needs L == S
+            (self-attention) and ``num_heads``.
+
+    Raises:
+        InvalidInputError: an option of the wrong type or out of range; at call
+            time, more landmarks than queries or keys.
+        UnsupportedFeatureError: causal, ``attn_mask``, other mask kinds; L != S
+            with the convolution.
+    """
+
+    option_constraints = {"num_landmarks": {"minimum": 1}, "pinv_iterations": {"minimum": 0},
+                          "conv_kernel_size": {"minimum": 1}}
+    capabilities = NYSTROM.capabilities
+    refusal_reasons = {
+        "causal": "its landmarks are means over the whole sequence, so every output sees every key",
+        "attn_mask": "a per-pair mask cannot be applied through landmarks; key_padding_mask is honoured",
+    }
+
+    def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
+                 backend: str = "auto", num_landmarks: int | None = None, pinv_iterations: int = 6,
+                 conv_kernel_size: int | None = None) -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.num_landmarks = check_int("num_landmarks", num_landmarks, allow_none=True)
+        self.pinv_iterations = check_int("pinv_iterations", pinv_iterations, minimum=0)
+        self.conv_kernel_size = check_int("conv_kernel_size", conv_kernel_size, allow_none=True)
+        if conv_kernel_size is not None:
+            if conv_kernel_size % 2 == 0:
+                raise InvalidInputError(f"conv_kernel_size: expected an odd int (same-length convolution), "
+                                        f"got {conv_kernel_size}")
+            if num_heads is None:
+                raise InvalidInputError("num_heads: the convolution residual has one kernel per head; give "
+                                        "num_heads with conv_kernel_size")
+            bound = 1 / math.sqrt(conv_kernel_size)   # nn.Conv2d's default init for fan_in = kernel size
+            self.conv_weight = nn.Parameter(torch.empty(num_heads, conv_kernel_size).uniform_(-bound, bound))
+        else:
+            self.conv_weight = None
+
+    @property
+    def limits(self) -> attnkit.Limits:
+        return attnkit.Limits() if self.conv_kernel_size is None else _SameLength(equal_length=True)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, num_landmarks={self.num_landmarks}, "
+                f"pinv_iterations={self.pinv_iterations}, conv_kernel_size={self.conv_kernel_size}")
+
+    def landmark_count(self, L: int, S: int) -> int:
+        """m for L queries and S keys: ``num_landmarks`` (refused when it outnumbers them) or min(64, L).
+
+        The default follows the query length only, so key padding never changes
+        it (fewer real keys than m: key landmarks repeat, see ``segment_weights``).
+        """
+        if self.num_landmarks is None:
+            return min(DEFAULT_LANDMARKS, L)
+        check_landmarks("num_landmarks", self.num_landmarks, L, S)
+        return self.num_landmarks
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
+        L, S = q.shape[2], k.shape[2]
+        m = self.landmark_count(L, S)
+        keep = ctx.key_padding_mask
+        scale = ctx.scale
+        q_l = landmarks(q, None, m)
+        k_l = landmarks(k, keep, m)
+        k_ls = scale * k_l                              # the scale on the small (m, D) side
+        a = torch.softmax(q_l @ k_ls.transpose(-1, -2), dim=-1)
+        g = (scale * q_l) @ k.transpose(-1, -2)
+        if keep is not None:
+            g = g.masked_fill(~keep[:, None, None, :], torch.finfo(g.dtype).min)
+        g = torch.softmax(g, dim=-1)
+        out = softmax_attend(q, k_ls.transpose(-1, -2), nystrom_pinv(a, self.pinv_iterations) @ (g @ v))
+        if self.conv_weight is not None:
+            out = out + depthwise_conv(v, self.conv_weight)
+        return out
+
+
+def depthwise_conv(v: Tensor, weight: Tensor) -> Tensor:
+    """Per-head convolution of ``v`` ``(B, H, S, E)`` along S with ``weight`` ``(H, k)``, zero padded, same length."""
+    H, ks = weight.shape
+    return F.conv2d(v, weight.to(v.dtype).view(H, 1, ks, 1), padding=(ks // 2, 0), groups=H)

@@ -1,0 +1,1 @@
+"""``soft``: the module (``module.py``) and its plain reference (``naive.py``)."""

@@ -1,0 +1,100 @@
+"""The attnkit conformance kit on every registered name: one thin subclass per configuration.
+
+The kit holds the torch path to each spec's own plain reference
+(``attnkit_lowrank.<mechanism>.naive:reference``) in float64, outputs and
+gradients, and checks refusals, padding, empty sequences, gradients and
+serialisation. Options keep the landmark counts within the kit's lengths
+(L = 9, S = 12, padded rows with 6 real keys).
+"""
+
+from __future__ import annotations
+
+from attnkit.testing import AttentionConformance
+
+
+class TestNystromConformance(AttentionConformance):
+    name = "nystrom"
+    options = {"num_landmarks": 3}
+
+
+class TestNystromConvConformance(AttentionConformance):
+    name = "nystrom"
+    options = {"num_landmarks": 4, "pinv_iterations": 3, "conv_kernel_size": 3}
+    skip = {"key_padding": ("the convolution residual reads neighbouring positions, so a padded key is a zero "
+                            "value there rather than absent (the attention part holds it: the class above)")}
+
+
+class TestLinformerConformance(AttentionConformance):
+    name = "linformer"
+    options = {"proj_len": 5, "max_length": 128}
+
+
+class TestLinformerPerHeadSharedConformance(AttentionConformance):
+    name = "linformer"
+    options = {"proj_len": 4, "max_length": 80, "per_head": True, "share_kv": True}
+
+
+class TestSoftConvConformance(AttentionConformance):
+    name = "soft"
+    options = {"stride": 3}
+
+
+class TestSoftPoolConformance(AttentionConformance):
+    name = "soft"
+    options = {"stride": 4, "bottleneck": "pool", "pinv_iterations": 8}
+
+
+class TestMemoryCompressedConformance(AttentionConformance):
+    name = "memory-compressed"
+    options = {"value_dim": 6}
+
+
+class TestMcaPoolConformance(AttentionConformance):
+    name = "mca"
+    options = {"stride": 2, "compression": "pool"}
+
+
+class TestInformerConformance(AttentionConformance):
+    name = "informer"
+    options = {"factor": 1}
+
+
+class TestProbsparseAllActiveConformance(AttentionConformance):
+    name = "probsparse"
+    options = {"factor": 50}     # u >= L: every query active
+
+
+class TestClusteredConformance(AttentionConformance):
+    name = "clustered"
+    options = {"clusters": 3, "bits": 8, "iterations": 3}
+
+
+class TestImprovedClusteredConformance(AttentionConformance):
+    name = "improved-clustered"
+    options = {"clusters": 3, "bits": 8, "iterations": 3, "top_k": 3}
+
+
+class TestIsabConformance(AttentionConformance):
+    name = "isab"
+    options = {"num_inducing": 4}
+
+
+class TestIsabPerHeadConformance(AttentionConformance):
+    name = "isab"
+    options = {"num_inducing": 3, "per_head": True}
+
+
+class TestNystromDefaultConformance(AttentionConformance):
+    """Defaults as `attnkit check nystrom` runs them: 64 landmarks capped at the kit's short lengths."""
+
+    name = "nystrom"
+
+
+class TestSoftDefaultConformance(AttentionConformance):
+    """Defaults: stride 64 on the kit's 9- to 67-token sequences (one or two zero-filled windows)."""
+
+    name = "soft"
+
+
+class TestClusteredDefaultConformance(AttentionConformance):
+    name = "improved-clustered"      # 100 clusters and top-32 capped at L and S

@@ -1,0 +1,95 @@
+"""Reformer's angular LSH and the sorted-chunk structure, shared by the module and its reference.
+
+Hash of a vector ``x`` (``D``) in round ``r``: ``argmax([x R_r ; -x R_r])`` with a
+random Gaussian ``R_r`` ``(D, n_buckets / 2)`` drawn from the module's ``seed``
+(the same for every batch element and head). Each round sorts the positions by
+``(bucket, position)``; padded keys count as absent: they sort after every real position and the
+number of buckets is that of the real length. The sorted sequence is cut into chunks of
+``bucket_size`` and a position may attend to the positions of its chunk and of
+the previous chunk (none before chunk 0), minus itself, minus the future when
+causal (by original positions), minus padded keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["n_buckets", "rotations", "buckets", "sort_rounds", "unit", "real_lengths"]
+
+
+def n_buckets(L: int, bucket_size: int) -> int:
+    """Buckets for ``L`` positions: 1 when ``L <= bucket_size``, else ``ceil(L / bucket_size)`` rounded up to even
+    (the hash ``argmax([xR; -xR])`` gives an even number of buckets)."""
+    if L <= bucket_size:
+        return 1
+    nb = math.ceil(L / bucket_size)
+    return nb + nb % 2
+
+
+def rotations(seed: int, n_hashes: int, D: int, columns: int, *, dtype: torch.dtype,
+              device: torch.device) -> Tensor:
+    """``(n_hashes, D, columns)`` Gaussian rotations from ``torch.Generator().manual_seed(seed)``, float64.
+
+    Drawn column after column, so the first ``c`` columns are the same for any ``columns >= c``: a
+    sequence hashed with fewer buckets (a shorter one, or one with padded keys) uses a prefix of them.
+    """
+    g = torch.Generator().manual_seed(seed)
+    cols = [torch.randn(n_hashes, D, generator=g, dtype=torch.float64) for _ in range(max(1, columns))]
+    return torch.stack(cols, -1).to(device=device, dtype=dtype)
+
+
+def unit(k: Tensor) -> Tensor:
+    """``k / max(‖k‖, 1e-12)`` along the last dim (zero vectors stay zero): the shared-QK keys."""
+    return torch.nn.functional.normalize(k, dim=-1, eps=1e-12)
+
+
+def real_lengths(B: int, L: int, key_padding_mask: Tensor | None, device: torch.device) -> Tensor:
+    """int64 ``(B,)``: the real (non-padded) positions of each batch element."""
+    if key_padding_mask is None:
+        return torch.full((B,), L, dtype=torch.long, device=device)
+    return key_padding_mask.to(device).sum(-1)
+
+
+def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor:
+    """int64 ``(B, H, n_hashes, L)`` buckets of ``x`` ``(B, H, L, D)`` (no gradient).
+
+    Batch element ``b`` has ``n_buckets(lengths[b], bucket_size)`` buckets (its real length: padded keys
+    count as absent) and uses the first half of that many columns of ``rot`` ``(n_hashes, D, C)``:
+    ``argmax([xR; -xR])`` is the column of ``max(xR)`` when ``max(xR) >= -min(xR)``, else ``C + `` the
+    column of ``min(xR)`` (labels in ``[0, 2C)``; one bucket: all 0).
+    """
+    B, H, L, _ = x.shape
+    C = rot.shape[-1]
+    halves = [n_buckets(int(n), bucket_size) // 2 for n in lengths.tolist()]
+    out = torch.zeros(B, H, rot.shape[0], L, dtype=torch.long, device=x.device)
+    groups: dict[int, list[int]] = {}
+    for b, half in enumerate(halves):
+        groups.setdefault(half, []).append(b)
+    for half, rows in groups.items():
+        if half == 0:
+            continue
+        sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=x.device)
+        xb = x.detach()[sel] if len(rows) != B else x.detach()
+        # (b, H, R, half, L): the reductions run over a strided dim, vectorised along L
+        proj = torch.einsum("rdn,bhld->bhrnl", rot[..., :half], xb)
+        mx, amx = proj.max(3)
+        mn, amn = proj.min(3)
+        lab = torch.where(mx >= -mn, amx, C + amn)
+        if len(rows) == B:
+            out = lab
+        else:
+            out[sel] = lab
+    return out
+
+
+def sort_rounds(bk: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """``perm`` ``(B, H, R, L)``: each round's positions ordered by ``(bucket, position)``, padded keys last."""
+    L = bk.shape[-1]
+    if key_padding_mask is not None:
+        last = bk.max() + 1 if bk.numel() else 0
+        bk = torch.where(key_padding_mask.to(bk.device)[:, None, None, :], bk, last)
+    key = bk * L + torch.arange(L, device=bk.device)
+    return key.argsort(dim=-1)

@@ -1,0 +1,166 @@
+"""``routing``: Routing Transformer attention (online k-means, balanced clusters) on the block-sparse engine.
+
+The routed queries and keys of each cluster are gathered (cluster ``c`` is
+block ``c`` of a sequence of ``num_clusters·W`` rows), the engine runs the
+block-diagonal plan (block ``c`` x block ``c``, element masks: used entries,
+causal by original positions), and the clusters that routed a query are
+combined by their log-sum-exp. See :mod:`.clusters` and the reference in :mod:`.naive`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from attnkit import Attention
+from attnkit.context import CallContext
+from attnkit.errors import InvalidInputError
+
+from ..base import check_int
+from .clusters import route, unit
+
+__all__ = ["RoutingAttention"]
+
+
+class RoutingAttention(Attention):
+    """Routing attention (Roy, Saffar, Vaswani, Grangier 2021): attend within online k-means clusters.
+
+    ``num_clusters`` unit centroids live in the space queries and keys share
+    (``q̂ = q/‖q‖``, ``k̂ = k/‖k‖``). Each cluster routes the
+    ``w = max(1, ceil(n / num_clusters))`` queries and the ``w`` keys closest
+    to its centroid (top-k per centroid: balanced clusters; ``n`` real
+    positions; padded positions are never routed, as keys or as queries, so
+    their outputs are 0 and padded keys count as absent). A query attends, with the softmax of
+    ``scale·q·k``, the keys of every cluster that routed it (several clusters:
+    one softmax over the union, a key counted once per cluster); a query no
+    cluster routed, or with no allowed key, gives 0 — the paper mixes routing
+    heads with local heads for that reason. ``causal``: only keys at earlier or
+    equal original positions. One cluster: every position is routed, exact
+    softmax attention.
+
+    Centroids are a buffer (``centroids``, ``(H, num_clusters, D)`` with
+    ``num_heads`` given, else ``(1, num_clusters, D)`` shared by the heads),
+    random unit vectors from ``seed``, created when ``head_dim`` is known
+    (at build, or at the first call). In training every forward updates them by
+    an exponential moving average of the unit queries and keys assigned to
+    them (nearest centroid): ``μ ← normalise(decay·μ + (1 - decay)·mean)``;
+    in eval they are frozen. In training the commitment term
+    ``mean ‖x̂ - μ(x̂)‖²`` over the routed space (queries and keys, centroids
+    held constant) is recorded as the auxiliary loss ``routing_commitment``
+    (``attnkit.aux_losses(model)``).
+
+    Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` -> ``(B, H, L, E)`` (L = S).
+
+    Args:
+        num_clusters: number of clusters k (an int >= 1); cost O(L·(L/k)·D). Default 16.
+        decay: EMA decay of the centroids in training (a float in [0, 1)). Default 0.999.
+        seed: seed of the initial centroids (an int >= 0). Default 0.
+        num_heads: number of heads H; when given, one set of centroids per head.
+        head_dim: head dimension D; when given, the centroids are created at build.
+        scale: multiplier of q·k; None means 1/sqrt(D).
+        backend: "auto", "numba" (CPU kernels) or "torch" (any device).
+
+    Raises:
+        InvalidInputError: an option out of range (named); inputs whose D differs from the centroids'.
+        UnsupportedFeatureError: masks other than causal and key padding, cross-attention, positions.
+    """
+
+    option_constraints: ClassVar[dict[str, dict[str, Any]]] = {
+        "num_clusters": {"minimum": 1}, "seed": {"minimum": 0},
+        "decay": {"minimum": 0, "maximum": 1, "exclusive_maximum": True},
+        "backend": {"choices": ("auto", "numba", "torch")},
+    }
+    refusal_reasons: ClassVar[dict[str, str]] = {
+        "cross": "queries and keys are routed as the same positions (self-attention)",
+        "attn_mask": "the attended pairs come from the clusters; only causal and key padding compose with them",
+    }
+
+    def __init__(self, *, num_clusters: int = 16, decay: float = 0.999, seed: int = 0, num_heads: int | None = None,
+                 head_dim: int | None = None, scale: float | None = None, backend: str = "auto") -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.num_clusters = check_int("num_clusters", num_clusters)
+        self.seed = check_int("seed", seed, minimum=0)
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
+            raise InvalidInputError(f"decay: expected a float in [0, 1), got {decay!r}")
+        self.decay = float(decay)
+        self.register_buffer("centroids", None)
+        if head_dim is not None:
+            self.centroids = self._initial(head_dim, torch.device("cpu"), torch.get_default_dtype())
+
+    def _initial(self, D: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        hc = self.num_heads if self.num_heads is not None else 1
+        g = torch.Generator().manual_seed(self.seed)
+        return unit(torch.randn(hc, self.num_clusters, D, generator=g, dtype=torch.float64)).to(device, dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, num_clusters={self.num_clusters}, decay={self.decay}, seed={self.seed}"
+
+    def centroids_for(self, q: Tensor) -> Tensor:
+        """The centroids ``(H, num_clusters, D)`` for inputs like ``q`` (created at the first call if needed)."""
+        H, D = q.shape[1], q.shape[-1]
+        if self.centroids is None:
+            self.centroids = self._initial(D, q.device, q.dtype)
+        if self.centroids.shape[-1] != D:
+            raise InvalidInputError(f"q: the centroids have head_dim {self.centroids.shape[-1]}, got D={D}")
+        return self.centroids.to(q.dtype).expand(H, -1, -1)
+
+    def _update(self, q: Tensor, k: Tensor, kpm: Tensor | None) -> None:
+        """EMA update (training) and the commitment loss."""
+        mu = self.centroids_for(q)                                        # (H, C, D)
+        x = torch.cat([unit(q), unit(k)], 2)                              # (B, H, 2L, D)
+        real = torch.ones(x.shape[0], x.shape[2], dtype=torch.bool, device=x.device) if kpm is None \
+            else torch.cat([kpm, kpm], 1)
+        with torch.no_grad():
+            near = torch.einsum("bhld,hcd->bhlc", x, mu).argmax(-1)      # (B, H, 2L)
+        chosen = mu.detach().unsqueeze(0).expand(x.shape[0], -1, -1, -1).gather(
+            2, near[..., None].expand(*near.shape, x.shape[-1]))           # (B, H, 2L, D)
+        err = ((x - chosen) ** 2).sum(-1)
+        r = real[:, None, :].expand_as(err)
+        self.record_aux_loss("routing_commitment", (err * r).sum() / r.sum().clamp(min=1))
+        with torch.no_grad():
+            onehot = torch.nn.functional.one_hot(near, self.num_clusters).to(x.dtype) * r[..., None]
+            sums = torch.einsum("bhlc,bhld->hcd", onehot, x.detach())      # (H, C, D)
+            counts = onehot.sum((0, 2))[..., None]                          # (H, C, 1)
+            if self.centroids.shape[0] == 1:
+                sums, counts = sums.sum(0, keepdim=True), counts.sum(0, keepdim=True)
+            old = self.centroids.to(x.dtype)
+            mean = sums / counts.clamp(min=1)
+            new = unit(self.decay * old + (1 - self.decay) * mean)
+            self.centroids.copy_(torch.where(counts > 0, new, old).to(self.centroids.dtype))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
+        from ..engine import attend_plan, explicit_plan
+
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        kpm = ctx.key_padding_mask
+        kpm = None if kpm is None else kpm.to(q.device)
+        qi, qok, ki, kok = route(q, k, self.centroids_for(q), kpm)        # (B, H, C, W)
+        C, W = qi.shape[2], qi.shape[3]
+        bank = qok[..., :, None] & kok[..., None, :]
+        if ctx.causal:
+            bank = bank & (ki[..., None, :] <= qi[..., :, None])
+        kv_idx = torch.arange(C, device=q.device).view(1, 1, C, 1).expand(B, H, C, 1)
+        plan = explicit_plan(kv_idx, bank.view(B, H, C, 1, W, W), C * W, C * W)
+        off = (torch.arange(B * H, device=q.device) * L).view(B, H, 1, 1)
+        qf, kf = (qi + off).reshape(-1), (ki + off).reshape(-1)
+        qs = q.reshape(B * H * L, D).index_select(0, qf).view(B, H, C * W, D)
+        ks = k.reshape(B * H * L, D).index_select(0, kf).view(B, H, C * W, D)
+        vs = v.reshape(B * H * L, E).index_select(0, kf).view(B, H, C * W, E)
+        out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=ctx.scale, backend=ctx.backend, return_lse=True)
+        # back to positions: the clusters that routed a query, combined by their log-sum-exp
+        lse_s = torch.where(qok.reshape(B, H, C * W), lse_s, torch.full_like(lse_s, float("-inf")))
+        dest = qf.view(B, H, C * W)                                       # flat rows of (B·H·L)
+        m = torch.full((B * H * L,), float("-inf"), dtype=q.dtype, device=q.device)
+        m = m.scatter_reduce(0, dest.reshape(-1), lse_s.detach().reshape(-1), "amax")
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        w = torch.exp(lse_s.reshape(-1) - m[dest.reshape(-1)])            # 0 where unused or empty
+        num = torch.zeros(B * H * L, E, dtype=q.dtype, device=q.device).index_add(
+            0, dest.reshape(-1), w[:, None] * out_s.reshape(-1, E))
+        den = torch.zeros(B * H * L, dtype=q.dtype, device=q.device).index_add(0, dest.reshape(-1), w)
+        out = num / torch.where(den > 0, den, torch.ones_like(den))[:, None]
+        if self.training:
+            self._update(q, k, kpm)
+        return out.view(B, H, L, E)

@@ -1,0 +1,133 @@
+"""``sinkhorn``: Sparse Sinkhorn attention (Tay et al. 2020) on the block-sparse engine."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from attnkit import Attention
+from attnkit.context import CallContext
+from attnkit.errors import InvalidInputError
+
+from ..base import check_int
+from .sorting import pad_blocks, sort_matrix, sorted_blocks
+
+__all__ = ["SinkhornAttention"]
+
+
+class SinkhornAttention(Attention):
+    """Sparse Sinkhorn attention: each query block attends its own block and one sorted key block.
+
+    The sequence is cut into blocks of ``block_size`` (the end padded with
+    zero rows to a multiple: never keys of their own block, zero vectors in
+    the mixtures). A learned sorting network scores block pairs,
+    ``R_ij = (X_i W)·X_j / sqrt(D)`` on block summaries ``X`` (the mean of a
+    block's keys), and Gumbel-Sinkhorn turns ``(R + Gumbel noise) /
+    temperature`` into a soft block permutation ``S`` by ``sinkhorn_iters``
+    row/column normalisations (noise only in training; eval is deterministic).
+    Sorted block ``i`` is ``Σ_j S_ij · block j`` of the keys and of the values.
+    Query block ``i`` attends, in one softmax, its own block and sorted block ``i``.
+
+    Causal (the paper's causal variant, made strictly causal): a block's
+    summary is the mean of the blocks before it, row ``i`` of ``S`` may only
+    take blocks ``j < i`` and is normalised over its row only (column
+    normalisation would mix in later rows), block 0 has no sorted block, and
+    the own block is attended up to the query. One block (``L <= block_size``):
+    exact softmax attention (its sorted block is itself, every key counted
+    twice, which a softmax does not see).
+
+    The sorting network's weight is a parameter ``(H, D, D)`` (``num_heads``
+    given) or ``(1, D, D)``: ``head_dim`` is required. It scores block
+    summaries bilinearly, so any length works (the paper's feed-forward
+    SortNet outputs a fixed number of blocks).
+
+    Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` -> ``(B, H, L, E)`` (L = S).
+
+    Args:
+        block_size: rows per block b (an int >= 1); cost O(L·2b·D + (L/b)²·D). Default 64.
+        temperature: Gumbel-Sinkhorn temperature (a float > 0). Default 0.75.
+        sinkhorn_iters: row/column normalisation rounds (an int >= 1). Default 8.
+        seed: seed of the sorting network's initial weight (an int >= 0). Default 0.
+        num_heads: number of heads H; when given, one sorting network per head.
+        head_dim: head dimension D (required: the sorting network's weight is D x D).
+        scale: multiplier of q·k; None means 1/sqrt(D).
+        backend: "auto", "numba" (CPU kernels) or "torch" (any device).
+
+    Raises:
+        InvalidInputError: an option out of range or a missing head_dim (named).
+        UnsupportedFeatureError: key padding and other masks (causal only), cross-attention, positions.
+    """
+
+    option_constraints: ClassVar[dict[str, dict[str, Any]]] = {
+        "block_size": {"minimum": 1}, "sinkhorn_iters": {"minimum": 1}, "seed": {"minimum": 0},
+        "temperature": {"minimum": 0, "exclusive_minimum": True},
+        "backend": {"choices": ("auto", "numba", "torch")},
+    }
+    refusal_reasons: ClassVar[dict[str, str]] = {
+        "cross": "blocks of queries are sorted against blocks of the same sequence (self-attention)",
+        "key_padding_mask": "sorted blocks mix whole blocks by absolute position: a padded key cannot be made "
+                            "absent; pad to a multiple of block_size and mask the loss instead",
+        "attn_mask": "the attended pairs come from the block permutation; only causal composes with it",
+    }
+
+    def __init__(self, *, block_size: int = 64, temperature: float = 0.75, sinkhorn_iters: int = 8, seed: int = 0,
+                 num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
+                 backend: str = "auto") -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.block_size = check_int("block_size", block_size)
+        self.sinkhorn_iters = check_int("sinkhorn_iters", sinkhorn_iters)
+        self.seed = check_int("seed", seed, minimum=0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+                or not math.isfinite(temperature):
+            raise InvalidInputError(f"temperature: expected a finite float > 0, got {temperature!r}")
+        self.temperature = float(temperature)
+        if head_dim is None:
+            raise InvalidInputError("head_dim: sinkhorn's sorting network has a learned (D, D) weight; expected "
+                                    "head_dim (an int >= 1), got None")
+        g = torch.Generator().manual_seed(self.seed)
+        hs = num_heads if num_heads is not None else 1
+        w = torch.eye(head_dim, dtype=torch.float64) + torch.randn(hs, head_dim, head_dim, generator=g,
+                                                                    dtype=torch.float64) / math.sqrt(head_dim)
+        self.sort_weight = nn.Parameter(w.to(torch.get_default_dtype()))
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, block_size={self.block_size}, temperature={self.temperature}, "
+                f"sinkhorn_iters={self.sinkhorn_iters}")
+
+    def sort_matrix(self, k: Tensor, *, causal: bool) -> Tensor:
+        """``(B, H, NB, NB)`` block sorting matrix for keys ``k`` (Gumbel noise in training only)."""
+        b = min(self.block_size, k.shape[2])
+        nb = -(-k.shape[2] // b)
+        noise = None
+        if self.training:
+            u = torch.rand(k.shape[0], k.shape[1], nb, nb, dtype=k.dtype, device=k.device)
+            noise = -torch.log(-torch.log(u.clamp(1e-20, 1.0)).clamp(min=1e-20))
+        return sort_matrix(k, self.sort_weight.to(k.dtype), b, temperature=self.temperature,
+                           iters=self.sinkhorn_iters, causal=causal, noise=noise)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
+        from ..engine import attend_plan, explicit_plan
+
+        B, H, L, _ = q.shape
+        b = min(self.block_size, L)
+        nb = -(-L // b)
+        s = self.sort_matrix(k, causal=ctx.causal)
+        kx = torch.cat([pad_blocks(k, b), sorted_blocks(k, s, b)], 2)          # (B, H, 2·NB·b, D)
+        vx = torch.cat([pad_blocks(v, b), sorted_blocks(v, s, b)], 2)
+        n = torch.arange(nb, device=q.device)
+        kv_idx = torch.stack([n, n + nb], -1).view(1, 1, nb, 2)
+        i = torch.arange(b, device=q.device).view(b, 1)
+        j = torch.arange(b, device=q.device).view(1, b)
+        own = ((n.view(nb, 1, 1) * b + j) < L).expand(nb, b, b)             # never the end padding
+        if ctx.causal:
+            own = own & (j <= i)
+        srt = torch.ones(nb, b, b, dtype=torch.bool, device=q.device)
+        if ctx.causal:
+            srt[0] = False
+        bank = torch.stack([own, srt], 1).view(1, 1, nb, 2, b, b)
+        plan = explicit_plan(kv_idx, bank, nb * b, 2 * nb * b)
+        out = attend_plan(pad_blocks(q, b), kx, vx, plan, scale=ctx.scale, backend=ctx.backend)
+        return out[:, :, :L]

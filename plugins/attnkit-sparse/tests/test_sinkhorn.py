@@ -1,0 +1,107 @@
+"""``sinkhorn``: backends against the reference (incl. the sorting network's gradient), one block = exact, rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit.errors import InvalidInputError, UnsupportedFeatureError
+from attnkit_sparse.sinkhorn.naive import reference
+
+BACKENDS = ("torch", "numba")
+TOL = dict(atol=1e-10, rtol=1e-9)
+
+
+def _rand(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _proj_sum(out, seed=5):
+    return (out * _rand(out.shape, seed)).sum()
+
+
+def _build(**kw):
+    return attnkit.build("sinkhorn", num_heads=2, head_dim=8, **kw).double().eval()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L", [24, 27])          # 27: not a multiple of the block size (padded at the end)
+def test_backends_match_reference_with_the_sorting_network_gradient(backend, causal, L):
+    attn = _build(block_size=4, sinkhorn_iters=4, backend=backend)
+    q, k, v = _rand((2, 2, L, 8), 1), _rand((2, 2, L, 8), 2), _rand((2, 2, L, 5), 3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attn(*leaves, causal=causal)
+    got = torch.autograd.grad(_proj_sum(out), [*leaves, attn.sort_weight])
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference(attn, *ref_leaves, mask=masks.causal() if causal else None)
+    want = torch.autograd.grad(_proj_sum(ref), [*ref_leaves, attn.sort_weight])
+    torch.testing.assert_close(out, ref, **TOL)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    assert got[3].abs().sum() > 0                    # the sorting network learns
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_block_is_exact_attention(backend, causal):
+    attn = _build(block_size=64, backend=backend)
+    q, k, v = _rand((1, 2, 13, 8), 1), _rand((1, 2, 13, 8), 2), _rand((1, 2, 13, 5), 3)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(attn(q, k, v, causal=causal), want, **TOL)
+
+
+def test_sorting_matrix_is_doubly_stochastic_and_causal_rows_take_the_past():
+    attn = _build(block_size=4, sinkhorn_iters=50)
+    k = _rand((1, 2, 32, 8), 2)
+    s = attn.sort_matrix(k, causal=False)
+    torch.testing.assert_close(s.sum(-1), torch.ones(1, 2, 8, dtype=s.dtype), atol=1e-6, rtol=0)
+    torch.testing.assert_close(s.sum(-2), torch.ones(1, 2, 8, dtype=s.dtype), atol=1e-6, rtol=0)
+    c = attn.sort_matrix(k, causal=True)
+    assert float(c.detach().triu().abs().sum()) == 0.0
+    torch.testing.assert_close(c[..., 1:, :].sum(-1), torch.ones(1, 2, 7, dtype=c.dtype))
+    # a lower temperature sharpens towards a permutation
+    sharp = _build(block_size=4, sinkhorn_iters=50, temperature=0.05).sort_matrix(k, causal=False)
+    assert float(sharp.detach().amax(-1).mean()) > float(s.detach().amax(-1).mean())
+
+
+def test_causal_outputs_ignore_the_future():
+    attn = _build(block_size=4)
+    q, k, v = _rand((1, 2, 20, 8), 1), _rand((1, 2, 20, 8), 2), _rand((1, 2, 20, 5), 3)
+    base = attn(q, k, v, causal=True)
+    for t in (3, 4, 9, 16):
+        q2, k2, v2 = (x.clone() for x in (q, k, v))
+        for x in (q2, k2, v2):
+            x[:, :, t:] += 5.0
+        torch.testing.assert_close(attn(q2, k2, v2, causal=True)[:, :, :t], base[:, :, :t], **TOL)
+
+
+def test_gumbel_noise_in_training_only():
+    attn = _build(block_size=4)
+    q, k, v = _rand((1, 2, 16, 8), 1), _rand((1, 2, 16, 8), 2), _rand((1, 2, 16, 5), 3)
+    torch.testing.assert_close(attn(q, k, v), attn(q, k, v), atol=0, rtol=0)
+    attn.train()
+    torch.manual_seed(0)
+    a = attn(q, k, v)
+    b = attn(q, k, v)
+    assert not torch.allclose(a, b)
+
+
+def test_bad_input():
+    for kw, name in (({"block_size": 0}, "block_size"), ({"temperature": 0.0}, "temperature"),
+                     ({"sinkhorn_iters": 0}, "sinkhorn_iters")):
+        with pytest.raises(InvalidInputError, match=name):
+            attnkit.build("sinkhorn", head_dim=8, **kw)
+    with pytest.raises(InvalidInputError, match="head_dim"):
+        attnkit.build("sinkhorn")
+    attn = _build(block_size=4)
+    q = _rand((1, 2, 8, 8), 0)
+    with pytest.raises(UnsupportedFeatureError, match="key_padding"):
+        attn(q, q, q, key_padding_mask=torch.ones(1, 8, dtype=torch.bool))
+    with pytest.raises(UnsupportedFeatureError):
+        attn(q, _rand((1, 2, 6, 8), 1), _rand((1, 2, 6, 8), 2))
+    mha = attnkit.MultiHeadAttention(16, 2, "sinkhorn", block_size=4)
+    assert mha(torch.randn(2, 10, 16), causal=True).shape == (2, 10, 16)
