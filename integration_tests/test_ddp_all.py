@@ -67,10 +67,6 @@ KNOWN_FAILURES = {
         "Expected to have finished reduction",
         "w_q and w_k only act on the memory update, which a forward without state= never computes: "
         "DDP(find_unused_parameters=False) fails at the second step (attnkit-memory)"),
-    ("rfa", False): (
-        "Expected to have finished reduction",
-        "gate_weight and gate_bias (the recency gate) are used only when causal=True: non-causal training "
-        "under DDP(find_unused_parameters=False) fails at the second step (attnkit-kernelized)"),
     ("sinkhorn", False): (
         "view size is not compatible",
         "sorted_blocks calls .view on non-contiguous (B, H, L, D) inputs (the head split of "
