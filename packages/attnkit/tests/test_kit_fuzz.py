@@ -83,3 +83,12 @@ def test_option_strategies_follow_the_schema():
         assert scale is None or scale > 0
 
     inside()
+
+
+def test_float64_draws_compare_gradients_with_the_reference():
+    with attnkit.registered(broken_impls.DetachedKeysAttention, name="fuzz-detached-keys", family="custom",
+                            exact=True, capabilities=broken_impls.BASIC):
+        report = run_conformance("fuzz-detached-keys", checks=["fuzz"])
+    assert report["fuzz"].status == "failed"
+    assert "gradient of k vs reference" in report["fuzz"].message
+    assert "dtype='float64'" in report["fuzz"].message  # the reproducer is a float64 draw

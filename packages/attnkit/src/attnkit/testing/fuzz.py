@@ -44,7 +44,7 @@ from torch import Tensor
 from .. import masks as _masks
 from ..errors import AttnkitError
 from .config import DTYPE_NAMES, DTYPES, CheckFailed, ConformanceConfig
-from .context import Ctx, make_inputs
+from .context import Ctx, make_inputs, noise_like
 
 __all__ = ["DEFAULT_EXAMPLES", "FuzzCase", "check_fuzz", "examples_budget", "replay", "run_case"]
 
@@ -279,7 +279,33 @@ def run_case(cfg: ConformanceConfig, case: FuzzCase) -> str:
         c.fail(f"{label}: the module accepted the call but the spec's reference {cfg.spec.reference_path!r} "
                f"raised {type(exc).__name__}: {exc}")
     c.close(out, want, label, dtype=dt, against="reference")
+    if dt == f64 and case.poison is None and cfg.spec.capabilities.backends:
+        _gradients(c, attn, ref, case, kw, resolved, (q64, k64, v64), label)
     return "matched"
+
+
+def _gradients(c: Ctx, attn: Any, ref: Any, case: FuzzCase, kw: dict[str, Any], resolved: Any,
+               inputs: tuple[Tensor, Tensor, Tensor], label: str) -> None:
+    """float64 draws: the gradients of ``<out, noise>`` w.r.t. q, k, v equal the reference's."""
+    __tracebackhide__ = True
+    mine = [t.detach().clone().requires_grad_(True) for t in inputs]
+    theirs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    def grads(out: Tensor, wrt: list[Tensor], noise: Tensor) -> tuple[Tensor | None, ...]:
+        if not out.requires_grad:  # a constant output (e.g. every key padded): no gradient anywhere
+            return (None, None, None)
+        return torch.autograd.grad(out, wrt, noise, allow_unused=True)
+
+    try:
+        out = attn(*mine, **kw)
+        noise = noise_like(out, case.seed + 1, scale=1.0)
+        got = grads(out, mine, noise)
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"{label}: backward raised {type(exc).__name__}: {exc}")
+    want = grads(ref(attn, *theirs, mask=resolved, positions=None), theirs, noise)
+    for name, a, b, like in zip("qkv", got, want, inputs, strict=True):
+        a = torch.zeros_like(like) if a is None else a
+        b = torch.zeros_like(like) if b is None else b
+        c.close(a, b, label, dtype=torch.float64, what=f"gradient of {name}", against="reference")
 
 
 def replay(name: str, case: FuzzCase, options: Mapping[str, Any] | None = None, **config: Any) -> str:
