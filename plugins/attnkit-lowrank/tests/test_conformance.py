@@ -98,3 +98,10 @@ class TestSoftDefaultConformance(AttentionConformance):
 
 class TestClusteredDefaultConformance(AttentionConformance):
     name = "improved-clustered"      # 100 clusters and top-32 capped at L and S
+
+
+class TestInformerCausalSmallFactorConformance(AttentionConformance):
+    """factor 1: u = ceil(ln L) of the kit's 9-67 queries, so the causal online top-u leaves lazy rows."""
+
+    name = "informer"
+    options = {"factor": 1, "chunk_size": 4}     # several chunks of the online top-u

@@ -109,7 +109,8 @@ INFORMER = AttentionSpec(
     reference="attnkit_lowrank.informer.naive:reference",
     family="lowrank",
     summary=("Informer ProbSparse attention: the u = c·ln L queries with the largest sampled max-minus-mean "
-             "score attend fully, the others output mean(V)."),
+             "score attend fully, the others output mean(V); causal form: online top-u over the past, "
+             "masked attention, lazy queries take the cumulative mean of V."),
     paper=Paper("Zhou, Zhang, Peng, Zhang, Li, Xiong, Zhang", 2021,
                 "Informer: Beyond Efficient Transformer for Long Sequence Time-Series Forecasting", "2012.07436"),
     exact=False,
@@ -117,8 +118,8 @@ INFORMER = AttentionSpec(
                    "Exact when u >= L"),
     error_bound=None,
     capabilities=Capabilities(
-        causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
         queries_interact=True,
         time="O(L·ln S·D + ln L·S·D)", memory="O(chunk·ln S·D + ln L·S) per head",
     ),
