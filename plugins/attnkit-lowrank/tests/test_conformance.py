@@ -105,3 +105,13 @@ class TestInformerCausalSmallFactorConformance(AttentionConformance):
 
     name = "informer"
     options = {"factor": 1, "chunk_size": 4}     # several chunks of the online top-u
+
+
+class TestLunaConformance(AttentionConformance):
+    name = "luna"
+    options = {"packed_len": 4}
+
+
+class TestLunaPerHeadChunkedConformance(AttentionConformance):
+    name = "luna"
+    options = {"packed_len": 3, "per_head": True, "chunk_size": 2}   # several causal chunks per sequence

@@ -1,5 +1,5 @@
 """attnkit plugin hooks: registers ``nystrom``, ``linformer``, ``soft``, ``memory-compressed``,
-``informer``, ``clustered``, ``improved-clustered`` and ``isab``.
+``informer``, ``clustered``, ``improved-clustered``, ``isab`` and ``luna``.
 
 Each spec is the one declaration of its capabilities (the module classes read
 theirs from here) and names its factory and plain reference by import path, so
@@ -189,7 +189,28 @@ ISAB = AttentionSpec(
     ),
 )
 
-SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED, ISAB)
+LUNA = AttentionSpec(
+    name="luna",
+    factory="attnkit_lowrank.luna.module:LunaAttention",
+    reference="attnkit_lowrank.luna.naive:reference",
+    family="lowrank",
+    summary=("Luna: a packed sequence P of packed_len vectors packs the keys (P' = Attn(P, X)), the queries "
+             "unpack it (Y = Attn(X, P')); the next packed sequence LayerNorm(P + P') is returned as state."),
+    paper=Paper("Ma, Kong, Wang, Zhou, May, Ma, Zettlemoyer", 2021, "Luna: Linear Unified Nested Attention",
+                "2106.01540"),
+    exact=False,
+    approximation=("attention through m packed vectors (a rank-m bottleneck): a different attention, not an "
+                   "estimate of softmax attention"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("causal", "key_padding"), streaming="segment", dtypes=("float32", "float64"),
+        backends=("torch",),
+        time="O((L + S)·m·D); causal O(L·chunk·m·(D + E))", memory="O((L + S)·m) per head",
+    ),
+)
+
+SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED, ISAB, LUNA)
 
 
 @attnkit.hookimpl
