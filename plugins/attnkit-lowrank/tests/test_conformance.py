@@ -115,3 +115,19 @@ class TestLunaConformance(AttentionConformance):
 class TestLunaPerHeadChunkedConformance(AttentionConformance):
     name = "luna"
     options = {"packed_len": 3, "per_head": True, "chunk_size": 2}   # several causal chunks per sequence
+
+
+class TestPoolingformerConformance(AttentionConformance):
+    """Defaults (window 128, pool window 512): on the kit's short lengths both windows cover everything."""
+
+    name = "poolingformer"
+
+
+class TestPoolingformerSmallWindowsConformance(AttentionConformance):
+    name = "poolingformer"
+    options = {"window": 4, "pool_window": 6, "pool_size": 3, "pool_stride": 2, "chunk_size": 3}
+
+
+class TestPoolingformerDisjointSegmentsConformance(AttentionConformance):
+    name = "poolingformer"
+    options = {"window": 2, "pool_window": 8, "pool_size": 4, "pool_stride": 4, "chunk_size": 5}

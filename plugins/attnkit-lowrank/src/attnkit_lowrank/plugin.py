@@ -1,5 +1,5 @@
 """attnkit plugin hooks: registers ``nystrom``, ``linformer``, ``soft``, ``memory-compressed``,
-``informer``, ``clustered``, ``improved-clustered``, ``isab`` and ``luna``.
+``informer``, ``clustered``, ``improved-clustered``, ``isab``, ``luna`` and ``poolingformer``.
 
 Each spec is the one declaration of its capabilities (the module classes read
 theirs from here) and names its factory and plain reference by import path, so
@@ -210,7 +210,27 @@ LUNA = AttentionSpec(
     ),
 )
 
-SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED, ISAB, LUNA)
+POOLINGFORMER = AttentionSpec(
+    name="poolingformer",
+    factory="attnkit_lowrank.poolingformer.module:PoolingformerAttention",
+    reference="attnkit_lowrank.poolingformer.naive:reference",
+    family="lowrank",
+    summary=("Poolingformer: a sliding-window softmax plus a softmax over mean-pooled keys and values in a larger "
+             "window, the two outputs summed."),
+    paper=Paper("Zhang, Gong, Shen, Li, Lv, Duan, Chen", 2021,
+                "Poolingformer: Long Document Modeling with Pooling Attention", "2105.04371"),
+    exact=False,
+    approximation=("a sliding window plus pooled segments of a larger window, two softmaxes summed: a different "
+                   "attention, not an estimate of softmax attention"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O(L·(window + pool_window / pool_stride)·D)", memory="O(L·(window + pool_window / pool_stride))",
+    ),
+)
+
+SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED, ISAB, LUNA, POOLINGFORMER)
 
 
 @attnkit.hookimpl
