@@ -61,8 +61,8 @@ def main() -> None:
         q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
         for causal in (False, True):
             for name, attn in impls.items():
-                def fwd(attn=attn, causal=causal, grad=False):
-                    qq, kk, vv = (t.detach().requires_grad_(grad) for t in (q, k, v))
+                def fwd(attn=attn, causal=causal, grad=False, qkv=(q, k, v)):
+                    qq, kk, vv = (t.detach().requires_grad_(grad) for t in qkv)
                     out = (F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal) if attn is None
                            else attn(qq, kk, vv, causal=causal))
                     if grad:
