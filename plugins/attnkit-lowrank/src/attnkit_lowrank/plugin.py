@@ -195,7 +195,7 @@ LUNA = AttentionSpec(
     reference="attnkit_lowrank.luna.naive:reference",
     family="lowrank",
     summary=("Luna: a packed sequence P of packed_len vectors packs the keys (P' = Attn(P, X)), the queries "
-             "unpack it (Y = Attn(X, P')); the next packed sequence LayerNorm(P + P') is returned as state."),
+             "unpack it (Y = Attn(X, P')); the next packed sequence LayerNorm(P + K_p) is returned as state."),
     paper=Paper("Ma, Kong, Wang, Zhou, May, Ma, Zettlemoyer", 2021, "Luna: Linear Unified Nested Attention",
                 "2106.01540"),
     exact=False,
