@@ -84,7 +84,8 @@ class PoolingformerAttention(attnkit.Attention):
                           "pool_stride": {"minimum": 1}, "chunk_size": {"minimum": 1}}
     capabilities = POOLINGFORMER.capabilities
     refusal_reasons = {
-        "key_padding_mask": "not implemented: pooled segments would have to average only real keys (open)",
+        "key_padding_mask": ("its windows and segments are defined by position, so a padded key is not the same as "
+                             "an absent one without explicit token positions (not implemented: open)"),
         "attn_mask": "a per-pair mask does not apply to pooled segments",
         "cross": "the windows are centred on the query's own position: self-attention only",
     }
