@@ -71,7 +71,7 @@ class LunaAttention(attnkit.Attention):
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
                  backend: str = "auto", packed_len: int = 16, per_head: bool = False,
-                 chunk_size: int = 64) -> None:
+                 chunk_size: int = 16) -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
         self.packed_len = check_int("packed_len", packed_len)
         self.per_head = check_bool("per_head", per_head)
