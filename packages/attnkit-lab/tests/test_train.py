@@ -190,3 +190,50 @@ def test_train_aux_losses_from_evaluation_do_not_leak_into_training(cli, tmp_pat
     w = torch.load(out / run["checkpoint"], weights_only=False)["state_dict"]
     assert [v.item() < 2.0 for k, v in w.items() if k.endswith(".w")] == [True]   # the penalty had a gradient
     assert "penalty=" in err                                          # the progress line
+
+
+class _Reporting(Attention):
+    """Exact attention with a ``lab_stats()`` hook (what adaptive spans, entmax and ACT use to report)."""
+
+    capabilities = Capabilities(mask_kinds=("causal", "key_padding"), backends=("torch",))
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = 0
+
+    def _attend(self, q, k, v, ctx):
+        self.calls += 1
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ctx.dense_keep(), scale=ctx.scale)
+
+    def lab_stats(self):
+        return {"calls": self.calls, "spans": [1.5, 2.0]}
+
+
+def test_train_logs_module_stats_and_takes_a_block(cli, tmp_path):
+    import attnkit
+
+    out = tmp_path / "t"
+    with attnkit.registered(_Reporting, name="toy-reporting", family="test", summary="reports lab_stats",
+                            capabilities=_Reporting.capabilities):
+        code, stdout, err = cli("train", "mqar", "--attention", "toy-reporting", "--steps", "2", "--eval-every", "1",
+                                "--eval-batches", "1", "--batch-size", "2", "--dim", "8", "--heads", "1",
+                                "--depth", "2", "--block", "pre-norm@mlp_ratio=0", "--seq-len", "16", "--vocab", "16",
+                                "--num-kv-pairs", "2", "--out", str(out))
+    assert code == 0, err
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["status"] == "ok"
+    # two blocks built with build_block (the stack of blocks, not attnkit.Transformer), each reporting
+    keys = sorted(run["stats"])
+    assert keys == ["body.blocks.0.attn.attention.calls", "body.blocks.0.attn.attention.spans",
+                    "body.blocks.1.attn.attention.calls", "body.blocks.1.attn.attention.spans"]
+    assert [sorted(p["stats"]) == keys for p in run["curve"]] == [True, True]
+    assert run["curve"][1]["stats"]["body.blocks.0.attn.attention.calls"] > run["curve"][0]["stats"][
+        "body.blocks.0.attn.attention.calls"]
+    assert "module stats" in stdout and "[1.5 2]" in stdout
+    state = torch.load(out / run["checkpoint"], weights_only=False)["state_dict"]
+    assert not any("mlp" in k for k in state)            # the block option reached the block
+
+
+def test_train_bad_block(cli, tmp_path):
+    code, _, err = cli("train", "mqar", "--block", "act@", "--out", str(tmp_path / "t"))
+    assert code != 0 and "--block" in err

@@ -395,6 +395,29 @@ class UnvalidatedStateAttention(NaiveAttention):
         return out, AttentionState(self.state_owner(), q.shape[0], q.dtype, q.device, new)
 
 
+class UnderflowingExpAttention(NaiveAttention):
+    """Softmax written as ``exp(score - 4 |q_i|^2) / sum``: a per-row shift that cancels in exact arithmetic,
+    fine for unit-scale inputs, but every weight of a row underflows once q is scaled by 10 (all-zero rows,
+    the failure of unstabilised random features). Its reference is softmax attention (:func:`softmax_reference`)."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        scores = q @ k.transpose(-2, -1) * self.get_scale(q)
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+        if causal:
+            keep = causal_keep(q.shape[-2], k.shape[-2], device=q.device)
+        keep = keep.expand_as(scores)
+        if key_padding_mask is not None:
+            keep = keep & key_padding_mask[:, None, None, :]
+        w = torch.where(keep, torch.exp(scores - 4 * (q * q).sum(-1, keepdim=True)), torch.zeros(()))
+        den = w.sum(-1, keepdim=True)
+        return torch.where(den == 0, torch.zeros(()), w @ v / torch.where(den == 0, torch.ones(()), den))
+
+
+def softmax_reference(attn, q, k, v, *, mask, positions):
+    """Softmax attention with the module's scale (the reference of :class:`UnderflowingExpAttention`)."""
+    return naive_attention(q, k, v, mask=mask, positions=positions, scale=attn.get_scale(q))
+
+
 @dataclass(frozen=True)
 class BrokenCase:
     """How to register one broken class and which check must catch it (message regex)."""
@@ -476,4 +499,7 @@ CASES: list[BrokenCase] = [
                r"padded k and v = nan.*non-finite", {"exact": True, "capabilities": BASIC}),
     BrokenCase(QueryMixingAttention, "broken-query-mixing", "nan_queries", "other output rows changed",
                {"exact": False, "capabilities": Capabilities(causal=False)}),
+    BrokenCase(UnderflowingExpAttention, "broken-underflow", "scaled_inputs",
+               r"scaled by 10: .* output rows are all zeros",
+               {"exact": False, "reference": softmax_reference, "capabilities": BASIC}),
 ]

@@ -84,7 +84,49 @@ def make_methods(args, device: str) -> dict[str, tuple[Callable, int | None, int
         methods["naive"] = (naive, args.max_naive_len, args.max_naive_bwd_len)
     methods["sdpa"] = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                        args.max_sdpa_len, args.max_sdpa_bwd_len)
+    if device == "cpu" and args.backends:
+        # every mechanism on each backend, side by side (auto = the rows named after the mechanism)
+        def forced(name, backend, cap=None, **opts):
+            torch.manual_seed(0)
+            mod = attnkit.build(name, backend=backend, **common, **opts)
+            return (lambda q, k, v: mod(q, k, v, causal=True), cap, cap)
+
+        for backend in ("torch", "numba"):
+            methods[f"linear-{backend}"] = forced("linear", backend)
+            methods[f"rfa-{backend}"] = forced("rfa", backend, num_features=args.features // 2, seed=0)
+        # fast-weight: the chunked UT-transform form (torch) against the per-position recurrence (numba)
+        methods["fast-weight-chunked"] = forced("fast-weight", "torch")
+        methods["fast-weight-loop"] = forced("fast-weight", "numba", args.max_loop_len)
+    if args.only:
+        methods = {n: m for n, m in methods.items() if n in args.only}
     return methods
+
+
+def matmul_rate(seconds: float = 3.0, n: int = 1024) -> float:
+    """This machine's float32 matmul rate in FLOP/s at torch's thread count: the median of repeated
+    (n x n) @ (n x n) products (2 n^3 FLOPs each), measured in the same run as the attention."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 5:
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def start_contention(threads: int) -> subprocess.Popen:
+    """A second process keeping ``threads`` cores busy (matmuls in a loop on ``threads`` torch threads) for the
+    whole run: the same load for every method of a block (ended by :func:`stop_contention`)."""
+    code = (f"import torch; torch.set_num_threads({threads}); a = torch.randn(256, 256)\n"
+            "while True:\n    a @ a")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def stop_contention(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
 
 
 # ------------------------------------------------------------------ measuring
@@ -254,16 +296,23 @@ def compile_times() -> dict:
 
 
 # ------------------------------------------------------------------ reporting
-def ratio_table(rows: list[dict]) -> list[dict]:
+def ratio_table(rows: list[dict], args=None, rate: float | None = None) -> list[dict]:
     by = {(r["method"], r["L"], r["mode"], r["device"]): r["median_s"] for r in rows}
     out = []
+    pairs = {"fast-weight-chunked": ("fast-weight-loop",), "linear-numba": ("linear-torch",),
+             "rfa-numba": ("rfa-torch",), "performer": ("naive", "sdpa", "performer-torch"),
+             "linear": ("naive", "sdpa")}
     for (method, L, mode, device), t in sorted(by.items(), key=lambda x: (x[0][3], x[0][2], x[0][0], x[0][1])):
-        if method not in ("performer", "linear"):
+        if method not in pairs:
             continue
         entry = {"method": method, "L": L, "mode": mode, "device": device, "median_s": t}
-        for base in ("naive", "sdpa", "performer-torch"):
+        for base in pairs[method]:
             if (base, L, mode, device) in by:
                 entry[f"speedup_vs_{base}"] = by[(base, L, mode, device)] / t
+        if method == "linear" and mode == "fwd" and rate and args is not None:
+            # useful work of causal linear attention: the state update and the read-out, 4·B·H·L·D·E FLOPs
+            flops = 4 * args.batch * args.heads * L * args.head_dim * args.head_dim
+            entry["fraction_of_matmul_rate"] = flops / t / rate
         out.append(entry)
     return out
 
@@ -293,13 +342,16 @@ def markdown(rows: list[dict], ratios: list[dict]) -> str:
                 load = max(r["foreign_load"] for r in sel if r["L"] == L)
                 lines.append(f"| {L} | " + " | ".join(cells) + f" | {load:.2f} |")
     lines.append("\nspeedups (baseline median / ours):\n")
-    lines.append("| device | mode | method | L | vs naive | vs sdpa | vs performer-torch |")
-    lines.append("|---|---|---|---:|---:|---:|---:|")
+    bases = ["naive", "sdpa", "performer-torch", "linear-torch", "rfa-torch", "fast-weight-loop"]
+    lines.append("| device | mode | method | L | " + " | ".join(f"vs {b}" for b in bases) + " | % matmul rate |")
+    lines.append("|---|---|---|---:|" + "---:|" * (len(bases) + 1))
     for e in ratios:
         def fmt(key, e=e):
             return f"{e[key]:.1f}x" if key in e else "–"
-        lines.append(f"| {e['device']} | {e['mode']} | {e['method']} | {e['L']} | {fmt('speedup_vs_naive')} | "
-                     f"{fmt('speedup_vs_sdpa')} | {fmt('speedup_vs_performer-torch')} |")
+        frac = e.get("fraction_of_matmul_rate")
+        lines.append(f"| {e['device']} | {e['mode']} | {e['method']} | {e['L']} | "
+                     + " | ".join(fmt(f"speedup_vs_{b}") for b in bases)
+                     + f" | {'–' if frac is None else f'{100 * frac:.0f}%'} |")
     return "\n".join(lines)
 
 
@@ -332,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="rerun a (length, mode) block when other processes used more CPU cores than this")
     p.add_argument("--retry-busy", type=int, default=3, help="reruns of a busy block (the quietest is kept)")
     p.add_argument("--busy-wait", type=float, default=30.0, help="seconds to wait before rerunning a busy block")
+    p.add_argument("--backends", action=argparse.BooleanOptionalAction, default=True,
+                   help="also every mechanism forced onto each backend (torch, numba) side by side")
+    p.add_argument("--max-loop-len", type=int, default=16384, help="fast-weight-loop (numba recurrence): longest L")
+    p.add_argument("--only", nargs="+", default=None, help="run only these methods")
+    p.add_argument("--contention", type=int, default=0, metavar="THREADS",
+                   help="run everything beside a second process keeping THREADS cores busy (0: none)")
     p.add_argument("--output", default="bench_causal.json", help="JSON results file")
     p.add_argument("--merge", default=None,
                    help="an earlier results JSON: its blocks not rerun here are kept (e.g. to rerun a busy block)")
@@ -364,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     compile_info = compile_times() if args.compile_time and "cpu" in devices else None
     rows: list[dict] = []
     t_start = time.perf_counter()
+    load = start_contention(args.contention) if args.contention else None
+    info["contention_threads"] = args.contention
+    info["matmul_flops_per_s"] = rate = matmul_rate()
+    print(f"  float32 matmul rate: {rate / 1e9:.1f} GFLOP/s", file=sys.stderr, flush=True)
     for device in devices:
         methods = make_methods(args, device)
         for L in args.lengths:
@@ -381,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                     if attempt < args.retry_busy:
                         time.sleep(args.busy_wait)
                 rows.extend(best)
+    if load is not None:
+        stop_contention(load)
     info["loadavg_end"] = os.getloadavg()
     if args.memory and "cpu" in devices:
         cpu_memory(args, rows)
@@ -394,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         info["merged_from"] = {"file": args.merge, "info": earlier.get("info"),
                                "rerun_blocks": sorted([list(b) for b in rerun])}
         compile_info = compile_info or earlier.get("compile")
-    ratios = ratio_table(rows)
+    ratios = ratio_table(rows, args, info["matmul_flops_per_s"])
     result = {"info": info, "compile": compile_info, "results": rows, "ratios": ratios}
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)

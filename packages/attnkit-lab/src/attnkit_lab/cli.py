@@ -337,6 +337,9 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-batches", type=int, default=None, help="evaluation set size in batches")
     g.add_argument("--dim", type=int, default=None, help="model width")
     g.add_argument("--depth", type=int, default=None, help="Transformer blocks")
+    g.add_argument("--block", default=None, metavar="NAME",
+                   help="registered block, optionally NAME@option=value (default pre-norm; e.g. "
+                        "act@max_steps=8 with --depth 1 for a Universal Transformer)")
     g.add_argument("--heads", type=int, default=None, help="attention heads")
     g.add_argument("--mlp-ratio", type=float, default=None)
     g.add_argument("--dropout", type=float, default=None, help="dropout probability in [0, 1)")

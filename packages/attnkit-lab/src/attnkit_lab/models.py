@@ -38,6 +38,10 @@ class ModelConfig:
             short convolutions of H3 and Based). It hands attention the
             "previous token" feature that recall tasks need, which a model
             otherwise learns slowly from absolute positions.
+        block: registered block name (``attnkit.build_block``); ``"pre-norm"``
+            is the standard stack. Another block (e.g. ``"act"``) is stacked
+            ``depth`` times with a final LayerNorm.
+        block_options: build options of that block.
     """
 
     vocab_size: int
@@ -53,9 +57,56 @@ class ModelConfig:
     mlp_ratio: float = 4.0
     dropout: float = 0.0
     token_shift: bool = False
+    block: str = "pre-norm"
+    block_options: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class BlockStack(nn.Module):
+    """``depth`` registered blocks (``config.block``) and a final LayerNorm, ``(B, L, dim)`` in and out."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        # the block's own options (e.g. act@max_steps=8,mlp_ratio=2) override the run's settings
+        options = {"mlp_ratio": config.mlp_ratio, "dropout": config.dropout,
+                   "attention_options": dict(config.attention_options), **config.block_options}
+        self.blocks = nn.ModuleList(
+            attnkit.build_block(config.block, dim=config.dim, num_heads=config.heads, attention=config.attention,
+                                **options)
+            for _ in range(config.depth))
+        self.norm = nn.LayerNorm(config.dim)
+
+    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
+                state: list[Any] | None = None, return_state: bool = False) -> Tensor | tuple[Tensor, list[Any]]:
+        """As :meth:`attnkit.Transformer.forward`: ``state`` holds one entry per block (blocks that keep no
+        state refuse it with their own error)."""
+        if state is None and not return_state:
+            for block in self.blocks:
+                x = block(x, causal=causal, key_padding_mask=key_padding_mask)
+            return self.norm(x)
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, causal=causal, key_padding_mask=key_padding_mask,
+                         state=None if state is None else state[i], return_state=True)
+            new.append(s)
+        return (self.norm(x), new) if return_state else self.norm(x)
+
+
+def lab_stats(model: nn.Module) -> dict[str, Any]:
+    """What modules report about themselves (``lab_stats()``: learned spans, ACT steps, ...), keyed by module path."""
+    out: dict[str, Any] = {}
+    for name, m in model.named_modules():
+        fn = getattr(m, "lab_stats", None)
+        if callable(fn):
+            try:
+                stats = fn()
+            except Exception:  # noqa: BLE001 - a reporting hook never breaks a run
+                continue
+            for k, v in (stats or {}).items():
+                out[f"{name}.{k}" if name else k] = v
+    return out
 
 
 class LabModel(nn.Module):
@@ -78,11 +129,14 @@ class LabModel(nn.Module):
         self.pos = nn.Embedding(config.max_len, config.dim)
         self.drop = nn.Dropout(config.dropout)
         self.shift = nn.Linear(config.dim, config.dim) if config.token_shift else None
-        self.body = attnkit.Transformer(
-            config.dim, config.depth, config.heads, attention=config.attention,
-            mlp_ratio=config.mlp_ratio, dropout=config.dropout,
-            attention_options=dict(config.attention_options),
-        )
+        if config.block in ("pre-norm", "transformer") and not config.block_options:
+            self.body: nn.Module = attnkit.Transformer(
+                config.dim, config.depth, config.heads, attention=config.attention,
+                mlp_ratio=config.mlp_ratio, dropout=config.dropout,
+                attention_options=dict(config.attention_options),
+            )
+        else:
+            self.body = BlockStack(config)
         self.head = nn.Linear(config.dim, config.num_outputs)
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)

@@ -44,7 +44,7 @@ from attnkit.errors import UsageError
 from . import names as names_mod
 from .interrupts import Interrupted, is_interrupt, raise_if_interrupt
 from .measure import MEMORY_METHOD, peak_memory
-from .models import LabModel, ModelConfig
+from .models import LabModel, ModelConfig, lab_stats
 from .options import MAX_SEED, MAX_SIZE, check_float, check_int
 from .progress import Progress, status
 from .results import RunDir, environment, fmt_bytes, format_table, machine_line
@@ -73,6 +73,7 @@ class TrainSettings:
     seed: int = 0
     device: str = "cpu"
     segment: int = 0  # 0: whole windows; N > 0: segment-level training (see :func:`loss_and_counts`)
+    block: str = "pre-norm"
 
     def validate(self) -> None:
         """Range checks; a value out of range is a usage error naming its option."""
@@ -89,6 +90,7 @@ class TrainSettings:
         check_float(self.dropout, "--dropout", lo=0, hi=1, hi_open=True)
         check_float(self.grad_clip, "grad_clip", lo=0)
         check_int(self.seed, "--seed", lo=0, hi=MAX_SEED)
+        names_mod.parse_choice(self.block, option="--block")
         if self.dim % self.heads:
             raise UsageError(f"--dim: expected a multiple of --heads={self.heads}, got {self.dim}")
 
@@ -121,6 +123,7 @@ class RunResult:
     curve: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: str | None = None
     aux_losses: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 def safe_label(label: str) -> str:
@@ -301,11 +304,13 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
                 settings: TrainSettings, eval_set: list[Batch], *, out_dir: Path | None, show_progress: bool,
                 t_start: float) -> None:
     device = torch.device(settings.device)
+    block_choice = names_mod.parse_choice(settings.block, option="--block")
     cfg = ModelConfig(
         vocab_size=task.vocab_size, num_outputs=task.num_outputs, max_len=task.seq_len,
         dim=settings.dim, depth=settings.depth, heads=settings.heads, kind=task.kind, causal=task.causal,
         attention=choice.name, attention_options=dict(choice.options),
         mlp_ratio=settings.mlp_ratio, dropout=settings.dropout, token_shift=settings.token_shift,
+        block=block_choice.name, block_options=dict(block_choice.options),
     )
     try:
         torch.manual_seed(settings.seed)
@@ -368,6 +373,10 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
                                  "tokens": where["tokens"], "elapsed_s": time.perf_counter() - t_start}
                         if aux_ema:
                             point["aux_losses"] = dict(aux_ema)
+                        stats = lab_stats(model)
+                        if stats:
+                            point["stats"] = stats
+                            res.stats = stats
                         res.curve.append(point)
             except Exception as e:  # noqa: BLE001 - recorded per attention
                 raise_if_interrupt(e)
@@ -417,6 +426,7 @@ def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[l
         if with_mem:
             headers[3:3] = ["accuracy no memory"]
     with_aux = any(r.aux_losses for r in results)
+    with_stats = any(r.stats for r in results)
     rows = []
     for r in results:
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else None
@@ -433,14 +443,24 @@ def result_rows(task: Task, results: list[RunResult]) -> tuple[list[str], list[l
                 row[3:3] = [r.eval_accuracy_no_memory]
         if with_aux:
             row.append(", ".join(f"{n} {_cell_number(v)}" for n, v in r.aux_losses.items()) or None)
+        if with_stats:
+            row.append("; ".join(f"{n} {_cell_stat(v)}" for n, v in r.stats.items()) or None)
         rows.append(row)
     if with_aux:
         headers.append("aux losses")
+    if with_stats:
+        headers.append("module stats (last evaluation)")
     return headers, rows
 
 
 def _cell_number(v: float) -> str:
     return f"{v:.3g}"
+
+
+def _cell_stat(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + " ".join(_cell_stat(x) for x in v) + "]"
+    return _cell_number(v) if isinstance(v, float) else str(v)
 
 
 def plot_curves(path: Path, task: Task, results: list[RunResult], title: str) -> None:
@@ -494,7 +514,8 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
     if "majority_floor" in info:
         floor = f"\nMajority-class floor: {info['majority_floor']:.3f}\n"
     steps_line = (f"{task.name}: {settings.steps} steps × batch {settings.batch_size} × length {task.seq_len}, "
-                  f"dim {settings.dim}, depth {settings.depth}, heads {settings.heads}, seed {settings.seed}")
+                  f"dim {settings.dim}, depth {settings.depth}, heads {settings.heads}, seed {settings.seed}"
+                  + (f", block {settings.block}" if settings.block != "pre-norm" else ""))
     if settings.segment:
         steps_line += (f", segments of {settings.segment} (state carried across segments by attentions with "
                        "'segment' streaming; 'no memory' resets it every segment)")
@@ -521,10 +542,10 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
         "runs": [asdict(r) for r in results],
     }
     out.write_json("results.json", payload)
-    flat = [{k: v for k, v in asdict(r).items() if k not in ("curve", "aux_losses")}
+    flat = [{k: v for k, v in asdict(r).items() if k not in ("curve", "aux_losses", "stats")}
             | {f"aux:{n}": v for n, v in r.aux_losses.items()} for r in results]
     out.write_csv("results.csv", flat)
-    curve_rows = [{"attention": r.label, **{k: v for k, v in p.items() if k != "aux_losses"},
+    curve_rows = [{"attention": r.label, **{k: v for k, v in p.items() if k not in ("aux_losses", "stats")},
                    **{f"aux:{n}": v for n, v in p.get("aux_losses", {}).items()}}
                   for r in results for p in r.curve]
     out.write_csv("curves.csv", curve_rows)

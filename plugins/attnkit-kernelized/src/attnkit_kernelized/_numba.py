@@ -43,14 +43,31 @@ _launch_numba_threads()
 FASTMATH = {"reassoc", "contract", "nsz"}
 
 
+def kernel_threads() -> int:
+    """Threads a kernel call uses: ``torch.get_num_threads()``, capped by the threads numba launched.
+
+    numba's pool and torch's intra-op pool are separate; a kernel running on
+    more threads than torch is told to use oversubscribes the cores other
+    work (a data loader, a second process, ``torch.set_num_threads(1)`` in a
+    worker) was left, and every thread then waits on the slowest one.
+    """
+    import torch
+
+    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
 def dynamic(fn, *args):
-    """Run a parallel kernel handing out its B*H sequences one at a time (numba's parallel chunk
-    size 1) instead of in equal static blocks, so a thread slowed by a busy core takes fewer."""
+    """Run a parallel kernel on :func:`kernel_threads` threads, handing out its B*H sequences one at a time
+    (numba's parallel chunk size 1) instead of in equal static blocks, so a thread slowed by a busy core
+    takes fewer. numba's thread count and chunk size are per calling thread; both are restored after."""
+    old_threads = numba.get_num_threads()
+    numba.set_num_threads(kernel_threads())
     old = numba.set_parallel_chunksize(1)
     try:
         return fn(*args)
     finally:
         numba.set_parallel_chunksize(old)
+        numba.set_num_threads(old_threads)
 
 
 def arr(x: Tensor) -> np.ndarray:

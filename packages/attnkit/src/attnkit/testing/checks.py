@@ -11,6 +11,7 @@ module                      checks
 ``causality``               causality
 ``masks``                   key_padding, fully_masked_rows, attn_mask, mask_objects
 ``reference``               reference, error_bound
+``scaled_inputs``           scaled_inputs (approximate specs: q, k scaled by 10, 30, 100)
 ``streaming``               streaming, state_validation
 ``backends``                backends
 ``gradients``               gradients, gradcheck
@@ -56,6 +57,7 @@ from .context import isolated, make_inputs
 from .gradients import check_gradcheck, check_gradients
 from .masks import check_attn_mask, check_fully_masked_rows, check_key_padding, check_mask_objects
 from .reference import check_error_bound, check_reference
+from .scaled_inputs import check_scaled_inputs
 from .serialisation import check_serialisation, check_state_dict
 from .shapes_dtypes import check_batch_independence, check_cross_attention, check_determinism, check_shapes_dtypes
 from .streaming import check_state_validation, check_streaming
@@ -68,7 +70,7 @@ __all__ = [
     "check_determinism", "check_empty_sequences", "check_error_bound", "check_fully_masked_rows",
     "check_gradcheck", "check_gradients", "check_key_padding", "check_mask_objects", "check_nan_queries",
     "check_padded_values", "check_reference", "check_refusals", "check_serialisation", "check_shapes_dtypes",
-    "check_state_dict", "check_state_validation", "check_streaming",
+    "check_scaled_inputs", "check_state_dict", "check_state_validation", "check_streaming",
 ]
 
 #: Every check, in the order they run; the keys are the names used by ``skip``
@@ -86,6 +88,7 @@ CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
         ("batch_independence", check_batch_independence),
         ("reference", check_reference),
         ("error_bound", check_error_bound),
+        ("scaled_inputs", check_scaled_inputs),
         ("streaming", check_streaming),
         ("state_validation", check_state_validation),
         ("backends", check_backends),

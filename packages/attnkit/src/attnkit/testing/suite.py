@@ -170,6 +170,10 @@ class AttentionConformance:
         """The error vs softmax (a figure) stays within a declared spec.error_bound."""
         self.run_check("error_bound")
 
+    def test_scaled_inputs(self) -> None:
+        """Approximate specs: q, k scaled by 10/30/100 give finite, non-zero rows close to the spec's reference."""
+        self.run_check("scaled_inputs")
+
     def test_streaming(self) -> None:
         """step and forward(state=..., return_state=True) equal the causal forward, with gradients."""
         self.run_check("streaming")

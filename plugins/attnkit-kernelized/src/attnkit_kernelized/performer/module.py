@@ -6,18 +6,26 @@ orthogonal random features ``phi(x) = exp(W x - |x|^2/2) / sqrt(M)`` of
 (the ``linear`` backends), O(L·M·E) instead of O(L·S·D).
 
 Numerical stabilisation (the features are exponentials; every shift is a
-constant that cancels between numerator and denominator):
+constant that cancels between numerator and denominator, and is detached):
 
-* queries: the maximum of each query's own exponents (per row: a NaN or Inf
-  query changes its own row only).
-* keys, non-causal: the maximum over the real (not padded) keys and features
-  of a (batch, head), as in the reference code; padded keys never enter it.
-* keys, causal and streaming: no data-dependent shift, because a maximum over
-  the sequence would let future keys change past outputs (and break exact
-  streaming). The key exponent is bounded above by ``|w_i|^2/2`` (complete
-  the square), which stays far from float32 overflow for head dims up to
-  ~128; keys with ``scale·|k|^2`` beyond ~170 underflow to 0 in float32.
-
+* non-causal, positive map: each feature's maximum over the real (not
+  padded) keys, ``mk_m``, is subtracted from the key exponents and added to
+  the query exponents, and each query subtracts its own largest exponent
+  ``max_m (lq_m + mk_m)``. Every key feature is <= 1, every query feature
+  <= 1 with one equal to 1, and that feature's key sum is >= 1: no row
+  underflows to zero and nothing overflows, at any input scale (the
+  unshifted map gave all-zero rows for q, k scaled by 10 in float32).
+  Padded keys never enter a maximum.
+* non-causal, trig map: the query factor ``exp(|q|^2/2)`` is a per-row
+  constant (left out); the key factor ``exp(|k|^2/2)`` is divided by its
+  maximum over the real keys, so every feature is bounded by ``1/sqrt(M)``.
+* causal (positive and trig maps, also streaming): the same shifts with a
+  *prefix* maximum (over keys up to each position, never a later one), in
+  the log-space chunked form of :mod:`.chunk`; the state carries the
+  reference ``m`` of its sums (``{"S", "z", "m"}``). The positive map runs
+  on the linear kernels instead (unshifted keys) while every key exponent
+  lies within :data:`BOUNDED_EXPONENT` (no feature can under- or overflow
+  there); the two forms pass the state to each other.
 The random projection lives in the ``features`` buffer (state_dict, ``.to()``),
 drawn from ``seed`` (or torch's global RNG when ``seed`` is None), and can be
 redrawn on demand (:meth:`PerformerAttention.redraw_features`) or every
@@ -26,14 +34,22 @@ redrawn on demand (:meth:`PerformerAttention.redraw_features`) or every
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from .._ops import backend_module, runnable_backend
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
-from ..feature_maps import draw_gaussian_features, favor_generalized, favor_positive, favor_trig
+from ..feature_maps import draw_gaussian_features, favor_generalized, key_max
 from ..options import check_bool, check_choice, check_int, check_seed
 from ..plugin import PERFORMER
+from .chunk import NO_KEY, log_space_causal
+
+#: the positive map's causal form runs on the linear kernels (no shift of the keys) when every key exponent
+#: lies within [-bound, bound] for the dtype (features between e^-bound and e^bound: far from under- and overflow)
+BOUNDED_EXPONENT = {torch.float32: 60.0, torch.float64: 600.0}
 
 FEATURE_MAPS = ("positive", "trig", "generalized")
 
@@ -137,20 +153,131 @@ class PerformerAttention(KernelizedAttention):
                 self.redraw_features()
             self.calls_since_draw += 1
 
+    def log_features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Features of ``x (B, H, L, D)`` in log space: ``(exponent, multiplier)``.
+
+        positive: ``(W x' - |x'|^2/2 (B, H, L, M), None)``; trig: ``(|x'|^2/2 (B, H, L, 1),
+        [sin W x', cos W x'] / sqrt(M) (B, H, L, 2M))``; ``x' = sqrt(scale) x``. The features are
+        ``multiplier * exp(exponent)`` (positive: times ``1/sqrt(M)``, a constant that cancels).
+        """
+        s = self.get_scale(x) ** 0.5                      # features of sqrt(scale)·q, sqrt(scale)·k
+        w = self.features.to(x.dtype) * s
+        proj = x @ w.transpose(0, 1)
+        half_sq = (0.5 * s * s) * (x * x).sum(-1, keepdim=True)
+        if self.feature_map == "trig":
+            return half_sq, torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1) * self.num_random ** -0.5
+        return proj - half_sq, None
+
     def feature_pair(self, q: Tensor, k: Tensor, *, causal: bool,
                      key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``(phi(q) (B, H, L, M), phi(k) (B, H, S, M))``, stabilised as the module docstring says; 0 at padded keys."""
-        s = self.get_scale(q) ** 0.5                      # features of sqrt(scale)·q, sqrt(scale)·k
-        w = self.features.to(q.dtype)
+        """``(phi(q) (B, H, L, M), phi(k) (B, H, S, M))``, stabilised as the module docstring says (the
+        non-causal shifts); 0 at padded keys. The causal forms of the positive and trig maps do not use it."""
         pad = padded(key_padding_mask)
-        keys = None if causal else "keys"
         keep = None if pad is None else ~pad
         if self.feature_map == "generalized":
-            phi_q, phi_k = favor_generalized(q, w, scale=s), favor_generalized(k, w, scale=s)
-        elif self.feature_map == "trig":  # a query's exp(|x|^2/2) is a per-row constant: it cancels
-            phi_q = favor_trig(q, w, scale=s, drop_norm=True)
-            phi_k = favor_trig(k, w, scale=s, stabilize=keys, keep=keep)
+            s = self.get_scale(q) ** 0.5
+            w = self.features.to(q.dtype)
+            return favor_generalized(q, w, scale=s), zero_padded(favor_generalized(k, w, scale=s), pad)
+        lq, a = self.log_features(q)
+        lk, b = self.log_features(k)
+        if self.feature_map == "trig":          # a query's exp(|x|^2/2) is a per-row constant: it cancels
+            return a, zero_padded(b * torch.exp(lk - key_max(lk, keep)), pad)
+        lk_d = lk.detach() if keep is None else lk.detach().masked_fill(~keep, float("-inf"))
+        mk = lk_d.amax(-2, keepdim=True) if lk.shape[-2] else lk_d.new_zeros(*lk.shape[:-2], 1, lk.shape[-1])
+        mk = torch.where(torch.isneginf(mk), torch.zeros_like(mk), mk)     # (B, H, 1, M), per feature
+        t = lq + mk
+        phi_q = torch.exp(t - t.detach().amax(-1, keepdim=True))
+        return phi_q, zero_padded(torch.exp(lk - mk), pad)
+
+    # ------------------------------------------------------------ causal forms
+    @property
+    def _log_space(self) -> bool:
+        return self.feature_map in ("positive", "trig")
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("S", "z", "m") if self._log_space else ("S", "z")
+
+    def _state_shapes(self, B: int, H: int, M: int, E: int) -> dict[str, tuple[int, ...]]:
+        shapes = {"S": (B, H, M, E), "z": (B, H, M)}
+        if self._log_space:
+            shapes["m"] = (B, H, self.num_random if self.feature_map == "positive" else 1)
+        return shapes
+
+    def _zero_state(self, q: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        zeros = super()._zero_state(q, v)
+        return (*zeros[:2], zeros[2].fill_(NO_KEY)) if self._log_space else zeros
+
+    def _log_space_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                          chunk: int) -> tuple[Tensor, Any]:
+        lq, a = self.log_features(q)
+        lk, b = self.log_features(k)
+        if self.feature_map == "trig":
+            lq = torch.zeros_like(lk)           # the query factor exp(|q|^2/2) cancels
+        return log_space_causal(lq, lk, v, a, b, padded(kpm), state, chunk=chunk)
+
+    def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                        backend: str) -> tuple[Tensor, Any]:
+        if not self._log_space:
+            return super()._causal_segment(q, k, v, kpm, state, backend)
+        if self.feature_map == "positive" and not torch.compiler.is_compiling():
+            out = self._bounded_causal(q, k, v, kpm, state, backend)
+            if out is not None:
+                return out
+        return self._log_space_causal(q, k, v, kpm, state, self.chunk_size)
+
+    def _bounded_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                        backend: str) -> tuple[Tensor, Any] | None:
+        """The positive map's causal form on the linear kernels when every key exponent (and the state's
+        reference) lies within ``[-BOUND, BOUND]`` (:data:`BOUNDED_EXPONENT`); else None (the log-space form).
+
+        Then ``phi_k = exp(lk)`` needs no shift (no key feature under- or overflows, and the query's largest
+        feature, 1 after its row shift, meets key features >= e^-BOUND: no row can vanish), and the state
+        is returned relative to the per-feature key maximum, as the log-space form keeps it. Both forms
+        compute the same function; which one runs changes rounding only.
+        """
+        bound = BOUNDED_EXPONENT.get(q.dtype)
+        if bound is None:
+            return None
+        lq, _ = self.log_features(q)
+        lk, _ = self.log_features(k)
+        pad = padded(kpm)
+        with torch.no_grad():
+            lk_d = lk.detach()
+            hi = (lk_d if pad is None else lk_d.masked_fill(pad, -float("inf"))).amax(dim=2)   # (B, H, M)
+            lo = lk_d if pad is None else lk_d.masked_fill(pad, 0.0)
+            fresh = state is None
+            m0 = None if fresh else state[2].detach()
+            ok = bool(lo.amin() >= -bound) if lo.numel() else True
+            ok = ok and bool(hi.amax() <= bound) if hi.numel() else ok
+            if ok and not fresh:
+                seen = m0 > NO_KEY / 2
+                ok = bool(((m0.abs() <= bound) | ~seen).all())
+        if not ok:
+            return None
+        phi_q = torch.exp(lq - lq.detach().amax(-1, keepdim=True))
+        phi_k = zero_padded(torch.exp(lk), pad)
+        if fresh:
+            S0 = z0 = None
+            ref = hi
         else:
-            phi_q = favor_positive(q, w, scale=s, stabilize="row")
-            phi_k = favor_positive(k, w, scale=s, stabilize=keys, keep=keep)
-        return phi_q, zero_padded(phi_k, pad)
+            S0r, z0r, _ = state
+            scale = torch.where(seen, torch.exp(torch.where(seen, m0, torch.zeros_like(m0))),
+                                torch.zeros_like(m0))                    # the state relative to exponent 0
+            S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale
+            ref = torch.maximum(hi, m0)
+        chosen = runnable_backend(backend, phi_q, phi_k, v)
+        out, S, z = backend_module("linear", chosen).linear_attention(phi_q, phi_k, v, S0, z0, causal=True,
+                                                                     chunk=self.chunk_size)
+        seen_end = ref > NO_KEY / 2                                      # a real key seen, in the past or here
+        ref = torch.where(seen_end, ref, torch.full_like(ref, NO_KEY))
+        back = torch.where(seen_end, torch.exp(-torch.where(seen_end, ref, torch.zeros_like(ref))),
+                           torch.zeros_like(ref))
+        return out, (S * back.unsqueeze(-1), z * back, ref)
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+        if not self._log_space:
+            return super()._step(q, k, v, state)
+        st = self._state_in(state, q, v)
+        out, st = self._log_space_causal(q, k, v, None, st, 1)      # chunk 1: the recurrent form
+        return out, dict(zip(self.state_keys, st))

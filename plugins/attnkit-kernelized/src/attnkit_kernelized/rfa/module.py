@@ -68,7 +68,9 @@ class RandomFeatureAttention(KernelizedAttention):
         sigma: initial kernel width sigma (a finite float > 0).
         learn_sigma: learn ``log sigma`` per head (True) or keep it fixed.
         gate: use the learned gate in the causal form (False: ungated causal RFA,
-            ``S_t = S_{t-1} + phi(k_t) v_t^T``).
+            ``S_t = S_{t-1} + phi(k_t) v_t^T``, and no gate parameters). The non-causal
+            form is ungated; it ties the gate parameters into its graph with a zero
+            gradient, so DistributedDataParallel finds every parameter used in both forms.
         gate_init: initial gate value g in (0, 1) (bias ``logit(g)``, weights 0).
         orthogonal: draw the random frequencies orthogonal in blocks of D.
         seed: draw the frequencies from ``torch.Generator().manual_seed(seed)``
@@ -113,8 +115,9 @@ class RandomFeatureAttention(KernelizedAttention):
             self.log_sigma = nn.Parameter(log_sigma)
         else:
             self.register_buffer("log_sigma", log_sigma)
-        self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim))
-        self.gate_bias = nn.Parameter(torch.full((num_heads,), math.log(gate_init / (1 - gate_init))))
+        if self.gate:  # parameters exist only where a form uses them (DDP reduces every parameter)
+            self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim))
+            self.gate_bias = nn.Parameter(torch.full((num_heads,), math.log(gate_init / (1 - gate_init))))
 
     def feature_count(self, head_dim: int) -> int:
         """M features per head: 2·num_features for ``"trig"``, else num_features."""
@@ -155,6 +158,16 @@ class RandomFeatureAttention(KernelizedAttention):
         return phi_q, phi_k, log_g
 
     # ------------------------------------------------------------ forward
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Any) -> Any:
+        out = super()._attend(q, k, v, ctx)
+        if ctx.causal or not self.gate:
+            return out
+        # the ungated non-causal form: the gate parameters join the graph with an exactly zero value and
+        # gradient (a select, not 0 * p: a NaN parameter cannot reach the output), so DDP sees them used
+        params = self.gate_weight.sum() + self.gate_bias.sum()
+        return out + torch.where(torch.zeros((), dtype=torch.bool, device=out.device), params.to(out.dtype),
+                                 torch.zeros((), dtype=out.dtype, device=out.device))
+
     def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                         backend: str) -> tuple[Tensor, Any]:
         phi_q, phi_k, log_g = self.gated_inputs(q, k, kpm)

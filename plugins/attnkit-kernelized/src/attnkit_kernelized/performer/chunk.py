@@ -1,0 +1,192 @@
+"""Causal FAVOR+ with exponents kept in log space and a prefix-safe per-feature maximum (the ``torch`` form).
+
+The random features are ``phi_q_tm = a_tm exp(lq_tm)`` and
+``phi_k_jm = b_jm exp(lk_jm)`` (``a = b = 1`` for the positive map, the sine
+and cosine values for the trig map, whose exponent ``lk_j = |k_j|^2/2`` is the
+same for every feature: ``lk`` then has one column). Causal attention is
+``out_t = sum_{j <= t} A_tj v_j / sum_{j <= t} A_tj`` with
+``A_tj = sum_m phi_q_tm phi_k_jm``.
+
+For inputs of large norm the exponents span thousands, so neither factor can
+be formed on its own in floating point (every feature of a row underflows:
+the all-zero rows of the unstabilised map). Every exponent is shifted by
+references that cancel between numerator and denominator:
+
+* ``mk_tm = max_{j <= t} lk_jm``: the running (prefix) maximum of each
+  feature's key exponent, ``(B, H, L, M)`` (``(B, H, L, 1)`` for trig); it
+  uses keys up to ``t`` only, so no future key can change (or underflow) an
+  earlier output.
+* ``c_t = max_m (lq_tm + mk_tm)``: the query's shift. Then every weight
+  ``exp(lq_tm + lk_jm - c_t) <= 1`` for ``j <= t``, and the feature attaining
+  ``c_t`` has a key with weight exactly 1 (its own maximum): the denominator
+  of the positive map is >= 1 for every query that sees a key, at any scale.
+
+Chunked form (``C`` positions per chunk, the state carried across chunks by
+matrix products): the state ``S`` (``M x (E+1)``, the denominator a column
+of ones appended to ``v``) is held relative to ``R = mk`` at the end of the
+previous chunk: ``S = sum_j exp(lk_j - R) [v_j, 1]``, entries <= 1 per key.
+
+* across chunks: ``out_t += (a_t exp(lq_t + R - c_t)) S`` (exponent <= 0);
+  ``S <- exp(R - R') S + (b exp(lk - R'))^T [v, 1]`` with ``R'`` the
+  maximum at the chunk's end (every exponent <= 0);
+* inside a chunk: ``A = (a exp(lq + r - c)) (b exp(lk - r))^T`` masked to
+  ``j <= t``, with ``r = mk`` at the chunk's *first* position (seen by every
+  query of the chunk, so prefix-safe). A key of the chunk may exceed ``r``
+  by ``g``: its factor is then up to ``e^g``. When ``g`` exceeds
+  :data:`GROWTH_LIMIT` for a chunk (sharp growth of the maximum inside it,
+  e.g. at the start of a sequence of large-norm keys) that chunk's
+  ``(C x C)`` block is computed pairwise instead,
+  ``A_tj = sum_m a_tm b_jm exp(lq_tm + lk_jm - c_t)`` (every exponent <= 0),
+  so no factor overflows or underflows spuriously.
+
+The shifts are detached: they are constants that cancel (the function and
+its gradients are those of the unshifted formula). Padded keys write
+nothing and never enter a maximum. ``chunk=1`` is the recurrent step form
+(one position at a time, the growth inside a chunk is then always 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..common import DEFAULT_CHUNK, normalize, with_ones_column
+
+#: largest growth (in the exponent) of a feature's key maximum inside one chunk for the factored
+#: (matrix-product) form; beyond it the chunk's block is computed pairwise (per dtype)
+GROWTH_LIMIT = {torch.float32: 20.0, torch.float64: 200.0}
+
+#: the reference of a state that has seen no key (finite, so differences stay finite; exp() of it is 0)
+NO_KEY = -1e30
+
+
+def _chunks(x: Tensor, C: int, N: int, fill: float) -> Tensor:
+    """``(B, H, L, F)`` -> ``(B, H, N, C, F)``, the tail padded with ``fill``."""
+    extra = N * C - x.shape[2]
+    if extra:
+        x = F.pad(x, (0, 0, 0, extra), value=fill)
+    return x.reshape(*x.shape[:2], N, C, x.shape[-1])
+
+
+def _pairwise(lq: Tensor, lk: Tensor, c: Tensor, a: Tensor | None, b: Tensor | None, future: Tensor) -> Tensor:
+    """``A_tj = sum_m a_tm b_jm exp(lq_tm + lk_jm - c_t)`` for ``j <= t`` (0 above), ``(..., C, C)``;
+    every exponent <= 0 (``c_t`` includes the maximum over keys up to ``t``)."""
+    expo = lq[..., :, None, :] + lk[..., None, :, :] - c[..., :, None, :]          # (..., C, C, M)
+    w = torch.exp(expo.masked_fill(future[..., None], float("-inf")))
+    if a is not None:
+        w = w * a[..., :, None, :]
+    if b is not None:
+        w = w * b[..., None, :, :]
+    return w.sum(-1)
+
+
+def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, lk: Tensor, prev: Tensor,
+                     a: Tensor | None, b: Tensor | None, future: Tensor) -> tuple[Tensor, Tensor]:
+    """``(A, q_inter)`` with the chunks ``pairwise`` marks recomputed in the per-position shift
+    ``c'_t = max_m (lq_tm + max(prev_m, max_{j <= t} lk_jm)) >= c_t``: their block pairwise (every exponent
+    <= 0) and their across-chunk query factors multiplied by ``exp(c_t - c'_t) <= 1``, so numerator and
+    denominator of each row keep one shift. Under ``torch.compile``: every chunk, selected (no data-dependent
+    branch)."""
+    if torch.compiler.is_compiling():
+        sel = (slice(None),) * 3
+    else:
+        sel = pairwise.nonzero(as_tuple=True)
+    lq_s, lk_s, prev_s = lq[sel], lk[sel], prev[sel]
+    a_s = None if a is None else a[sel]
+    b_s = None if b is None else b[sel]
+    with torch.no_grad():
+        mk = torch.maximum(torch.cummax(lk_s.detach(), dim=-2).values, prev_s.detach())
+        c_pos = (lq_s.detach() + mk).amax(-1, keepdim=True)                 # per position
+        c_chunk = (lq_s.detach() + torch.maximum(prev_s.detach(), lk_s.detach()[..., :1, :])).amax(-1, keepdim=True)
+    block = _pairwise(lq_s, lk_s, c_pos, a_s, b_s, future)
+    rescale = torch.exp(c_chunk - c_pos)                                   # (..., C, 1), <= 1
+    if torch.compiler.is_compiling():
+        sel_ = pairwise[..., None, None]
+        return torch.where(sel_, block, A), q_inter * torch.where(sel_, rescale, torch.ones_like(rescale))
+    return A.index_put(sel, block), q_inter.index_put(sel, q_inter[sel] * rescale)
+
+
+def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None, b: Tensor | None = None,
+                     pad: Tensor | None = None, state: tuple[Tensor, Tensor, Tensor] | None = None, *,
+                     chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """Causal random-feature attention from log-space features; ``(out (B, H, L, E), (S, z, m))``.
+
+    Args:
+        lq: ``(B, H, L, M)`` query exponents (``(B, H, L, 1)`` broadcasts).
+        lk: ``(B, H, L, M)`` key exponents, or ``(B, H, L, 1)`` (one per key, the trig map).
+        v: ``(B, H, L, E)``.
+        a, b: ``(B, H, L, M)`` bounded multipliers of the query and key features (None: 1).
+        pad: ``(B, 1, L, 1)`` bool, True at padded keys (they write nothing), or None.
+        state: ``(S (B, H, M, E), z (B, H, M), m (B, H, Mk))`` carried in (``m`` the reference of ``S``
+            and ``z``, ``Mk`` = ``lk``'s last dim), or None (nothing seen).
+        chunk: positions per chunk.
+
+    Returns:
+        The normalised output (0 where a query has seen no key) and the new state.
+    """
+    B, H, L, _ = lq.shape
+    M = lq.shape[-1] if a is None else a.shape[-1]
+    M = max(M, lk.shape[-1] if b is None else b.shape[-1])
+    Mk = lk.shape[-1]
+    E = v.shape[-1]
+    dt = v.dtype
+    limit = GROWTH_LIMIT.get(dt, 20.0)
+    vp = with_ones_column(v)
+    if pad is not None:
+        vp = vp.masked_fill(pad, 0.0)
+    if state is None:
+        Sp = vp.new_zeros(B, H, M, E + 1)
+        m0 = vp.new_full((B, H, Mk), NO_KEY)
+    else:
+        S0, z0, m0 = state
+        Sp = torch.cat([S0, z0.unsqueeze(-1)], dim=-1)
+    if L == 0:
+        return v.new_zeros(B, H, 0, E), (Sp[..., :E], Sp[..., E], m0)
+    C = max(1, min(chunk, L))
+    N = -(-L // C)
+    lk_c = _chunks(lk.masked_fill(pad, NO_KEY) if pad is not None else lk, C, N, NO_KEY)
+    with torch.no_grad():
+        lk_cd = lk_c.detach()
+        # references per chunk, all from keys up to the chunk's first position or its end (prefix-safe):
+        # end = running max through the chunk's last key (R'), prev = the one before (R), first = max(prev,
+        # the chunk's first key), all (B, H, N, 1, Mk)
+        end = torch.maximum(torch.cummax(lk_cd.amax(3), dim=2).values, m0.detach().unsqueeze(2)).unsqueeze(3)
+        prev = torch.cat([m0.detach()[:, :, None, None], end[:, :, :-1]], dim=2)
+        first = torch.maximum(prev, lk_cd[:, :, :, :1])
+        growth = (end - first).amax(dim=(-2, -1))                                         # (B, H, N)
+        pairwise = growth > limit
+    lq_c = _chunks(lq, C, N, NO_KEY)                                        # tail queries: factors exp(-1e30) = 0
+    a_c = None if a is None else _chunks(a, C, N, 0.0)
+    if b is not None and pad is not None:
+        b = b.masked_fill(pad, 0.0)                                         # NaN there must not reach A @ v
+    b_c = None if b is None else _chunks(b, C, N, 0.0)
+    vp_c = _chunks(vp, C, N, 0.0)
+
+    def times(x: Tensor, y: Tensor | None) -> Tensor:
+        return x if y is None else x * y
+
+    t = lq_c + first                                                        # (B, H, N, C, M)
+    c_c = t.detach().amax(-1, keepdim=True)                                 # the query's shift c_t
+    q_intra = torch.exp(t - c_c)                                            # <= 1, the largest 1
+    q_inter = times(q_intra * torch.exp(prev - first), a_c)                 # <= 1 (prev <= first)
+    q_intra = times(q_intra, a_c)
+    k_state = torch.exp(lk_c - end)                                         # <= 1
+    k_intra = times(k_state * torch.exp(torch.clamp(end - first, max=limit)), b_c)   # <= e^growth
+    k_state = times(k_state, b_c)
+    future = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    A = (q_intra @ k_intra.transpose(-1, -2)).masked_fill(future, 0.0)     # (B, H, N, C, C)
+    if torch.compiler.is_compiling() or bool(pairwise.any()):
+        A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
+    intra = A @ vp_c                                                        # (B, H, N, C, E+1)
+    kv = k_state.transpose(-1, -2) @ vp_c                                   # (B, H, N, M, E+1)
+    decay = torch.exp(prev - end).transpose(-1, -2)                         # (B, H, N, Mk, 1), <= 1
+    starts = [Sp]
+    for n in range(N - 1):  # over chunks, not positions: one fused op each (few ops: cheap under contention)
+        starts.append(torch.addcmul(kv[:, :, n], decay[:, :, n], starts[-1]))
+    Sp = torch.addcmul(kv[:, :, N - 1], decay[:, :, N - 1], starts[-1])
+    out = torch.baddbmm(intra.reshape(-1, C, E + 1), q_inter.reshape(-1, C, M),
+                        torch.stack(starts, dim=2).reshape(-1, M, E + 1))           # every chunk at once
+    out = out.reshape(B, H, N * C, E + 1)[:, :, :L]
+    m_end = end[:, :, -1, 0]
+    return normalize(out[..., :E], out[..., E]), (Sp[..., :E], Sp[..., E], m_end)
