@@ -121,7 +121,8 @@ INFORMER = AttentionSpec(
         causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
         queries_interact=True,
-        time="O(L·ln S·D + ln L·S·D)", memory="O(chunk·ln S·D + ln L·S) per head",
+        time="O(L·ln S·D + ln L·S·D); causal O(L·ln L·D + n·L·D), n ≈ u·(1 + ln(L/u)) active queries",
+        memory="O(chunk·ln S·D + ln L·S) per head; causal O(n·L)",
     ),
 )
 
