@@ -110,3 +110,36 @@ class TestSoftDefaultConformance(AttentionConformance):
 
 class TestClusteredDefaultConformance(AttentionConformance):
     name = "improved-clustered"      # 100 clusters and top-32 capped at L and S
+
+
+class TestInformerCausalSmallFactorConformance(AttentionConformance):
+    """factor 1: u = ceil(ln L) of the kit's 9-67 queries, so the causal online top-u leaves lazy rows."""
+
+    name = "informer"
+    options = {"factor": 1, "chunk_size": 4}     # several chunks of the online top-u
+
+
+class TestLunaConformance(AttentionConformance):
+    name = "luna"
+    options = {"packed_len": 4}
+
+
+class TestLunaPerHeadChunkedConformance(AttentionConformance):
+    name = "luna"
+    options = {"packed_len": 3, "per_head": True, "chunk_size": 2}   # several causal chunks per sequence
+
+
+class TestPoolingformerConformance(AttentionConformance):
+    """Defaults (window 128, pool window 512): on the kit's short lengths both windows cover everything."""
+
+    name = "poolingformer"
+
+
+class TestPoolingformerSmallWindowsConformance(AttentionConformance):
+    name = "poolingformer"
+    options = {"window": 4, "pool_window": 6, "pool_size": 3, "pool_stride": 2, "chunk_size": 3}
+
+
+class TestPoolingformerDisjointSegmentsConformance(AttentionConformance):
+    name = "poolingformer"
+    options = {"window": 2, "pool_window": 8, "pool_size": 4, "pool_stride": 4, "chunk_size": 5}
