@@ -104,9 +104,11 @@ def test_memory_compressed_refuses_a_stride_that_does_not_fit_and_a_wrong_value_
         attn(*_qkv(9, E=6))
 
 
-def test_informer_refuses_causal_with_its_reason():
-    with pytest.raises(UnsupportedFeatureError, match="later query changes which earlier queries are active"):
-        attnkit.build("informer")(*_qkv(8), causal=True)
+def test_informer_refuses_key_padding_with_its_reason():
+    q, k, v = _qkv(8)
+    kpm = torch.ones(q.shape[0], 8, dtype=torch.bool)
+    with pytest.raises(UnsupportedFeatureError, match="lazy mean"):
+        attnkit.build("informer")(q, k, v, causal=True, key_padding_mask=kpm)
 
 
 def test_clustered_refuses_more_clusters_than_queries_and_top_k_above_keys():

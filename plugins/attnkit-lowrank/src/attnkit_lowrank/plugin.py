@@ -1,5 +1,5 @@
 """attnkit plugin hooks: registers ``nystrom``, ``linformer``, ``soft``, ``memory-compressed``,
-``informer``, ``clustered``, ``improved-clustered`` and ``isab``.
+``informer``, ``clustered``, ``improved-clustered``, ``isab``, ``luna`` and ``poolingformer``.
 
 Each spec is the one declaration of its capabilities (the module classes read
 theirs from here) and names its factory and plain reference by import path, so
@@ -109,7 +109,8 @@ INFORMER = AttentionSpec(
     reference="attnkit_lowrank.informer.naive:reference",
     family="lowrank",
     summary=("Informer ProbSparse attention: the u = c·ln L queries with the largest sampled max-minus-mean "
-             "score attend fully, the others output mean(V)."),
+             "score attend fully, the others output mean(V); causal form: online top-u over the past, "
+             "masked attention, lazy queries take the cumulative mean of V."),
     paper=Paper("Zhou, Zhang, Peng, Zhang, Li, Xiong, Zhang", 2021,
                 "Informer: Beyond Efficient Transformer for Long Sequence Time-Series Forecasting", "2012.07436"),
     exact=False,
@@ -117,10 +118,11 @@ INFORMER = AttentionSpec(
                    "Exact when u >= L"),
     error_bound=None,
     capabilities=Capabilities(
-        causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
         queries_interact=True,
-        time="O(L·ln S·D + ln L·S·D)", memory="O(chunk·ln S·D + ln L·S) per head",
+        time="O(L·ln S·D + ln L·S·D); causal O(L·ln L·D + n·L·D), n ≈ u·(1 + ln(L/u)) active queries",
+        memory="O(chunk·ln S·D + ln L·S) per head; causal O(n·L)",
     ),
 )
 
@@ -188,7 +190,48 @@ ISAB = AttentionSpec(
     ),
 )
 
-SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED, ISAB)
+LUNA = AttentionSpec(
+    name="luna",
+    factory="attnkit_lowrank.luna.module:LunaAttention",
+    reference="attnkit_lowrank.luna.naive:reference",
+    family="lowrank",
+    summary=("Luna: a packed sequence P of packed_len vectors packs the keys (P' = Attn(P, X)), the queries "
+             "unpack it (Y = Attn(X, P')); the next packed sequence LayerNorm(P + K_p) is returned as state."),
+    paper=Paper("Ma, Kong, Wang, Zhou, May, Ma, Zettlemoyer", 2021, "Luna: Linear Unified Nested Attention",
+                "2106.01540"),
+    exact=False,
+    approximation=("attention through m packed vectors (a rank-m bottleneck): a different attention, not an "
+                   "estimate of softmax attention"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
+        mask_kinds=("causal", "key_padding"), streaming="segment", dtypes=("float32", "float64"),
+        backends=("torch",),
+        time="O((L + S)·m·D); causal O(L·chunk·m·(D + E))", memory="O((L + S)·m) per head",
+    ),
+)
+
+POOLINGFORMER = AttentionSpec(
+    name="poolingformer",
+    factory="attnkit_lowrank.poolingformer.module:PoolingformerAttention",
+    reference="attnkit_lowrank.poolingformer.naive:reference",
+    family="lowrank",
+    summary=("Poolingformer: a sliding-window softmax plus a softmax over mean-pooled keys and values in a larger "
+             "window, the two outputs summed."),
+    paper=Paper("Zhang, Gong, Shen, Li, Lv, Duan, Chen", 2021,
+                "Poolingformer: Long Document Modeling with Pooling Attention", "2105.04371"),
+    exact=False,
+    approximation=("a sliding window plus pooled segments of a larger window, two softmaxes summed: a different "
+                   "attention, not an estimate of softmax attention"),
+    error_bound=None,
+    capabilities=Capabilities(
+        causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        time="O(L·(window + pool_window / pool_stride)·D)", memory="O(L·(window + pool_window / pool_stride))",
+    ),
+)
+
+SPECS = (NYSTROM, LINFORMER, SOFT, MCA, INFORMER, CLUSTERED, IMPROVED_CLUSTERED, ISAB, LUNA, POOLINGFORMER)
 
 
 @attnkit.hookimpl

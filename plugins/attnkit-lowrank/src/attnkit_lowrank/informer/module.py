@@ -8,6 +8,24 @@ RNG). The ``u = factor·ceil(ln L)`` queries with the largest M ("active")
 attend with full softmax attention; the others ("lazy") output the mean of
 V. With ``u >= L`` every query is active: exact softmax attention.
 Cost O(L·U·D + u·S·D) instead of O(L·S·D).
+
+Causal form (L == S; the paper's masked ProbSparse decoder attention, made
+causal in its query selection too). The paper ranks all L queries at once, so a
+later query decides whether an earlier one is active: that leaks the future.
+Here everything query i uses comes from positions <= i:
+
+* its U sampled keys are drawn from the prefix ``0..i`` (``floor(r·(i+1))``,
+  ``r`` uniform from the seeded generator), and its measure is
+  ``max_t s_t - sum_t s_t / (i+1)`` (the non-causal ``sum / S`` with S the
+  keys it may see);
+* it is active iff fewer than u of the earlier queries ``j < i`` have
+  ``M(q_j) >= M(q_i)`` (an online top-u: ties go to the earlier query, the
+  first u queries are always active); about ``u·(1 + ln(L/u))`` queries are
+  active on shuffled measures, at most L;
+* an active query attends with causally masked softmax over keys ``0..i``; a
+  lazy one outputs the cumulative mean ``mean(V[0..i])``.
+
+With ``u >= L`` every query is active: exact causal softmax attention.
 """
 
 from __future__ import annotations
@@ -36,12 +54,43 @@ def sample_indices(seed: int, L: int, S: int, U: int, device: torch.device) -> T
     return torch.randint(S, (L, U), generator=g).to(device)
 
 
+def causal_sample_indices(seed: int, L: int, U: int, device: torch.device) -> Tensor:
+    """``(L, U)`` key indices, row i drawn uniformly from ``0..i`` (``floor(r·(i+1))``, r seeded, float64)."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.rand((L, U), generator=g, dtype=torch.float64)
+    n = torch.arange(1, L + 1, dtype=torch.float64)[:, None]
+    return torch.minimum((r * n).floor().long(), (n.long() - 1)).to(device)
+
+
+def online_top(m: Tensor, u: int, chunk: int) -> Tensor:
+    """bool ``(B, H, L)``: i is active iff fewer than ``u`` of ``m[..., :i]`` are ``>= m[..., i]``.
+
+    Chunks of ``chunk`` queries against the running top-u of the earlier ones
+    (exact: when fewer than u earlier values are >= m_i they are all in the
+    top-u), plus a strict lower triangle inside the chunk: O(L·(u + chunk)).
+    """
+    B, H, L = m.shape
+    top = m.new_full((B, H, 0), float("-inf"))
+    out = []
+    for i in range(0, L, chunk):
+        mc = m[..., i:i + chunk]
+        c = mc.shape[-1]
+        before = (top[..., None, :] >= mc[..., :, None]).sum(-1)
+        tri = torch.ones(c, c, dtype=torch.bool, device=m.device).tril(-1)      # j < i inside the chunk
+        inside = ((mc[..., None, :] >= mc[..., :, None]) & tri).sum(-1)
+        out.append(before + inside < u)
+        both = torch.cat([top, mc], -1)
+        top = both.topk(min(u, both.shape[-1]), -1).values
+    return torch.cat(out, -1)
+
+
 class InformerAttention(attnkit.Attention):
     """Informer's ProbSparse self-attention: the top-u queries attend, the rest output mean(V).
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` ->
-    ``(B, H, L, E)``. Non-causal (also cross-attention). Queries interact (the
-    top-u choice ranks them against each other).
+    ``(B, H, L, E)``. Non-causal (also cross-attention) and causal (L == S,
+    the module docstring's form: selection, attention and lazy mean use only
+    the past). Queries interact (the top-u choice ranks them against each other).
 
     Args:
         num_heads: number of heads H; when given, inputs with another H are refused.
@@ -56,14 +105,12 @@ class InformerAttention(attnkit.Attention):
 
     Raises:
         InvalidInputError: an option of the wrong type or out of range.
-        UnsupportedFeatureError: causal, key padding, ``attn_mask``.
+        UnsupportedFeatureError: key padding, ``attn_mask``, causal with L != S.
     """
 
     option_constraints = {"factor": {"minimum": 1}, "seed": {"minimum": 0}, "chunk_size": {"minimum": 1}}
     capabilities = INFORMER.capabilities
     refusal_reasons = {
-        "causal": ("the paper's causal form picks the top-u queries over the whole sequence, so a later query "
-                   "changes which earlier queries are active: not causal; not offered"),
         "key_padding_mask": "the sampled keys and the lazy mean(V) would count padded keys",
         "attn_mask": "a per-pair mask is not offered by ProbSparse attention",
     }
@@ -92,7 +139,40 @@ class InformerAttention(attnkit.Attention):
                 out.append(s.amax(-1) - s.sum(-1) / S)
         return torch.cat(out, -1)
 
+    def causal_sparsity(self, q: Tensor, k: Tensor) -> Tensor:
+        """Causal ``M(q_i)`` ``(B, H, L)``: U keys sampled from ``0..i``, ``max - sum / (i+1)`` (no gradient)."""
+        B, H, L, D = q.shape
+        U, _ = counts(self.factor, L, L)
+        idx = causal_sample_indices(self.seed, L, U, q.device)
+        n = torch.arange(1, L + 1, dtype=q.dtype, device=q.device)
+        out = []
+        with torch.no_grad():
+            for i in range(0, L, self.chunk_size):
+                ks = k[:, :, idx[i:i + self.chunk_size]]                     # (B, H, c, U, D)
+                s = (ks @ q[:, :, i:i + self.chunk_size, :, None]).squeeze(-1)  # (B, H, c, U)
+                out.append(s.amax(-1) - s.sum(-1) / n[i:i + self.chunk_size])
+        return torch.cat(out, -1)
+
+    def _causal(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        _, u = counts(self.factor, L, L)
+        pos = torch.arange(L, device=q.device)
+        lazy = v.cumsum(2) / (pos + 1).to(v.dtype)[:, None]                   # mean(V[0..i])
+        active = online_top(self.causal_sparsity(q, k), u, self.chunk_size)  # (B, H, L)
+        n = int(active.sum(-1).max())
+        order = torch.sort((~active).long(), dim=-1, stable=True).indices[..., :n]   # active first, in order
+        valid = active.gather(-1, order)[..., None]                            # (B, H, n, 1)
+        q_sel = q.gather(2, order[..., None].expand(B, H, n, D))
+        s = q_sel @ (ctx.scale * k).transpose(-1, -2)                          # (B, H, n, L)
+        s = s.masked_fill(pos[None, None, None, :] > order[..., None], float("-inf"))  # key 0 always seen
+        att = torch.softmax(s, -1) @ v
+        idx = order[..., None].expand(B, H, n, E)
+        return lazy.scatter(2, idx, torch.where(valid, att, lazy.gather(2, idx)))
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
+        if ctx.causal:
+            return self._causal(q, k, v, ctx)
         B, H, L, D = q.shape
         S, E = k.shape[2], v.shape[-1]
         _, u = counts(self.factor, L, S)

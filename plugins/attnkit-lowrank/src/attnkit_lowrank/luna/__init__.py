@@ -1,0 +1,1 @@
+"""``luna``: the module (``module.py``) and its plain reference (``naive.py``)."""

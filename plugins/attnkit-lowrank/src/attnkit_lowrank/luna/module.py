@@ -1,0 +1,161 @@
+"""``luna``: :class:`LunaAttention`, Linear Unified Nested Attention (Ma et al. 2021), the torch path.
+
+A packed sequence ``P`` of ``m = packed_len`` vectors (learned, or the state a
+previous call returned) packs the keys, then the queries unpack it::
+
+    A  = softmax(scale · P K^T)             (m, S)   padded keys excluded
+    K_p = A K,  V_p = A V                   (m, D), (m, E)   pack:   P' = Attn(P, X)
+    out = softmax(scale · Q K_p^T) V_p      (L, E)           unpack: Y  = Attn(X, P')
+
+O((L + S)·m·D). The next packed sequence, returned as state
+(``forward(..., return_state=True)``), is the paper's layer update
+``LayerNorm(P + P')`` (no affine) with ``P' = K_p``, the pack in the key space
+(width D, where P lives: the value width E may differ). In the paper pack and
+unpack each have their own projections of one model-width P'; the attention
+contract takes q, k, v already projected, so the packed keys and values are
+the weighted sums of k and v themselves (the model layer owns projections).
+
+Causal form (L == S): query t unpacks a pack of the keys ``0..t`` only,
+``A_t = softmax over j <= t of scale · P k_j``, ``K_p(t) = A_t K``,
+``V_p(t) = A_t V``. Computed in query chunks with a log-cumulative-sum-exp of
+the pack scores (no overflow, no 0/0): O(L·chunk·m·(D + E)). This is the
+causal restriction of the non-causal equations, not the paper's own causal
+variant (which changes the pack's normalisation); the state after a causal
+call is the pack of the whole chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+import attnkit
+from attnkit import InvalidInputError
+
+from ..common import check_bool, check_int, softmax_attend
+from ..plugin import LUNA
+
+
+class LunaAttention(attnkit.Attention):
+    """Luna: a packed sequence of m vectors packs the keys, the queries attend to the pack.
+
+    Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` ->
+    ``(B, H, L, E)``; with ``return_state=True`` also the next packed
+    sequence ``(B, H, m, D)`` in an :class:`attnkit.AttentionState` (pass it to
+    the next layer's or the next segment's ``forward(state=...)``). Non-causal
+    (also cross-attention) and causal (L == S); key padding (padded keys get no
+    weight in the pack; a row with no real key gives 0).
+
+    Args:
+        num_heads: number of heads H (required with ``per_head=True``).
+        head_dim: head dimension D of the packed sequence (required).
+        scale: multiplier of ``q·k`` in both attentions; None means ``1/sqrt(D)``.
+        backend: ``"auto"`` or ``"torch"``.
+        packed_len: m, the length of the packed sequence (the paper's l: 16, 128 or 256).
+        per_head: one learned packed sequence per head instead of one shared.
+        chunk_size: queries per chunk of the causal form (memory O(chunk·m·(chunk + D + E))).
+
+    Raises:
+        InvalidInputError: an option of the wrong type or out of range; a state
+            from another configuration, batch size, dtype or device.
+        UnsupportedFeatureError: ``attn_mask``, other mask kinds, causal with L != S.
+    """
+
+    option_constraints = {"packed_len": {"minimum": 1}, "chunk_size": {"minimum": 1}}
+    capabilities = LUNA.capabilities
+    refusal_reasons = {
+        "attn_mask": "a per-pair mask cannot be applied through the packed sequence",
+    }
+
+    def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
+                 backend: str = "auto", packed_len: int = 16, per_head: bool = False,
+                 chunk_size: int = 16) -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.packed_len = check_int("packed_len", packed_len)
+        self.per_head = check_bool("per_head", per_head)
+        self.chunk_size = check_int("chunk_size", chunk_size)
+        if head_dim is None:
+            raise InvalidInputError("head_dim: the packed sequence holds head_dim vectors; give head_dim")
+        if per_head and num_heads is None:
+            raise InvalidInputError("num_heads: per_head=True keeps a packed sequence per head; give num_heads")
+        p = num_heads if per_head else 1
+        self.packed = nn.Parameter(torch.randn(p, packed_len, head_dim) / math.sqrt(head_dim))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, packed_len={self.packed_len}, per_head={self.per_head}"
+
+    def start(self, q: Tensor, state: Tensor | None) -> Tensor:
+        """The packed sequence P: ``state`` ``(B, H, m, D)`` or the learned one, broadcastable to it."""
+        return self.packed.to(q.dtype) if state is None else state
+
+    def pack(self, p: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Packed keys ``(B, H, m, D)`` and values ``(B, H, m, E)`` over the whole key sequence."""
+        s = (scale * p) @ k.transpose(-1, -2)                                  # (B, H, m, S)
+        if keep is not None:
+            s = s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min)
+        a = torch.softmax(s, -1)
+        if keep is not None:
+            a = a * keep[:, None, None, :].to(a.dtype)                          # no real key: all 0
+        return a @ k, a @ v
+
+    def next_state(self, p: Tensor, k_p: Tensor) -> Tensor:
+        """``LayerNorm(P + K_p)`` over D (no affine): the next packed sequence ``(B, H, m, D)``."""
+        x = p + k_p
+        return nn.functional.layer_norm(x, x.shape[-1:])
+
+    def causal_unpack(self, q: Tensor, p: Tensor, k: Tensor, v: Tensor, scale: float,
+                      keep: Tensor | None) -> Tensor:
+        """Causal form: query t attends to the pack of keys ``0..t``; ``(B, H, L, E)``."""
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        p = p.expand(B, H, *p.shape[-2:])
+        s = (scale * p) @ k.transpose(-1, -2)                                  # (B, H, m, L)
+        if keep is not None:
+            s = s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min)
+        m = s.shape[2]
+        lse0 = s.new_full((B, H, m), float("-inf"))
+        kp0 = k.new_zeros(B, H, m, D)
+        vp0 = v.new_zeros(B, H, m, E)
+        outs = []
+        for a in range(0, L, self.chunk_size):
+            sc = s[..., a:a + self.chunk_size]                                  # (B, H, m, c)
+            c = sc.shape[-1]
+            lse = torch.logaddexp(lse0[..., None], torch.logcumsumexp(sc, -1))  # (B, H, m, c): log sum_{j<=t}
+            carry = torch.exp(lse0[..., None] - lse)                            # weight of the earlier pack
+            tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()    # [t, j]: j <= t
+            # (B, H, m, t, j); j > t set to -inf before exp (its score may exceed lse_t: inf·0 = NaN)
+            w = torch.exp((sc[..., None, :] - lse[..., :, None]).masked_fill(~tri, float("-inf")))
+            if keep is not None:
+                w = w * keep[:, None, None, None, a:a + c].to(w.dtype)
+            kc, vc = k[:, :, a:a + c], v[:, :, a:a + c]
+            kp = carry[..., None] * kp0[..., None, :] + w @ kc[:, :, None]      # (B, H, m, t, D)
+            vp = carry[..., None] * vp0[..., None, :] + w @ vc[:, :, None]      # (B, H, m, t, E)
+            qc = q[:, :, a:a + c]
+            sq = scale * torch.einsum("bhtd,bhmtd->bhtm", qc, kp)
+            outs.append(torch.einsum("bhtm,bhmte->bhte", torch.softmax(sq, -1), vp))
+            lse0, kp0, vp0 = lse[..., -1], kp[..., -1, :], vp[..., -1, :]
+        return torch.cat(outs, 2)
+
+    def _luna(self, q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None, causal: bool,
+              state: Tensor | None, want_state: bool) -> Tensor | tuple[Tensor, Tensor]:
+        p = self.start(q, state)
+        k_p, v_p = self.pack(p, k, v, scale, keep)
+        if causal:
+            out = self.causal_unpack(q, p, k, v, scale, keep)
+        else:
+            out = softmax_attend(q, (scale * k_p).transpose(-1, -2), v_p)
+        if not want_state:
+            return out
+        B, H = q.shape[:2]
+        return out, self.next_state(p.expand(B, H, *p.shape[-2:]), k_p)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx):
+        return self._luna(q, k, v, ctx.scale, ctx.key_padding_mask, ctx.causal, ctx.state, ctx.return_state)
+
+    def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> None:
+        return None                      # None: start from the learned packed sequence
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        return self._luna(q, k, v, self.get_scale(q), None, True, state, True)

@@ -1,0 +1,1 @@
+"""``poolingformer``: the module (``module.py``) and its plain reference (``naive.py``)."""

@@ -1,0 +1,137 @@
+"""``poolingformer``: :class:`PoolingformerAttention`, two-level pooling attention (Zhang et al. 2021).
+
+Each query i gets the sum of two softmax attentions over the same q, k, v:
+
+* level 1, a sliding window: keys j with ``|i - j| <= window // 2``
+  (causal: ``0 <= i - j <= window // 2``);
+* level 2, a larger window of pooled keys and values: segment p covers
+  positions ``[p·stride, min(p·stride + pool_size, S))`` (the means of k and of
+  v over it; ``ceil((S - pool_size) / stride) + 1`` segments, one segment of
+  all keys when ``S < pool_size``); query i sees the segments that overlap
+  ``[i - pool_window // 2, i + pool_window // 2]`` (causal: that end at or
+  before i and overlap ``[i - pool_window // 2, i]``; none for the first
+  ``pool_size - 1`` queries, whose level 2 output is 0).
+
+``out_i = y_i + z_i`` as in the paper. In the paper the second level has its
+own projections (its queries are a projection of the first level's output);
+the attention contract takes q, k, v already projected, so both levels use
+them. Query chunks slice only the keys and segments they can see:
+O(L·(window + pool_window / stride)·D) time, no L x S matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+import attnkit
+from attnkit import InvalidInputError
+
+from ..common import check_int
+from ..plugin import POOLINGFORMER
+
+
+def segments(S: int, size: int, stride: int) -> tuple[Tensor, Tensor]:
+    """Start and end ``(P,)`` of the pooling segments of ``S`` keys (end exclusive, clipped to S)."""
+    P = 1 if S <= size else math.ceil((S - size) / stride) + 1
+    start = torch.arange(P) * stride
+    return start, torch.clamp(start + size, max=S)
+
+
+def pool(x: Tensor, size: int, stride: int) -> Tensor:
+    """Segment means of ``x`` ``(B, H, S, C)`` -> ``(B, H, P, C)`` (see :func:`segments`)."""
+    B, H, S, C = x.shape
+    if S <= size:
+        return x.mean(2, keepdim=True)
+    flat = x.reshape(B * H, S, C).transpose(1, 2)
+    out = torch.nn.functional.avg_pool1d(flat, size, stride, ceil_mode=True, count_include_pad=False)
+    return out.transpose(1, 2).reshape(B, H, -1, C)
+
+
+def _softmax_rows(s: Tensor, keep: Tensor, v: Tensor) -> Tensor:
+    """Masked row softmax times v; rows with nothing kept give 0."""
+    s = s.masked_fill(~keep, torch.finfo(s.dtype).min)
+    return (torch.softmax(s, -1) * keep) @ v
+
+
+class PoolingformerAttention(attnkit.Attention):
+    """Poolingformer: a sliding window plus a larger window of pooled keys and values, outputs summed.
+
+    Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` ->
+    ``(B, H, L, E)``. Self-attention only (L == S), non-causal and causal.
+
+    Args:
+        num_heads: number of heads H; when given, inputs with another H are refused.
+        head_dim: head dimension D; when given, inputs with another D are refused.
+        scale: multiplier of ``q·k`` in both levels; None means ``1/sqrt(D)``.
+        backend: ``"auto"`` or ``"torch"``.
+        window: first-level window w1 (keys within ``window // 2`` of the query).
+        pool_window: second-level window w2 (segments overlapping ``pool_window // 2`` around the query).
+        pool_size: pooling kernel (segment length).
+        pool_stride: pooling stride; must not exceed ``pool_size`` (no key outside every segment).
+        chunk_size: queries per chunk.
+
+    Raises:
+        InvalidInputError: an option of the wrong type or out of range; a
+            pooling stride larger than the pooling size; a pooling size larger
+            than the pooling window.
+        UnsupportedFeatureError: key padding, ``attn_mask``, L != S.
+    """
+
+    option_constraints = {"window": {"minimum": 1}, "pool_window": {"minimum": 1}, "pool_size": {"minimum": 1},
+                          "pool_stride": {"minimum": 1}, "chunk_size": {"minimum": 1}}
+    capabilities = POOLINGFORMER.capabilities
+    refusal_reasons = {
+        "key_padding_mask": ("its windows and segments are defined by position, so a padded key is not the same as "
+                             "an absent one without explicit token positions (not implemented: open)"),
+        "attn_mask": "a per-pair mask does not apply to pooled segments",
+        "cross": "the windows are centred on the query's own position: self-attention only",
+    }
+
+    def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
+                 backend: str = "auto", window: int = 128, pool_window: int = 512, pool_size: int = 5,
+                 pool_stride: int = 4, chunk_size: int = 256) -> None:
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.window = check_int("window", window)
+        self.pool_window = check_int("pool_window", pool_window)
+        self.pool_size = check_int("pool_size", pool_size)
+        self.pool_stride = check_int("pool_stride", pool_stride)
+        self.chunk_size = check_int("chunk_size", chunk_size)
+        if pool_stride > pool_size:
+            raise InvalidInputError(f"pool_stride: a stride of {pool_stride} skips keys between segments of "
+                                    f"pool_size={pool_size}; expected pool_stride <= pool_size")
+        if pool_size > pool_window:
+            raise InvalidInputError(f"pool_size: a segment of {pool_size} keys does not fit in the second-level "
+                                    f"window; expected pool_size <= pool_window={pool_window}")
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, window={self.window}, pool_window={self.pool_window}, "
+                f"pool_size={self.pool_size}, pool_stride={self.pool_stride}")
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
+        L = q.shape[2]
+        r1, r2 = self.window // 2, self.pool_window // 2
+        causal = ctx.causal
+        kq = ctx.scale * k
+        kp, vp = pool(kq, self.pool_size, self.pool_stride), pool(v, self.pool_size, self.pool_stride)
+        start, end = (t.to(q.device) for t in segments(L, self.pool_size, self.pool_stride))
+        P = start.shape[0]
+        pos = torch.arange(L, device=q.device)
+        outs = []
+        for a in range(0, L, self.chunk_size):
+            b = min(a + self.chunk_size, L)
+            i = pos[a:b, None]
+            qc = q[:, :, a:b]
+            lo, hi = max(0, a - r1), (b if causal else min(L, b + r1))
+            j = pos[None, lo:hi]
+            keep1 = (i - j <= r1) & ((j <= i) if causal else (j - i <= r1))
+            y = _softmax_rows(qc @ kq[:, :, lo:hi].transpose(-1, -2), keep1, v[:, :, lo:hi])
+            plo = max(0, (a - r2 - self.pool_size) // self.pool_stride)
+            phi = min(P, (b - 1 + r2) // self.pool_stride + 1)
+            s_, e_ = start[None, plo:phi], end[None, plo:phi] - 1                  # inclusive ends
+            keep2 = (e_ >= i - r2) & ((e_ <= i) if causal else (s_ <= i + r2))
+            z = _softmax_rows(qc @ kp[:, :, plo:phi].transpose(-1, -2), keep2, vp[:, :, plo:phi])
+            outs.append(y + z)
+        return torch.cat(outs, 2)
