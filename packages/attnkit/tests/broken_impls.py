@@ -366,6 +366,16 @@ class RowMaxOnEmptyAttention(NaiveAttention):
         return super().forward(q, k, v, **kw)
 
 
+class SmallHeadDimAttention(NaiveAttention):
+    """Indexes feature 3 of q for a "norm" (the kit's fixed shapes have D = 8 or 16): D < 4 raises IndexError.
+
+    Only the fuzz check draws other head dims."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        q[..., 3]  # noqa: B018 - the fault: assumes D >= 4
+        return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+
+
 class QueryMixingAttention(NaiveAttention):
     """Normalises each query by the norm of all queries of its (b, h): a NaN query poisons every row."""
 
@@ -502,4 +512,7 @@ CASES: list[BrokenCase] = [
     BrokenCase(UnderflowingExpAttention, "broken-underflow", "scaled_inputs",
                r"scaled by 10: .* output rows are all zeros",
                {"exact": False, "reference": softmax_reference, "capabilities": BASIC}),
+    BrokenCase(SmallHeadDimAttention, "broken-small-head-dim", "fuzz",
+               r"(?s)forward raised IndexError.*reproduce \(shrunk by hypothesis\).*FuzzCase\(.*D=[123],",
+               {"exact": True, "capabilities": BASIC}),
 ]

@@ -367,7 +367,42 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     t.add_argument("--val-fraction", type=float, default=None, help="lm: held-out fraction (default 0.1)")
     t.add_argument("--cache-dir", default=None,
                    help="lm: tokenizer cache (default $ATTNKIT_CACHE_DIR, else the user cache dir: ~/.cache/attnkit)")
+    g.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data-parallel training on N CPU processes (torch.distributed.run, gloo): each takes "
+                        "--batch-size of every global batch of N x --batch-size; gradients are averaged (default 1)")
+    r = p.add_argument_group("checkpoints and resuming")
+    r.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="save the training state (model, optimizer, schedule step, RNG states, data position) "
+                        "every N steps, atomically, per attention (default: no checkpoints)")
+    r.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="where the checkpoints go (default: OUT.checkpoints next to --out)")
+    r.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue a killed run from the checkpoints in DIR (same task, attentions and settings); "
+                        "the resumed run ends with the parameters of the uninterrupted one")
     add_common(p, out_help="results directory (default attnkit-runs/train-TASK-<time>)")
+
+
+def checkpointing(args: argparse.Namespace, out: Path) -> Any:
+    """The :class:`~attnkit_lab.checkpoint.Checkpointing` of ``--checkpoint-every/--checkpoint-dir/--resume``."""
+    from .checkpoint import Checkpointing
+
+    every = args.checkpoint_every
+    if every is not None:
+        check_int(every, "--checkpoint-every", lo=1)
+    if args.resume is not None:
+        d = Path(args.resume)
+        if not d.is_dir():
+            raise UsageError(f"--resume {args.resume!r}: expected the directory of a run's checkpoints")
+        if args.checkpoint_dir is not None and Path(args.checkpoint_dir).absolute() != d.absolute():
+            raise UsageError("--checkpoint-dir: a resumed run keeps checkpointing into --resume DIR; "
+                             f"got another directory {args.checkpoint_dir!r}")
+        return Checkpointing(d, every or 0, resume=True)
+    if every is None:
+        if args.checkpoint_dir is not None:
+            raise UsageError("--checkpoint-dir needs --checkpoint-every N")
+        return None
+    d = Path(args.checkpoint_dir) if args.checkpoint_dir is not None else out.with_name(out.name + ".checkpoints")
+    return Checkpointing(d, every)
 
 
 def task_options(args: argparse.Namespace) -> tuple[type, dict[str, Any]]:
@@ -419,25 +454,80 @@ def train_settings(args: argparse.Namespace, task_name: str) -> Any:
     return s
 
 
+def _launch(nproc: int) -> int:
+    """Re-run this command line under ``torch.distributed.run`` with ``nproc`` processes; their exit status."""
+    import os
+    import subprocess
+
+    words, argv = [], sys.argv[1:]
+    if "train" not in argv:
+        raise UsageError("--nproc: launch from the command line (attnkit train ... --nproc N)")
+    skip = False
+    for w in argv:  # the workers get the command without --nproc (torch.distributed.run would take it as its own)
+        if skip:
+            skip = False
+        elif w == "--nproc":
+            skip = True
+        elif not w.startswith("--nproc="):
+            words.append(w)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "attnkit", *words]
+    return subprocess.call(cmd, env={**os.environ, "ATTNKIT_LAB_NPROC": str(nproc)})
+
+
+def _join_process_group(args: argparse.Namespace) -> Path | None:
+    """Inside ``torch.distributed.run``: join the gloo group; ranks > 0 write their results to a scratch
+    directory (returned, to be removed); rank 0 writes ``--out``."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        return None
+    scratch = Path(tempfile.mkdtemp(prefix="attnkit-rank"))
+    args.out, args.force, args.quiet = str(scratch / "out"), False, True
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints the tables; the process ends after the run
+    return scratch
+
+
 @_interruptible("train")
 def run_train_cmd(args: argparse.Namespace) -> int:
+    import os
+
     from .progress import status
     from .tasks import task_class
     from .train import run_train
 
     task_name = task_class(args.task).name          # unknown task: a usage error before anything else
+    check_int(args.nproc, "--nproc", lo=1, hi=MAX_THREADS)
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(args.nproc)
+    launched = "LOCAL_RANK" in os.environ and os.environ.get("ATTNKIT_LAB_NPROC", "1") != "1"
+    scratch = _join_process_group(args) if launched else None
     _check_common(args)
     choices, _ = _choices(args.attention, option="--attention")
     settings = train_settings(args, task_name)
     task_options(args)                               # ranges, before the run directory exists
+    args.out = args.out or str(default_out_dir(f"train-{task_name}"))  # one name for the run and its checkpoints
+    ckpt = checkpointing(args, Path(args.out))
     out = _open(args, f"train-{task_name}")
 
     def body() -> None:
         task = build_task(args, log=lambda m: status(m, enabled=not args.quiet))
-        run_train(task, choices, settings, out, show_progress=not args.quiet, preset=args.preset)
+        run_train(task, choices, settings, out, show_progress=not args.quiet, preset=args.preset,
+                  checkpointing=ckpt)
 
-    return _run_in(out, "train", ["table.md", "results.json", "results.csv", "curves.csv",
-                                  "learning_curves.png"], body)
+    try:
+        return _run_in(out, "train", ["table.md", "results.json", "results.csv", "curves.csv",
+                                      "learning_curves.png"], body)
+    finally:
+        if scratch is not None:
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 # -------------------------------------------------------------------- demo

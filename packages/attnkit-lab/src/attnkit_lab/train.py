@@ -42,6 +42,8 @@ import attnkit
 from attnkit.errors import UsageError
 
 from . import names as names_mod
+from .checkpoint import FORMAT as STATE_FORMAT
+from .checkpoint import Checkpointing, atomic_save, load_state, rng_state, set_rng_state
 from .interrupts import Interrupted, is_interrupt, raise_if_interrupt
 from .measure import MEMORY_METHOD, peak_memory
 from .models import LabModel, ModelConfig, lab_stats
@@ -218,6 +220,39 @@ def evaluate(model: LabModel, batches: list[Batch], task: Task, device: torch.de
     return out
 
 
+def data_parallel() -> tuple[int, int]:
+    """``(world size, rank)`` of an initialised process group (``attnkit train --nproc N``), else ``(1, 0)``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
+def shard(batch: Batch, rank: int, world: int) -> Batch:
+    """Rank ``rank``'s contiguous slice of a batch drawn for all ``world`` ranks."""
+    if world == 1:
+        return batch
+    n = batch.inputs.shape[0] // world
+    part = slice(rank * n, (rank + 1) * n)
+    kpm = batch.key_padding_mask
+    return Batch(batch.inputs[part], batch.targets[part], None if kpm is None else kpm[part])
+
+
+def average_gradients(model: torch.nn.Module, loss: torch.Tensor, world: int) -> torch.Tensor:
+    """All-reduce (mean) every gradient and the loss over the ranks: the step of one process on the global batch.
+
+    The ranks' batches have equal sizes and scored-token counts (the tasks' layouts are fixed), so the mean of
+    the ranks' mean losses is the global mean loss.
+    """
+    dist = torch.distributed
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    loss = loss.clone()
+    dist.all_reduce(loss)
+    return loss / world
+
+
 def _record(holder: list[Any], fn: Any, *args: Any) -> None:
     holder.append(fn(*args))
 
@@ -248,7 +283,8 @@ def discard_aux_losses(model: torch.nn.Module) -> None:
 
 
 def train_one(task: Task, choice: names_mod.AttentionChoice, settings: TrainSettings, eval_set: list[Batch],
-              *, out_dir: Path | None = None, show_progress: bool = True) -> RunResult:
+              *, out_dir: Path | None = None, show_progress: bool = True,
+              checkpointing: Checkpointing | None = None) -> RunResult:
     """Train one attention on ``task``; failures are recorded in the result, never raised.
 
     The loss is the task loss plus every auxiliary loss the attention modules
@@ -257,16 +293,20 @@ def train_one(task: Task, choice: names_mod.AttentionChoice, settings: TrainSett
     each named auxiliary loss is logged (a moving average, like the training
     loss) in the curve points, the result and the progress line.
 
+    ``checkpointing`` (:mod:`attnkit_lab.checkpoint`): save the training state
+    every N steps (atomically) and, when resuming, continue from it.
+
     Raises:
         Interrupted: Ctrl-C (or numba's SystemError from it); its ``result``
             attribute holds this run so far, with status ``"interrupted"``.
+        UsageError: resuming from a checkpoint of another task, attention or settings.
     """
     res = RunResult(choice.label, choice.name, dict(choice.options))
     where = {"step": None}
     t_start = time.perf_counter()
     try:
         _train_into(res, where, task, choice, settings, eval_set, out_dir=out_dir, show_progress=show_progress,
-                    t_start=t_start)
+                    t_start=t_start, checkpointing=checkpointing)
     except BaseException as e:
         if not is_interrupt(e):
             raise
@@ -302,7 +342,7 @@ def _summarise(res: RunResult, where: dict[str, Any]) -> None:
 
 def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names_mod.AttentionChoice,
                 settings: TrainSettings, eval_set: list[Batch], *, out_dir: Path | None, show_progress: bool,
-                t_start: float) -> None:
+                t_start: float, checkpointing: Checkpointing | None = None) -> None:
     device = torch.device(settings.device)
     block_choice = names_mod.parse_choice(settings.block, option="--block")
     cfg = ModelConfig(
@@ -321,14 +361,41 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
         res.note = f"cannot build: {names_mod.describe_error(e)}"
         return
     res.params = model.num_parameters()
+    world, rank = data_parallel()
     opt = torch.optim.AdamW(_param_groups(model, settings.weight_decay), lr=settings.lr, betas=(0.9, 0.98))
-    stream = task.batches(settings.batch_size, settings.seed)
+    # data parallel (attnkit train --nproc N): one stream of N x batch_size, each rank takes its slice
+    stream = task.batches(settings.batch_size * world, settings.seed)
     step_times: list[float] = []
     aux_ema: dict[str, float] = {}
     where.update(step_times=step_times, tokens=0, last_eval={}, aux=aux_ema)
     ema = None
     memory_step = 1 if settings.steps > 1 else 0
     collect_aux = _aux_collector()
+    start, every, ckpt_path = 0, 0, None
+    identity = {"label": choice.label, "task": {"name": task.name, "options": task.options()},
+                "settings": asdict(settings)}
+    if checkpointing is not None:
+        ckpt_path, every = checkpointing.path(safe_label(choice.label)), checkpointing.every
+        state = load_state(ckpt_path, expect=identity) if checkpointing.resume else None
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            start, ema, every = state["step"], state["ema"], every or state["every"]
+            aux_ema.update(state["aux_ema"])
+            res.curve = list(state["curve"])
+            step_times.extend(state["step_times"])
+            where.update(tokens=state["tokens"], last_eval=dict(state["last_eval"]))
+            for _ in range(state["batches_drawn"]):  # the data position: the stream is reproducible
+                next(stream)
+            set_rng_state(state["rng"], device)
+            status(f"{task.name} {choice.label}: resumed from {ckpt_path} at step {start}", enabled=show_progress)
+
+    def save_state(done: int) -> None:
+        atomic_save({"format": STATE_FORMAT, **identity, "step": done, "batches_drawn": done, "every": every,
+                     "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(device),
+                     "ema": ema, "aux_ema": dict(aux_ema), "curve": list(res.curve),
+                     "step_times": list(step_times), "tokens": where["tokens"],
+                     "last_eval": dict(where["last_eval"])}, ckpt_path)
 
     def one_step(batch: Batch) -> tuple[float, dict[str, float]]:
         loss, _, _ = loss_and_counts(model, batch, task, settings.segment)
@@ -336,6 +403,8 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
         total = loss + sum(aux.values()) if aux else loss
         opt.zero_grad(set_to_none=True)
         total.backward()
+        if world > 1:
+            loss = average_gradients(model, loss.detach(), world)
         if settings.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         opt.step()
@@ -344,11 +413,13 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
     model.train()
     desc = f"{task.name} {choice.label}"
     with Progress(settings.steps, desc, enabled=show_progress) as bar:
-        for step in range(settings.steps):
+        if start:
+            bar.update(start)
+        for step in range(start, settings.steps):
             where["step"] = step
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, settings)
-            batch = next(stream).to(device)
+            batch = shard(next(stream), rank, world).to(device)
             try:
                 if step == memory_step:
                     holder: list[tuple[float, dict[str, float]]] = []
@@ -397,9 +468,12 @@ def _train_into(res: RunResult, where: dict[str, Any], task: Task, choice: names
             if where["last_eval"]:
                 post["eval"] = where["last_eval"]["perplexity" if task.metric == "perplexity" else "eval_accuracy"]
             bar.update(1, **post)
+            if ckpt_path is not None and every and rank == 0 and ((step + 1) % every == 0
+                                                                  or step + 1 == settings.steps):
+                save_state(step + 1)
     res.wall_s = time.perf_counter() - t_start
     _summarise(res, where)
-    if out_dir is not None and res.status == "ok":
+    if out_dir is not None and res.status == "ok" and rank == 0:
         d = out_dir / safe_label(choice.label)
         d.mkdir(parents=True, exist_ok=True)
         torch.save({
@@ -470,8 +544,8 @@ def plot_curves(path: Path, task: Task, results: list[RunResult], title: str) ->
 
 
 def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: TrainSettings, out: RunDir, *,
-              show_progress: bool = True, preset: str | None = None, extra_config: dict[str, Any] | None = None
-              ) -> dict[str, Any]:
+              show_progress: bool = True, preset: str | None = None, extra_config: dict[str, Any] | None = None,
+              checkpointing: Checkpointing | None = None) -> dict[str, Any]:
     """Train every choice on ``task`` and write the results into ``out`` (an opened RunDir).
 
     Raises:
@@ -488,7 +562,9 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
     interrupted: BaseException | None = None
     assert out.tmp is not None
     try:
-        eval_set = task.eval_batches(settings.batch_size, settings.eval_batches, settings.seed + 1_000_003)
+        # the global batch size: --nproc N --batch-size B evaluates like one process with N x B
+        eval_set = task.eval_batches(settings.batch_size * data_parallel()[0], settings.eval_batches,
+                                     settings.seed + 1_000_003)
         info.update(task.extra_info())
         if isinstance(task, ListOpsTask):
             label, frac = ListOpsTask.majority_floor(eval_set)
@@ -496,7 +572,8 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
             info["majority_floor"] = frac
             print(f"listops: majority-class floor on the evaluation set: {frac:.3f} (always answering {label})")
         for choice in choices:
-            r = train_one(task, choice, settings, eval_set, out_dir=out.tmp, show_progress=show_progress)
+            r = train_one(task, choice, settings, eval_set, out_dir=out.tmp, show_progress=show_progress,
+                          checkpointing=checkpointing)
             if r.status != "ok":
                 status(f"{task.name} {choice.label}: {r.status}: {r.note}", enabled=True)
             results.append(r)
@@ -516,6 +593,9 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
     steps_line = (f"{task.name}: {settings.steps} steps × batch {settings.batch_size} × length {task.seq_len}, "
                   f"dim {settings.dim}, depth {settings.depth}, heads {settings.heads}, seed {settings.seed}"
                   + (f", block {settings.block}" if settings.block != "pre-norm" else ""))
+    world = data_parallel()[0]
+    if world > 1:
+        steps_line += f" (per process: {world} processes, global batch {world * settings.batch_size})"
     if settings.segment:
         steps_line += (f", segments of {settings.segment} (state carried across segments by attentions with "
                        "'segment' streaming; 'no memory' resets it every segment)")
@@ -539,6 +619,7 @@ def run_train(task: Task, choices: list[names_mod.AttentionChoice], settings: Tr
         "environment": env,
         "config": extra_config or {},
         "interrupted": interrupted is not None,
+        "processes": world,
         "runs": [asdict(r) for r in results],
     }
     out.write_json("results.json", payload)

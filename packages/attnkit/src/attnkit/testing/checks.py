@@ -16,6 +16,7 @@ module                      checks
 ``backends``                backends
 ``gradients``               gradients, gradcheck
 ``serialisation``           state_dict, serialisation
+``fuzz``                    fuzz (hypothesis: random shapes, dtypes, padding, masks, options)
 ==========================  ===================================================
 
 A check returns (it passed; a returned string is a note shown in the report,
@@ -54,6 +55,7 @@ from .config import (
     ErrorDistribution,
 )
 from .context import isolated, make_inputs
+from .fuzz import check_fuzz
 from .gradients import check_gradcheck, check_gradients
 from .masks import check_attn_mask, check_fully_masked_rows, check_key_padding, check_mask_objects
 from .reference import check_error_bound, check_reference
@@ -67,7 +69,7 @@ __all__ = [
     "DTYPES", "CheckFailed", "CheckResult", "CheckSkipped", "ConformanceConfig", "ConformanceConfigError",
     "ConformanceReport", "ErrorDistribution", "make_inputs", "run_check", "run_conformance",
     "check_attn_mask", "check_backends", "check_batch_independence", "check_causality", "check_cross_attention",
-    "check_determinism", "check_empty_sequences", "check_error_bound", "check_fully_masked_rows",
+    "check_determinism", "check_empty_sequences", "check_error_bound", "check_fuzz", "check_fully_masked_rows",
     "check_gradcheck", "check_gradients", "check_key_padding", "check_mask_objects", "check_nan_queries",
     "check_padded_values", "check_reference", "check_refusals", "check_serialisation", "check_shapes_dtypes",
     "check_scaled_inputs", "check_state_dict", "check_state_validation", "check_streaming",
@@ -100,6 +102,7 @@ CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
         ("empty_sequences", check_empty_sequences),
         ("padded_values", check_padded_values),
         ("nan_queries", check_nan_queries),
+        ("fuzz", check_fuzz),
     )
 }
 

@@ -218,6 +218,10 @@ class AttentionConformance:
         """A NaN query gives NaN in its own row only."""
         self.run_check("nan_queries")
 
+    def test_fuzz(self) -> None:
+        """Random shapes, dtypes, padding, masks and options: a clear refusal or the reference (hypothesis)."""
+        self.run_check("fuzz")
+
 
 class BlockConformance:
     """Base class of a conformance test suite for one registered block (``attnkit.build_block``).
