@@ -59,30 +59,21 @@ ENTRIES = ([("attention", n, c) for n in ATTENTIONS for c in _modes(attnkit.get_
            + [("block", b.name, c) for b in default_registry().blocks() for c in ([False, True] if b.causal
                                                                                   else [False])])
 
-#: ``{(name, causal): (substring of the error, reason)}``: real DDP failures found by this test, reported in
-#: HANDOFF-i17.md with reproducers (mechanisms owned by other packages). Each is asserted to still fail with
-#: that error (a fix makes the test fail until the entry is removed), so nothing passes silently.
-KNOWN_FAILURES = {
-    ("memory-tokens", True): (
-        "Expected to have finished reduction",
-        "w_q and w_k only act on the memory update, which a forward without state= never computes: "
-        "DDP(find_unused_parameters=False) fails at the second step (attnkit-memory)"),
-    ("sinkhorn", False): (
-        "view size is not compatible",
-        "sorted_blocks calls .view on non-contiguous (B, H, L, D) inputs (the head split of "
-        "MultiHeadAttention); fails without DDP too (attnkit-sparse)"),
-    ("sinkhorn", True): (
-        "view size is not compatible",
-        "sorted_blocks calls .view on non-contiguous (B, H, L, D) inputs (the head split of "
-        "MultiHeadAttention); fails without DDP too (attnkit-sparse)"),
-}
+#: attentions whose training forward is stochastic per batch element (see :func:`build`)
+TRAINING_NOISE = {"sinkhorn": "Gumbel noise on the sorting logits in training"}
+
+#: ``{(name, causal): (substring of the error, reason)}``: real DDP failures found by this test and not yet
+#: fixed, each with a reproducer in the issue tracker. Each is asserted to still fail with that error (a fix
+#: makes the test fail until the entry is removed), so nothing passes silently. Empty now: the failures it
+#: found (sinkhorn's .view on strided heads, memory-tokens' and rfa's unused parameters) are fixed.
+KNOWN_FAILURES: dict[tuple[str, bool], tuple[str, str]] = {}
 
 #: ``{name: reason}``: buffers updated in training from the rank's own batch (no all-reduce), so they
 #: differ between ranks and from the single process after a step (like BatchNorm without SyncBatchNorm).
-#: Reported in HANDOFF-i17.md with a reproducer; the buffer comparison after the step is an xfail there.
+#: The buffer comparison after the step is an xfail there.
 RANK_LOCAL_BUFFERS = {
     "routing": "the k-means centroids are an EMA of the rank's own batch (no all-reduce of sums and counts); "
-               "reproducer: integration_tests/test_ddp_all.py, HANDOFF-i17.md",
+               "reproducer: integration_tests/test_ddp_all.py",
 }
 
 
@@ -93,7 +84,10 @@ def build(kind: str, name: str) -> nn.Module:
         model = attnkit.Transformer(DIM, depth=1, num_heads=HEADS, attention=name)
     else:
         model = default_registry().build_block(name, dim=DIM, num_heads=HEADS)
-    return model.double().train()
+    # mechanisms that draw noise per batch element in training (like dropout) draw it from each process's own
+    # generator, so a rank's half batch cannot reproduce the single process's draw: they step in eval mode,
+    # where they are deterministic and still train
+    return model.double().eval() if name in TRAINING_NOISE else model.double().train()
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,3 +105,16 @@ def test_bad_input():
         attn(q, _rand((1, 2, 6, 8), 1), _rand((1, 2, 6, 8), 2))
     mha = attnkit.MultiHeadAttention(16, 2, "sinkhorn", block_size=4)
     assert mha(torch.randn(2, 10, 16), causal=True).shape == (2, 10, 16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_contiguous_inputs_as_multi_head_attention_passes_them(causal):
+    """The head split of MultiHeadAttention gives (B, H, L, D) views that are not contiguous (a `.view` on
+    them failed); the output equals the one from contiguous copies, and a Transformer trains with it."""
+    attn = _build(block_size=4, sinkhorn_iters=4)
+    q, k, v = (_rand((2, 24, 2, 8), s).transpose(1, 2) for s in (1, 2, 3))   # (B, H, L, D), strided
+    assert not q.is_contiguous()
+    want = attn(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal)
+    torch.testing.assert_close(attn(q, k, v, causal=causal), want, **TOL)
+    model = attnkit.Transformer(16, 1, 2, attention="sinkhorn", attention_options={"block_size": 4})
+    model(torch.randn(2, 12, 16), causal=causal).sum().backward()

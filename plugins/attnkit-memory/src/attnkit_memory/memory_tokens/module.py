@@ -112,7 +112,12 @@ class MemoryTokenAttention(Attention):
         sees = keep[..., N:].any(-1, keepdim=True)              # a row that sees no key of its segment gives 0
         out = out.masked_fill(~sees, 0.0)
         if not want_state:
-            return out, None
+            # w_q and w_k only write the next slots, which a forward without return_state never computes: they
+            # join the graph with an exactly zero value and gradient (a select, not 0 * p: a NaN parameter
+            # cannot reach the output), so DistributedDataParallel(find_unused_parameters=False) sees them used
+            params = (self.w_q.sum() + self.w_k.sum()).to(out.dtype)
+            none = torch.zeros((), dtype=torch.bool, device=out.device)
+            return out + torch.where(none, params, torch.zeros((), dtype=out.dtype, device=out.device)), None
         qm = mk @ self.w_q[None]                                              # (B, H, N, D)
         a = masked_softmax((qm @ K.transpose(-1, -2)) * scale, real_all.expand(B, 1, N, N + S))
         nk, nv = (a @ K) @ self.w_k[None], a @ V

@@ -52,7 +52,7 @@ def sort_matrix(k: Tensor, weight: Tensor, b: int, *, temperature: float, iters:
     """
     B, H, L, D = k.shape
     nb = math.ceil(L / b)
-    kp = pad_blocks(k, b).view(B, H, nb, b, D)
+    kp = pad_blocks(k, b).reshape(B, H, nb, b, D)
     counts = torch.full((nb,), float(b), dtype=k.dtype, device=k.device)
     counts[-1] = L - (nb - 1) * b
     summ = kp.sum(3)                                                      # (B, H, NB, D)
@@ -72,5 +72,5 @@ def sorted_blocks(x: Tensor, s: Tensor, b: int) -> Tensor:
     """``(B, H, NB·b, F)``: block ``i`` = ``Σ_j s[i, j] · block j`` of ``x`` ``(B, H, L, F)`` (zero-padded)."""
     B, H, _, F = x.shape
     nb = s.shape[-1]
-    xb = pad_blocks(x, b).view(B, H, nb, b * F)
+    xb = pad_blocks(x, b).reshape(B, H, nb, b * F)
     return torch.matmul(s, xb).view(B, H, nb * b, F)
