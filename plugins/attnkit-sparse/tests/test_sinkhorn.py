@@ -87,7 +87,15 @@ def test_gumbel_noise_in_training_only():
     torch.manual_seed(0)
     a = attn(q, k, v)
     b = attn(q, k, v)
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()   # (a NaN noise once made every row NaN)
     assert not torch.allclose(a, b)
+    # the noise is Gumbel(0, 1): the sorting logits move by a mean of Euler's constant, variance pi^2 / 6
+    torch.manual_seed(1)
+    big = torch.zeros(1, 2, 64 * 4, 8, dtype=torch.float64)                 # 2 x 64 x 64 noise draws
+    with torch.no_grad():
+        attn.sinkhorn_iters, attn.temperature = 0, 1.0
+        noise = attn.sort_matrix(big, causal=False).log()    # zero keys: logits 0, so exp(noise) comes back
+    assert abs(noise.mean().item() - 0.5772) < 0.05 and abs(noise.var().item() - 1.6449) < 0.15
 
 
 def test_bad_input():

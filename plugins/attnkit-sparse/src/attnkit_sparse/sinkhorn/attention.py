@@ -104,7 +104,7 @@ class SinkhornAttention(Attention):
         noise = None
         if self.training:
             u = torch.rand(k.shape[0], k.shape[1], nb, nb, dtype=k.dtype, device=k.device)
-            noise = -torch.log(-torch.log(u.clamp(1e-20, 1.0)).clamp(min=1e-20))
+            noise = -torch.log((-torch.log(u.clamp(1e-20, 1.0))).clamp(min=1e-20))   # Gumbel(0, 1)
         return sort_matrix(k, self.sort_weight.to(k.dtype), b, temperature=self.temperature,
                            iters=self.sinkhorn_iters, causal=causal, noise=noise)
 
