@@ -81,6 +81,17 @@ class NaNOnMaskedRowAttention(NaiveAttention):
         return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v
 
 
+
+class NaNInTrainingAttention(NaiveAttention):
+    """Correct in eval mode; in training mode a noise term takes the log of a negative number (NaN everywhere)."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        out = super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        if self.training:
+            u = torch.rand((), dtype=out.dtype, device=out.device)
+            out = out + 0.0 * torch.log(-torch.log(u).clamp(min=1e-20))   # the .clamp binds before the minus
+        return out
+
 class StreamingMismatchAttention(NaiveAttention):
     """Declares exact streaming, but each step forgets the earlier chunks (no KV cache)."""
 
@@ -478,6 +489,8 @@ CASES: list[BrokenCase] = [
                {"exact": True, "capabilities": Capabilities(backends=("torch", "fake"))}),
     BrokenCase(BypassPaddingGradLeakAttention, "broken-padding-grad", "gradients", "at padded key positions",
                {"exact": True, "capabilities": BASIC}),
+    BrokenCase(NaNInTrainingAttention, "broken-nan-training", "training_mode",
+               r"training mode, call 1: output has \d+ non-finite", {"exact": True, "capabilities": BASIC}),
     BrokenCase(DetachedKeysAttention, "broken-gradcheck", "gradcheck", r"gradcheck .* failed .*Jacobian mismatch",
                {"exact": True, "capabilities": BASIC}),
     # contract 2: reference agreement, padding without the perturbation trick, bad inputs, streaming

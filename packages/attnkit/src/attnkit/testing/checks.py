@@ -14,7 +14,7 @@ module                      checks
 ``scaled_inputs``           scaled_inputs (approximate specs: q, k scaled by 10, 30, 100)
 ``streaming``               streaming, state_validation
 ``backends``                backends
-``gradients``               gradients, gradcheck
+``gradients``               gradients, training_mode, gradcheck
 ``serialisation``           state_dict, serialisation
 ``fuzz``                    fuzz (hypothesis: random shapes, dtypes, padding, masks, options)
 ==========================  ===================================================
@@ -56,7 +56,7 @@ from .config import (
 )
 from .context import isolated, make_inputs
 from .fuzz import check_fuzz
-from .gradients import check_gradcheck, check_gradients
+from .gradients import check_gradcheck, check_gradients, check_training_mode
 from .masks import check_attn_mask, check_fully_masked_rows, check_key_padding, check_mask_objects
 from .reference import check_error_bound, check_reference
 from .scaled_inputs import check_scaled_inputs
@@ -72,7 +72,7 @@ __all__ = [
     "check_determinism", "check_empty_sequences", "check_error_bound", "check_fuzz", "check_fully_masked_rows",
     "check_gradcheck", "check_gradients", "check_key_padding", "check_mask_objects", "check_nan_queries",
     "check_padded_values", "check_reference", "check_refusals", "check_serialisation", "check_shapes_dtypes",
-    "check_scaled_inputs", "check_state_dict", "check_state_validation", "check_streaming",
+    "check_scaled_inputs", "check_state_dict", "check_state_validation", "check_streaming", "check_training_mode",
 ]
 
 #: Every check, in the order they run; the keys are the names used by ``skip``
@@ -95,6 +95,7 @@ CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
         ("state_validation", check_state_validation),
         ("backends", check_backends),
         ("gradients", check_gradients),
+        ("training_mode", check_training_mode),
         ("gradcheck", check_gradcheck),
         ("state_dict", check_state_dict),
         ("serialisation", check_serialisation),

@@ -1,4 +1,4 @@
-"""Gradient checks: finite everywhere, zero at padded keys; ``torch.autograd.gradcheck``."""
+"""Gradient checks: finite everywhere, zero at padded keys; training mode; ``torch.autograd.gradcheck``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,33 @@ def check_gradients(cfg: ConformanceConfig) -> None:
                     c.fail(f"{label}: the gradient of {name} at padded key positions must be 0, got max "
                            f"|grad| = {leak.abs().max().item():.3g}")
 
+
+
+def check_training_mode(cfg: ConformanceConfig) -> None:
+    """In training mode (``module.train()``) outputs and the gradients of q, k, v and parameters are finite.
+
+    Every other check builds the module in eval mode; this one runs what
+    happens only in training: noise (Gumbel-Sinkhorn), feature redraws,
+    buffers updated from the batch (k-means centroids), stochastic choices.
+    Each declared float dtype, the generator's plain and padding cases (each
+    declared causal mode), two forward and backward passes in a row (a
+    training-time buffer update must leave the next call finite).
+    """
+    c = Ctx("training_mode", cfg)
+    for dt in c.float_dtypes():
+        attn = c.build(dtype=dt).train()
+        names = grad_names(attn)
+        for n, case in enumerate(c.cases(attn, ["plain", "padding"])):
+            for rep in range(2):
+                label = f"{case.describe(dt)}, training mode, call {rep + 1}"
+                q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n, requires_grad=True)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(cfg.seed + 31 * n + rep)
+                    out = c.call(attn, label, q, k, v, grad=True, **case.kwargs(dt))
+                    c.finite(out, label, "output")
+                    g = c.grads(attn, out, (q, k, v), label, seed=1300 + n)
+                for name, t in zip(names, g):
+                    c.finite(t, label, f"gradient of {name}")
 
 def check_gradcheck(cfg: ConformanceConfig) -> None:
     """:func:`torch.autograd.gradcheck` passes in float64 on tiny shapes.

@@ -190,6 +190,10 @@ class AttentionConformance:
         """Gradients are finite; padded keys get zero gradient."""
         self.run_check("gradients")
 
+    def test_training_mode(self) -> None:
+        """In training mode (noise, redraws, batch-updated buffers) outputs and gradients are finite."""
+        self.run_check("training_mode")
+
     def test_gradcheck(self) -> None:
         """torch.autograd.gradcheck passes in float64 on tiny shapes."""
         self.run_check("gradcheck")
