@@ -75,6 +75,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                 results[family] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        # both ranks done before either tears the group down: a rank that closes its pairs while the other
+        # still talks kills that one with 'terminate called without an active exception' (SIGABRT)
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
         dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ states), in float64. Skipped unless ``attnkit_memory`` is importable.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import pytest
@@ -81,6 +82,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, attention: str)
         torch.save({"params": {n: p.detach() for n, p in model.named_parameters()}, "losses": losses},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        # both ranks done before either tears the group down: a rank that closes its pairs while the other
+        # still talks kills that one with 'terminate called without an active exception' (SIGABRT)
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
         dist.destroy_process_group()
 
 

@@ -12,6 +12,8 @@ random data, and a few SGD steps then reach NaN on their own.
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,6 +60,9 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
         if rank == 0:
             results.put(out)
     finally:
+        # both ranks done before either tears the group down: a rank that closes its pairs while the other
+        # still talks kills that one with 'terminate called without an active exception' (SIGABRT)
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
         dist.destroy_process_group()
 
 
