@@ -363,7 +363,8 @@ def backward_dq(q, k, v, do, lse, delta, H, kv_count, kv_idx, kv_tile, bank, bq,
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dq_from_ds(k, ds, ds_off, L, H, kv_count, kv_idx, bq, bk):  # pragma: no cover - compiled
-    """``dQ = sum over visited tiles of (scale·dS) K`` from the tiles :func:`backward_dkdv` kept in ``ds``.
+    """``dQ = sum over visited tiles of (scale·dS) K`` from the tiles :func:`backward_dkdv` kept in ``ds``
+    (key-major ``(BK, BQ)`` tiles, as that kernel computes them: no transposed copy).
 
     ``ds`` is compact: the tiles of query block ``qb`` start at ``ds_off[b', h', qb]`` (an exclusive
     cumulative sum of ``kv_count``), so the buffer holds visited tiles only, never NQ x max(count)."""
@@ -379,14 +380,20 @@ def backward_dq_from_ds(k, ds, ds_off, L, H, kv_count, kv_idx, bq, bk):  # pragm
         acc = np.zeros((bq, D), dtype=k.dtype)
         for c in range(kv_count[bi, hi, qb]):
             k0 = kv_idx[bi, hi, qb, c] * bk
-            _axpy(acc, qn, ds[n, ds_off[bi, hi, qb] + c], ks, k0, min(bk, S - k0))
+            dst = ds[n, ds_off[bi, hi, qb] + c]          # key-major (BK, BQ)
+            kn = min(bk, S - k0)
+            for g in range(0, qn, 4):
+                _axpy_t(acc, g, min(4, qn - g), dst, ks, k0, 0, kn)
         dq[n, q0:q0 + qn] = acc[:qn]
     return dq
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, bank, bq, bk, cst, is32,
-                  ds, ds_off):  # pragma: no cover - compiled
+                  ds, ds_off, qT, doT):  # pragma: no cover - compiled
+    """``dK``, ``dV`` (and ``scale·dS`` per tile into ``ds`` when it is not empty). ``qT``, ``doT``: ``q`` and ``do``
+    transposed, ``(N, D, L)`` and ``(N, E, L)``, so a tile's transposed block is a copy of contiguous row pieces
+    instead of a scalar transpose per tile."""
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]
@@ -412,8 +419,16 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
             qb = q_idx[bi, hi, kb, c]; t = q_tile[bi, hi, kb, c]
             q0 = qb * bq
             qn = min(bq, L - q0)
-            _transpose(qs, q0, qn, QT)
-            _transpose(dos, q0, qn, OT)
+            for d in range(D):
+                src = qT[n, d, q0:q0 + qn]
+                dst = QT[d]
+                for i in range(qn):
+                    dst[i] = src[i]
+            for e in range(E):
+                src = doT[n, e, q0:q0 + qn]
+                dst = OT[e]
+                for i in range(qn):
+                    dst[i] = src[i]
             _dots(ks, k0, kn, QT, ST, zero)
             if t >= 0:
                 _apply_tile_mask(ST, kn, qn, bank, t, True)
@@ -428,11 +443,13 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
                 for i in range(qn):
                     dPT[j, i] = ST[j, i] * (dPT[j, i] - dl[i]) * sc
             _axpy(dka, kn, dPT, qs, q0, qn)
-            if ds.shape[0]:  # keep scale·dS for dQ (query-major), at the tile's slot in kv_idx
+            if ds.shape[0]:  # keep scale·dS for dQ, key-major as computed, at the tile's slot in kv_idx
                 dst = ds[n, ds_off[bi, hi, qb] + q_slot[bi, hi, kb, c]]
                 for j in range(kn):
+                    dj = dst[j, :qn]
+                    sj = dPT[j, :qn]
                     for i in range(qn):
-                        dst[i, j] = dPT[j, i]
+                        dj[i] = sj[i]
         dk[n, k0:k0 + kn] = dka[:kn]
         dv[n, k0:k0 + kn] = dva[:kn]
     return dk, dv
