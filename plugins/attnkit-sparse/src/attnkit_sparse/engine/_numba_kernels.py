@@ -5,27 +5,37 @@ Arrays: ``q (N, L, D)``, ``k (N, S, D)``, ``v (N, S, E)`` with N = B·H (row
 ``n`` is batch ``n // H``, head ``n % H``); the plan's index arrays (see
 :mod:`.plan`) with a leading ``(B', H')`` indexed by ``b % B'``, ``h % H'``.
 
-* :func:`forward`: ``prange`` over N x NQ query blocks. Per visited key block:
-  the key tile is transposed into a ``(D, BK)`` buffer, scores ``Q Kᵀ`` and
-  ``acc += P V`` are both computed as axpy rows (:func:`_axpy`: 4 rows x 4
+* :func:`forward`: ``prange`` over N x NQ query blocks. The query block is
+  scaled and transposed once (``(D, BQ)``); per visited key block the scores
+  are computed key-major, ``Sᵀ = K Qᵀ`` (:func:`_dots`: axpy rows, 4 rows x 4
   terms per pass, vectorised over the contiguous row with ``reassoc``; no
-  horizontal sums), then the tile's element mask (PARTIAL) and an
-  online-softmax update of the row maxima and sums. Stores ``out`` and ``lse = m + log(l)`` per row.
+  horizontal sums), so the column maxima, the ``exp`` and the column sums of
+  the online softmax are vertical passes vectorised across the 64 queries,
+  with no per-row loop; the PARTIAL tile's element mask is applied first.
+  ``acc += P V`` reads ``P`` transposed (:func:`_axpy_t`), restricted on
+  PARTIAL tiles to the keys each group of 4 queries may see. Stores ``out``
+  and ``lse = m + log(l)`` per row.
 * :func:`backward_dq`: ``prange`` over N x NQ: recomputes ``P = exp(scale·QKᵀ −
   lse)`` from the saved log-sum-exp (FlashAttention-2), ``dP = dO Vᵀ``,
   ``dS = P (dP − Δ)``, ``dQ += scale · dS K``.
 * :func:`backward_dkdv`: ``prange`` over N x NK key blocks via the transposed
   index: ``dV += Pᵀ dO``, ``dK += scale · dSᵀ Q``. Each worker owns the rows
   it writes, so no two threads write the same rows. It can keep ``scale·dS``
-  per tile (``ds``, at the tile's slot of the query-major index); then
+  per tile (``ds``, key-major as computed, at the tile's slot of the query-major index); then
   :func:`backward_dq_from_ds` gives ``dQ`` with one product per tile instead
   of :func:`backward_dq`'s three and an ``exp`` (5 tile products in the
   backward instead of 7, for memory ``tiles·BQ·BK``).
 
 ``exp`` is evaluated a row of a tile at a time by a polynomial with an exact
-power-of-two scaling through an integer view (:func:`_exp_row`), so the loop
-vectorises (numba has no vector ``exp`` without Intel's SVML). Its
+power-of-two scaling through an integer view (:func:`_exp_into`), in two loops
+LLVM vectorises (numba has no vector ``exp`` without Intel's SVML). Its
 relative error is ~1e-7 in float32 and ~1e-14 in float64.
+
+Two rules keep the inner loops vectorised (checked in the assembly): loops run
+from 0 over views (``range(a, b)`` with a runtime ``a`` makes numba wrap
+possibly negative indices, a select per element LLVM cannot vectorise), and
+float32 stays float32 (``int32 · float32`` and ``float32 · 0`` are float64 in
+numba's typing; constants come from the typed ``cst`` array).
 """
 
 from __future__ import annotations
