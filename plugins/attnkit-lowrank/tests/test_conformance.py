@@ -80,9 +80,6 @@ class TestClusteredConformance(AttentionConformance):
 class TestImprovedClusteredConformance(AttentionConformance):
     name = "improved-clustered"
     options = {"clusters": 3, "bits": 8, "iterations": 3, "top_k": 3}
-    skip = {"scaled_inputs": ("the clusters are a discrete choice (Hamming K-means of LSH codes): at q, k x10 "
-                              "float32 rounding picks other clusters than the float64 reference, so the outputs "
-                              "differ by the choice, not by under- or overflow")}
 
 
 class TestIsabConformance(AttentionConformance):
