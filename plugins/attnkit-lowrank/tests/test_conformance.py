@@ -12,10 +12,11 @@ from __future__ import annotations
 from attnkit.testing import AttentionConformance
 
 SOFT_SCALED = {"scaled_inputs": (
-    "open defect (issue 12): the unnormalised Gaussian kernels exp(-scale/2 |q - k~|^2) underflow in float32 "
-    "at q, k x30 "
-    "(an all-zero last row where the float64 reference, multiplied by the large pseudo-inverse, is not); "
-    "a stable form needs the kernels factored with per-row shifts that the Newton iteration keeps consistent")}
+    "inherent to the paper's unnormalised kernel, not an underflow of the implementation: SOFT's output itself "
+    "scales like exp(-scale/2 |q - k~|^2), and at q, k x30 the float64 reference's largest output entry is "
+    "1e-127 to 1e-298 on the kit's inputs, below float32's smallest subnormal (1.4e-45), so any faithful float32 "
+    "result is 0; at x100 the float64 reference is 0 too. At x10 the float32 path matches the reference to "
+    "<= 1e-4 (tests/test_soft_scaled.py measures both)")}
 
 
 class TestNystromConformance(AttentionConformance):
