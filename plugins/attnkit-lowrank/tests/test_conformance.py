@@ -54,8 +54,9 @@ class TestSoftPoolConformance(AttentionConformance):
 
 
 class TestMemoryCompressedConformance(AttentionConformance):
+    """Defaults, as a bare `attnkit check memory-compressed` runs them (the kit hints value_dim = E)."""
+
     name = "memory-compressed"
-    options = {"value_dim": 6}
 
 
 class TestMcaPoolConformance(AttentionConformance):

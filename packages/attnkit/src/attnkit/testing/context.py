@@ -184,7 +184,8 @@ class Ctx:
         ``backend=None`` leaves the option out (the spec's default).
         """
         hints = {"num_heads": self.H if heads is None else heads,
-                 "head_dim": self.D if head_dim is None else head_dim}
+                 "head_dim": self.D if head_dim is None else head_dim,
+                 "value_dim": self.E}     # only to factories that name it (e.g. a learned value convolution)
         if backend is not None:
             extra["backend"] = backend
         with torch.random.fork_rng(devices=[]):

@@ -224,7 +224,7 @@ def _build(cfg: ConformanceConfig, case: FuzzCase, dtype: torch.dtype) -> Any:
     """The module under ``torch.manual_seed(cfg.seed)`` (RNG forked), eval mode, on cfg.device in ``dtype``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        attn = cfg.registry.build_with_hints(cfg.name, {"num_heads": case.H, "head_dim": case.D},
+        attn = cfg.registry.build_with_hints(cfg.name, {"num_heads": case.H, "head_dim": case.D, "value_dim": case.E},
                                              **{**cfg.options, **case.options})
     return attn.to(device=cfg.device, dtype=dtype).eval()
 
