@@ -128,6 +128,13 @@ class TestLunaPerHeadChunkedConformance(AttentionConformance):
     options = {"packed_len": 3, "per_head": True, "chunk_size": 2}   # several causal chunks per sequence
 
 
+class TestLunaPrefixSoftmaxConformance(AttentionConformance):
+    """The non-default causal form (the paper's is the default, in the two classes above)."""
+
+    name = "luna"
+    options = {"packed_len": 3, "chunk_size": 4, "causal_form": "prefix-softmax"}
+
+
 class TestPoolingformerConformance(AttentionConformance):
     """Defaults (window 128, pool window 512): on the kit's short lengths both windows cover everything."""
 

@@ -15,13 +15,19 @@ unpack each have their own projections of one model-width P'; the attention
 contract takes q, k, v already projected, so the packed keys and values are
 the weighted sums of k and v themselves (the model layer owns projections).
 
-Causal form (L == S): query t unpacks a pack of the keys ``0..t`` only,
-``A_t = softmax over j <= t of scale · P k_j``, ``K_p(t) = A_t K``,
-``V_p(t) = A_t V``. Computed in query chunks with a log-cumulative-sum-exp of
-the pack scores (no overflow, no 0/0): O(L·chunk·m·(D + E)). This is the
-causal restriction of the non-causal equations, not the paper's own causal
-variant (which changes the pack's normalisation); the state after a causal
-call is the pack of the whole chunk.
+Causal form (L == S), ``causal_form="paper"`` (default), the paper's causal
+Luna: the pack weights are ``w_jl = elu(scale · p_l·k_j) + 1`` (positive, no
+normalisation over positions) and query t unpacks the mean over the t' keys
+``j <= t`` (t' = t + 1, or the number of real keys among them):
+``K_p(t) = (1/t') sum_{j<=t} w_j k_j``, ``V_p(t) = (1/t') sum_{j<=t} w_j v_j``,
+``out_t = softmax(scale · q_t K_p(t)^T) V_p(t)`` — cumulative sums, as in the
+paper. ``causal_form="prefix-softmax"``: the causal restriction of the
+non-causal equations, ``A_t = softmax over j <= t of scale · P k_j``, computed
+with a log-cumulative-sum-exp of the pack scores (no overflow, no 0/0); its
+last row equals the non-causal output. Both run in query chunks:
+O(L·chunk·m·(D + E)). The state after a causal call is the softmax pack of
+the whole chunk (for the next segment: it summarises the chunk's future, so
+it is not for the next layer over the same positions).
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_bool, check_int, softmax_attend
+from ..common import check_bool, check_choice, check_int, softmax_attend
 from ..plugin import LUNA
+
+CAUSAL_FORMS = ("paper", "prefix-softmax")
 
 
 class LunaAttention(attnkit.Attention):
@@ -56,6 +64,9 @@ class LunaAttention(attnkit.Attention):
         packed_len: m, the length of the packed sequence (the paper's l: 16, 128 or 256).
         per_head: one learned packed sequence per head instead of one shared.
         chunk_size: queries per chunk of the causal form (memory O(chunk·m·(chunk + D + E))).
+        causal_form: ``"paper"`` (the paper's causal Luna: pack weights
+            ``elu(scale·p·k) + 1`` averaged over the visible keys) or
+            ``"prefix-softmax"`` (the non-causal pack's softmax over each prefix).
 
     Raises:
         InvalidInputError: an option of the wrong type or out of range; a state
@@ -63,7 +74,8 @@ class LunaAttention(attnkit.Attention):
         UnsupportedFeatureError: ``attn_mask``, other mask kinds, causal with L != S.
     """
 
-    option_constraints = {"packed_len": {"minimum": 1}, "chunk_size": {"minimum": 1}}
+    option_constraints = {"packed_len": {"minimum": 1}, "chunk_size": {"minimum": 1},
+                          "causal_form": {"choices": CAUSAL_FORMS}}
     capabilities = LUNA.capabilities
     refusal_reasons = {
         "attn_mask": "a per-pair mask cannot be applied through the packed sequence",
@@ -71,11 +83,12 @@ class LunaAttention(attnkit.Attention):
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
                  backend: str = "auto", packed_len: int = 16, per_head: bool = False,
-                 chunk_size: int = 16) -> None:
+                 chunk_size: int = 16, causal_form: str = "paper") -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
         self.packed_len = check_int("packed_len", packed_len)
         self.per_head = check_bool("per_head", per_head)
         self.chunk_size = check_int("chunk_size", chunk_size)
+        self.causal_form = check_choice("causal_form", causal_form, CAUSAL_FORMS)
         if head_dim is None:
             raise InvalidInputError("head_dim: the packed sequence holds head_dim vectors; give head_dim")
         if per_head and num_heads is None:
@@ -84,7 +97,8 @@ class LunaAttention(attnkit.Attention):
         self.packed = nn.Parameter(torch.randn(p, packed_len, head_dim) / math.sqrt(head_dim))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, packed_len={self.packed_len}, per_head={self.per_head}"
+        return (f"{super().extra_repr()}, packed_len={self.packed_len}, per_head={self.per_head}, "
+                f"causal_form={self.causal_form!r}")
 
     def start(self, q: Tensor, state: Tensor | None) -> Tensor:
         """The packed sequence P: ``state`` ``(B, H, m, D)`` or the learned one, broadcastable to it."""
@@ -138,11 +152,42 @@ class LunaAttention(attnkit.Attention):
             lse0, kp0, vp0 = lse[..., -1], kp[..., -1, :], vp[..., -1, :]
         return torch.cat(outs, 2)
 
+    def paper_causal_unpack(self, q: Tensor, p: Tensor, k: Tensor, v: Tensor, scale: float,
+                            keep: Tensor | None) -> Tensor:
+        """The paper's causal form: pack weights ``elu(s) + 1``, the mean over the visible keys; ``(B, H, L, E)``."""
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        p = p.expand(B, H, *p.shape[-2:])
+        w = nn.functional.elu((scale * p) @ k.transpose(-1, -2)) + 1           # (B, H, m, L)
+        if keep is None:
+            count = torch.arange(1, L + 1, device=q.device, dtype=q.dtype).expand(B, L)
+        else:
+            w = w * keep[:, None, None, :].to(w.dtype)
+            count = keep.to(q.dtype).cumsum(-1)                                  # real keys among 0..t
+        count = count.clamp(min=1)[:, None, None, :, None]                      # (B, 1, 1, L, 1); 0 keys: sums 0
+        m = w.shape[2]
+        kp0, vp0 = k.new_zeros(B, H, m, D), v.new_zeros(B, H, m, E)            # running sums over earlier chunks
+        outs = []
+        for a in range(0, L, self.chunk_size):
+            wc = w[..., a:a + self.chunk_size]                                  # (B, H, m, c)
+            c = wc.shape[-1]
+            tri = torch.ones(c, c, dtype=w.dtype, device=q.device).tril()      # [t, j]: j <= t
+            wt = wc[..., None, :] * tri                                         # (B, H, m, t, j)
+            kp = kp0[..., None, :] + wt @ k[:, :, None, a:a + c]                # (B, H, m, t, D) sums
+            vp = vp0[..., None, :] + wt @ v[:, :, None, a:a + c]                # (B, H, m, t, E)
+            n = count[..., a:a + c, :]
+            sq = scale * torch.einsum("bhtd,bhmtd->bhtm", q[:, :, a:a + c], kp / n)
+            outs.append(torch.einsum("bhtm,bhmte->bhte", torch.softmax(sq, -1), vp / n))
+            kp0, vp0 = kp[..., -1, :], vp[..., -1, :]
+        return torch.cat(outs, 2)
+
     def _luna(self, q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None, causal: bool,
               state: Tensor | None, want_state: bool) -> Tensor | tuple[Tensor, Tensor]:
         p = self.start(q, state)
         k_p, v_p = self.pack(p, k, v, scale, keep)
-        if causal:
+        if causal and self.causal_form == "paper":
+            out = self.paper_causal_unpack(q, p, k, v, scale, keep)
+        elif causal:
             out = self.causal_unpack(q, p, k, v, scale, keep)
         else:
             out = softmax_attend(q, (scale * k_p).transpose(-1, -2), v_p)
