@@ -147,23 +147,40 @@ class PoolingformerAttention(attnkit.Attention):
         kp, vp = pool(kq, self.pool_size, self.pool_stride), pool(v, self.pool_size, self.pool_stride)
         start, end = (t.to(q.device) for t in segments(c, self.pool_size, self.pool_stride))
         P = start.shape[0]
-        pos = torch.arange(c, device=q.device)
         ranks = rank.tolist()
+        size = self.chunk_size
+        firsts, lasts = ranks[::size], ranks[size - 1::size] + ([ranks[-1]] if L % size else [])
+        # each chunk's key window [lo1, hi1) and segment window [lo2, hi2), gathered for all chunks at once
+        # (one index_select each, unbound per chunk): slicing per chunk made the backward write a whole
+        # (B, H, c, D) zero tensor per chunk, quadratic in L
+        lo1 = [max(0, ra - r1) for ra in firsts]
+        hi1 = [max(lo, rb + 1 if causal else min(c, rb + r1 + 1)) for lo, rb in zip(lo1, lasts)]
+        lo2 = [max(0, (ra - r2 - self.pool_size) // self.pool_stride) for ra in firsts]
+        hi2 = [max(lo, min(P, (rb + r2) // self.pool_stride + 1)) for lo, rb in zip(lo2, lasts)]
+
+        def windows(lo: list[int], hi: list[int], n: int) -> tuple[Tensor, Tensor]:
+            width = max(1, max(h - lo_ for lo_, h in zip(lo, hi)))
+            idx = torch.tensor(lo, device=q.device)[:, None] + torch.arange(width, device=q.device)
+            valid = idx < torch.tensor(hi, device=q.device)[:, None]
+            return idx.clamp(max=max(n - 1, 0)), valid                        # (chunks, width)
+
+        idx1, valid1 = windows(lo1, hi1, c)
+        idx2, valid2 = windows(lo2, hi2, P)
+
+        def gather(x: Tensor, idx: Tensor) -> tuple[Tensor, ...]:
+            if x.shape[2] == 0:      # no keys: every window is empty (all masked below)
+                x = x.new_zeros(*x.shape[:2], 1, x.shape[3])
+            return x.index_select(2, idx.flatten()).unflatten(2, idx.shape).unbind(2)
+
+        k1, v1, k2, v2 = gather(kq, idx1), gather(v, idx1), gather(kp, idx2), gather(vp, idx2)
         outs = []
-        for a in range(0, L, self.chunk_size):
-            b = min(a + self.chunk_size, L)
-            ra, rb = ranks[a], ranks[b - 1]
-            i = rank[a:b, None]
-            qc = q[:, :, a:b]
-            lo = max(0, ra - r1)
-            hi = max(lo, rb + 1 if causal else min(c, rb + r1 + 1))
-            j = pos[None, lo:hi]
-            keep1 = (i - j <= r1) & ((j <= i) if causal else (j - i <= r1))
-            y = _softmax_rows(qc @ kq[:, :, lo:hi].transpose(-1, -2), keep1, v[:, :, lo:hi])
-            plo = max(0, (ra - r2 - self.pool_size) // self.pool_stride)
-            phi = max(plo, min(P, (rb + r2) // self.pool_stride + 1))
-            s_, e_ = start[None, plo:phi], end[None, plo:phi] - 1                  # inclusive ends
-            keep2 = (e_ >= i - r2) & ((e_ <= i) if causal else (s_ <= i + r2))
-            z = _softmax_rows(qc @ kp[:, :, plo:phi].transpose(-1, -2), keep2, vp[:, :, plo:phi])
+        for n, (qc, i) in enumerate(zip(q.split(size, 2), rank.split(size))):
+            i = i[:, None]
+            j = idx1[n][None, :]
+            keep1 = valid1[n] & (i - j <= r1) & ((j <= i) if causal else (j - i <= r1))
+            y = _softmax_rows(qc @ k1[n].transpose(-1, -2), keep1, v1[n])
+            s_, e_ = start[idx2[n]][None, :], end[idx2[n]][None, :] - 1            # inclusive ends
+            keep2 = valid2[n] & (e_ >= i - r2) & ((e_ <= i) if causal else (s_ <= i + r2))
+            z = _softmax_rows(qc @ k2[n].transpose(-1, -2), keep2, v2[n])
             outs.append(y + z)
         return torch.cat(outs, 2)
