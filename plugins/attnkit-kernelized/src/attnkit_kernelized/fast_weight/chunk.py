@@ -59,18 +59,19 @@ def delta_rule(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor
     T = torch.linalg.solve_triangular(A, torch.diag_embed(b.squeeze(-1)), upper=False, unitriangular=True)
     W, U = T @ k, T @ w
 
-    def steps(x: Tensor) -> Tensor:
-        """``(B, H, N, r, c)`` -> ``(N, B*H, r, c)``: one contiguous ``(B*H, r, c)`` block per chunk."""
-        return x.reshape(B * H, N, *x.shape[-2:]).transpose(0, 1).contiguous()
+    def steps(x: Tensor) -> tuple[Tensor, ...]:
+        """``(B, H, N, r, c)`` -> N contiguous ``(B*H, r, c)`` blocks, one per chunk. ``unbind``, not
+        indexing: its backward stacks the N gradients once (indexing's would fill N full-size zero tensors)."""
+        return x.reshape(B * H, N, *x.shape[-2:]).transpose(0, 1).contiguous().unbind(0)
 
     Ws, Us, kTs = steps(W), steps(U), steps(kT)
     S = q.new_zeros(B * H, M, E) if S0 is None else S0.reshape(B * H, M, E).to(q.dtype)
     starts, us = [], []
-    for n in range(N):  # over chunks, not positions
+    for W_n, U_n, kT_n in zip(Ws, Us, kTs):  # over chunks, not positions
         starts.append(S)
-        u = torch.baddbmm(Us[n], Ws[n], S, alpha=-1.0)                       # U - W S_0
+        u = torch.baddbmm(U_n, W_n, S, alpha=-1.0)                             # U - W S_0
         us.append(u)
-        S = torch.baddbmm(S, kTs[n], u)                                        # S_0 + K^T u
+        S = torch.baddbmm(S, kT_n, u)                                          # S_0 + K^T u
     if N == 0:
         return v.new_zeros(B, H, 0, E), S.reshape(B, H, M, E)
     S_start = torch.stack(starts, dim=1).view(B, H, N, M, E)
