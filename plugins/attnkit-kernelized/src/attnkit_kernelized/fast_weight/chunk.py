@@ -60,11 +60,12 @@ def delta_rule(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor
     W, U = T @ k, T @ w
 
     def steps(x: Tensor) -> tuple[Tensor, ...]:
-        """``(B, H, N, r, c)`` -> N contiguous ``(B*H, r, c)`` blocks, one per chunk. ``unbind``, not
-        indexing: its backward stacks the N gradients once (indexing's would fill N full-size zero tensors)."""
-        return x.reshape(B * H, N, *x.shape[-2:]).transpose(0, 1).contiguous().unbind(0)
+        """``(B, H, N, r, c)`` -> N ``(B*H, r, c)`` views, one per chunk (no copy: bmm takes the batch stride).
+        ``unbind``, not indexing: its backward stacks the N gradients once (indexing's would fill N
+        full-size zero tensors)."""
+        return x.reshape(B * H, N, *x.shape[-2:]).unbind(1)
 
-    Ws, Us, kTs = steps(W), steps(U), steps(kT)
+    Ws, Us, kTs = steps(W), steps(U), tuple(k_n.transpose(-1, -2) for k_n in steps(k))
     S = q.new_zeros(B * H, M, E) if S0 is None else S0.reshape(B * H, M, E).to(q.dtype)
     starts, us = [], []
     for W_n, U_n, kT_n in zip(Ws, Us, kTs):  # over chunks, not positions
