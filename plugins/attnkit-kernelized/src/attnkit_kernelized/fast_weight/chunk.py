@@ -14,11 +14,13 @@ unit-lower-triangular solve per chunk, every chunk at once), ``W = T K`` and
 
     u = U - W S_0;   out = Q S_0 + tril(Q K^T) u;   S_C = S_0 + K^T u
 
-Everything but the two products ``W S_0`` and ``K^T u`` is computed for all
-chunks at once (batched matrix products); only those two run in a loop over
-the ``L / C`` chunks (not the ``L`` positions), on ``(C, M) x (M, E)`` matrices.
-The read-out ``Q S_0 + tril(Q K^T) u`` runs after the loop for every chunk at
-once. Padded keys arrive with ``k = 0`` and ``v = 0`` (the core zeroes them), so
+``T``, ``W``, ``U`` and ``tril(Q K^T)`` are computed for every chunk at once
+(batched matrix products); a loop over the ``L / C`` chunks (not the ``L``
+positions) then runs ``u``, the read-out and the state update as small batched
+products (``(C, M) x (M, E)``, ``(C, C) x (C, E)``), the state updated in place
+when no gradient is needed (measured faster than stacking every chunk's state
+and reading out after the loop: 122 against 171 ms forward at L = 8192, C = 32,
+one thread). Padded keys arrive with ``k = 0`` and ``v = 0`` (the core zeroes them), so
 their ``u`` row touches neither the state nor any output. Masks inside a chunk
 use ``masked_fill``, so an Inf or NaN at a later position cannot reach an
 earlier output. The backward pass is autograd's through these operations.
@@ -59,24 +61,28 @@ def delta_rule(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor
     T = torch.linalg.solve_triangular(A, torch.diag_embed(b.squeeze(-1)), upper=False, unitriangular=True)
     W, U = T @ k, T @ w
 
-    def steps(x: Tensor) -> tuple[Tensor, ...]:
-        """``(B, H, N, r, c)`` -> N ``(B*H, r, c)`` views, one per chunk (no copy: bmm takes the batch stride).
-        ``unbind``, not indexing: its backward stacks the N gradients once (indexing's would fill N
-        full-size zero tensors)."""
-        return x.reshape(B * H, N, *x.shape[-2:]).unbind(1)
+    qk = (q @ kT).masked_fill(future, 0.0)                                      # inclusive causal
 
-    Ws, Us, kTs = steps(W), steps(U), tuple(k_n.transpose(-1, -2) for k_n in steps(k))
+    def steps(x: Tensor) -> tuple[Tensor, ...]:
+        """``(B, H, N, r, c)`` -> N contiguous ``(B*H, r, c)`` blocks, one per chunk (one copy here: bmm would
+        copy a strided batch on every call). ``unbind``, not indexing: its backward stacks the N gradients
+        once (indexing's would fill N full-size zero tensors)."""
+        return x.reshape(B * H, N, *x.shape[-2:]).transpose(0, 1).contiguous().unbind(0)
+
+    # without autograd the state is updated in place (no copy of S per chunk)
+    track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (phi_q, phi_k, v, beta, S0))
     S = q.new_zeros(B * H, M, E) if S0 is None else S0.reshape(B * H, M, E).to(q.dtype)
-    starts, us = [], []
-    for W_n, U_n, kT_n in zip(Ws, Us, kTs):  # over chunks, not positions
-        starts.append(S)
+    if not track:
+        S = S.clone()
+    outs = []
+    for W_n, U_n, kT_n, q_n, qk_n in zip(steps(W), steps(U), steps(kT), steps(q), steps(qk)):  # chunks, not positions
         u = torch.baddbmm(U_n, W_n, S, alpha=-1.0)                             # U - W S_0
-        us.append(u)
-        S = torch.baddbmm(S, kT_n, u)                                          # S_0 + K^T u
+        outs.append(torch.baddbmm(torch.bmm(qk_n, u), q_n, S))                 # Q S_0 + tril(Q K^T) u
+        if track:
+            S = torch.baddbmm(S, kT_n, u)                                      # S_0 + K^T u
+        else:
+            S.baddbmm_(kT_n, u)
     if N == 0:
         return v.new_zeros(B, H, 0, E), S.reshape(B, H, M, E)
-    S_start = torch.stack(starts, dim=1).view(B, H, N, M, E)
-    u_all = torch.stack(us, dim=1).view(B, H, N, C, E)
-    qk = (q @ kT).masked_fill(future, 0.0)                                      # inclusive causal
-    out = q @ S_start + qk @ u_all
-    return out.reshape(B, H, N * C, E)[:, :, :L], S.reshape(B, H, M, E)
+    out = torch.stack(outs, dim=1).view(B, H, N * C, E)
+    return out[:, :, :L], S.reshape(B, H, M, E)
