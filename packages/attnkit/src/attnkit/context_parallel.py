@@ -33,7 +33,6 @@ all-reduce even where it did not use what it gathered (rank 0 has no prefix).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -45,9 +44,9 @@ from .errors import InvalidInputError, UnsupportedFeatureError
 __all__ = ["ContextParallel", "context_parallel", "shard_sequence", "chunk_bounds", "sequence_parallel",
            "active_group"]
 
-#: the process group of an enclosing :func:`sequence_parallel` block (a one-element list: "no group" is None)
-_ACTIVE: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("attnkit_context_parallel",
-                                                                           default=None)
+#: the process groups of the enclosing :func:`sequence_parallel` blocks, innermost last. A plain list,
+#: not a ContextVar: torch.compile traces a read of it (and guards on it), it cannot trace ContextVar.get
+_ACTIVE: list[Any] = []
 
 
 @contextlib.contextmanager
@@ -64,16 +63,16 @@ def sequence_parallel(group: Any = None) -> Iterator[None]:
     Args:
         group: the process group (None: the default group).
     """
-    token = _ACTIVE.set([group])
+    _ACTIVE.append(group)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.pop()
 
 
 def active_group() -> list[Any] | None:
-    """``[group]`` inside a :func:`sequence_parallel` block, else None."""
-    return _ACTIVE.get()
+    """``[group]`` of the innermost :func:`sequence_parallel` block, else None."""
+    return [_ACTIVE[-1]] if _ACTIVE else None
 
 
 def _dist() -> Any:
