@@ -1,7 +1,7 @@
 # ruff: noqa: E702  -- the register tiles read best one tile row per line (a0 = ...; a1 = ...)
 """numba kernels of the soft-span band: forward (online softmax, saves the log-sum-exp) and backward.
 
-Arrays: ``q (N, L, D)`` (already multiplied by the scale), ``k (N, L, D)``,
+Arrays: ``q (N, L, D)``, ``k (N, L, D)``,
 ``v (N, L, E)`` with N = B·H (row ``n`` is batch ``n // H``); ``z (N, L)`` the
 span of every query (a per-head span repeated along L); ``lo (N, L)`` int32,
 the first key each query may reach (``i - ceil(R + z_i) + 1`` clamped to 0,
@@ -49,16 +49,17 @@ import numpy as np
 # reference's, so the weights and the span-gradient test agree to the last bit; masked scores are -inf
 FASTMATH = {"reassoc", "contract", "nsz"}
 
-_RAMP, _NINF, _LOG2E, _LN2_HI, _LN2_LO, _LO, _HALF, _POLY = range(8)
+_RAMP, _SC, _NINF, _LOG2E, _LN2_HI, _LN2_LO, _LO, _HALF, _POLY = range(9)
 
 
-def constants(dtype: np.dtype, ramp: float) -> np.ndarray:
+def constants(dtype: np.dtype, ramp: float, scale: float) -> np.ndarray:
     """The kernels' typed constants (a Python literal would be float64 in numba):
-    ``[R, -inf, log2(e), ln2 hi, ln2 lo, lowest exp argument, 0.5, Taylor coefficients of exp, highest first]``."""
+    ``[R, scale, -inf, log2(e), ln2 hi, ln2 lo, lowest exp argument, 0.5, exp's Taylor coefficients
+    (highest degree first)]``."""
     f32 = np.dtype(dtype) == np.float32
     ln2 = (0.693359375, -2.12194440e-4) if f32 else (0.693145751953125, 1.42860682030941723212e-6)
     deg = 7 if f32 else 13
-    head = [ramp, -np.inf, 1.4426950408889634, ln2[0], ln2[1], -87.0 if f32 else -708.0, 0.5]
+    head = [ramp, scale, -np.inf, 1.4426950408889634, ln2[0], ln2[1], -87.0 if f32 else -708.0, 0.5]
     return np.array(head + [1.0 / math.factorial(i) for i in range(deg, -1, -1)], dtype=dtype)
 
 
@@ -160,14 +161,14 @@ def _zero(OUT, o0, n, c0, c1, zero):  # pragma: no cover - compiled
 def _query_row_weights(srow, mrow, xi, xk, rz, kpk, cst):  # pragma: no cover - compiled
     """Query row at position ``xi`` (``rz = R + z_i``) against the keys at positions ``xk`` (a slice of ``xs``,
     ``kpk`` their padding flags), all slices of one length: the soft-mask weight into ``mrow`` (0 where the
-    pair does not count) and ``-inf`` into the scores ``srow`` there."""
-    R = cst[_RAMP]; ninf = cst[_NINF]; zero = R * 0; one = R / R
+    pair does not count); the scores ``srow`` (``q·k``) are scaled in place, ``-inf`` where the pair does not count."""
+    R = cst[_RAMP]; sc = cst[_SC]; ninf = cst[_NINF]; zero = R * 0; one = R / R
     for c in range(srow.shape[0]):
         x = xi - xk[c]
         num = rz - x
         ok = (x >= zero) and (num > zero) and kpk[c] != 0
         mrow[c] = min(num / R, one) if ok else zero
-        srow[c] = srow[c] if ok else ninf
+        srow[c] = srow[c] * sc if ok else ninf
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -270,13 +271,13 @@ def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover -
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dq(q, k, v, do, lse, delta, z, lo, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover - compiled
-    """``dQ`` (of the scaled q: the caller multiplies by the scale) and ``dz`` per query."""
+    """``dQ`` and ``dz`` per query."""
     N, L, D = q.shape
     E = v.shape[2]
     NQ = (L + bq - 1) // bq
     dq = np.zeros((N, L, D), dtype=q.dtype)
     dz = np.zeros((N, L), dtype=q.dtype)
-    R = cst[_RAMP]; zero = R * 0
+    R = cst[_RAMP]; sc = cst[_SC]; zero = R * 0
     for it in numba.prange(N * NQ):
         n = it // NQ; qb = it % NQ
         kpb = kp[(n // H) % kp.shape[0]]
@@ -331,19 +332,22 @@ def backward_dq(q, k, v, do, lse, delta, z, lo, kp, xs, H, bq, bk, cst, is32):  
                 _mm4(acc, g, gn, dP[:, c0:c1], g, ks[t0 + c0:t0 + c1], 0, 0, nc, 0, D)
         for r in range(qn):
             dz[n, q0 + r] = dza[r] / R
-        dq[n, q0:q0 + qn] = acc[:qn]
+        for r in range(qn):
+            dqr = dq[n, q0 + r]; ar = acc[r]
+            for d in range(D):
+                dqr[d] = ar[d] * sc
     return dq, dz
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover - compiled
-    """``dK`` (for the scaled q) and ``dV``, key-major: key block ``kb`` sees queries ``[k0, k0 + bk + far)``."""
+    """``dK`` and ``dV``, key-major: key block ``kb`` sees queries ``[k0, k0 + bk + far)``."""
     N, L, D = q.shape
     E = v.shape[2]
     NK = (L + bk - 1) // bk
     dk = np.zeros((N, L, D), dtype=q.dtype)
     dv = np.zeros((N, L, E), dtype=q.dtype)
-    R = cst[_RAMP]; ninf = cst[_NINF]; zero = R * 0; one = R / R
+    R = cst[_RAMP]; sc = cst[_SC]; ninf = cst[_NINF]; zero = R * 0; one = R / R
     for it in numba.prange(N * NK):
         n = it // NK; kb = it % NK
         kpb = kp[(n // H) % kp.shape[0]]
@@ -391,7 +395,7 @@ def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32)
                         num = (R + zq[c]) - x
                         ok = real and (x >= zero) and (num > zero)
                         mrow[c] = min(num / R, one) if ok else zero
-                        srow[c] = srow[c] - lq[c] if ok else ninf
+                        srow[c] = srow[c] * sc - lq[c] if ok else ninf
                     _exp_seg(srow, red, ebuf, cst, is32)
                     for c in range(nc):
                         e_ = srow[c] * mrow[c]
@@ -403,6 +407,9 @@ def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32)
                     gn = min(4, kn - g)
                     _mm4(dva, g, gn, ST[:, c0:c1], g, dos[i0 + c0:i0 + c1], 0, 0, c1 - c0, 0, E)
                     _mm4(dka, g, gn, dPT[:, c0:c1], g, qs[i0 + c0:i0 + c1], 0, 0, c1 - c0, 0, D)
-        dk[n, k0:k0 + kn] = dka[:kn]
+        for r in range(kn):
+            dkr = dk[n, k0 + r]; dar = dka[r]
+            for d in range(D):
+                dkr[d] = dar[d] * sc
         dv[n, k0:k0 + kn] = dva[:kn]
     return dk, dv

@@ -79,21 +79,21 @@ class _SpanBand(torch.autograd.Function):
                                  neginf=0.0).clamp(0.0, float(L + 1))
         far_i = torch.ceil(reach).to(torch.int64) - 1                              # -1 .. L
         pos = torch.arange(L, dtype=torch.int64)
-        lo = (pos - far_i).clamp_min(0)
+        lo = (pos - far_i).clamp_min(0).to(torch.int32)
         far = far_i.clamp_min(0).reshape(B * H, L).amax(-1).to(torch.int32)
         kp = (torch.ones(1, L, dtype=torch.uint8) if kpm is None else kpm.to(torch.uint8)).contiguous()
         xs = torch.arange(L, dtype=q.dtype)
-        qs = q.detach() * scale
-        cst = K.constants(_np(qs).dtype, float(ramp))
+        qs = q.detach()
+        cst = K.constants(_np(qs).dtype, float(ramp), float(scale))
         f32 = q.dtype == torch.float32
         nq = -(-L // bq)
         out, lse = _run(K.forward, B * H * nq, _flat(qs), _flat(k), _flat(v), _flat(zf),
-                        _flat(lo.to(torch.int32)), _np(kp), _np(xs), H, bq, bk, cst, f32)
+                        _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32)
         out_t = torch.from_numpy(out).view(B, H, L, E)
         nan_z = torch.isnan(zf)
         if bool(nan_z.any()):  # a NaN span (dynamic-span predicts it from a NaN query): NaN in, NaN out
             out_t = out_t.masked_fill(nan_z[..., None], float("nan"))
-        ctx.save_for_backward(qs, k.detach(), v.detach(), zf, lo.to(torch.int32), far, kp, xs, out_t,
+        ctx.save_for_backward(qs, k.detach(), v.detach(), zf, lo, far, kp, xs, out_t,
                               torch.from_numpy(lse))
         ctx.meta = (scale, float(ramp), bq, bk, tuple(z.shape))
         return out_t
@@ -106,14 +106,14 @@ class _SpanBand(torch.autograd.Function):
         E = v.shape[-1]
         g = g.contiguous()
         delta = (g * out).sum(-1)
-        cst = K.constants(_np(qs).dtype, ramp)
+        cst = K.constants(_np(qs).dtype, ramp, scale)
         f32 = qs.dtype == torch.float32
         args = (_flat(qs), _flat(k), _flat(v), _flat(g), _np(lse), _flat(delta), _flat(zf))
         dq = dz = dk = dv = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
             dq_a, dz_a = _run(K.backward_dq, B * H * -(-L // bq), *args, _flat(lo), _np(kp), _np(xs), H, bq, bk,
                               cst, f32)
-            dq = torch.from_numpy(dq_a).view(B, H, L, D) * scale
+            dq = torch.from_numpy(dq_a).view(B, H, L, D)
             dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             dk_a, dv_a = _run(K.backward_dkdv, B * H * -(-L // bk), *args, _np(far), _np(kp), _np(xs), H, bq, bk,
