@@ -30,7 +30,11 @@ clamp passes its gradient at its bounds, as torch's does).
   summed over the ramp's pairs gives ``dz`` per query (the derivative of the
   output in ``m`` is ``t``).
 * :func:`backward_dkdv`: key-major (each worker owns the key rows it writes):
-  ``dV += Pᵀ dO``, ``dK += dSᵀ Q``.
+  ``dV += Pᵀ dO``, ``dK += dSᵀ Q``; it can keep ``t`` of every counted pair
+  (query-block-major, ``N·L·(far + bq)`` floats), and then
+  :func:`backward_dq_from_t` gives ``dQ`` and ``dz`` with one product per
+  group instead of :func:`backward_dq`'s three and an ``exp`` (5 products
+  in the backward instead of 7).
 
 ``exp`` is evaluated a row segment at a time by :func:`_exp_seg` (a Taylor
 polynomial after a Cody-Waite reduction, the power of two added through the
@@ -340,8 +344,13 @@ def backward_dq(q, k, v, do, lse, delta, z, lo, kp, xs, H, bq, bk, cst, is32):  
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover - compiled
-    """``dK`` and ``dV``, key-major: key block ``kb`` sees queries ``[k0, k0 + bk + far)``."""
+def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32, keep, tbuf,
+                  kl):  # pragma: no cover - compiled
+    """``dK`` and ``dV``, key-major: key block ``kb`` sees queries ``[k0, k0 + bk + far)``.
+
+    With ``keep``, ``tbuf`` ``(N, NQ, bq, W)`` (``bk`` a multiple of ``bq``), also keeps
+    ``t_ij = e_ij (dP_ij - Δ_i)`` of every counted pair at ``tbuf[n, i // bq, i % bq, j - kl[n, i // bq]]``
+    (``kl``: the first key each query block reaches) for :func:`backward_dq_from_t`."""
     N, L, D = q.shape
     E = v.shape[2]
     NK = (L + bk - 1) // bk
@@ -369,6 +378,9 @@ def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32)
         gc1 = np.zeros(bk // 4 + 1, dtype=np.int64)
         for i0 in range(k0, qhi, bq):
             qn = min(bq, qhi - i0)
+            qbt = i0 // bq
+            tq = tbuf[n % tbuf.shape[0], qbt % tbuf.shape[1]]   # a (1, 1, 1, 1) dummy without keep
+            klq = kl[n % kl.shape[0], qbt % kl.shape[1]]
             _transpose(qs, i0, qn, QT)
             _transpose(dos, i0, qn, OT)
             for g in range(0, kn, 4):
@@ -398,9 +410,15 @@ def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32)
                         srow[c] = srow[c] * sc - lq[c] if ok else ninf
                     _exp_seg(srow, red, ebuf, cst, is32)
                     for c in range(nc):
-                        e_ = srow[c] * mrow[c]
-                        srow[c] = e_                                  # P_ij
-                        prow[c] = e_ * (prow[c] - dq_[c])             # dS_ij
+                        t_ = srow[c] * (prow[c] - dq_[c])             # t_ij = d out / d m_ij
+                        srow[c] = srow[c] * mrow[c]                   # P_ij
+                        prow[c] = t_ * mrow[c]                        # dS_ij
+                        red[c] = t_
+                    if keep:
+                        col = j - klq
+                        for c in range(nc):
+                            if mrow[c] > zero:
+                                tq[c0 + c, col] = red[c]
             for g in range(0, kn, 4):
                 c0 = gc0[g // 4]; c1 = gc1[g // 4]
                 if c1 > c0:
@@ -413,3 +431,56 @@ def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32)
                 dkr[d] = dar[d] * sc
         dv[n, k0:k0 + kn] = dva[:kn]
     return dk, dv
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
+def backward_dq_from_t(k, tbuf, kl, z, lo, kp, xs, H, bq, cst):  # pragma: no cover - compiled
+    """``dQ`` and ``dz`` per query from the ``t_ij`` :func:`backward_dkdv` kept: ``dS = m t`` and one product
+    ``dQ = scale · dS K`` per group of 4 query rows (instead of :func:`backward_dq`'s recomputed ``Q Kᵀ``,
+    ``dO Vᵀ`` and ``exp``); pairs that do not count are never read from ``tbuf`` (selected away)."""
+    N, L, D = k.shape
+    NQ = (L + bq - 1) // bq
+    W = tbuf.shape[3]
+    dq = np.zeros((N, L, D), dtype=k.dtype)
+    dz = np.zeros((N, L), dtype=k.dtype)
+    R = cst[_RAMP]; sc = cst[_SC]; zero = R * 0; one = R / R
+    for it in numba.prange(N * NQ):
+        n = it // NQ; qb = it % NQ
+        kpb = kp[(n // H) % kp.shape[0]]
+        q0 = qb * bq
+        qn = min(bq, L - q0)
+        ks = k[n]; zs = z[n]; los = lo[n]
+        klq = kl[n, qb]
+        tq = tbuf[n, qb]
+        width = q0 + qn - klq
+        dS = np.empty((bq, W), dtype=k.dtype)
+        acc = np.zeros((bq, D), dtype=k.dtype)
+        dza = np.zeros(bq, dtype=k.dtype)
+        for g in range(0, qn, 4):
+            gn = min(4, qn - g)
+            c0, c1 = _group_cols(los, q0, g, gn, klq, width)
+            if c1 <= c0:
+                continue
+            nc = c1 - c0
+            xk = xs[klq + c0:klq + c1]; kpk = kpb[klq + c0:klq + c1]
+            for r in range(g, g + gn):
+                i = q0 + r
+                rz = R + zs[i]
+                xi = xs[i]
+                trow = tq[r, c0:c1]; drow = dS[r, c0:c1]
+                gz = zero
+                for c in range(nc):
+                    x = xi - xk[c]
+                    num = rz - x
+                    ok = (x >= zero) and (num > zero) and kpk[c] != 0
+                    t_ = trow[c] if ok else zero
+                    drow[c] = min(num / R, one) * t_
+                    gz += t_ if num <= R else zero
+                dza[r] += gz
+            _mm4(acc, g, gn, dS[:, c0:c1], g, ks[klq + c0:klq + c1], 0, 0, nc, 0, D)
+        for r in range(qn):
+            dz[n, q0 + r] = dza[r] / R
+            dqr = dq[n, q0 + r]; ar = acc[r]
+            for d in range(D):
+                dqr[d] = ar[d] * sc
+    return dq, dz

@@ -22,6 +22,7 @@ from typing import Any
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["span_band_attention_numba"]
@@ -43,6 +44,10 @@ def _start_pool() -> None:
 _start_pool()
 
 from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
+
+#: the backward keeps t_ij = e_ij (dP_ij - Δ_i) of the band (B·H·L·(far + block) floats) for dQ and the
+#: span gradient when it fits in this many bytes (5 tile products instead of 7); above, dQ recomputes them
+T_BUFFER_MAX_BYTES = 512 << 20
 
 
 def _run(kernel: Any, items: int, *args: Any) -> Any:
@@ -110,16 +115,31 @@ class _SpanBand(torch.autograd.Function):
         f32 = qs.dtype == torch.float32
         args = (_flat(qs), _flat(k), _flat(v), _flat(g), _np(lse), _flat(delta), _flat(zf))
         dq = dz = dk = dv = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
-            dq_a, dz_a = _run(K.backward_dq, B * H * -(-L // bq), *args, _flat(lo), _np(kp), _np(xs), H, bq, bk,
-                              cst, f32)
-            dq = torch.from_numpy(dq_a).view(B, H, L, D)
-            dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        want_qz = ctx.needs_input_grad[0] or ctx.needs_input_grad[3]
+        want_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        nq = -(-L // bq)
+        keep, tbuf, kl = False, np.empty((1, 1, 1, 1), dtype=args[0].dtype), np.zeros((1, 1), dtype=np.int64)
+        if want_qz and want_kv and bk % bq == 0:
+            # the first key each query block reaches, and the widest block: t is kept per block row
+            lo_p = F.pad(lo.reshape(B * H, L).to(torch.int64), (0, nq * bq - L), value=L)
+            kl_t = lo_p.view(B * H, nq, bq).amin(-1)
+            ends = torch.clamp(torch.arange(1, nq + 1) * bq, max=L)
+            width = int((ends - kl_t).amax())
+            if B * H * nq * bq * width * qs.element_size() <= T_BUFFER_MAX_BYTES:
+                keep, tbuf, kl = True, np.empty((B * H, nq, bq, width), dtype=args[0].dtype), _np(kl_t)
+        if want_kv:
             dk_a, dv_a = _run(K.backward_dkdv, B * H * -(-L // bk), *args, _np(far), _np(kp), _np(xs), H, bq, bk,
-                              cst, f32)
+                              cst, f32, keep, tbuf, kl)
             dk = torch.from_numpy(dk_a).view(B, H, L, D)
             dv = torch.from_numpy(dv_a).view(B, H, L, E)
+        if want_qz:
+            if keep:
+                dq_a, dz_a = _run(K.backward_dq_from_t, B * H * nq, args[1], tbuf, kl, args[6], _flat(lo), _np(kp),
+                                  _np(xs), H, bq, cst)
+            else:
+                dq_a, dz_a = _run(K.backward_dq, B * H * nq, *args, _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32)
+            dq = torch.from_numpy(dq_a).view(B, H, L, D)
+            dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape)
         return dq, dk, dv, dz, None, None, None, None, None
 
 
