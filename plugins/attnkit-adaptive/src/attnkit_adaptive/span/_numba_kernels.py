@@ -176,6 +176,14 @@ def _query_row_weights(srow, mrow, xi, xk, rz, kpk, cst):  # pragma: no cover - 
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _round8(c0, c1, width):  # pragma: no cover - compiled
+    """``[c0, c1)`` widened to multiples of 8 within ``[0, width)``: the score products then run whole 8-wide
+    vectors with no scalar remainder (5-17 % faster per product at 35-47 columns in spite of the extra
+    columns; the extra scores are computed into the tile buffer and never used)."""
+    return c0 - c0 % 8, min(c1 + (8 - c1 % 8) % 8, width)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _group_cols(los, q0, g, gn, t0, kn):  # pragma: no cover - compiled
     """The columns ``[c0, c1)`` of the key tile at ``t0`` (``kn`` keys) that query rows ``q0 + g .. + gn`` reach."""
     glo = los[q0 + g]
@@ -222,8 +230,9 @@ def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover -
                 if c1 <= c0:
                     continue
                 nc = c1 - c0
-                _zero(Sc, g, gn, c0, c1, zero)
-                _mm4(Sc, g, gn, qs, q0 + g, KT, 0, 0, D, c0, c1)
+                r0, r1 = _round8(c0, c1, bk)
+                _zero(Sc, g, gn, r0, r1, zero)
+                _mm4(Sc, g, gn, qs, q0 + g, KT, 0, 0, D, r0, r1)
                 for r in range(g, g + gn):
                     i = q0 + r
                     srow = Sc[r, c0:c1]; mrow = Mw[r, c0:c1]
@@ -391,10 +400,11 @@ def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32,
                 if c1 <= c0:
                     continue
                 nc = c1 - c0
-                _zero(ST, g, gn, c0, c1, zero)
-                _mm4(ST, g, gn, ks, k0 + g, QT, 0, 0, D, c0, c1)
-                _zero(dPT, g, gn, c0, c1, zero)
-                _mm4(dPT, g, gn, vs, k0 + g, OT, 0, 0, E, c0, c1)
+                r0, r1 = _round8(c0, c1, bq)
+                _zero(ST, g, gn, r0, r1, zero)
+                _mm4(ST, g, gn, ks, k0 + g, QT, 0, 0, D, r0, r1)
+                _zero(dPT, g, gn, r0, r1, zero)
+                _mm4(dPT, g, gn, vs, k0 + g, OT, 0, 0, E, r0, r1)
                 xq = xs[i0 + c0:i0 + c1]; zq = zs[i0 + c0:i0 + c1]
                 lq = lses[i0 + c0:i0 + c1]; dq_ = dls[i0 + c0:i0 + c1]
                 for r in range(g, g + gn):
