@@ -71,17 +71,19 @@ KNOWN_FAILURES: dict[tuple[str, bool], tuple[str, str]] = {}
 #: ``{name: reason}``: buffers updated in training from the rank's own batch (no all-reduce), so they
 #: differ between ranks and from the single process after a step (like BatchNorm without SyncBatchNorm).
 #: The buffer comparison after the step is an xfail there.
-RANK_LOCAL_BUFFERS = {
-    "routing": "the k-means centroids are an EMA of the rank's own batch (no all-reduce of sums and counts); "
-               "reproducer: integration_tests/test_ddp_all.py",
-}
+RANK_LOCAL_BUFFERS: dict[str, str] = {}
+
+#: options a mechanism needs to train under DDP like one process (routing's centroid EMA follows the rank's
+#: own batch unless its sums and counts are all-reduced, as nn.SyncBatchNorm does for batch statistics)
+DDP_OPTIONS = {"routing": {"sync_centroids": True}}
 
 
 def build(kind: str, name: str) -> nn.Module:
     """The model for ``name`` under ``torch.manual_seed(0)``, float64, in training mode."""
     torch.manual_seed(0)
     if kind == "attention":
-        model = attnkit.Transformer(DIM, depth=1, num_heads=HEADS, attention=name)
+        model = attnkit.Transformer(DIM, depth=1, num_heads=HEADS, attention=name,
+                                    attention_options=DDP_OPTIONS.get(name))
     else:
         model = default_registry().build_block(name, dim=DIM, num_heads=HEADS)
     # mechanisms that draw noise per batch element in training (like dropout) draw it from each process's own

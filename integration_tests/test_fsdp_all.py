@@ -1,14 +1,15 @@
-"""FSDP2 (``fully_shard``): one training step of a small Transformer per registered family, 2 gloo ranks, CPU.
+"""FSDP2 (``fully_shard``): one training step of a small Transformer per registered attention, 2 gloo ranks, CPU.
 
-For each family in the registry (read at collection time, so new families are
-covered by construction) the first registered attention of that family is put
-in a two-block :class:`attnkit.Transformer` (width 16, 2 heads, float64,
+Every registered attention (read at collection time, so new mechanisms and
+families are covered by construction) is put in a two-block :class:`attnkit.Transformer` (width 16, 2 heads, float64,
 ``torch.manual_seed(0)``); each block and then the root are sharded with
 ``torch.distributed.fsdp.fully_shard`` across two gloo ranks; each rank takes
 one SGD step on its half of a global batch. The gathered parameters
 (``DTensor.full_tensor()``) must equal those of one unsharded process that
 took the step on the whole batch (float64, atol 1e-10), and the step must have
-moved them. One pair of spawned processes loops over every family.
+moved them. One pair of spawned processes loops over every name. Mechanisms that draw noise per
+batch element in training step in eval mode (as in ``test_ddp_all.py``); routing all-reduces its
+centroid statistics (``sync_centroids=True``).
 """
 
 from __future__ import annotations
@@ -27,15 +28,19 @@ import attnkit
 
 DIM, HEADS, DEPTH, L, BATCH_PER_RANK, WORLD = 16, 2, 2, 8, 2, 2
 
-FAMILIES: dict[str, str] = {}
-for _spec in attnkit.available():
-    FAMILIES.setdefault(_spec.family, _spec.name)
+NAMES = [s.name for s in attnkit.available()]
+FAMILIES = sorted({s.family for s in attnkit.available()})
+#: stochastic per batch element in training (like dropout): stepped in eval mode
+TRAINING_NOISE = {"sinkhorn"}
+OPTIONS = {"routing": {"sync_centroids": True}}
 
 
 def build(name: str) -> tuple[nn.Module, bool]:
     torch.manual_seed(0)
     causal = not attnkit.get_spec(name).capabilities.noncausal
-    return attnkit.Transformer(DIM, depth=DEPTH, num_heads=HEADS, attention=name).double().train(), causal
+    model = attnkit.Transformer(DIM, depth=DEPTH, num_heads=HEADS, attention=name,
+                                attention_options=OPTIONS.get(name)).double()
+    return (model.eval() if name in TRAINING_NOISE else model.train()), causal
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,17 +67,17 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         x, y = batch()
         part = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-        for family, name in FAMILIES.items():
+        for name in NAMES:
             try:
                 model, causal = build(name)
                 for block in model.blocks:
                     fully_shard(block)
                 fully_shard(model)
                 one_step(model, x[part], y[part], causal)
-                results[family] = {"params": {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor")
-                                              else p.detach().clone() for n, p in model.named_parameters()}}
-            except Exception as exc:  # noqa: BLE001 - reported per family by the test
-                results[family] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+                results[name] = {"params": {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor")
+                                            else p.detach().clone() for n, p in model.named_parameters()}}
+            except Exception as exc:  # noqa: BLE001 - reported per name by the test
+                results[name] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         # both ranks done before either tears the group down: a rank that closes its pairs while the other
@@ -89,14 +94,13 @@ def fsdp_results(tmp_path_factory):
 
 
 def test_every_family_is_covered():
-    assert {s.family for s in attnkit.available()} == set(FAMILIES) and "core" in FAMILIES
+    assert {attnkit.get_spec(n).family for n in NAMES} == set(FAMILIES) and "core" in FAMILIES
 
 
-@pytest.mark.parametrize("family", list(FAMILIES), ids=[f"{f}:{n}" for f, n in FAMILIES.items()])
-def test_fully_shard_step_equals_the_unsharded_step(fsdp_results, family):
-    name = FAMILIES[family]
+@pytest.mark.parametrize("name", NAMES)
+def test_fully_shard_step_equals_the_unsharded_step(fsdp_results, name):
     for r, res in enumerate(fsdp_results):
-        assert "error" not in res[family], f"{family} ({name}) on rank {r} under fully_shard: {res[family]['error']}"
+        assert "error" not in res[name], f"{name} on rank {r} under fully_shard: {res[name]['error']}"
     x, y = batch()
     model, causal = build(name)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -104,8 +108,8 @@ def test_fully_shard_step_equals_the_unsharded_step(fsdp_results, family):
     moved = False
     for n, p in model.named_parameters():
         for r, res in enumerate(fsdp_results):
-            torch.testing.assert_close(res[family]["params"][n], p.detach(), atol=1e-10, rtol=1e-8,
-                                       msg=f"{family} ({name}): parameter {n} on rank {r} after the sharded step "
+            torch.testing.assert_close(res[name]["params"][n], p.detach(), atol=1e-10, rtol=1e-8,
+                                       msg=f"{name}: parameter {n} on rank {r} after the sharded step "
                                            f"differs from the unsharded step on the global batch")
         moved |= not torch.equal(before[n], p.detach())
-    assert moved, f"{family} ({name}): the step moved no parameter"
+    assert moved, f"{name}: the step moved no parameter"

@@ -6,6 +6,7 @@ import sys
 
 import broken_impls
 import pytest
+import torch
 
 import attnkit
 from attnkit.testing import CHECKS, CheckFailed, ConformanceConfig, run_conformance
@@ -92,3 +93,26 @@ def test_float64_draws_compare_gradients_with_the_reference():
     assert report["fuzz"].status == "failed"
     assert "gradient of k vs reference" in report["fuzz"].message
     assert "dtype='float64'" in report["fuzz"].message  # the reproducer is a float64 draw
+
+
+class _Float32Drift(attnkit.Attention):
+    """Softmax whose float32 path adds 1e-3 to every output: a float32-only fault."""
+
+    capabilities = attnkit.Capabilities(causal=True, key_padding_mask=True)
+
+    def _attend(self, q, k, v, ctx):
+        from attnkit.reference import naive_attention
+
+        out = naive_attention(q, k, v, mask=ctx.mask, positions=ctx.positions, scale=ctx.scale)
+        return out + 1e-3 if q.dtype == torch.float32 else out
+
+
+def test_the_float32_conditioning_allowance_does_not_hide_a_float32_fault():
+    """float32 draws may be off by 4x the plain reference's own float32 error; a well-conditioned draw
+    leaves almost nothing of that allowance, so a float32-only offset of 1e-3 still fails."""
+    case = F.FuzzCase(B=1, H=1, L=4, S=4, D=8, E=4, dtype="float32", causal=True)
+    with attnkit.registered(_Float32Drift, name="f32-drift", family="custom",
+                            reference="attnkit.reference:softmax_reference"):
+        with pytest.raises(CheckFailed, match="4x the reference's own error"):
+            F.replay("f32-drift", case)
+        assert F.replay("f32-drift", F.FuzzCase(**{**case.__dict__, "dtype": "float64"})) == "matched"

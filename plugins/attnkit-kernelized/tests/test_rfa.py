@@ -79,3 +79,15 @@ def test_gate_matters_and_is_learned():
     torch.testing.assert_close(gated(q, k, v), plain(q, k, v))      # non-causal RFA is ungated
     a.sum().backward()
     assert gated.gate_weight.grad.abs().sum() > 0 and gated.log_sigma.grad.abs().sum() > 0
+
+
+def test_fuzz_case_at_a_narrow_sigma_is_judged_by_its_conditioning():
+    """Found by the kit's fuzz at 100 examples: at sigma=0.125 the random Fourier features' signed kernel
+    estimates nearly cancel in the denominator, the output reaches ~8 and float32 rounding moves it by 1e-3,
+    as much as the plain reference loses in float32 itself. The kit now allows 4x the reference's own float32
+    error, so the draw matches; the float64 draw matches at the strict tolerance."""
+    from attnkit.testing import fuzz as F
+
+    case = F.FuzzCase(B=1, H=1, L=5, S=5, D=64, E=1, dtype="float32", causal=True, options={"sigma": 0.125})
+    assert F.replay("rfa", case) == "matched"
+    assert F.replay("rfa", F.FuzzCase(**{**case.__dict__, "dtype": "float64"})) == "matched"

@@ -475,6 +475,17 @@ class Attention(AuxLossMixin, nn.Module):
                  key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _attend (or _forward)")
 
+    # ---------------------------------------------------- context parallelism
+    def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cp: Any) -> Tensor:
+        """This rank's causal output rows of a sequence split across ranks (``Capabilities.context_parallel``).
+
+        Called by :func:`attnkit.context_parallel.context_parallel` after it validated the chunk and
+        zeroed padded keys and values. Args: ``q (B, H, L_r, D)``, ``k (B, H, L_r, D)``,
+        ``v (B, H, L_r, E)`` and ``cp``, a :class:`attnkit.context_parallel.ContextParallel`
+        (rank, offsets, key padding, collectives). Returns ``(B, H, L_r, E)``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} declares context_parallel but has no _context_parallel")
+
     # ------------------------------------------------------------- streaming
     def init_state(self, batch: int, *, device: torch.device | str | None = None,
                    dtype: torch.dtype | None = None) -> AttentionState:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .attention import Attention, registry_or_none
 from .aux import AuxLossMixin
+from .context_parallel import active_group, context_parallel
 from .errors import InvalidInputError
 
 
@@ -119,6 +120,17 @@ class MultiHeadAttention(nn.Module):
                     f"context: {self.attention.impl_name!r} shares queries and keys (shared-QK): it is "
                     "self-attention only, got a context for cross-attention")
         q, k, v = self._qkv(x, src)
+        split = active_group()
+        if split is not None:   # inside attnkit.context_parallel.sequence_parallel(): x is this rank's chunk
+            extra = [n for n, val in (("context", context), ("mask", mask), ("attn_mask", attn_mask),
+                                      ("positions", positions), ("state", state)) if val is not None]
+            if extra or return_state:
+                raise InvalidInputError(
+                    f"MultiHeadAttention: inside sequence_parallel() the attention runs split along L and takes "
+                    f"causal=True and key_padding_mask only; got {', '.join(extra or ['return_state=True'])}")
+            out = context_parallel(self.attention, q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                                   group=split[0])
+            return self.dropout(self.out_proj(self._merge(out)))
         out = self.attention(q, k, v, mask=mask, causal=causal, key_padding_mask=key_padding_mask,
                              attn_mask=attn_mask, positions=positions, state=state, return_state=return_state)
         if return_state:

@@ -96,6 +96,10 @@ class Capabilities:
         queries_interact: an output row depends on other queries (landmarks,
             clusters or a top-u choice mix them), so a NaN query may spread: the
             conformance kit's ``nan_queries`` check is skipped with that reason.
+        context_parallel: runs causal attention over a sequence split along L
+            across the ranks of a process group
+            (:func:`attnkit.context_parallel.context_parallel`): the class
+            implements ``_context_parallel``.
     """
 
     causal: bool = True
@@ -118,6 +122,7 @@ class Capabilities:
     memory: str = ""
     shared_qk: bool = False
     queries_interact: bool = False
+    context_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.streaming is not None and self.streaming not in STREAMING_KINDS:

@@ -108,16 +108,51 @@ class KernelizedAttention(Attention):
                                                                           chunk=self.chunk_size)
             return out
         state = self._state_in(ctx.state, q, v) if ctx.return_state else None
+        out, state = self._segments(q, k, v, kpm, state, ctx.backend)
+        return (out, dict(zip(self.state_keys, state))) if ctx.return_state else out
+
+    def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: tuple[Tensor, ...] | None,
+                  backend: str) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The causal form over ``L`` positions from ``state`` (None: zeros), :attr:`segment_length` at a time."""
         L, seg = q.shape[2], self.segment_length
         outs = []
         for s0 in range(0, L, seg):
             s1 = min(L, s0 + seg)
             part = None if kpm is None else kpm[:, s0:s1]
-            out, state = self._causal_segment(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], part, state,
-                                              ctx.backend)
+            out, state = self._causal_segment(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], part, state, backend)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return (out, dict(zip(self.state_keys, state))) if ctx.return_state else out
+        return out, state  # type: ignore[return-value]
+
+    # ------------------------------------------------------ context parallelism
+    def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cp: Any) -> Tensor:
+        """The causal form split along L (:func:`attnkit.context_parallel.context_parallel`).
+
+        Each rank computes the summary of its chunk from a zero state (:meth:`_cp_summary`), the
+        summaries are all-gathered (differentiably), each rank folds those of the ranks before it
+        (:meth:`_cp_combine`: an exclusive prefix over ranks) into the state its first position
+        would have had on one process, then runs its chunk from that state. The summaries cost
+        one more pass over the chunk (linear attention's is two sums).
+        """
+        self._before_forward()
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        kpm = cp.key_padding_mask
+        backend = self.resolve_backend(q, k, v)
+        summary = self._cp_summary(q, k, v, kpm, backend)
+        prefix = cp.exclusive_prefix(cp.gather(list(summary)), self._cp_combine)
+        state = None if prefix is None else tuple(prefix[:len(self.state_keys)])
+        out, _ = self._segments(q, k, v, kpm, state, backend)
+        return out
+
+    def _cp_summary(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, backend: str
+                    ) -> tuple[Tensor, ...]:
+        """What this chunk does to the state: by default the state after it from zeros (additive states)."""
+        _, state = self._segments(q, k, v, kpm, None, backend)
+        return tuple(state)
+
+    def _cp_combine(self, a: Any, b: Any) -> tuple[Tensor, ...]:
+        """The summary of ``a``'s positions followed by ``b``'s; additive by default (``S``, ``z`` are sums)."""
+        return tuple(x + y for x, y in zip(a, b))
 
     # --------------------------------------------------------------- streaming
     def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> Any:

@@ -33,7 +33,7 @@ LINEAR = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
-        causal_cross=False, streaming="exact", dtypes=("float32", "float64"),
+        causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
         backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
@@ -56,7 +56,7 @@ PERFORMER = AttentionSpec(
     error_bound=1.5,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
-        causal_cross=False, streaming="exact", dtypes=("float32", "float64"),
+        causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
         backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
@@ -75,7 +75,7 @@ RFA = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
-        causal_cross=False, streaming="exact", dtypes=("float32", "float64"),
+        causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
         backends=("numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
@@ -95,7 +95,7 @@ FAST_WEIGHT = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False,
-        causal_cross=False, streaming="exact", dtypes=("float32", "float64"),
+        causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
         backends=("numba", "torch"), time="O(L·M·E)",
         memory="O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head",
     ),

@@ -31,10 +31,11 @@ _CHILD = Paper("Child, Gray, Radford, Sutskever", 2019, "Generating Long Sequenc
                "1904.10509")
 
 
-def _caps(*, causal: bool = True, cross: bool = True, streaming: str | None = None, time: str) -> Capabilities:
+def _caps(*, causal: bool = True, cross: bool = True, streaming: str | None = None, time: str,
+          context_parallel: bool = False) -> Capabilities:
     return Capabilities(
         causal=causal, noncausal=True, key_padding_mask=True, attn_mask=True, cross=cross,
-        causal_cross=causal and cross, streaming=streaming, positions=True,
+        causal_cross=causal and cross, streaming=streaming, positions=True, context_parallel=context_parallel,
         mask_kinds=_KINDS if causal else tuple(k for k in _KINDS if k != "causal"),
         dtypes=("float32", "float64"), backends=BACKENDS, time=time, memory=_MEMORY,
     )
@@ -53,7 +54,8 @@ def _spec(name: str, cls: str, module: str, summary: str, paper: Paper | None, c
 
 LOCAL = _spec("local", "LocalAttention", "local",
               "Sliding window: each query sees `window` keys, itself included (causal: itself and the window - 1 "
-              "before).", _PARMAR, _caps(streaming="exact", time="O(L·window·D)"), aliases=("sliding-window", "band"))
+              "before).", _PARMAR, _caps(streaming="exact", time="O(L·window·D)", context_parallel=True),
+              aliases=("sliding-window", "band"))
 DILATED = _spec("dilated", "DilatedAttention", "local",
                 "Dilated window: `window` keys `dilation` apart, itself included; per-head dilations allowed.",
                 _LONGFORMER, _caps(streaming="exact", time="O(L·window·D)"))

@@ -245,8 +245,12 @@ class Ctx:
     # -- comparing
     def close(self, actual: Tensor, expected: Tensor, case: str, *, dtype: torch.dtype,
               what: str = "output", atol: float | None = None, rtol: float | None = None,
-              against: str = "expected") -> None:
-        """Fail unless ``|actual - expected| <= atol + rtol·|expected|`` everywhere (and finite)."""
+              against: str = "expected", slack: Tensor | None = None, slack_why: str = "") -> None:
+        """Fail unless ``|actual - expected| <= atol + rtol·|expected| (+ slack)`` everywhere (and finite).
+
+        ``slack``: an elementwise allowance added to the tolerance (shaped like ``expected``), with
+        ``slack_why`` saying where it comes from in the failure message.
+        """
         __tracebackhide__ = True
         d_atol, d_rtol = self.tol(dtype)
         atol = d_atol if atol is None else atol
@@ -262,15 +266,19 @@ class Ctx:
                 self.fail(f"{case}: {label} has {int(bad.sum())} non-finite value(s), e.g. {t[idx].item()} "
                           f"at index {idx} (the other side: {other[idx].item():.6g})")
         diff = (a - e).abs().nan_to_num(nan=math.inf)
-        excess = diff - (atol + rtol * e.abs())
+        allowed = atol + rtol * e.abs()
+        if slack is not None:
+            allowed = allowed + slack.detach().to(torch.float64).nan_to_num(nan=0.0)
+        excess = diff - allowed
         if bool((excess > 0).any()):
             flat = int(excess.flatten().argmax())
             idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape))
             self.fail(
                 f"{case}: {what} vs {against}: max |diff| = {diff.max().item():.3g}; worst at "
                 f"index {idx}: got {a[idx].item():.6g}, {against} {e[idx].item():.6g}; tolerance "
-                f"atol={atol:.3g} + rtol={rtol:.3g}·|{against}| ({DTYPE_NAMES.get(dtype, dtype)}, "
-                f"{int((excess > 0).sum())} of {excess.numel()} elements outside)"
+                f"atol={atol:.3g} + rtol={rtol:.3g}·|{against}|"
+                + (f" + {slack_why} ({float(slack[idx]):.3g} there)" if slack is not None else "")
+                + f" ({DTYPE_NAMES.get(dtype, dtype)}, {int((excess > 0).sum())} of {excess.numel()} elements outside)"
             )
 
     def exact(self) -> dict[str, float]:

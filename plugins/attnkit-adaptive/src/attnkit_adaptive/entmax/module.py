@@ -12,7 +12,9 @@ from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
 from .._checks import positive_int, real
-from .ops import MIN_ALPHA, entmax_bisect
+from .ops import MIN_ALPHA, bisection_iterations, entmax_bisect
+
+DTYPE_NAME = {torch.float32: "float32", torch.float64: "float64"}
 
 __all__ = ["EntmaxAttention"]
 
@@ -38,15 +40,22 @@ class EntmaxAttention(Attention):
         num_heads: H (one alpha per head).
         alpha: the initial alpha, >= 1 (a float, or one per head).
         learn_alpha: alpha is a trained parameter (else a fixed buffer).
-        n_iter: bisection steps; None picks 60 in float64, 32 in float32.
+        n_iter: bisection halvings of the threshold's unit bracket; None picks the dtype's
+            resolution, 60 in float64 and 32 in float32. More are allowed; fewer are refused
+            (at build below 32, at the call below the dtype's count), because the threshold would
+            stop short of the dtype's resolution and the weights would not be alpha-entmax.
         head_dim: when given, inputs must have this head dimension.
         scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
         backend: ``"auto"`` or ``"torch"``.
 
     Raises:
         InvalidInputError: ``alpha`` below 1 or not finite, a per-head ``alpha`` of the wrong length,
-            ``n_iter`` or ``num_heads`` not a positive int.
+            ``num_heads`` not a positive int, ``n_iter`` below 32 (or, at the call, below 60 for
+            float64 inputs).
     """
+
+    #: the least n_iter any accepted dtype can use (float32's resolution); float64 calls need 60
+    option_constraints = {"n_iter": {"minimum": 32}}
 
     def __init__(self, *, num_heads: int, alpha: float | list[float] = 1.5, learn_alpha: bool = True,
                  n_iter: int | None = None, head_dim: int | None = None, scale: float | None = None,
@@ -61,6 +70,11 @@ class EntmaxAttention(Attention):
         if not isinstance(learn_alpha, bool):
             raise InvalidInputError(f"learn_alpha: expected a bool, got {learn_alpha!r}")
         self.n_iter = None if n_iter is None else positive_int("n_iter", n_iter)
+        if self.n_iter is not None and self.n_iter < bisection_iterations(torch.float32):
+            raise InvalidInputError(
+                f"n_iter: expected None or at least {bisection_iterations(torch.float32)} halvings (float32's "
+                f"resolution of the threshold; float64 needs {bisection_iterations(torch.float64)}), got "
+                f"{self.n_iter}: fewer leave the threshold short and the weights are not alpha-entmax")
         init = torch.tensor(values, dtype=torch.get_default_dtype())
         if learn_alpha:
             self.alpha = nn.Parameter(init)
@@ -81,6 +95,12 @@ class EntmaxAttention(Attention):
         keep = ctx.dense_keep()
         if keep is not None:
             s = s.masked_fill(~keep, float("-inf"))
+        need = bisection_iterations(s.dtype)
+        if self.n_iter is not None and self.n_iter < need:
+            raise InvalidInputError(
+                f"n_iter={self.n_iter}: {DTYPE_NAME.get(s.dtype, s.dtype)} inputs need at least {need} bisection "
+                "halvings to reach the dtype's resolution of the threshold; build with n_iter=None (the dtype's "
+                f"count) or n_iter>={need}")
         w = entmax_bisect(s, self.alphas(s.dtype).view(1, -1, 1, 1), n_iter=self.n_iter)
         return torch.matmul(w, v)
 

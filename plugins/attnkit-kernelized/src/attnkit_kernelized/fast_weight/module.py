@@ -141,6 +141,22 @@ class FastWeightAttention(KernelizedAttention):
     def _state_shapes(self, B: int, H: int, M: int, E: int) -> dict[str, tuple[int, ...]]:
         return {"S": (B, H, M, E)}
 
+    def _cp_summary(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, backend: str
+                    ) -> tuple[Tensor, ...]:
+        """``(D, P)``: the chunk maps a state ``S0`` to ``P S0 + D``. ``D (B, H, M, E)`` is the state after the
+        chunk from zeros; ``P = prod_t (I - beta_t phi(k_t) phi(k_t)^T) (B, H, M, M)``, later positions on the
+        left, is the same recurrence run on the identity with zero values."""
+        (D,) = super()._cp_summary(q, k, v, kpm, backend)
+        B, H, L, _ = q.shape
+        M = D.shape[-2]
+        eye = torch.eye(M, dtype=q.dtype, device=q.device).expand(B, H, M, M).contiguous()
+        _, (P,) = self._segments(q, k, q.new_zeros(B, H, L, M), kpm, (eye,), backend)
+        return D, P
+
+    def _cp_combine(self, a: Any, b: Any) -> tuple[Tensor, ...]:
+        (Da, Pa), (Db, Pb) = a, b
+        return Pb @ Da + Db, Pb @ Pa
+
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         (S,) = self._state_in(state, q, v) or self._zero_state(q, v)
         phi_q, phi_k = self.feature_pair(q, k, causal=True)

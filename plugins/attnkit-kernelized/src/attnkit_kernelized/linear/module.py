@@ -75,3 +75,9 @@ class LinearAttention(KernelizedAttention):
             s = self.scale ** 0.5
             q, k = q * s, k * s
         return self._phi(q), zero_padded(self._phi(k), padded(key_padding_mask))
+
+    def _cp_summary(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, backend: str
+                    ) -> tuple[Tensor, ...]:
+        """The chunk's additions to the state, ``S = phi(k)^T v (B, H, M, E)`` and ``z = sum phi(k) (B, H, M)``."""
+        _, phi_k = self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
+        return phi_k.transpose(-1, -2) @ v, phi_k.sum(dim=2)

@@ -275,6 +275,17 @@ class PerformerAttention(KernelizedAttention):
                            torch.zeros_like(ref))
         return out, (S * back.unsqueeze(-1), z * back, ref)
 
+    def _cp_combine(self, a: Any, b: Any) -> tuple[Tensor, ...]:
+        """Two chunks' states: sums for the ``generalized`` map; in log space (``S``, ``z`` relative to the
+        per-feature key maximum ``m``) both are brought to the larger maximum before they are added."""
+        if not self._log_space:
+            return super()._cp_combine(a, b)
+        (Sa, za, ma), (Sb, zb, mb) = a, b
+        ma, mb = ma.detach(), mb.detach()      # a reference point: the sums do not depend on it
+        m = torch.maximum(ma, mb)
+        ea, eb = torch.exp(ma - m), torch.exp(mb - m)   # NO_KEY (no key yet) against a real maximum: 0
+        return Sa * ea.unsqueeze(-1) + Sb * eb.unsqueeze(-1), za * ea + zb * eb, m
+
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         if not self._log_space:
             return super()._step(q, k, v, state)

@@ -177,6 +177,19 @@ class RandomFeatureAttention(KernelizedAttention):
                                                                    chunk=self.chunk_size)
         return out, (S, z)
 
+    def _cp_summary(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, backend: str
+                    ) -> tuple[Tensor, ...]:
+        """``(S, z)`` after the chunk from zeros and ``log G = sum_t log g_t (B, H)``: the chunk maps a
+        state ``(S0, z0)`` to ``(G S0 + S, G z0 + z)``."""
+        S, z = super()._cp_summary(q, k, v, kpm, backend)
+        _, _, log_g = self.gated_inputs(q, k, kpm)
+        return S, z, log_g.sum(dim=2)
+
+    def _cp_combine(self, a: Any, b: Any) -> tuple[Tensor, ...]:
+        (Sa, za, ga), (Sb, zb, gb) = a, b
+        decay = gb.exp()
+        return decay[..., None, None] * Sa + Sb, decay[..., None] * za + zb, ga + gb
+
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         S, z = self._state_in(state, q, v) or self._zero_state(q, v)
         phi_q, phi_k, log_g = self.gated_inputs(q, k, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from attnkit.errors import InvalidInputError
@@ -99,6 +100,23 @@ class LocalAttention(SparsePatternAttention):
 
     def _still_visible(self, kpos: Tensor, next_pos: int) -> Tensor:
         return kpos > next_pos - self.window
+
+    def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cp: Any) -> Tensor:
+        """The causal window split along L (:func:`attnkit.context_parallel.context_parallel`).
+
+        A halo exchange: each rank receives the ``window - 1`` keys and values just before its chunk
+        (and their padding) from the ranks before it, and attends its queries to halo + chunk,
+        bottom-right aligned, on the engine. Memory per rank: its chunk plus ``window - 1`` keys.
+        """
+        B, L = q.shape[0], q.shape[2]
+        kpm = cp.key_padding_mask
+        keep = torch.ones(B, L, dtype=torch.bool, device=q.device) if kpm is None else kpm
+        hk, hv, hkeep = cp.halo([k, v, keep.to(k.dtype)[:, None, :, None]], self.window - 1)
+        if hk.shape[2] == 0:
+            return self(q, k, v, causal=True, key_padding_mask=kpm)
+        keys, values = torch.cat([hk, k], dim=2), torch.cat([hv, v], dim=2)
+        full = torch.cat([hkeep[:, 0, :, 0] > 0.5, keep], dim=1)
+        return self(q, keys, values, causal=True, key_padding_mask=None if bool(full.all()) else full)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from attnkit import Attention
@@ -56,6 +57,12 @@ class RoutingAttention(Attention):
     Args:
         num_clusters: number of clusters k (an int >= 1); cost O(L·(L/k)·D). Default 16.
         decay: EMA decay of the centroids in training (a float in [0, 1)). Default 0.999.
+        sync_centroids: under torch.distributed (DDP), all-reduce each training step's cluster sums
+            and counts over the default process group before the EMA update, so every rank's centroids
+            follow the global batch, as ``nn.SyncBatchNorm`` does for batch statistics. Every rank must
+            then run the same number of training forwards. A no-op without an initialised process group.
+            Default False: each rank's centroids follow its own batch (they drift apart under DDP unless
+            ``broadcast_buffers=True``, which copies rank 0's).
         seed: seed of the initial centroids (an int >= 0). Default 0.
         num_heads: number of heads H; when given, one set of centroids per head.
         head_dim: head dimension D; when given, the centroids are created at build.
@@ -77,9 +84,13 @@ class RoutingAttention(Attention):
         "attn_mask": "the attended pairs come from the clusters; only causal and key padding compose with them",
     }
 
-    def __init__(self, *, num_clusters: int = 16, decay: float = 0.999, seed: int = 0, num_heads: int | None = None,
+    def __init__(self, *, num_clusters: int = 16, decay: float = 0.999, seed: int = 0,
+                 sync_centroids: bool = False, num_heads: int | None = None,
                  head_dim: int | None = None, scale: float | None = None, backend: str = "auto") -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        if not isinstance(sync_centroids, bool):
+            raise InvalidInputError(f"sync_centroids: expected a bool, got {sync_centroids!r}")
+        self.sync_centroids = sync_centroids
         self.num_clusters = check_int("num_clusters", num_clusters)
         self.seed = check_int("seed", seed, minimum=0)
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
@@ -95,7 +106,8 @@ class RoutingAttention(Attention):
         return unit(torch.randn(hc, self.num_clusters, D, generator=g, dtype=torch.float64)).to(device, dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, num_clusters={self.num_clusters}, decay={self.decay}, seed={self.seed}"
+        return (f"{super().extra_repr()}, num_clusters={self.num_clusters}, decay={self.decay}, seed={self.seed}"
+                + (", sync_centroids=True" if self.sync_centroids else ""))
 
     def centroids_for(self, q: Tensor) -> Tensor:
         """The centroids ``(H, num_clusters, D)`` for inputs like ``q`` (created at the first call if needed)."""
@@ -123,6 +135,10 @@ class RoutingAttention(Attention):
             onehot = torch.nn.functional.one_hot(near, self.num_clusters).to(x.dtype) * r[..., None]
             sums = torch.einsum("bhlc,bhld->hcd", onehot, x.detach())      # (H, C, D)
             counts = onehot.sum((0, 2))[..., None]                          # (H, C, 1)
+            if self.sync_centroids and dist.is_available() and dist.is_initialized():
+                both = torch.cat([sums, counts], -1)
+                dist.all_reduce(both)                                       # the global batch's sums and counts
+                sums, counts = both[..., :-1], both[..., -1:]
             if self.centroids.shape[0] == 1:
                 sums, counts = sums.sum(0, keepdim=True), counts.sum(0, keepdim=True)
             old = self.centroids.to(x.dtype)
