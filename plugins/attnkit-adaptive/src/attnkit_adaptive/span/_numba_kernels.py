@@ -86,10 +86,19 @@ def _exp_seg(row, red, ebuf, cst, is32):  # pragma: no cover - compiled
         ebuf[c] = 4000 if nan else (-4000 if under else -np.int32(nf))
         red[c] = (xc + nf * h1) + nf * h2         # x + n·ln2 in two parts, |red| <= ln2 / 2
         row[c] = cst[_POLY]
-    for p in range(_POLY + 1, cst.shape[0]):
-        cp = cst[p]
+    # float32: Horner per element with the 8 coefficients in registers, one pass over the row instead of one per
+    # degree (bitwise the same result; 2-15 % faster forward in a noisy A/B); float64 keeps the passes
+    if is32:
+        a0 = cst[_POLY]; a1 = cst[_POLY + 1]; a2 = cst[_POLY + 2]; a3 = cst[_POLY + 3]
+        a4 = cst[_POLY + 4]; a5 = cst[_POLY + 5]; a6 = cst[_POLY + 6]; a7 = cst[_POLY + 7]
         for c in range(n):
-            row[c] = row[c] * red[c] + cp
+            r = red[c]
+            row[c] = ((((((a0 * r + a1) * r + a2) * r + a3) * r + a4) * r + a5) * r + a6) * r + a7
+    else:
+        for p in range(_POLY + 1, cst.shape[0]):
+            cp = cst[p]
+            for c in range(n):
+                row[c] = row[c] * red[c] + cp
     if is32:
         bits = row.view(np.int32)
         for c in range(n):
