@@ -277,3 +277,28 @@ def test_segment_streaming_uses_the_given_reference():
         report = run_conformance("segment-ok", checks=["streaming"], streaming_reference=whole)
         assert not report.ok
         assert "chunk=1" in report["streaming"].message and "streaming_reference" in report["streaming"].message
+
+
+class _ValueDimAttention(broken_impls.NaiveAttention):
+    """Softmax attention that, like a learned value convolution, only accepts values of its ``value_dim``."""
+
+    def __init__(self, *, num_heads=None, head_dim=None, scale=None, backend="auto", value_dim=None):
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        self.value_dim = value_dim
+
+    def _forward(self, q, k, v, **kw):
+        if v.shape[-1] != self.value_dim:
+            raise attnkit.InvalidInputError(f"v: built for E={self.value_dim}, got {tuple(v.shape)}")
+        return super()._forward(q, k, v, **kw)
+
+
+def test_kit_hints_value_dim_to_factories_that_name_it():
+    """The kit passes E as ``value_dim`` (only where the factory names it), as it passes H and D."""
+    caps = attnkit.Capabilities(noncausal=True, causal=False, key_padding_mask=False, cross=True)
+    with attnkit.registered(_ValueDimAttention, name="value-dim", exact=True, capabilities=caps):
+        report = run_conformance("value-dim", checks=["shapes_dtypes", "reference", "fuzz"],
+                                 shapes=(2, 2, 9, 12, 8, 5))
+        assert report.ok, report.format()
+        explicit = run_conformance("value-dim", checks=["shapes_dtypes"], options={"value_dim": 3})
+    assert explicit["shapes_dtypes"].status == "failed"      # an explicit option wins over the hint
+    assert "built for E=3" in explicit["shapes_dtypes"].message

@@ -85,3 +85,49 @@ def test_a_wrong_result_at_large_scale_is_caught():
 def test_exact_specs_are_skipped():
     with pytest.raises(CheckSkipped, match="exact"):
         check_scaled_inputs(ConformanceConfig(name="softmax"))
+
+
+C_TINY = 0.1
+
+
+class _TinyKernel(broken_impls.NaiveAttention):
+    """Unnormalised ``w_ij = exp(-c (|q_i|^2 + |k_j|^2))``, ``out = w v``: its output itself shrinks with the
+    inputs' norm (as SOFT's Gaussian kernel does) and at q, k x30 lies wholly below float32's range, where
+    the only faithful float32 answer is 0."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        return torch.exp(-C_TINY * ((q * q).sum(-1, keepdim=True) + (k * k).sum(-1)[..., None, :])) @ v
+
+
+def _tiny_reference(attn, q, k, v, *, mask, positions):
+    return torch.exp(-C_TINY * ((q * q).sum(-1, keepdim=True) + (k * k).sum(-1)[..., None, :])) @ v
+
+
+class _TinyKernelUnderflowing(_TinyKernel):
+    """The same as a product of fourth powers, then the fourth root: the product underflows in float32 where the
+    result (x10: up to ~1e-17) would not."""
+
+    def _forward(self, q, k, v, **kw):
+        a = torch.exp(-4 * C_TINY * (q * q).sum(-1, keepdim=True))
+        b = torch.exp(-4 * C_TINY * (k * k).sum(-1))[..., None, :]
+        return (a * b) ** 0.25 @ v
+
+
+TINY = {"exact": False, "reference": _tiny_reference,
+        "capabilities": attnkit.Capabilities(causal=False, key_padding_mask=False, cross=True)}
+
+
+def test_a_reference_below_the_dtype_range_asks_for_zeros_not_a_failure():
+    from attnkit.testing.context import make_inputs
+    q, k, v = make_inputs(2, 2, 9, 9, 8, 6, dtype=torch.float64, seed=17)
+    ref = _tiny_reference(None, q * 30, k * 30, v, mask=None, positions=None)
+    assert 0 < ref.abs().max() < torch.finfo(torch.float32).smallest_normal * 2 ** -24     # premise: below range
+    with attnkit.registered(_TinyKernel, name="kit-tiny-kernel", **TINY):
+        note = check_scaled_inputs(ConformanceConfig(name="kit-tiny-kernel"))
+    assert "x30: 0" in note and "x100: 0" in note
+
+
+def test_underflow_where_the_dtype_could_hold_the_result_is_still_caught():
+    with attnkit.registered(_TinyKernelUnderflowing, name="kit-tiny-underflow", **TINY):
+        with pytest.raises(CheckFailed, match=r"scaled by 10.*output rows are all zeros"):
+            check_scaled_inputs(ConformanceConfig(name="kit-tiny-underflow"))

@@ -16,7 +16,10 @@ for Linformer, its E and F), dim 512, 8 heads of 64, B = 1, float32:
 * linformer: proj_len 256, E and F shared by the heads, no key-value sharing.
 
 It reports median forward and forward+backward seconds at each L (and the four
-projections alone, so the attention part of each layer can be read off), and at L=4096
+projections alone, so the attention part of each layer can be read off), the attention
+alone measured directly (the public layer with its projections replaced by fixed tensors
+and its output projection by the identity, attnkit's attention on the same tensors split
+into heads), and at L=4096
 (float64) the relative error of each layer's output against the exact layer (the same
 projections around softmax attention), side by side.
 """
@@ -76,6 +79,40 @@ def pair(name: str, L: int):
     return pub.eval(), ours.eval()
 
 
+class Cached(torch.nn.Module):
+    """Stands in for a projection: returns a fixed tensor, so a layer's time is its attention alone."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+
+def attention_only(name: str, pub, ours: attnkit.MultiHeadAttention, L: int, grad: bool):
+    """(public call, attnkit call) that time the attention alone: the same (1, L, 512) q, k, v on both sides.
+
+    The public layer's projections are replaced by :class:`Cached` tensors and its output
+    projection by the identity; attnkit's attention gets the same tensors split into
+    heads the way ``MultiHeadAttention`` splits them (views) and merged back.
+    """
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, L, DIM, generator=g).requires_grad_(grad) for _ in range(3))
+    if name == "nystrom":
+        pub.to_qkv = Cached(torch.cat([q, k, v], -1))
+    else:
+        pub.to_q, pub.to_k, pub.to_v = Cached(q), Cached(k), Cached(v)
+    pub.to_out = torch.nn.Identity()
+    split = lambda t: t.view(1, L, H, DH).transpose(1, 2)  # noqa: E731
+
+    def ours_call():
+        return ours.attention(split(q), split(k), split(v)).transpose(1, 2).reshape(1, L, DIM)
+
+    x = torch.zeros(1, L, DIM)
+    return (lambda: pub(x)), ours_call, (q, k, v)
+
+
 def exact(ours: attnkit.MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
     split = lambda t: t.view(1, -1, H, DH).transpose(1, 2)  # noqa: E731
     q, k, v = split(ours.q_proj(x)), split(ours.k_proj(x)), split(ours.v_proj(x))
@@ -133,6 +170,27 @@ def main() -> int:
                       f"{t['projections'] * 1e3:.1f} ms; attention part {core_pub * 1e3:.1f} vs "
                       f"{core_ours * 1e3:.1f} ms)",
                       flush=True)
+        for L in args.lengths:
+            for mode in ("fwd", "fwd+bwd"):
+                pub, ours = pair(name, L)
+                grad = mode == "fwd+bwd"
+                calls = attention_only(name, pub, ours, L, grad)
+                t = {}
+                for side, call in (("public", calls[0]), ("attnkit", calls[1])):
+                    def run(call=call, grad=grad, inputs=calls[2]):
+                        if not grad:
+                            with torch.no_grad():
+                                call()
+                        else:
+                            call().sum().backward()
+                            for x_ in inputs:
+                                x_.grad = None
+                    t[side] = timed(run, args.repeats)
+                row = {"impl": name, "L": L, "mode": mode, "part": "attention alone", "public_s": t["public"],
+                       "attnkit_s": t["attnkit"], "speedup": t["public"] / t["attnkit"]}
+                res["time"].append(row)
+                print(f"{name:9s} L={L:6d} {mode:8s} attention alone: public {t['public'] * 1e3:8.1f} ms  "
+                      f"attnkit {t['attnkit'] * 1e3:8.1f} ms  {row['speedup']:.2f}x", flush=True)
         L = args.error_length
         pub, ours = pair(name, L)
         pub, ours = pub.double(), ours.double()

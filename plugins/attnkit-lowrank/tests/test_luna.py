@@ -62,7 +62,8 @@ def test_state_carries_into_the_next_layer_with_gradients():
 
 def test_causal_chunking_does_not_change_the_result_and_the_last_row_is_non_causal():
     q, k, v = _qkv(L=13, S=13)
-    outs = [_build(packed_len=3, chunk_size=c)(q, k, v, causal=True) for c in (1, 4, 64)]
+    outs = [_build(packed_len=3, chunk_size=c, causal_form="prefix-softmax")(q, k, v, causal=True)
+            for c in (1, 4, 64)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(outs[0], outs[2], atol=1e-12, rtol=1e-10)
     full = _build(packed_len=3)(q, k, v)
@@ -70,9 +71,10 @@ def test_causal_chunking_does_not_change_the_result_and_the_last_row_is_non_caus
     assert (outs[0][:, :, :-1] - full[:, :, :-1]).abs().max() > 1e-3
 
 
-def test_causal_with_extreme_scores_stays_finite_and_matches_reference():
+@pytest.mark.parametrize("form", ["paper", "prefix-softmax"])
+def test_causal_with_extreme_scores_stays_finite_and_matches_reference(form):
     q, k, v = _qkv(L=10, S=10)
-    attn = _build(packed_len=3, chunk_size=3)
+    attn = _build(packed_len=3, chunk_size=3, causal_form=form)
     k = k * 200.0                                    # pack scores spread over hundreds: exp under/overflows
     kpm = torch.ones(2, 10, dtype=torch.bool)
     kpm[0, :3] = False
@@ -83,7 +85,39 @@ def test_causal_with_extreme_scores_stays_finite_and_matches_reference():
     torch.testing.assert_close(out, ref, atol=1e-9, rtol=1e-7)
 
 
+def test_paper_causal_form_by_hand_and_by_chunks():
+    """The paper's causal Luna: K_p(t) = mean_{j<=t} (elu(scale P k_j) + 1) k_j, likewise V_p; softmax unpack."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv(L=13, S=13))
+    attn = _build(packed_len=3)
+    assert attn.causal_form == "paper"                  # the default
+    out = attn(q, k, v, causal=True)
+    scale = 8 ** -0.5
+    w = torch.nn.functional.elu(scale * attn.packed[0] @ k.transpose(-1, -2)) + 1      # (B, H, m, L)
+    t = torch.arange(1, 14, dtype=F64)
+    kp = torch.cumsum(w[..., None] * k[:, :, None], 3) / t[:, None]                    # (B, H, m, L, D)
+    vp = torch.cumsum(w[..., None] * v[:, :, None], 3) / t[:, None]
+    a = torch.softmax(scale * torch.einsum("bhtd,bhmtd->bhtm", q, kp), -1)
+    want = torch.einsum("bhtm,bhmte->bhte", a, vp)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    for c in (1, 5):
+        torch.testing.assert_close(_build(packed_len=3, chunk_size=c)(q, k, v, causal=True), out,
+                                   atol=1e-12, rtol=1e-10)
+    # and it differs from the prefix-softmax form (it is another causal attention, not a re-computation)
+    other = _build(packed_len=3, causal_form="prefix-softmax")(q, k, v, causal=True)
+    assert (other - out).abs().max() > 1e-3
+    # gradients against the reference; position 4 depends on no later key
+    ref = reference(attn, q, k, v, mask=attnkit.masks.causal())
+    g = torch.randn_like(out)
+    for x, y in zip(torch.autograd.grad((out * g).sum(), (q, k, v), retain_graph=True),
+                    torch.autograd.grad((ref * g).sum(), (q, k, v))):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)
+    gk, gv = torch.autograd.grad(out[:, :, 4].sum(), (k, v))
+    assert gk[:, :, 5:].abs().max() == 0 and gv[:, :, 5:].abs().max() == 0
+
+
 def test_options_are_checked():
+    with pytest.raises(attnkit.InvalidInputError, match="causal_form"):
+        attnkit.build("luna", head_dim=8, causal_form="softmax")
     with pytest.raises(attnkit.InvalidInputError, match="head_dim"):
         attnkit.build("luna")
     with pytest.raises(attnkit.InvalidInputError, match="packed_len"):

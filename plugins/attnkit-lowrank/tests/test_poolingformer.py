@@ -9,6 +9,7 @@ from attnkit_lowrank.poolingformer.naive import reference
 
 import attnkit
 from attnkit.masks import causal as causal_mask
+from attnkit.masks import key_padding
 
 F64 = torch.float64
 
@@ -51,6 +52,63 @@ def test_longer_sequence_with_chunks_matches_reference_with_gradients(causal):
     # far keys have no influence: position 0 sees neither key 89 (window) nor its segment (pool window)
     gk, gv = torch.autograd.grad(out[:, :, 0].sum(), (k, v))
     assert gk[:, :, 60:].abs().max() == 0 and gv[:, :, 60:].abs().max() == 0 and gv[:, :, 0].abs().min() > 0
+
+
+def _padding(L):
+    """Row 0: 7 padded at the end; row 1: 5 in the middle and 2 at the start."""
+    kpm = torch.ones(2, L, dtype=torch.bool)
+    kpm[0, L - 7:] = False
+    kpm[1, 10:15] = False
+    kpm[1, :2] = False
+    return kpm
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_padding_matches_reference_and_removing_the_padded_tokens(causal):
+    L = 37
+    q, k, v = (t.requires_grad_(True) for t in _qkv(B=2, L=L))
+    kpm = _padding(L)
+    attn = attnkit.build("poolingformer", window=6, pool_window=14, pool_size=3, pool_stride=2,
+                         chunk_size=8).double()
+    out = attn(q, k, v, causal=causal, key_padding_mask=kpm)
+    ref = reference(attn, q, k, v, mask=key_padding(kpm) & causal_mask() if causal else key_padding(kpm))
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    w = torch.randn_like(out)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v), retain_graph=True)
+    for a, b in zip(got, torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    pad = ~kpm[:, None, :, None]
+    assert got[1].masked_select(pad).abs().max() == 0 and got[2].masked_select(pad).abs().max() == 0
+    # a real query's output is that of the sequence with the padded tokens removed
+    for b in range(2):
+        idx = kpm[b].nonzero().flatten()
+        cut = attn(q[b:b + 1, :, idx], k[b:b + 1, :, idx], v[b:b + 1, :, idx], causal=causal)
+        torch.testing.assert_close(out[b:b + 1, :, idx], cut, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), -1e30])
+def test_padded_keys_have_no_influence_whatever_they_hold(fill):
+    L = 30
+    q, k, v = _qkv(B=2, L=L)
+    kpm = _padding(L)
+    attn = attnkit.build("poolingformer", window=4, pool_window=12, pool_size=4, pool_stride=3,
+                         chunk_size=7).double()
+    base = attn(q, k, v, key_padding_mask=kpm)
+    pad = ~kpm[:, None, :, None]
+    out = attn(q, k.masked_fill(pad, fill), v.masked_fill(pad, fill), key_padding_mask=kpm)
+    assert torch.equal(out, base) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fully_padded_row_gives_zeros_and_finite_gradients(causal):
+    q, k, v = (t.requires_grad_(True) for t in _qkv(B=2, L=12))
+    kpm = torch.ones(2, 12, dtype=torch.bool)
+    kpm[1] = False
+    attn = attnkit.build("poolingformer", window=4, pool_window=8, pool_size=3, pool_stride=2).double()
+    out = attn(q, k, v, causal=causal, key_padding_mask=kpm)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().min() > 0
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads) and grads[2][1].abs().max() == 0
 
 
 def test_bad_options_are_named():

@@ -225,8 +225,8 @@ POOLINGFORMER = AttentionSpec(
                    "attention, not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
-        mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
+        mask_kinds=("causal", "key_padding"), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
         time="O(L·(window + pool_window / pool_stride)·D)", memory="O(L·(window + pool_window / pool_stride))",
     ),
 )

@@ -56,6 +56,21 @@ def after(n: int, start: int, device: torch.device) -> Tensor:
     return (torch.arange(n, device=device) >= start)[None, None, :, None]
 
 
+def shape_hints(spec: Any, H: int, D: int, E: int) -> dict[str, int]:
+    """``num_heads``/``head_dim`` hints, plus ``value_dim = E`` where the factory names a ``value_dim`` option.
+
+    ``value_dim`` is added only when the spec's options can be read and include it
+    (``build_with_hints`` sends every hint to a factory whose options cannot be read).
+    """
+    hints = {"num_heads": H, "head_dim": D}
+    try:
+        if any(o.name == "value_dim" for o in spec.resolved_options()):
+            hints["value_dim"] = E      # e.g. a learned value convolution built for E
+    except Exception:  # noqa: BLE001 - unreadable options: the build reports why
+        pass
+    return hints
+
+
 def fmt_shape(t: Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
@@ -183,8 +198,8 @@ class Ctx:
 
         ``backend=None`` leaves the option out (the spec's default).
         """
-        hints = {"num_heads": self.H if heads is None else heads,
-                 "head_dim": self.D if head_dim is None else head_dim}
+        hints = shape_hints(self.spec, self.H if heads is None else heads,
+                            self.D if head_dim is None else head_dim, self.E)
         if backend is not None:
             extra["backend"] = backend
         with torch.random.fork_rng(devices=[]):

@@ -46,7 +46,7 @@ from torch import Tensor
 from .. import masks as _masks
 from ..errors import AttnkitError
 from .config import DTYPE_NAMES, DTYPES, CheckFailed, ConformanceConfig
-from .context import Ctx, make_inputs, noise_like
+from .context import Ctx, make_inputs, noise_like, shape_hints
 
 __all__ = ["DEFAULT_EXAMPLES", "FuzzCase", "check_fuzz", "examples_budget", "replay", "run_case"]
 
@@ -226,8 +226,8 @@ def _build(cfg: ConformanceConfig, case: FuzzCase, dtype: torch.dtype) -> Any:
     """The module under ``torch.manual_seed(cfg.seed)`` (RNG forked), eval mode, on cfg.device in ``dtype``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        attn = cfg.registry.build_with_hints(cfg.name, {"num_heads": case.H, "head_dim": case.D},
-                                             **{**cfg.options, **case.options})
+        hints = shape_hints(cfg.spec, case.H, case.D, case.E)
+        attn = cfg.registry.build_with_hints(cfg.name, hints, **{**cfg.options, **case.options})
     return attn.to(device=cfg.device, dtype=dtype).eval()
 
 

@@ -32,7 +32,9 @@ def check_scaled_inputs(cfg: ConformanceConfig) -> str:
     where declared (else the precise dtype), on the default backend: the
     output is finite, no row is entirely zero where the reference's is not (negligible rows aside), and its
     relative Frobenius error against the spec's reference (float64 module and
-    inputs, the same resolved mask) is at most
+    inputs, the same resolved mask; rounded to the tested dtype, so that entries
+    that dtype cannot hold count as 0 and a reference entirely below its range
+    asks for an all-zero output) is at most
     ``min(SCALED_RELATIVE_BOUND, spec.error_bound)``. Skipped for exact specs
     (the 'reference' check holds them to softmax) and specs naming no reference.
     Returns the worst error per scale as a note.
@@ -60,15 +62,24 @@ def check_scaled_inputs(cfg: ConformanceConfig) -> str:
             with torch.no_grad():
                 want = ref(ref_attn, q.to(f64), k.to(f64), v.to(f64), mask=case.mask(f64),
                            positions=case.kw.get("positions"))
-            # a row the reference gives as zero (a feature map that is 0 for that query) or as negligible
-            # (below NEGLIGIBLE of the largest output entry, e.g. a gate saturating to 1e-50) may be zero
+            # the reference as the tested dtype holds it: entries below its smallest subnormal are 0 there, and
+            # a faithful implementation can only return 0 for them (an unnormalised kernel's output shrinks
+            # with the inputs' norm until the whole reference leaves float32's range)
+            want = want.to(dt).to(f64)
+            # a row the reference gives as zero (a feature map that is 0 for that query, or an entry the dtype
+            # cannot hold) or as negligible (below NEGLIGIBLE of the largest output entry, e.g. a gate
+            # saturating to 1e-50) may be zero
             row = want.abs().amax(-1)
-            zero = (out.abs().amax(-1) == 0) & (row > NEGLIGIBLE * row.max())       # (B, H, L)
+            zero = (out.abs().amax(-1) == 0) & (row > 0) & (row > NEGLIGIBLE * row.max())       # (B, H, L)
             if bool(zero.any()):
                 c.fail(f"{label}: {int(zero.sum())} of {zero.numel()} output rows are all zeros where the spec's "
                        f"reference is not (first at (b, h, t) = {tuple(zero.nonzero()[0].tolist())}): the "
                        f"features under- or overflow ({DTYPE_NAMES[dt]})")
-            err = (torch.linalg.vector_norm(out.to(f64) - want) / torch.linalg.vector_norm(want)).item()
+            norm = torch.linalg.vector_norm(want)
+            if norm == 0:      # the whole reference is 0 in this dtype: so must the output be
+                err = 0.0 if bool((out == 0).all()) else float("inf")
+            else:
+                err = (torch.linalg.vector_norm(out.to(f64) - want) / norm).item()
             if not err <= bound:
                 c.fail(f"{label}: relative Frobenius error {err:.3g} against the spec's reference "
                        f"{spec.reference_path!r} (float64) exceeds {bound:g}")

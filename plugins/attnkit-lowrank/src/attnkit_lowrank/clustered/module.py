@@ -205,10 +205,13 @@ class ImprovedClusteredAttention(ClusteredAttention):
         keep = ctx.key_padding_mask
         assign = cluster(q, C, self.bits, self.iterations, self.seed)
         qc, onehot = centroids(q, assign, C)
-        a = torch.softmax(masked_scores(qc @ (ctx.scale * k).transpose(-1, -2), keep), -1)      # (B, H, C, S)
+        sc = masked_scores(qc @ (ctx.scale * k).transpose(-1, -2), keep)                       # (B, H, C, S)
+        a = torch.softmax(sc, -1)
         if keep is not None:
             a = a * keep[:, None, None, :].to(a.dtype)          # a row with no real key: all 0
-        top = a.detach().topk(T, -1).indices                    # (B, H, C, T)
+        # the top-k by score, not by weight: the same keys in exact arithmetic, but weights that underflow to 0
+        # (large-norm inputs in float32) would tie and the choice among them would be arbitrary
+        top = sc.detach().topk(T, -1).indices                   # (B, H, C, T)
         in_top = torch.zeros_like(a, dtype=torch.bool).scatter(-1, top, True)
         mass = (a * in_top).sum(-1, keepdim=True)               # (B, H, C, 1): centroid weight on its top-k
         rest = (a * ~in_top) @ v                                # centroid weights on the other keys

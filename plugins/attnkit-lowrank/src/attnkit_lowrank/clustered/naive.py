@@ -65,12 +65,14 @@ def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None =
                 if not members:
                     continue
                 centroid = torch.stack([q[b, h, i] for i in members]).mean(0)
+                score = (scale * k[b, h] @ centroid).masked_fill(~keep, float("-inf"))
                 a = _softmax_rows(scale * k[b, h] @ centroid, keep)
                 if top_k is None:
                     for i in members:
                         out[b, h, i] = a @ v[b, h]
                     continue
-                top = sorted(range(S), key=lambda j: -float(a[j].detach()))[:top_k]
+                # the centroid's top_k keys by score (the same order as by weight, without underflow ties)
+                top = sorted(range(S), key=lambda j: -float(score[j].detach()))[:top_k]
                 others = [j for j in range(S) if j not in top]
                 mass = sum(a[j] for j in top)
                 for i in members:

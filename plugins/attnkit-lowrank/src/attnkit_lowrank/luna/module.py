@@ -15,13 +15,21 @@ unpack each have their own projections of one model-width P'; the attention
 contract takes q, k, v already projected, so the packed keys and values are
 the weighted sums of k and v themselves (the model layer owns projections).
 
-Causal form (L == S): query t unpacks a pack of the keys ``0..t`` only,
-``A_t = softmax over j <= t of scale · P k_j``, ``K_p(t) = A_t K``,
-``V_p(t) = A_t V``. Computed in query chunks with a log-cumulative-sum-exp of
-the pack scores (no overflow, no 0/0): O(L·chunk·m·(D + E)). This is the
-causal restriction of the non-causal equations, not the paper's own causal
-variant (which changes the pack's normalisation); the state after a causal
-call is the pack of the whole chunk.
+Causal form (L == S), ``causal_form="paper"`` (default), the paper's causal
+Luna: the pack weights are ``w_jl = elu(scale · p_l·k_j) + 1`` (positive, no
+normalisation over positions) and query t unpacks the mean over the t' keys
+``j <= t`` (t' = t + 1, or the number of real keys among them):
+``K_p(t) = (1/t') sum_{j<=t} w_j k_j``, ``V_p(t) = (1/t') sum_{j<=t} w_j v_j``,
+``out_t = softmax(scale · q_t K_p(t)^T) V_p(t)`` — cumulative sums, as in the
+paper. ``causal_form="prefix-softmax"``: the causal restriction of the
+non-causal equations, ``A_t = softmax over j <= t of scale · P k_j``, computed
+with a log-cumulative-sum-exp of the pack scores (no overflow, no 0/0); its
+last row equals the non-causal output. Both run in query chunks: the paper's
+form as two causal products of the shape of linear attention, O(L·chunk·(D + m
++ E) + L·m·(D + E)); the prefix softmax O(L·chunk·m·(D + E)). The state after
+a causal call is the softmax pack of the whole chunk (for the next segment: it
+summarises the chunk's future, so it is not for the next layer over the same
+positions).
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_bool, check_int, softmax_attend
+from ..common import check_bool, check_choice, check_int, softmax_attend
 from ..plugin import LUNA
+
+CAUSAL_FORMS = ("paper", "prefix-softmax")
 
 
 class LunaAttention(attnkit.Attention):
@@ -55,7 +65,12 @@ class LunaAttention(attnkit.Attention):
         backend: ``"auto"`` or ``"torch"``.
         packed_len: m, the length of the packed sequence (the paper's l: 16, 128 or 256).
         per_head: one learned packed sequence per head instead of one shared.
-        chunk_size: queries per chunk of the causal form (memory O(chunk·m·(chunk + D + E))).
+        chunk_size: queries per chunk of the causal form; None (default): 64 for
+            ``causal_form="paper"`` (memory O(chunk·(chunk + m) + m·(D + E))), 16 for
+            ``"prefix-softmax"`` (memory O(chunk·m·(chunk + D + E))).
+        causal_form: ``"paper"`` (the paper's causal Luna: pack weights
+            ``elu(scale·p·k) + 1`` averaged over the visible keys) or
+            ``"prefix-softmax"`` (the non-causal pack's softmax over each prefix).
 
     Raises:
         InvalidInputError: an option of the wrong type or out of range; a state
@@ -63,7 +78,8 @@ class LunaAttention(attnkit.Attention):
         UnsupportedFeatureError: ``attn_mask``, other mask kinds, causal with L != S.
     """
 
-    option_constraints = {"packed_len": {"minimum": 1}, "chunk_size": {"minimum": 1}}
+    option_constraints = {"packed_len": {"minimum": 1}, "chunk_size": {"minimum": 1},
+                          "causal_form": {"choices": CAUSAL_FORMS}}
     capabilities = LUNA.capabilities
     refusal_reasons = {
         "attn_mask": "a per-pair mask cannot be applied through the packed sequence",
@@ -71,11 +87,13 @@ class LunaAttention(attnkit.Attention):
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None, scale: float | None = None,
                  backend: str = "auto", packed_len: int = 16, per_head: bool = False,
-                 chunk_size: int = 16) -> None:
+                 chunk_size: int | None = None, causal_form: str = "paper") -> None:
         super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
         self.packed_len = check_int("packed_len", packed_len)
         self.per_head = check_bool("per_head", per_head)
-        self.chunk_size = check_int("chunk_size", chunk_size)
+        check_int("chunk_size", chunk_size, allow_none=True)
+        self.causal_form = check_choice("causal_form", causal_form, CAUSAL_FORMS)
+        self.chunk_size = chunk_size if chunk_size is not None else 64 if causal_form == "paper" else 16
         if head_dim is None:
             raise InvalidInputError("head_dim: the packed sequence holds head_dim vectors; give head_dim")
         if per_head and num_heads is None:
@@ -84,7 +102,8 @@ class LunaAttention(attnkit.Attention):
         self.packed = nn.Parameter(torch.randn(p, packed_len, head_dim) / math.sqrt(head_dim))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, packed_len={self.packed_len}, per_head={self.per_head}"
+        return (f"{super().extra_repr()}, packed_len={self.packed_len}, per_head={self.per_head}, "
+                f"causal_form={self.causal_form!r}")
 
     def start(self, q: Tensor, state: Tensor | None) -> Tensor:
         """The packed sequence P: ``state`` ``(B, H, m, D)`` or the learned one, broadcastable to it."""
@@ -119,30 +138,70 @@ class LunaAttention(attnkit.Attention):
         kp0 = k.new_zeros(B, H, m, D)
         vp0 = v.new_zeros(B, H, m, E)
         outs = []
-        for a in range(0, L, self.chunk_size):
-            sc = s[..., a:a + self.chunk_size]                                  # (B, H, m, c)
-            c = sc.shape[-1]
+        size = self.chunk_size
+        keeps = [None] * len(range(0, L, size)) if keep is None else keep.split(size, -1)
+        # split, not slicing: a slice's backward writes a whole (B, H, ., L) zero tensor per chunk (quadratic in L)
+        for sc, kc, vc, qc, kpc in zip(s.split(size, -1), k.split(size, 2), v.split(size, 2), q.split(size, 2), keeps):
+            c = sc.shape[-1]                                                    # sc: (B, H, m, c)
             lse = torch.logaddexp(lse0[..., None], torch.logcumsumexp(sc, -1))  # (B, H, m, c): log sum_{j<=t}
             carry = torch.exp(lse0[..., None] - lse)                            # weight of the earlier pack
             tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()    # [t, j]: j <= t
             # (B, H, m, t, j); j > t set to -inf before exp (its score may exceed lse_t: inf·0 = NaN)
             w = torch.exp((sc[..., None, :] - lse[..., :, None]).masked_fill(~tri, float("-inf")))
-            if keep is not None:
-                w = w * keep[:, None, None, None, a:a + c].to(w.dtype)
-            kc, vc = k[:, :, a:a + c], v[:, :, a:a + c]
+            if kpc is not None:
+                w = w * kpc[:, None, None, None, :].to(w.dtype)
             kp = carry[..., None] * kp0[..., None, :] + w @ kc[:, :, None]      # (B, H, m, t, D)
             vp = carry[..., None] * vp0[..., None, :] + w @ vc[:, :, None]      # (B, H, m, t, E)
-            qc = q[:, :, a:a + c]
             sq = scale * torch.einsum("bhtd,bhmtd->bhtm", qc, kp)
             outs.append(torch.einsum("bhtm,bhmte->bhte", torch.softmax(sq, -1), vp))
             lse0, kp0, vp0 = lse[..., -1], kp[..., -1, :], vp[..., -1, :]
+        return torch.cat(outs, 2)
+
+    def paper_causal_unpack(self, q: Tensor, p: Tensor, k: Tensor, v: Tensor, scale: float,
+                            keep: Tensor | None) -> Tensor:
+        """The paper's causal form: pack weights ``elu(s) + 1``, the mean over the visible keys; ``(B, H, L, E)``.
+
+        With ``w_j = elu(scale · P k_j) + 1`` ``(m,)`` and t' visible keys, the
+        unpack scores are ``scale/t' · sum_{j<=t} (q_t·k_j) w_j`` and the output
+        ``1/t' · sum_{j<=t} (a_t·w_j) v_j`` — two causal products of the shape of
+        linear attention. Per chunk of queries: the earlier chunks through running
+        sums ``sum k_j w_j^T`` ``(D, m)`` and ``sum w_j v_j^T`` ``(m, E)``, the chunk
+        itself through lower-triangular ``(chunk, chunk)`` products: O(L·chunk·(D +
+        m + E) + L·m·(D + E)), no ``(m, t, D)`` tensor; the chunks are ``split``, not
+        sliced (a slice's backward writes a whole zero tensor per chunk: at L = 16K
+        that made forward + backward 13.5 s instead of 0.33 s).
+        """
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        p = p.expand(B, H, *p.shape[-2:])
+        w = nn.functional.elu((scale * k) @ p.transpose(-1, -2)) + 1           # (B, H, L, m)
+        if keep is None:
+            count = torch.arange(1, L + 1, device=q.device, dtype=q.dtype).expand(B, L)
+        else:
+            w = w * keep[:, None, :, None].to(w.dtype)
+            count = keep.to(q.dtype).cumsum(-1)                                  # real keys among 0..t
+        count = count.clamp(min=1)[:, None, :, None]                            # (B, 1, L, 1); 0 keys: sums 0
+        m = w.shape[-1]
+        sk, sv = k.new_zeros(B, H, D, m), v.new_zeros(B, H, m, E)               # sums over earlier chunks
+        outs = []
+        # split, not slicing: a slice's backward writes a whole (B, H, L, .) zero tensor per chunk (quadratic in L)
+        c = self.chunk_size
+        for qc, kc, vc, wc, n in zip(q.split(c, 2), k.split(c, 2), v.split(c, 2), w.split(c, 2), count.split(c, 2)):
+            tri = torch.ones(qc.shape[2], qc.shape[2], dtype=q.dtype, device=q.device).tril()   # [t, j]: j <= t
+            sq = (scale * (qc @ sk + ((qc @ kc.transpose(-1, -2)) * tri) @ wc)) / n     # (B, H, c, m)
+            att = torch.softmax(sq, -1)
+            outs.append((att @ sv + ((att @ wc.transpose(-1, -2)) * tri) @ vc) / n)
+            sk = sk + kc.transpose(-1, -2) @ wc
+            sv = sv + wc.transpose(-1, -2) @ vc
         return torch.cat(outs, 2)
 
     def _luna(self, q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None, causal: bool,
               state: Tensor | None, want_state: bool) -> Tensor | tuple[Tensor, Tensor]:
         p = self.start(q, state)
         k_p, v_p = self.pack(p, k, v, scale, keep)
-        if causal:
+        if causal and self.causal_form == "paper":
+            out = self.paper_causal_unpack(q, p, k, v, scale, keep)
+        elif causal:
             out = self.causal_unpack(q, p, k, v, scale, keep)
         else:
             out = softmax_attend(q, (scale * k_p).transpose(-1, -2), v_p)

@@ -25,7 +25,9 @@ def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None =
     """``luna`` the obvious way with ``attn``'s learned packed sequence; ``(B, H, L, E)``.
 
     Non-causal: P packs the real keys, every query unpacks. Causal: query t
-    unpacks the pack of the real keys among ``0..t`` (0 when there is none).
+    unpacks the pack of the real keys among ``0..t`` (0 when there is none):
+    with ``causal_form="paper"`` the mean of ``(elu(scale p·k_j) + 1) k_j`` over
+    them, with ``"prefix-softmax"`` their softmax-weighted sum.
     """
     B, H, L, _ = q.shape
     S = k.shape[2]
@@ -41,8 +43,14 @@ def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None =
                 if not real:
                     continue
                 kb, vb = k[b, h, real], v[b, h, real]
-                k_p = _attend(p, kb, kb, scale)          # the packed sequence attends to the (visible) keys
-                v_p = _attend(p, kb, vb, scale)
+                if causal and attn.causal_form == "paper":
+                    # the paper's causal pack: weights elu(scale p·k) + 1, averaged over the visible keys
+                    w = torch.stack([torch.stack([torch.nn.functional.elu(scale * (pl @ kj)) + 1 for kj in kb])
+                                     for pl in p])                          # (m, visible)
+                    k_p, v_p = (w @ kb) / len(real), (w @ vb) / len(real)
+                else:
+                    k_p = _attend(p, kb, kb, scale)      # the packed sequence attends to the (visible) keys
+                    v_p = _attend(p, kb, vb, scale)
                 out[b, h, i] = _attend(q[b, h, i:i + 1], k_p, v_p, scale)[0]
     return out
 

@@ -77,15 +77,22 @@ class PoolingformerAttention(attnkit.Attention):
         InvalidInputError: an option of the wrong type or out of range; a
             pooling stride larger than the pooling size; a pooling size larger
             than the pooling window.
-        UnsupportedFeatureError: key padding, ``attn_mask``, L != S.
+        UnsupportedFeatureError: ``attn_mask``, L != S.
+
+    Key padding (``key_padding_mask`` ``(B, S)``, True = real key): padded keys
+    are removed, not masked in place: each batch row's kept keys are numbered
+    0..c-1 in order and both levels (windows and pooling segments) are those
+    of that shorter sequence, so a real query's output equals the output for
+    the sequence without its padded tokens, whatever the padded keys hold. A
+    query sits at the rank of the last kept key at or before it (-1 before
+    the first: causal, it sees nothing and gives 0); a row with no kept key
+    gives 0.
     """
 
     option_constraints = {"window": {"minimum": 1}, "pool_window": {"minimum": 1}, "pool_size": {"minimum": 1},
                           "pool_stride": {"minimum": 1}, "chunk_size": {"minimum": 1}}
     capabilities = POOLINGFORMER.capabilities
     refusal_reasons = {
-        "key_padding_mask": ("its windows and segments are defined by position, so a padded key is not the same as "
-                             "an absent one without explicit token positions (not implemented: open)"),
         "attn_mask": "a per-pair mask does not apply to pooled segments",
         "cross": "the windows are centred on the query's own position: self-attention only",
     }
@@ -112,26 +119,68 @@ class PoolingformerAttention(attnkit.Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
         L = q.shape[2]
-        r1, r2 = self.window // 2, self.pool_window // 2
-        causal = ctx.causal
+        keep = ctx.key_padding_mask
         kq = ctx.scale * k
-        kp, vp = pool(kq, self.pool_size, self.pool_stride), pool(v, self.pool_size, self.pool_stride)
-        start, end = (t.to(q.device) for t in segments(L, self.pool_size, self.pool_stride))
-        P = start.shape[0]
-        pos = torch.arange(L, device=q.device)
+        if keep is None:
+            return self._levels(q, kq, v, torch.arange(L, device=q.device), ctx.causal)
+        # key padding: each batch row attends over its kept keys only, numbered 0..c-1 in order (padded keys
+        # are removed, not zeroed: the windows and segments are those of the sequence without them)
         outs = []
-        for a in range(0, L, self.chunk_size):
-            b = min(a + self.chunk_size, L)
-            i = pos[a:b, None]
-            qc = q[:, :, a:b]
-            lo, hi = max(0, a - r1), (b if causal else min(L, b + r1))
-            j = pos[None, lo:hi]
-            keep1 = (i - j <= r1) & ((j <= i) if causal else (j - i <= r1))
-            y = _softmax_rows(qc @ kq[:, :, lo:hi].transpose(-1, -2), keep1, v[:, :, lo:hi])
-            plo = max(0, (a - r2 - self.pool_size) // self.pool_stride)
-            phi = min(P, (b - 1 + r2) // self.pool_stride + 1)
-            s_, e_ = start[None, plo:phi], end[None, plo:phi] - 1                  # inclusive ends
-            keep2 = (e_ >= i - r2) & ((e_ <= i) if causal else (s_ <= i + r2))
-            z = _softmax_rows(qc @ kp[:, :, plo:phi].transpose(-1, -2), keep2, vp[:, :, plo:phi])
+        for b in range(q.shape[0]):
+            idx = keep[b].nonzero().flatten()
+            rank = keep[b].long().cumsum(0) - 1          # a query's rank: that of the last kept key at or before it
+            if idx.numel() == 0:
+                outs.append(v.new_zeros(1, v.shape[1], L, v.shape[-1]))
+                continue
+            outs.append(self._levels(q[b:b + 1], kq[b:b + 1, :, idx], v[b:b + 1, :, idx], rank, ctx.causal))
+        return torch.cat(outs, 0)
+
+    def _levels(self, q: Tensor, kq: Tensor, v: Tensor, rank: Tensor, causal: bool) -> Tensor:
+        """Both levels for queries ``q`` ``(B, H, L, D)`` at key ranks ``rank`` ``(L,)`` over ``c`` keys.
+
+        ``kq`` ``(B, H, c, D)`` (scaled) and ``v`` ``(B, H, c, E)`` are the keys at
+        positions 0..c-1; ``rank`` is non-decreasing, in ``[-1, c - 1]`` (the
+        position of each query among the keys; ``arange(L)`` without padding).
+        """
+        L, c = q.shape[2], kq.shape[2]
+        r1, r2 = self.window // 2, self.pool_window // 2
+        kp, vp = pool(kq, self.pool_size, self.pool_stride), pool(v, self.pool_size, self.pool_stride)
+        start, end = (t.to(q.device) for t in segments(c, self.pool_size, self.pool_stride))
+        P = start.shape[0]
+        ranks = rank.tolist()
+        size = self.chunk_size
+        firsts, lasts = ranks[::size], ranks[size - 1::size] + ([ranks[-1]] if L % size else [])
+        # each chunk's key window [lo1, hi1) and segment window [lo2, hi2), gathered for all chunks at once
+        # (one index_select each, unbound per chunk): slicing per chunk made the backward write a whole
+        # (B, H, c, D) zero tensor per chunk, quadratic in L
+        lo1 = [max(0, ra - r1) for ra in firsts]
+        hi1 = [max(lo, rb + 1 if causal else min(c, rb + r1 + 1)) for lo, rb in zip(lo1, lasts)]
+        lo2 = [max(0, (ra - r2 - self.pool_size) // self.pool_stride) for ra in firsts]
+        hi2 = [max(lo, min(P, (rb + r2) // self.pool_stride + 1)) for lo, rb in zip(lo2, lasts)]
+
+        def windows(lo: list[int], hi: list[int], n: int) -> tuple[Tensor, Tensor]:
+            width = max(1, max(h - lo_ for lo_, h in zip(lo, hi)))
+            idx = torch.tensor(lo, device=q.device)[:, None] + torch.arange(width, device=q.device)
+            valid = idx < torch.tensor(hi, device=q.device)[:, None]
+            return idx.clamp(max=max(n - 1, 0)), valid                        # (chunks, width)
+
+        idx1, valid1 = windows(lo1, hi1, c)
+        idx2, valid2 = windows(lo2, hi2, P)
+
+        def gather(x: Tensor, idx: Tensor) -> tuple[Tensor, ...]:
+            if x.shape[2] == 0:      # no keys: every window is empty (all masked below)
+                x = x.new_zeros(*x.shape[:2], 1, x.shape[3])
+            return x.index_select(2, idx.flatten()).unflatten(2, idx.shape).unbind(2)
+
+        k1, v1, k2, v2 = gather(kq, idx1), gather(v, idx1), gather(kp, idx2), gather(vp, idx2)
+        outs = []
+        for n, (qc, i) in enumerate(zip(q.split(size, 2), rank.split(size))):
+            i = i[:, None]
+            j = idx1[n][None, :]
+            keep1 = valid1[n] & (i - j <= r1) & ((j <= i) if causal else (j - i <= r1))
+            y = _softmax_rows(qc @ k1[n].transpose(-1, -2), keep1, v1[n])
+            s_, e_ = start[idx2[n]][None, :], end[idx2[n]][None, :] - 1            # inclusive ends
+            keep2 = valid2[n] & (e_ >= i - r2) & ((e_ <= i) if causal else (s_ <= i + r2))
+            z = _softmax_rows(qc @ k2[n].transpose(-1, -2), keep2, v2[n])
             outs.append(y + z)
         return torch.cat(outs, 2)

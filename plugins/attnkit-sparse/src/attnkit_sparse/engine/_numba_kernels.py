@@ -5,27 +5,37 @@ Arrays: ``q (N, L, D)``, ``k (N, S, D)``, ``v (N, S, E)`` with N = B·H (row
 ``n`` is batch ``n // H``, head ``n % H``); the plan's index arrays (see
 :mod:`.plan`) with a leading ``(B', H')`` indexed by ``b % B'``, ``h % H'``.
 
-* :func:`forward`: ``prange`` over N x NQ query blocks. Per visited key block:
-  the key tile is transposed into a ``(D, BK)`` buffer, scores ``Q Kᵀ`` and
-  ``acc += P V`` are both computed as axpy rows (:func:`_axpy`: 4 rows x 4
+* :func:`forward`: ``prange`` over N x NQ query blocks. The query block is
+  scaled and transposed once (``(D, BQ)``); per visited key block the scores
+  are computed key-major, ``Sᵀ = K Qᵀ`` (:func:`_dots`: axpy rows, 4 rows x 4
   terms per pass, vectorised over the contiguous row with ``reassoc``; no
-  horizontal sums), then the tile's element mask (PARTIAL) and an
-  online-softmax update of the row maxima and sums. Stores ``out`` and ``lse = m + log(l)`` per row.
+  horizontal sums), so the column maxima, the ``exp`` and the column sums of
+  the online softmax are vertical passes vectorised across the 64 queries,
+  with no per-row loop; the PARTIAL tile's element mask is applied first.
+  ``acc += P V`` reads ``P`` transposed (:func:`_axpy_t`), restricted on
+  PARTIAL tiles to the keys each group of 4 queries may see. Stores ``out``
+  and ``lse = m + log(l)`` per row.
 * :func:`backward_dq`: ``prange`` over N x NQ: recomputes ``P = exp(scale·QKᵀ −
   lse)`` from the saved log-sum-exp (FlashAttention-2), ``dP = dO Vᵀ``,
   ``dS = P (dP − Δ)``, ``dQ += scale · dS K``.
 * :func:`backward_dkdv`: ``prange`` over N x NK key blocks via the transposed
   index: ``dV += Pᵀ dO``, ``dK += scale · dSᵀ Q``. Each worker owns the rows
   it writes, so no two threads write the same rows. It can keep ``scale·dS``
-  per tile (``ds``, at the tile's slot of the query-major index); then
+  per tile (``ds``, key-major as computed, at the tile's slot of the query-major index); then
   :func:`backward_dq_from_ds` gives ``dQ`` with one product per tile instead
   of :func:`backward_dq`'s three and an ``exp`` (5 tile products in the
   backward instead of 7, for memory ``tiles·BQ·BK``).
 
 ``exp`` is evaluated a row of a tile at a time by a polynomial with an exact
-power-of-two scaling through an integer view (:func:`_exp_row`), so the loop
-vectorises (numba has no vector ``exp`` without Intel's SVML). Its
+power-of-two scaling through an integer view (:func:`_exp_into`), in two loops
+LLVM vectorises (numba has no vector ``exp`` without Intel's SVML). Its
 relative error is ~1e-7 in float32 and ~1e-14 in float64.
+
+Two rules keep the inner loops vectorised (checked in the assembly): loops run
+from 0 over views (``range(a, b)`` with a runtime ``a`` makes numba wrap
+possibly negative indices, a select per element LLVM cannot vectorise), and
+float32 stays float32 (``int32 · float32`` and ``float32 · 0`` are float64 in
+numba's typing; constants come from the typed ``cst`` array).
 """
 
 from __future__ import annotations
@@ -52,31 +62,45 @@ _SC, _NINF, _LOG2E, _LN2_HI, _LN2_LO, _LO, _HALF, _POLY = range(8)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _exp_row(x, n, out, nbuf, cst, is32):  # pragma: no cover - compiled
-    """``out[:n] = exp(x[:n])`` for ``x <= ~0``, 0 below the underflow bound (and for ``-inf``), NaN for NaN,
-    in vectorisable passes; ``x`` is overwritten with the reduced argument, ``nbuf`` is int32 scratch."""
-    lo = cst[_LO]; log2e = cst[_LOG2E]; c1 = cst[_LN2_HI]; c2 = cst[_LN2_LO]
-    half = cst[_HALF]
-    for j in range(n):
-        xj = x[j]
-        under = xj <= lo
-        nan = xj != xj
-        xc = lo if (under or nan) else xj
-        ni = np.int32(half - xc * log2e)      # round(-xc·log2 e) by truncation (xc <= ~0)
-        nbuf[j] = 2000 if nan else (-1000 if under else -ni)
-        x[j] = (xc + ni * c1) + ni * c2
-        out[j] = cst[_POLY]
-    K = cst.shape[0]
-    for c in range(_POLY + 1, K):
-        cc = cst[c]
-        for j in range(n):
-            out[j] = out[j] * x[j] + cc
+def _exp_into(x, scl, sub, off, out, nbuf, cst, is32):  # pragma: no cover - compiled
+    """``out[j] = exp(scl·x[j] − sub[j] − off)`` for ``j < len(out)`` (``x`` may be ``out``), for arguments ``<= ~0``:
+    0 below the underflow bound (and for ``-inf``), NaN for NaN; ``nbuf`` is int32 scratch.
+
+    Two vectorised passes: the reduced argument and the polynomial (all in the array's float type: an
+    int32 times a float32 would be float64 in numba, which kept the loop scalar), then ``2^n`` added
+    to the exponent through an integer view. Loops run from 0 over views: a loop from a runtime start
+    makes numba wrap negative indices, which LLVM cannot vectorise.
+    """
+    lo = cst[_LO]; log2e = cst[_LOG2E]; c1 = cst[_LN2_HI]; c2 = cst[_LN2_LO]; half = cst[_HALF]
+    n = out.shape[0]
     if is32:
+        a6 = cst[_POLY]; a5 = cst[_POLY + 1]; a4 = cst[_POLY + 2]; a3 = cst[_POLY + 3]; a2 = cst[_POLY + 4]
+        a1 = cst[_POLY + 5]; a0 = cst[_POLY + 6]
+        for j in range(n):
+            xj = x[j] * scl - sub[j] - off
+            xc = xj if xj > lo else lo
+            nf = np.floor(half - xc * log2e)          # round(-xc·log2 e) (xc <= ~0)
+            r = (xc + nf * c1) + nf * c2
+            out[j] = (((((a6 * r + a5) * r + a4) * r + a3) * r + a2) * r + a1) * r + a0
+            e = -np.int32(nf)
+            nbuf[j] = e if xj > lo else (-1000 if xj <= lo else 2000)
         oi = out.view(np.int32)
         for j in range(n):
             e = nbuf[j]
             oi[j] = (oi[j] + (e << 23)) if e > -1000 and e < 2000 else (0 if e <= -1000 else 0x7FC00000)
     else:
+        K = cst.shape[0]
+        for j in range(n):
+            xj = x[j] * scl - sub[j] - off
+            xc = xj if xj > lo else lo
+            nf = np.floor(half - xc * log2e)
+            r = (xc + nf * c1) + nf * c2
+            p = cst[_POLY]
+            for c in range(_POLY + 1, K):
+                p = p * r + cst[c]
+            out[j] = p
+            e = -np.int32(nf)
+            nbuf[j] = e if xj > lo else (-1000 if xj <= lo else 2000)
         ol = out.view(np.int64)
         for j in range(n):
             e = np.int64(nbuf[j])
@@ -143,41 +167,40 @@ def _axpy(OUT, on, C, Y, y0, yn):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _axpy_rows(OUT, o0, n, C, c0, Y, y0, j0, j1, e0, e1):  # pragma: no cover - compiled
-    """``OUT[o0 + r, e] += sum_{j0 <= j < j1} C[c0 + r, j] · Y[y0 + j, e]`` for ``r < n <= 4``, ``e0 <= e < e1``.
-
-    The span-restricted form of :func:`_axpy` used on PARTIAL tiles: only the
-    columns (and terms) that some row of the group can use are computed.
-    """
+def _axpy_t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
+    """``OUT[o0 + r] += sum_{j0 <= j < j1} CT[j, o0 + r] · Y[y0 + j]`` for ``r < n <= 4``: :func:`_axpy`'s 4 rows x
+    4 terms per pass for one group of rows, the coefficients given transposed (``CT`` is key-major) and the
+    terms restricted to ``[j0, j1)`` (on a PARTIAL tile, the keys some row of the group may see)."""
+    E = Y.shape[1]
     if n == 4:
         oa = OUT[o0]; ob = OUT[o0 + 1]; oc = OUT[o0 + 2]; od = OUT[o0 + 3]
-        ca = C[c0]; cb = C[c0 + 1]; cc = C[c0 + 2]; cd = C[c0 + 3]
         j4 = j1 - (j1 - j0) % 4
         for j in range(j0, j4, 4):
             y0_ = Y[y0 + j]; y1 = Y[y0 + j + 1]; y2 = Y[y0 + j + 2]; y3 = Y[y0 + j + 3]
-            p0 = ca[j]; p1 = ca[j + 1]; p2 = ca[j + 2]; p3 = ca[j + 3]
-            r0 = cb[j]; r1 = cb[j + 1]; r2 = cb[j + 2]; r3 = cb[j + 3]
-            s0 = cc[j]; s1 = cc[j + 1]; s2 = cc[j + 2]; s3 = cc[j + 3]
-            t0 = cd[j]; t1 = cd[j + 1]; t2 = cd[j + 2]; t3 = cd[j + 3]
-            for e in range(e0, e1):
+            c0_ = CT[j]; c1_ = CT[j + 1]; c2_ = CT[j + 2]; c3_ = CT[j + 3]
+            p0 = c0_[o0]; p1 = c1_[o0]; p2 = c2_[o0]; p3 = c3_[o0]
+            r0 = c0_[o0 + 1]; r1 = c1_[o0 + 1]; r2 = c2_[o0 + 1]; r3 = c3_[o0 + 1]
+            s0 = c0_[o0 + 2]; s1 = c1_[o0 + 2]; s2 = c2_[o0 + 2]; s3 = c3_[o0 + 2]
+            t0 = c0_[o0 + 3]; t1 = c1_[o0 + 3]; t2 = c2_[o0 + 3]; t3 = c3_[o0 + 3]
+            for e in range(E):
                 u0 = y0_[e]; u1 = y1[e]; u2 = y2[e]; u3 = y3[e]
                 oa[e] += p0 * u0 + p1 * u1 + p2 * u2 + p3 * u3
                 ob[e] += r0 * u0 + r1 * u1 + r2 * u2 + r3 * u3
                 oc[e] += s0 * u0 + s1 * u1 + s2 * u2 + s3 * u3
                 od[e] += t0 * u0 + t1 * u1 + t2 * u2 + t3 * u3
         for j in range(j4, j1):
-            yj = Y[y0 + j]
-            p0 = ca[j]; r0 = cb[j]; s0 = cc[j]; t0 = cd[j]
-            for e in range(e0, e1):
+            yj = Y[y0 + j]; cj = CT[j]
+            p0 = cj[o0]; r0 = cj[o0 + 1]; s0 = cj[o0 + 2]; t0 = cj[o0 + 3]
+            for e in range(E):
                 u = yj[e]
                 oa[e] += p0 * u; ob[e] += r0 * u; oc[e] += s0 * u; od[e] += t0 * u
     else:
         for r in range(n):
-            oa = OUT[o0 + r]; ca = C[c0 + r]
+            oa = OUT[o0 + r]
             for j in range(j0, j1):
                 yj = Y[y0 + j]
-                p0 = ca[j]
-                for e in range(e0, e1):
+                p0 = CT[j, o0 + r]
+                for e in range(E):
                     oa[e] += p0 * yj[e]
 
 
@@ -206,7 +229,8 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
     Bp, Hp, NQ = kv_count.shape
     out = np.empty((N, L, E), dtype=q.dtype)
     lse = np.empty((N, L), dtype=q.dtype)
-    zero = cst[_SC] * 0
+    zero = cst[_HALF] - cst[_HALF]
+    one = cst[cst.shape[0] - 1]   # the polynomial's constant term, 1 in the array's float type
     sc = cst[_SC]
     ninf = cst[_NINF]
     for it in numba.prange(N * NQ):
@@ -216,86 +240,90 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
         qn = min(bq, L - q0)
         qs = q[n]; ks = k[n]; vs = v[n]
         acc = np.zeros((bq, E), dtype=q.dtype)
-        KT = np.zeros((D, bk), dtype=q.dtype)
-        Sc = np.empty((bq, bk), dtype=q.dtype)
-        Qs = np.empty((bq, D), dtype=q.dtype)       # the query block, scaled once
+        QT = np.zeros((D, bq), dtype=q.dtype)        # the query block, scaled and transposed
         for i in range(qn):
+            qi = qs[q0 + i]
             for d in range(D):
-                Qs[i, d] = qs[q0 + i, d] * sc
+                QT[d, i] = qi[d] * sc
+        ST = np.empty((bk, bq), dtype=q.dtype)        # scores then probabilities, key-major
         m = np.full(bq, ninf, dtype=q.dtype)
+        mx = np.empty(bq, dtype=q.dtype)
+        msub = np.zeros(bq, dtype=q.dtype)
+        alpha = np.empty(bq, dtype=q.dtype)
         lsum = np.zeros(bq, dtype=q.dtype)
-        xrow = np.empty(bk, dtype=q.dtype)
-        nbuf = np.empty(bk, dtype=np.int32)
-        lo = np.zeros(bq, dtype=np.int32)            # per row: the span of columns the tile allows
-        hi = np.zeros(bq, dtype=np.int32)
+        csum = np.empty(bq, dtype=q.dtype)
+        nbuf = np.empty(bq, dtype=np.int32)
         for c in range(kv_count[bi, hi_, qb]):
             kb = kv_idx[bi, hi_, qb, c]; t = kv_tile[bi, hi_, qb, c]
             k0 = kb * bk
             kn = min(bk, S - k0)
-            _transpose(ks, k0, kn, KT)
-            for i in range(qn):
-                if t >= 0:
-                    lo[i] = span[t, i, 0]; hi[i] = min(span[t, i, 1], kn)
-                else:
-                    lo[i] = 0; hi[i] = kn
-            _dots(Qs, 0, qn, KT, Sc, zero)
+            _dots(ks, k0, kn, QT, ST, zero)
             if t >= 0:
-                _apply_tile_mask(Sc, qn, kn, bank, t, False)
-            for i in range(qn):
-                row = Sc[i]
-                mx = ninf
-                for j in range(kn):
-                    mx = max(mx, row[j])
-                mnew = max(m[i], mx)
-                if mnew == ninf:
+                bt = bank[t]
+                for i in range(qn):
+                    bi_ = bt[i]
                     for j in range(kn):
-                        if row[j] != row[j]:  # NaN in, NaN out (NaN scores elsewhere reach lsum through exp)
-                            lsum[i] = row[j]
-                        row[j] = 0
-                    continue
-                for j in range(kn):
-                    xrow[j] = row[j] - mnew
-                _exp_row(xrow, kn, row, nbuf, cst, is32)
-                s = zero
-                for j in range(kn):
-                    s += row[j]
-                alpha = math.exp(m[i] - mnew)
-                if alpha != 1:
+                        if not bi_[j]:
+                            ST[j, i] = ninf
+            for i in range(bq):
+                mx[i] = m[i]
+            for j in range(kn):
+                r = ST[j]
+                for i in range(bq):
+                    x = r[i]
+                    mx[i] = x if x > mx[i] else mx[i]
+            for i in range(bq):       # exp(m_old - m_new); an all-masked column keeps 0 as its shift
+                s_ = mx[i] if mx[i] > ninf else zero
+                alpha[i] = m[i] - s_
+                msub[i] = s_
+                m[i] = mx[i]
+                csum[i] = zero
+            _exp_into(alpha, one, csum, zero, alpha, nbuf, cst, is32)
+            for j in range(kn):
+                pj = ST[j]
+                _exp_into(pj, one, msub, zero, pj, nbuf, cst, is32)
+                for i in range(bq):
+                    csum[i] += pj[i]
+            for i in range(bq):
+                lsum[i] = lsum[i] * alpha[i] + csum[i]
+            for i in range(qn):
+                a = alpha[i]
+                if a != one:
                     ai = acc[i]
                     for e in range(E):
-                        ai[e] *= alpha
-                lsum[i] = lsum[i] * alpha + s
-                m[i] = mnew
+                        ai[e] *= a
             for g in range(0, qn, 4):
                 gn = min(4, qn - g)
-                c0 = bk; c1 = 0
-                for r in range(g, g + gn):
-                    c0 = min(c0, lo[r]); c1 = max(c1, hi[r])
-                if c1 > c0:
-                    _axpy_rows(acc, g, gn, Sc, g, vs, k0, c0, c1, 0, E)
+                if t >= 0:
+                    c0 = bk; c1 = 0
+                    for r in range(g, g + gn):
+                        l0 = span[t, r, 0]; l1 = min(span[t, r, 1], kn)
+                        if l1 > l0:
+                            c0 = min(c0, l0); c1 = max(c1, l1)
+                    if c1 > c0:
+                        _axpy_t(acc, g, gn, ST, vs, k0, c0, c1)
+                else:
+                    _axpy_t(acc, g, gn, ST, vs, k0, 0, kn)
         for i in range(qn):
             o = out[n, q0 + i]
             if lsum[i] > 0 or lsum[i] != lsum[i]:
-                r = 1 / lsum[i]
+                r = one / lsum[i]
                 for e in range(E):
                     o[e] = acc[i, e] * r
                 lse[n, q0 + i] = m[i] + math.log(lsum[i])
             else:
                 for e in range(E):
-                    o[e] = 0
-                lse[n, q0 + i] = -ninf  # exp(s - inf) = 0: an empty row has no gradient
+                    o[e] = zero
+                lse[n, q0 + i] = -ninf
     return out, lse
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _probs(Sc, rn, cn, lse_rows, sc, xrow, nbuf, cst, is32):  # pragma: no cover - compiled
-    """``Sc[i, j] = exp(sc · Sc[i, j] − lse_rows[i])`` in place (rows of query i)."""
+def _probs(Sc, rn, cn, lse_rows, sc, zrow, nbuf, cst, is32):  # pragma: no cover - compiled
+    """``Sc[i, j] = exp(sc · Sc[i, j] − lse_rows[i])`` in place (rows of query i); ``zrow`` holds zeros."""
     for i in range(rn):
-        row = Sc[i]
-        li = lse_rows[i]
-        for j in range(cn):
-            xrow[j] = row[j] * sc - li
-        _exp_row(xrow, cn, row, nbuf, cst, is32)
+        row = Sc[i, :cn]
+        _exp_into(row, sc, zrow[:cn], lse_rows[i], row, nbuf, cst, is32)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
@@ -305,7 +333,7 @@ def backward_dq(q, k, v, do, lse, delta, H, kv_count, kv_idx, kv_tile, bank, bq,
     S = k.shape[1]
     Bp, Hp, NQ = kv_count.shape
     dq = np.zeros((N, L, D), dtype=q.dtype)
-    zero = cst[_SC] * 0
+    zero = cst[_HALF] - cst[_HALF]   # float32 for float32 (cst[_SC] * 0 would be float64)
     sc = cst[_SC]
     for it in numba.prange(N * NQ):
         n = it // NQ; qb = it % NQ
@@ -318,7 +346,7 @@ def backward_dq(q, k, v, do, lse, delta, H, kv_count, kv_idx, kv_tile, bank, bq,
         VT = np.zeros((E, bk), dtype=q.dtype)
         Sc = np.empty((bq, bk), dtype=q.dtype)
         dP = np.empty((bq, bk), dtype=q.dtype)
-        xrow = np.empty(bk, dtype=q.dtype)
+        zrow = np.zeros(bk, dtype=q.dtype)
         nbuf = np.empty(bk, dtype=np.int32)
         acc = np.zeros((bq, D), dtype=q.dtype)
         lr = lse[n, q0:q0 + qn]
@@ -332,7 +360,7 @@ def backward_dq(q, k, v, do, lse, delta, H, kv_count, kv_idx, kv_tile, bank, bq,
             _dots(qs, q0, qn, KT, Sc, zero)
             if t >= 0:
                 _apply_tile_mask(Sc, qn, kn, bank, t, False)
-            _probs(Sc, qn, kn, lr, sc, xrow, nbuf, cst, is32)
+            _probs(Sc, qn, kn, lr, sc, zrow, nbuf, cst, is32)
             _dots(dos, q0, qn, VT, dP, zero)
             for i in range(qn):
                 di = dl[i]
@@ -345,7 +373,8 @@ def backward_dq(q, k, v, do, lse, delta, H, kv_count, kv_idx, kv_tile, bank, bq,
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dq_from_ds(k, ds, ds_off, L, H, kv_count, kv_idx, bq, bk):  # pragma: no cover - compiled
-    """``dQ = sum over visited tiles of (scale·dS) K`` from the tiles :func:`backward_dkdv` kept in ``ds``.
+    """``dQ = sum over visited tiles of (scale·dS) K`` from the tiles :func:`backward_dkdv` kept in ``ds``
+    (key-major ``(BK, BQ)`` tiles, as that kernel computes them: no transposed copy).
 
     ``ds`` is compact: the tiles of query block ``qb`` start at ``ds_off[b', h', qb]`` (an exclusive
     cumulative sum of ``kv_count``), so the buffer holds visited tiles only, never NQ x max(count)."""
@@ -361,21 +390,27 @@ def backward_dq_from_ds(k, ds, ds_off, L, H, kv_count, kv_idx, bq, bk):  # pragm
         acc = np.zeros((bq, D), dtype=k.dtype)
         for c in range(kv_count[bi, hi, qb]):
             k0 = kv_idx[bi, hi, qb, c] * bk
-            _axpy(acc, qn, ds[n, ds_off[bi, hi, qb] + c], ks, k0, min(bk, S - k0))
+            dst = ds[n, ds_off[bi, hi, qb] + c]          # key-major (BK, BQ)
+            kn = min(bk, S - k0)
+            for g in range(0, qn, 4):
+                _axpy_t(acc, g, min(4, qn - g), dst, ks, k0, 0, kn)
         dq[n, q0:q0 + qn] = acc[:qn]
     return dq
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, bank, bq, bk, cst, is32,
-                  ds, ds_off):  # pragma: no cover - compiled
+                  ds, ds_off, qT, doT):  # pragma: no cover - compiled
+    """``dK``, ``dV`` (and ``scale·dS`` per tile into ``ds`` when it is not empty). ``qT``, ``doT``: ``q`` and ``do``
+    transposed, ``(N, D, L)`` and ``(N, E, L)``, so a tile's transposed block is a copy of contiguous row pieces
+    instead of a scalar transpose per tile."""
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]
     Bp, Hp, NK = q_count.shape
     dk = np.zeros((N, S, D), dtype=q.dtype)
     dv = np.zeros((N, S, E), dtype=q.dtype)
-    zero = cst[_SC] * 0
+    zero = cst[_HALF] - cst[_HALF]   # float32 for float32 (cst[_SC] * 0 would be float64)
     sc = cst[_SC]
     for it in numba.prange(N * NK):
         n = it // NK; kb = it % NK
@@ -387,7 +422,6 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
         OT = np.zeros((E, bq), dtype=q.dtype)
         ST = np.empty((bk, bq), dtype=q.dtype)     # scores / probabilities, key-major (keys x queries)
         dPT = np.empty((bk, bq), dtype=q.dtype)
-        xrow = np.empty(bq, dtype=q.dtype)
         nbuf = np.empty(bq, dtype=np.int32)
         dka = np.zeros((bk, D), dtype=q.dtype)
         dva = np.zeros((bk, E), dtype=q.dtype)
@@ -395,29 +429,37 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
             qb = q_idx[bi, hi, kb, c]; t = q_tile[bi, hi, kb, c]
             q0 = qb * bq
             qn = min(bq, L - q0)
-            _transpose(qs, q0, qn, QT)
-            _transpose(dos, q0, qn, OT)
+            for d in range(D):
+                src = qT[n, d, q0:q0 + qn]
+                dst = QT[d]
+                for i in range(qn):
+                    dst[i] = src[i]
+            for e in range(E):
+                src = doT[n, e, q0:q0 + qn]
+                dst = OT[e]
+                for i in range(qn):
+                    dst[i] = src[i]
             _dots(ks, k0, kn, QT, ST, zero)
             if t >= 0:
                 _apply_tile_mask(ST, kn, qn, bank, t, True)
             lr = lse[n, q0:q0 + qn]
             dl = delta[n, q0:q0 + qn]
             for j in range(kn):
-                row = ST[j]
-                for i in range(qn):
-                    xrow[i] = row[i] * sc - lr[i]
-                _exp_row(xrow, qn, row, nbuf, cst, is32)
+                row = ST[j, :qn]
+                _exp_into(row, sc, lr, zero, row, nbuf, cst, is32)
             _axpy(dva, kn, ST, dos, q0, qn)
             _dots(vs, k0, kn, OT, dPT, zero)
             for j in range(kn):
                 for i in range(qn):
                     dPT[j, i] = ST[j, i] * (dPT[j, i] - dl[i]) * sc
             _axpy(dka, kn, dPT, qs, q0, qn)
-            if ds.shape[0]:  # keep scale·dS for dQ (query-major), at the tile's slot in kv_idx
+            if ds.shape[0]:  # keep scale·dS for dQ, key-major as computed, at the tile's slot in kv_idx
                 dst = ds[n, ds_off[bi, hi, qb] + q_slot[bi, hi, kb, c]]
                 for j in range(kn):
+                    dj = dst[j, :qn]
+                    sj = dPT[j, :qn]
                     for i in range(qn):
-                        dst[i, j] = dPT[j, i]
+                        dj[i] = sj[i]
         dk[n, k0:k0 + kn] = dka[:kn]
         dv[n, k0:k0 + kn] = dva[:kn]
     return dk, dv

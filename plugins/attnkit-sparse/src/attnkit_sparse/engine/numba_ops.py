@@ -119,10 +119,11 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     ds_off = (counts.cumsum(-1) - counts).contiguous()
     tiles = int(counts.sum(-1).max()) if counts.numel() else 0
     keep_ds = B * H * tiles * bq * bk * q.element_size() <= DS_BUFFER_MAX_BYTES
-    ds = np.empty((B * H, tiles, bq, bk) if keep_ds else (0, 1, 1, 1), dtype=qa.dtype)
+    ds = np.empty((B * H, tiles, bk, bq) if keep_ds else (0, 1, 1, 1), dtype=qa.dtype)
     off_a = _arr(ds_off)
     dk, dv = _run(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, _arr(q_count), _arr(q_idx),
-                  _arr(q_tile), _arr(q_slot), bank_a, bq, bk, cst, f32, ds, off_a)
+                  _arr(q_tile), _arr(q_slot), bank_a, bq, bk, cst, f32, ds, off_a,
+                  np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1)))
     if keep_ds:
         dq = _run(K.backward_dq_from_ds, B * H * nq, ka, ds, off_a, L, H, _arr(kv_count), _arr(kv_idx), bq, bk)
     else:
