@@ -77,7 +77,12 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % 50 == 0:
-            ponder = float(act.last_info.ponder.mean())
+            # N + R averaged over real positions (the ponder loss / its weight; with weight 0, from last_info)
+            if args.ponder_weight:
+                ponder = float(aux["ponder"].detach()) / args.ponder_weight
+            else:
+                real = b.key_padding_mask if b.key_padding_mask is not None else torch.ones_like(b.inputs, dtype=bool)
+                ponder = float(act.last_info.ponder[real].mean())
             curve.append({"step": step + 1, "loss": float(loss.detach()), "ponder": ponder,
                           "act_steps": act.last_mean_steps})
             print(curve[-1], flush=True)
