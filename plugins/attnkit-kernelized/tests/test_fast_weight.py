@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comparisons import DTYPES, against_reference, agree, backends, build, close, padding, rand
+from comparisons import DTYPES, against_reference, agree, backends, build, close, grads, padding, rand
 
 from attnkit_kernelized._ops import backend_module
 from attnkit_kernelized.fast_weight import chunk, recurrent
@@ -88,3 +88,58 @@ def test_streaming_equals_causal_forward(backend):
     o2, st2 = attn(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], causal=True, state=st, return_state=True)
     close(torch.cat([o1, o2], 2), full, torch.float64)
     assert set(st2.data) == {"S"} and st2.data["S"].shape == (2, 2, 8, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,block", [(1, 4), (7, 4), (13, 4), (23, 8), (37, 16), (9, 64)])
+def test_ut_chunk_form_matches_the_step_form_with_gradients(dtype, L, block):
+    """The chunked UT-transform form against the per-position recurrence from the same S0: outputs, final
+    state and the gradients of q, k, v, beta and S0 (lengths not multiples of the chunk)."""
+    ins = _delta_inputs(L, dtype)
+    ins[-1].requires_grad_()
+    agree(chunk.delta_rule(*ins, chunk=block), recurrent.delta_rule_step(*ins), ins, dtype)
+
+
+def test_ut_chunk_form_gradcheck():
+    q, k, v, beta, S0 = _delta_inputs(7, torch.float64, M=3, E=2)
+    S0.requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: chunk.delta_rule(*a, chunk=3), (q, k, v, beta, S0))
+
+
+def test_ut_chunk_form_zero_key_writes_nothing():
+    """A zero key row (a padded key) leaves the state and every other output as if it were absent."""
+    q, k, v, beta, S0 = (x.detach() for x in _delta_inputs(9, torch.float64))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 4] = 0.0
+    v2[:, :, 4] = 123.0
+    out, S = chunk.delta_rule(q, k2, v2, beta, S0, chunk=4)
+    keep = [t for t in range(9) if t != 4]
+    want, S_want = recurrent.delta_rule_step(q[:, :, keep], k[:, :, keep], v[:, :, keep], beta[:, :, keep], S0)
+    close(out[:, :, keep], want, torch.float64)
+    close(S, S_want, torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), 1e30])
+def test_padded_keys_have_no_influence(backend, junk):
+    """Whatever padded keys and values hold, outputs and the gradients of q, k, v (zero at padded keys) and of
+    the beta parameters equal those with zeros there; nothing is NaN."""
+    attn = build("fast-weight", backend=backend, chunk_size=4)
+    L = 11
+    kpm = padding(2, L)
+    q, k, v = (rand((2, 2, L, 4), s, torch.float64) for s in (1, 2, 3))
+    k_junk, v_junk = (x.detach().clone() for x in (k, v))
+    pad = ~kpm[:, None, :, None]
+    k_junk = k_junk.masked_fill(pad, junk).requires_grad_()
+    v_junk = v_junk.masked_fill(pad, junk).requires_grad_()
+    params = [p for p in attn.parameters() if p.requires_grad]
+    clean = attn(q, k, v, causal=True, key_padding_mask=kpm)
+    dirty = attn(q, k_junk, v_junk, causal=True, key_padding_mask=kpm)
+    assert torch.isfinite(dirty).all()
+    close(dirty, clean, torch.float64)
+    g_clean = grads([clean], [q, *params])
+    *g_dirty, gk, gv = grads([dirty], [q, *params, k_junk, v_junk])
+    for a, b in zip(g_dirty, g_clean, strict=True):
+        close(a, b, torch.float64)
+    assert torch.isfinite(gk).all() and torch.isfinite(gv).all()
+    assert not gk.masked_select(pad.expand_as(gk)).any() and not gv.masked_select(pad.expand_as(gv)).any()

@@ -58,7 +58,10 @@ class FastWeightAttention(KernelizedAttention):
             float multiplies the output (queries are sum-normalised, so a query
             scale would cancel).
         backend: ``"auto"`` (numba for CPU tensors, else torch), ``"torch"`` or ``"numba"``
-            (always that backend, or an error).
+            (always that backend, or an error). On CPU the numba token loop measured faster than
+            the chunked torch form (``benchmarks/bench_fast_weight.py``: 0.6-0.9x at L = 2K-8K on
+            a 2-core EPYC), so ``auto`` keeps numba there; the torch form serves other devices,
+            ``torch.func`` transforms and ``torch.compile``.
         feature_map: ``"dpfp"`` (the paper's DPFP-nu, 2·D·dpfp_nu features),
             ``"elu"``, ``"relu"`` or ``"softplus"`` (D features).
         dpfp_nu: rolls of the ``"dpfp"`` map (must stay 1 with the other maps).
@@ -67,7 +70,7 @@ class FastWeightAttention(KernelizedAttention):
         beta: None (default) learns ``beta_t = sigmoid(w_h . k_t + b_h)``, the
             paper's; a float in (0, 1] fixes beta for every position.
         chunk_size: positions per chunk of the torch form (and checkpoint
-            interval of the numba backward).
+            interval of the numba backward); on CPU the torch form measured fastest at 32.
 
     Raises:
         InvalidInputError: an option of the wrong type or out of range (named in the message).

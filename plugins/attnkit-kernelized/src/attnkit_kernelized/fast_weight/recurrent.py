@@ -15,9 +15,10 @@ def delta_rule_step(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S: Te
     """Consume ``T`` positions (``beta (B, H, T)``) from the state ``S (B, H, M, E)``; ``(out (B, H, T, E), S)``."""
     B, H, T, _ = phi_q.shape
     outs = [v.new_zeros(B, H, 0, v.shape[-1])]
-    for t in range(T):
-        k_t = phi_k[:, :, t]
+    # unbind, not phi_k[:, :, t]: the backward of T unbinds stacks T gradients once; T indexings would each
+    # fill a full-size zero tensor (quadratic in T)
+    for q_t, k_t, v_t, b_t in zip(phi_q.unbind(2), phi_k.unbind(2), v.unbind(2), beta.unbind(2)):
         retrieved = (k_t.unsqueeze(-2) @ S).squeeze(-2)                      # S^T k_t
-        S = S + beta[:, :, t, None, None] * k_t.unsqueeze(-1) * (v[:, :, t] - retrieved).unsqueeze(-2)
-        outs.append(phi_q[:, :, t].unsqueeze(-2) @ S)
+        S = S + b_t[:, :, None, None] * k_t.unsqueeze(-1) * (v_t - retrieved).unsqueeze(-2)
+        outs.append(q_t.unsqueeze(-2) @ S)
     return torch.cat(outs, dim=2), S
