@@ -47,6 +47,8 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--max-steps", type=int, default=8, help="ACT max_steps")
     p.add_argument("--ponder-weight", type=float, default=0.01)
+    p.add_argument("--halting-bias", type=float, default=None,
+                   help="initial bias of the halting unit (the block's default 1.0: p = 0.73, one step at init)")
     p.add_argument("--eval-examples", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -56,7 +58,8 @@ def main() -> None:
     task = ListOpsTask(max_depth=args.max_depth, max_args=args.max_args, min_length=1, max_length=args.max_length)
     cfg = ModelConfig(vocab_size=task.vocab_size, num_outputs=10, max_len=task.seq_len, dim=64, depth=1, heads=4,
                       kind="classify", causal=False, attention="softmax", block="act",
-                      block_options={"max_steps": args.max_steps})
+                      block_options={"max_steps": args.max_steps,
+                                     **({} if args.halting_bias is None else {"halting_bias": args.halting_bias})})
     model = LabModel(cfg)
     act = model.body.blocks[0]
     act.aux_weights = {"ponder": args.ponder_weight}
@@ -74,7 +77,12 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % 50 == 0:
-            ponder = float(aux["ponder"].detach()) / args.ponder_weight
+            # N + R averaged over real positions (the ponder loss / its weight; with weight 0, from last_info)
+            if args.ponder_weight:
+                ponder = float(aux["ponder"].detach()) / args.ponder_weight
+            else:
+                real = b.key_padding_mask if b.key_padding_mask is not None else torch.ones_like(b.inputs, dtype=bool)
+                ponder = float(act.last_info.ponder[real].mean())
             curve.append({"step": step + 1, "loss": float(loss.detach()), "ponder": ponder,
                           "act_steps": act.last_mean_steps})
             print(curve[-1], flush=True)

@@ -21,12 +21,15 @@ def _grads(out, tensors, seed=1):
     return torch.autograd.grad((out * w).sum(), tensors, allow_unused=True, retain_graph=True)
 
 
+@pytest.mark.parametrize("backend", ["torch", "numba"])
 @pytest.mark.parametrize("block_size", [3, 4, 8, 64])
 @pytest.mark.parametrize("spans", [[0.0, 2.5], [5.3, 11.7], [13.2, 0.4]])
-def test_band_equals_dense_reference_outputs_and_grads(qkv, block_size, spans):
+def test_band_equals_dense_reference_outputs_and_grads(qkv, block_size, spans, backend):
     """float64, spans crossing block boundaries: outputs and gradients of q, k, v and of the spans agree."""
+    if backend == "numba":
+        pytest.importorskip("numba")
     L = 21
-    attn = _build(num_heads=2, max_span=16, ramp=2.5, block_size=block_size)
+    attn = _build(num_heads=2, max_span=16, ramp=2.5, block_size=block_size, backend=backend)
     with torch.no_grad():
         attn.span_fraction.copy_(torch.tensor(spans, dtype=torch.float64) / 16)
     q, k, v = qkv(L, grad=True)
@@ -54,9 +57,13 @@ def test_ragged_last_block_with_tiny_spans_has_finite_grads(qkv, L):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
 
 
-def test_dynamic_span_band_equals_reference_incl_predictor_grads(qkv):
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_dynamic_span_band_equals_reference_incl_predictor_grads(qkv, backend):
+    if backend == "numba":
+        pytest.importorskip("numba")
     L = 19
-    attn = _build("dynamic-span", num_heads=2, head_dim=8, max_span=12, ramp=2.0, init_span=4.0, block_size=4)
+    attn = _build("dynamic-span", num_heads=2, head_dim=8, max_span=12, ramp=2.0, init_span=4.0, block_size=4,
+                  backend=backend)
     with torch.no_grad():
         attn.span_weight.normal_(0, 0.7)
     q, k, v = qkv(L, grad=True)
@@ -86,10 +93,13 @@ def test_soft_mask_formula():
     torch.testing.assert_close(m, want)
 
 
-def test_keys_beyond_the_band_are_never_read(qkv):
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_keys_beyond_the_band_are_never_read(qkv, backend):
     """Keys further back than the largest span + ramp, rounded up to a block, never reach the output (even NaN)."""
+    if backend == "numba":
+        pytest.importorskip("numba")
     L, C = 40, 4
-    attn = _build(num_heads=2, max_span=32, ramp=2.0, init_span=3.0, block_size=C)
+    attn = _build(num_heads=2, max_span=32, ramp=2.0, init_span=3.0, block_size=C, backend=backend)
     q, k, v = qkv(L)
     nb = band_blocks(3.0, 2.0, C, L // C)
     assert nb == 1  # distances < 5 need one block back

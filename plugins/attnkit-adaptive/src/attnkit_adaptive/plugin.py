@@ -19,9 +19,10 @@ _CORREIA = Paper("Correia, Niculae, Martins", 2019, "Adaptively Sparse Transform
 
 _SPAN_CAPS = Capabilities(
     causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
-    mask_kinds=("causal", "key_padding"), dtypes=("float32", "float64"), backends=("torch",),
-    time="O(L·W·D), W = the largest current span + ramp, rounded up to a block (+ one block)",
-    memory="O(L·W) band scores; no L x L matrix",
+    mask_kinds=("causal", "key_padding"), dtypes=("float32", "float64"), backends=("numba", "torch"),
+    time="O(L·W·D): numba W = each query's span + ramp; torch W = the largest span + ramp rounded up to a block "
+         "(+ one block)",
+    memory="numba O(L·D) (tiles per thread, log-sum-exp saved); torch O(L·W) band scores; no L x L matrix",
 )
 
 ADAPTIVE_SPAN = AttentionSpec(

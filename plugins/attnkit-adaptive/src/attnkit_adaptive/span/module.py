@@ -17,6 +17,10 @@ from .band import span_band_attention
 
 __all__ = ["AdaptiveSpanAttention", "DynamicSpanAttention"]
 
+#: keys per score tile of the numba kernels (the query block is ``block_size``): 64-row query blocks with
+#: 128-key tiles were the fastest of (32|64|128) x (64|128) at span 64, L = 4K, one thread (benchmarks/)
+NUMBA_KEY_TILE = 128
+
 
 class _SpanAttention(Attention):
     """Shared by the span mechanisms: options, the band path, the span penalty."""
@@ -43,6 +47,12 @@ class _SpanAttention(Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         z = self.spans_for(q)
         self.record_aux_loss("span_l1", z.mean())
+        if ctx.backend == "numba":
+            from .numba_band import span_band_attention_numba  # numba is imported only when it runs
+
+            return span_band_attention_numba(q, k, v, z, self.ramp, scale=ctx.scale,
+                                             key_padding_mask=ctx.key_padding_mask, block_size=self.block_size,
+                                             key_block=max(self.block_size, NUMBA_KEY_TILE))
         return span_band_attention(q, k, v, z, self.ramp, scale=ctx.scale, key_padding_mask=ctx.key_padding_mask,
                                    block_size=self.block_size)
 
@@ -60,10 +70,14 @@ class AdaptiveSpanAttention(_SpanAttention):
     after each step: otherwise a span pushed below 0 would never get a gradient again).
     The L1 penalty on the spans is recorded as the auxiliary loss ``span_l1``
     (the mean span over heads, in positions; default weight 2e-6, the
-    paper's). Compute follows the spans: keys further back than the largest
-    current ``z + R``, rounded up to a block of ``block_size``, are never read
-    (:func:`attnkit_adaptive.span.band.span_band_attention`), so a head that
-    learned a span of 64 costs like a 64-key window.
+    paper's). Compute follows the spans: on CPU the ``numba`` backend (the
+    default there, :mod:`attnkit_adaptive.span.numba_band`) reads for query
+    ``i`` only the keys ``i - floor(z + R) .. i`` in fused kernels (online
+    softmax, the spans' gradient in the backward), so a head that learned a
+    span of 64 costs like a 96-key window; the ``torch`` backend
+    (:func:`attnkit_adaptive.span.band.span_band_attention`, any device) reads
+    keys back to the largest current ``z + R`` rounded up to a block of
+    ``block_size``.
 
     Shapes: q, k ``(B, H, L, D)``, v ``(B, H, L, E)`` -> ``(B, H, L, E)``; causal
     self-attention only (``causal=True`` required, L == S), with an optional
@@ -74,10 +88,12 @@ class AdaptiveSpanAttention(_SpanAttention):
         max_span: the largest span S, an int in [1, 65536]; spans are ``S · fraction``.
         ramp: R > 0, the width of the soft ramp in positions (paper: 32).
         init_span: the initial span of every head, in [0, max_span] (paper: 0).
-        block_size: query and key block of the band path; the band is rounded up to it.
+        block_size: query and key block of the torch band path (the band is rounded up to it); query
+            rows per work item of the numba kernels.
         head_dim: when given, inputs must have this head dimension.
         scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
-        backend: ``"auto"`` or ``"torch"`` (the band path).
+        backend: ``"auto"`` (numba on CPU when installed, else torch), ``"numba"`` (CPU fused kernels) or
+            ``"torch"`` (the band path, any device).
 
     Raises:
         InvalidInputError: ``max_span`` below 1 or above 65536, ``ramp`` not positive,
@@ -128,8 +144,10 @@ class DynamicSpanAttention(_SpanAttention):
     ``t``, where **x_t is the query vector** ``q[b, h, t]`` (the head's
     projected query: an attention module sees no layer input; the paper uses the
     layer's input ``x_t``), with ``w_h`` ``(D,)`` and ``b_h`` learned. The soft
-    mask, the band path (cost follows the largest span in the batch) and the
-    ``span_l1`` penalty (the mean predicted span) are those of ``adaptive-span``.
+    mask, the backends and the ``span_l1`` penalty (the mean predicted span)
+    are those of ``adaptive-span``; the numba kernels take the span per query,
+    so each query reads only the keys its own span reaches (the torch band path
+    reads up to the largest span in the batch).
 
     Shapes: q, k ``(B, H, L, D)``, v ``(B, H, L, E)`` -> ``(B, H, L, E)``; causal
     self-attention only, optional key padding mask.
@@ -140,9 +158,9 @@ class DynamicSpanAttention(_SpanAttention):
         max_span: S, an int in [1, 65536].
         ramp: R > 0.
         init_span: the initial span (w = 0, b = logit(init_span / S)), in [0, max_span].
-        block_size: query and key block of the band path.
+        block_size: query and key block of the torch band path; query rows per work item of the numba kernels.
         scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
-        backend: ``"auto"`` or ``"torch"``.
+        backend: ``"auto"`` (numba on CPU when installed, else torch), ``"numba"`` or ``"torch"``.
 
     Raises:
         InvalidInputError: ``max_span`` below 1 or above 65536, ``ramp`` not positive,

@@ -1,0 +1,505 @@
+# ruff: noqa: E702  -- the register tiles read best one tile row per line (a0 = ...; a1 = ...)
+"""numba kernels of the soft-span band: forward (online softmax, saves the log-sum-exp) and backward.
+
+Arrays: ``q (N, L, D)``, ``k (N, L, D)``,
+``v (N, L, E)`` with N = B·H (row ``n`` is batch ``n // H``); ``z (N, L)`` the
+span of every query (a per-head span repeated along L); ``lo (N, L)`` int32,
+the first key each query may reach (``i - ceil(R + z_i) + 1`` clamped to 0,
+``i + 1`` when none; the element test below decides); ``far (N,)`` int32, the
+largest ``i - lo_i`` of each row; ``kp (B', L)``
+uint8 key padding (1 = real key; B' = 1 with all ones when there is none);
+``xs (L,)`` the positions ``0, 1, ...`` in the dtype (exact distances
+``xs[i] - xs[j]`` without int-to-float promotion).
+
+The element test, the same arithmetic as the plain reference
+(:mod:`.naive`): ``num = (R + z_i) - (i - j)``; the pair counts when
+``i - j >= 0``, ``num > 0`` and ``kp[j]``; its weight is
+``m = min(num / R, 1)`` and the span gradient flows where ``num <= R`` (the
+clamp passes its gradient at its bounds, as torch's does).
+
+* :func:`forward`: ``prange`` over N x query blocks of ``bq`` rows. The
+  block's keys ``[min lo, q0 + bq)`` are visited in tiles of ``bk``; inside a
+  tile each group of 4 query rows computes only the columns some row of the
+  group reaches, scores ``Q Kᵀ`` and ``acc += P V`` as register-tiled axpy
+  rows (:func:`_mm4`: 4 rows x 4 terms per pass, vectorised over the
+  contiguous output row). Online softmax with the soft mask as a weight:
+  ``acc += m·exp(s - M)·v``, ``l += m·exp(s - M)``. Stores ``out`` and
+  ``lse = M + log l`` (+inf for a row with no key: its output is 0).
+* :func:`backward_dq`: query-major, recomputes ``e = exp(s - lse)``,
+  ``dP = dO Vᵀ``, ``t = e (dP - Δ)``: ``dS = m t`` gives ``dQ``, and ``t / R``
+  summed over the ramp's pairs gives ``dz`` per query (the derivative of the
+  output in ``m`` is ``t``).
+* :func:`backward_dkdv`: key-major (each worker owns the key rows it writes):
+  ``dV += Pᵀ dO``, ``dK += dSᵀ Q``; it can keep ``t`` of every counted pair
+  (query-block-major, ``N·L·(far + bq)`` floats), and then
+  :func:`backward_dq_from_t` gives ``dQ`` and ``dz`` with one product per
+  group instead of :func:`backward_dq`'s three and an ``exp`` (5 products
+  in the backward instead of 7).
+
+``exp`` is evaluated a row segment at a time by :func:`_exp_seg` (a Taylor
+polynomial after a Cody-Waite reduction, the power of two added through the
+exponent bits), so the loop vectorises: numba has no vector ``exp`` without
+Intel's SVML. Relative error ~1e-7 in float32, ~1e-15 in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+# reassociation lets LLVM vectorise the reductions. No "arcp": m = num / R is a true division, as the
+# reference's, so the weights and the span-gradient test agree to the last bit; masked scores are -inf
+FASTMATH = {"reassoc", "contract", "nsz"}
+
+_RAMP, _SC, _NINF, _LOG2E, _LN2_HI, _LN2_LO, _LO, _HALF, _POLY = range(9)
+
+
+def constants(dtype: np.dtype, ramp: float, scale: float) -> np.ndarray:
+    """The kernels' typed constants (a Python literal would be float64 in numba):
+    ``[R, scale, -inf, log2(e), ln2 hi, ln2 lo, lowest exp argument, 0.5, exp's Taylor coefficients
+    (highest degree first)]``."""
+    f32 = np.dtype(dtype) == np.float32
+    ln2 = (0.693359375, -2.12194440e-4) if f32 else (0.693145751953125, 1.42860682030941723212e-6)
+    deg = 7 if f32 else 13
+    head = [ramp, scale, -np.inf, 1.4426950408889634, ln2[0], ln2[1], -87.0 if f32 else -708.0, 0.5]
+    return np.array(head + [1.0 / math.factorial(i) for i in range(deg, -1, -1)], dtype=dtype)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _exp_seg(row, red, ebuf, cst, is32):  # pragma: no cover - compiled
+    """``row[:] = exp(row[:])`` for arguments ``<= ~0``: 0 below the underflow bound and for ``-inf``, NaN for
+    NaN. ``red`` (the dtype) and ``ebuf`` (int32) are scratch at least as long as ``row``.
+
+    Every loop here and below runs over a slice from index 0: numba then knows the index is not negative
+    (no wraparound select on the address) and LLVM vectorises it; ``range(c0, c1)`` over a whole row does not.
+    """
+    n = row.shape[0]
+    lo = cst[_LO]; log2e = cst[_LOG2E]; h1 = cst[_LN2_HI]; h2 = cst[_LN2_LO]; half = cst[_HALF]
+    for c in range(n):
+        x = row[c]
+        under = x <= lo
+        nan = x != x
+        xc = lo if (under or nan) else x
+        nf = np.trunc(half - xc * log2e)          # n = round(-x·log2 e) (x <= ~0: truncation of +0.5), in the dtype
+        ebuf[c] = 4000 if nan else (-4000 if under else -np.int32(nf))
+        red[c] = (xc + nf * h1) + nf * h2         # x + n·ln2 in two parts, |red| <= ln2 / 2
+        row[c] = cst[_POLY]
+    # float32: Horner per element with the 8 coefficients in registers, one pass over the row instead of one per
+    # degree (bitwise the same result; 2-15 % faster forward in a noisy A/B); float64 keeps the passes
+    if is32:
+        a0 = cst[_POLY]; a1 = cst[_POLY + 1]; a2 = cst[_POLY + 2]; a3 = cst[_POLY + 3]
+        a4 = cst[_POLY + 4]; a5 = cst[_POLY + 5]; a6 = cst[_POLY + 6]; a7 = cst[_POLY + 7]
+        for c in range(n):
+            r = red[c]
+            row[c] = ((((((a0 * r + a1) * r + a2) * r + a3) * r + a4) * r + a5) * r + a6) * r + a7
+    else:
+        for p in range(_POLY + 1, cst.shape[0]):
+            cp = cst[p]
+            for c in range(n):
+                row[c] = row[c] * red[c] + cp
+    if is32:
+        bits = row.view(np.int32)
+        for c in range(n):
+            e = ebuf[c]
+            bits[c] = (bits[c] + (e << 23)) if -4000 < e < 4000 else (0 if e <= -4000 else 0x7FC00000)
+    else:
+        bits = row.view(np.int64)
+        for c in range(n):
+            e = np.int64(ebuf[c])
+            bits[c] = (bits[c] + (e << 52)) if -4000 < e < 4000 else (0 if e <= -4000 else 0x7FF8000000000000)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _mm4(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover - compiled
+    """``OUT[o0 + r, e] += sum_{t0 <= t < t1} A[a0 + r, t] · B[b0 + t, e]`` for ``r < n <= 4``, ``e0 <= e < e1``.
+
+    4 rows x 4 terms per pass over the output row: each load of a ``B`` row feeds four output rows, each
+    output row is loaded and stored once per four terms, and the innermost loop (over ``e``, contiguous,
+    on slices from 0: see :func:`_exp_seg`) vectorises with no horizontal sum (~75 GFLOP/s float32 on a
+    64-wide row, one Zen 5 core, against ~16 with ``range(e0, e1)`` over whole rows)."""
+    ne = e1 - e0
+    if n == 4:
+        oa = OUT[o0, e0:e1]; ob = OUT[o0 + 1, e0:e1]; oc = OUT[o0 + 2, e0:e1]; od = OUT[o0 + 3, e0:e1]
+        ca = A[a0]; cb = A[a0 + 1]; cc = A[a0 + 2]; cd = A[a0 + 3]
+        t4 = t1 - (t1 - t0) % 4
+        for t in range(t0, t4, 4):
+            y0 = B[b0 + t, e0:e1]; y1 = B[b0 + t + 1, e0:e1]; y2 = B[b0 + t + 2, e0:e1]; y3 = B[b0 + t + 3, e0:e1]
+            p0 = ca[t]; p1 = ca[t + 1]; p2 = ca[t + 2]; p3 = ca[t + 3]
+            r0 = cb[t]; r1 = cb[t + 1]; r2 = cb[t + 2]; r3 = cb[t + 3]
+            s0 = cc[t]; s1 = cc[t + 1]; s2 = cc[t + 2]; s3 = cc[t + 3]
+            u0 = cd[t]; u1 = cd[t + 1]; u2 = cd[t + 2]; u3 = cd[t + 3]
+            for e in range(ne):
+                w0 = y0[e]; w1 = y1[e]; w2 = y2[e]; w3 = y3[e]
+                oa[e] += p0 * w0 + p1 * w1 + p2 * w2 + p3 * w3
+                ob[e] += r0 * w0 + r1 * w1 + r2 * w2 + r3 * w3
+                oc[e] += s0 * w0 + s1 * w1 + s2 * w2 + s3 * w3
+                od[e] += u0 * w0 + u1 * w1 + u2 * w2 + u3 * w3
+        for t in range(t4, t1):
+            y = B[b0 + t, e0:e1]
+            p0 = ca[t]; r0 = cb[t]; s0 = cc[t]; u0 = cd[t]
+            for e in range(ne):
+                w = y[e]
+                oa[e] += p0 * w; ob[e] += r0 * w; oc[e] += s0 * w; od[e] += u0 * w
+    else:
+        for r in range(n):
+            oa = OUT[o0 + r, e0:e1]; ca = A[a0 + r]
+            for t in range(t0, t1):
+                y = B[b0 + t, e0:e1]
+                p0 = ca[t]
+                for e in range(ne):
+                    oa[e] += p0 * y[e]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _transpose(X, x0, xn, OUT):  # pragma: no cover - compiled
+    """``OUT[d, j] = X[x0 + j, d]`` for ``j < xn``: a tile of rows, transposed into a ``(D, tile)`` buffer."""
+    D = X.shape[1]
+    for j in range(xn):
+        xj = X[x0 + j]
+        for d in range(D):
+            OUT[d, j] = xj[d]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _zero(OUT, o0, n, c0, c1, zero):  # pragma: no cover - compiled
+    for r in range(o0, o0 + n):
+        o = OUT[r, c0:c1]
+        for c in range(c1 - c0):
+            o[c] = zero
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _query_row_weights(srow, mrow, xi, xk, rz, kpk, cst):  # pragma: no cover - compiled
+    """Query row at position ``xi`` (``rz = R + z_i``) against the keys at positions ``xk`` (a slice of ``xs``,
+    ``kpk`` their padding flags), all slices of one length: the soft-mask weight into ``mrow`` (0 where the
+    pair does not count); the scores ``srow`` (``q·k``) are scaled in place, ``-inf`` where the pair does not count."""
+    R = cst[_RAMP]; sc = cst[_SC]; ninf = cst[_NINF]; zero = R * 0; one = R / R
+    for c in range(srow.shape[0]):
+        x = xi - xk[c]
+        num = rz - x
+        ok = (x >= zero) and (num > zero) and kpk[c] != 0
+        mrow[c] = min(num / R, one) if ok else zero
+        srow[c] = srow[c] * sc if ok else ninf
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _round8(c0, c1, width):  # pragma: no cover - compiled
+    """``[c0, c1)`` widened to multiples of 8 within ``[0, width)``: the score products then run whole 8-wide
+    vectors with no scalar remainder (5-17 % faster per product at 35-47 columns in spite of the extra
+    columns; the extra scores are computed into the tile buffer and never used)."""
+    return c0 - c0 % 8, min(c1 + (8 - c1 % 8) % 8, width)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _group_cols(los, q0, g, gn, t0, kn):  # pragma: no cover - compiled
+    """The columns ``[c0, c1)`` of the key tile at ``t0`` (``kn`` keys) that query rows ``q0 + g .. + gn`` reach."""
+    glo = los[q0 + g]
+    for r in range(g + 1, g + gn):
+        glo = min(glo, los[q0 + r])
+    return max(glo - t0, 0), min(q0 + g + gn - t0, kn)
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
+def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover - compiled
+    N, L, D = q.shape
+    E = v.shape[2]
+    NQ = (L + bq - 1) // bq
+    out = np.empty((N, L, E), dtype=q.dtype)
+    lse = np.empty((N, L), dtype=q.dtype)
+    R = cst[_RAMP]; ninf = cst[_NINF]; zero = R * 0
+    for it in numba.prange(N * NQ):
+        n = it // NQ; qb = it % NQ
+        kpb = kp[(n // H) % kp.shape[0]]
+        q0 = qb * bq
+        qn = min(bq, L - q0)
+        qs = q[n]; ks = k[n]; vs = v[n]; zs = z[n]; los = lo[n]
+        klo = q0
+        for r in range(qn):
+            klo = min(klo, los[q0 + r])
+        acc = np.zeros((bq, E), dtype=q.dtype)
+        KT = np.zeros((D, bk), dtype=q.dtype)
+        Sc = np.empty((bq, bk), dtype=q.dtype)
+        Mw = np.empty((bq, bk), dtype=q.dtype)
+        red = np.empty(bk, dtype=q.dtype)
+        ebuf = np.empty(bk, dtype=np.int32)
+        mx = np.full(bq, ninf, dtype=q.dtype)
+        lsum = np.zeros(bq, dtype=q.dtype)
+        gc0 = np.zeros(bq // 4 + 1, dtype=np.int64)
+        gc1 = np.zeros(bq // 4 + 1, dtype=np.int64)
+        for t0 in range(klo, q0 + qn, bk):
+            kn = min(bk, q0 + qn - t0)
+            _transpose(ks, t0, kn, KT)
+            xk_t = xs[t0:t0 + kn]; kp_t = kpb[t0:t0 + kn]
+            for g in range(0, qn, 4):
+                gn = min(4, qn - g)
+                c0, c1 = _group_cols(los, q0, g, gn, t0, kn)
+                gc0[g // 4] = c0; gc1[g // 4] = c1
+                if c1 <= c0:
+                    continue
+                nc = c1 - c0
+                r0, r1 = _round8(c0, c1, bk)
+                _zero(Sc, g, gn, r0, r1, zero)
+                _mm4(Sc, g, gn, qs, q0 + g, KT, 0, 0, D, r0, r1)
+                for r in range(g, g + gn):
+                    i = q0 + r
+                    srow = Sc[r, c0:c1]; mrow = Mw[r, c0:c1]
+                    _query_row_weights(srow, mrow, xs[i], xk_t[c0:c1], R + zs[i], kp_t[c0:c1], cst)
+                    m_t = ninf
+                    for c in range(nc):
+                        sc_ = srow[c]
+                        m_t = max(m_t, sc_ if sc_ == sc_ else ninf)   # NaN scores reach lsum through exp
+                    mnew = max(mx[r], m_t)
+                    if mnew == ninf:   # nothing finite counted in this row so far
+                        for c in range(nc):
+                            if srow[c] != srow[c]:
+                                lsum[r] = srow[c]   # NaN in, NaN out
+                            srow[c] = zero
+                        continue
+                    for c in range(nc):
+                        srow[c] = srow[c] - mnew
+                    _exp_seg(srow, red, ebuf, cst, is32)
+                    s = zero
+                    for c in range(nc):
+                        w = srow[c] * mrow[c]
+                        srow[c] = w
+                        s += w
+                    if mnew != mx[r]:
+                        alpha = math.exp(mx[r] - mnew)
+                        ar = acc[r]
+                        for e in range(E):
+                            ar[e] *= alpha
+                        lsum[r] = lsum[r] * alpha
+                        mx[r] = mnew
+                    lsum[r] += s
+            for g in range(0, qn, 4):
+                c0 = gc0[g // 4]; c1 = gc1[g // 4]
+                if c1 > c0:
+                    _mm4(acc, g, min(4, qn - g), Sc[:, c0:c1], g, vs[t0 + c0:t0 + c1], 0, 0, c1 - c0, 0, E)
+        for r in range(qn):
+            o = out[n, q0 + r]
+            if lsum[r] > zero or lsum[r] != lsum[r]:
+                inv = 1 / lsum[r]
+                for e in range(E):
+                    o[e] = acc[r, e] * inv
+                lse[n, q0 + r] = mx[r] + math.log(lsum[r])
+            else:
+                for e in range(E):
+                    o[e] = zero
+                lse[n, q0 + r] = -ninf  # exp(s - inf) = 0: a row with no key has no gradient
+    return out, lse
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
+def backward_dq(q, k, v, do, lse, delta, z, lo, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover - compiled
+    """``dQ`` and ``dz`` per query."""
+    N, L, D = q.shape
+    E = v.shape[2]
+    NQ = (L + bq - 1) // bq
+    dq = np.zeros((N, L, D), dtype=q.dtype)
+    dz = np.zeros((N, L), dtype=q.dtype)
+    R = cst[_RAMP]; sc = cst[_SC]; zero = R * 0
+    for it in numba.prange(N * NQ):
+        n = it // NQ; qb = it % NQ
+        kpb = kp[(n // H) % kp.shape[0]]
+        q0 = qb * bq
+        qn = min(bq, L - q0)
+        qs = q[n]; ks = k[n]; vs = v[n]; dos = do[n]; zs = z[n]; los = lo[n]
+        klo = q0
+        for r in range(qn):
+            klo = min(klo, los[q0 + r])
+        KT = np.zeros((D, bk), dtype=q.dtype)
+        VT = np.zeros((E, bk), dtype=q.dtype)
+        Sc = np.empty((bq, bk), dtype=q.dtype)
+        dP = np.empty((bq, bk), dtype=q.dtype)
+        Mw = np.empty((bq, bk), dtype=q.dtype)
+        red = np.empty(bk, dtype=q.dtype)
+        ebuf = np.empty(bk, dtype=np.int32)
+        acc = np.zeros((bq, D), dtype=q.dtype)
+        dza = np.zeros(bq, dtype=q.dtype)
+        for t0 in range(klo, q0 + qn, bk):
+            kn = min(bk, q0 + qn - t0)
+            _transpose(ks, t0, kn, KT)
+            _transpose(vs, t0, kn, VT)
+            xk_t = xs[t0:t0 + kn]; kp_t = kpb[t0:t0 + kn]
+            for g in range(0, qn, 4):
+                gn = min(4, qn - g)
+                c0, c1 = _group_cols(los, q0, g, gn, t0, kn)
+                if c1 <= c0:
+                    continue
+                nc = c1 - c0
+                _zero(Sc, g, gn, c0, c1, zero)
+                _mm4(Sc, g, gn, qs, q0 + g, KT, 0, 0, D, c0, c1)
+                _zero(dP, g, gn, c0, c1, zero)
+                _mm4(dP, g, gn, dos, q0 + g, VT, 0, 0, E, c0, c1)
+                xk = xk_t[c0:c1]
+                for r in range(g, g + gn):
+                    i = q0 + r
+                    srow = Sc[r, c0:c1]; mrow = Mw[r, c0:c1]; prow = dP[r, c0:c1]
+                    rz = R + zs[i]
+                    xi = xs[i]
+                    _query_row_weights(srow, mrow, xi, xk, rz, kp_t[c0:c1], cst)
+                    li = lse[n, i]
+                    di = delta[n, i]
+                    for c in range(nc):
+                        srow[c] = srow[c] - li
+                    _exp_seg(srow, red, ebuf, cst, is32)
+                    gz = zero
+                    for c in range(nc):
+                        tt = srow[c] * (prow[c] - di)     # d out / d m_ij (0 where the pair does not count)
+                        gz += tt if rz - (xi - xk[c]) <= R else zero
+                        prow[c] = mrow[c] * tt            # dS_ij
+                    dza[r] += gz
+                _mm4(acc, g, gn, dP[:, c0:c1], g, ks[t0 + c0:t0 + c1], 0, 0, nc, 0, D)
+        for r in range(qn):
+            dz[n, q0 + r] = dza[r] / R
+        for r in range(qn):
+            dqr = dq[n, q0 + r]; ar = acc[r]
+            for d in range(D):
+                dqr[d] = ar[d] * sc
+    return dq, dz
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
+def backward_dkdv(q, k, v, do, lse, delta, z, far, kp, xs, H, bq, bk, cst, is32, keep, tbuf,
+                  kl):  # pragma: no cover - compiled
+    """``dK`` and ``dV``, key-major: key block ``kb`` sees queries ``[k0, k0 + bk + far)``.
+
+    With ``keep``, ``tbuf`` ``(N, NQ, bq, W)`` (``bk`` a multiple of ``bq``), also keeps
+    ``t_ij = e_ij (dP_ij - Δ_i)`` of every counted pair at ``tbuf[n, i // bq, i % bq, j - kl[n, i // bq]]``
+    (``kl``: the first key each query block reaches) for :func:`backward_dq_from_t`."""
+    N, L, D = q.shape
+    E = v.shape[2]
+    NK = (L + bk - 1) // bk
+    dk = np.zeros((N, L, D), dtype=q.dtype)
+    dv = np.zeros((N, L, E), dtype=q.dtype)
+    R = cst[_RAMP]; sc = cst[_SC]; ninf = cst[_NINF]; zero = R * 0; one = R / R
+    for it in numba.prange(N * NK):
+        n = it // NK; kb = it % NK
+        kpb = kp[(n // H) % kp.shape[0]]
+        k0 = kb * bk
+        kn = min(bk, L - k0)
+        qs = q[n]; ks = k[n]; vs = v[n]; dos = do[n]; zs = z[n]; lses = lse[n]; dls = delta[n]
+        fn = far[n]
+        qhi = min(L, k0 + kn + fn)
+        QT = np.zeros((D, bq), dtype=q.dtype)
+        OT = np.zeros((E, bq), dtype=q.dtype)
+        ST = np.empty((bk, bq), dtype=q.dtype)     # keys x queries
+        dPT = np.empty((bk, bq), dtype=q.dtype)
+        Mw = np.empty((bk, bq), dtype=q.dtype)
+        red = np.empty(bq, dtype=q.dtype)
+        ebuf = np.empty(bq, dtype=np.int32)
+        dka = np.zeros((bk, D), dtype=q.dtype)
+        dva = np.zeros((bk, E), dtype=q.dtype)
+        gc0 = np.zeros(bk // 4 + 1, dtype=np.int64)
+        gc1 = np.zeros(bk // 4 + 1, dtype=np.int64)
+        for i0 in range(k0, qhi, bq):
+            qn = min(bq, qhi - i0)
+            qbt = i0 // bq
+            tq = tbuf[n % tbuf.shape[0], qbt % tbuf.shape[1]]   # a (1, 1, 1, 1) dummy without keep
+            klq = kl[n % kl.shape[0], qbt % kl.shape[1]]
+            _transpose(qs, i0, qn, QT)
+            _transpose(dos, i0, qn, OT)
+            for g in range(0, kn, 4):
+                gn = min(4, kn - g)
+                c0 = max(k0 + g - i0, 0)                 # queries i >= j
+                c1 = min(k0 + g + gn + fn - i0, qn)      # queries i < j + far + 1
+                gc0[g // 4] = c0; gc1[g // 4] = c1
+                if c1 <= c0:
+                    continue
+                nc = c1 - c0
+                r0, r1 = _round8(c0, c1, bq)
+                _zero(ST, g, gn, r0, r1, zero)
+                _mm4(ST, g, gn, ks, k0 + g, QT, 0, 0, D, r0, r1)
+                _zero(dPT, g, gn, r0, r1, zero)
+                _mm4(dPT, g, gn, vs, k0 + g, OT, 0, 0, E, r0, r1)
+                xq = xs[i0 + c0:i0 + c1]; zq = zs[i0 + c0:i0 + c1]
+                lq = lses[i0 + c0:i0 + c1]; dq_ = dls[i0 + c0:i0 + c1]
+                for r in range(g, g + gn):
+                    j = k0 + r
+                    srow = ST[r, c0:c1]; mrow = Mw[r, c0:c1]; prow = dPT[r, c0:c1]
+                    xj = xs[j]
+                    real = kpb[j] != 0
+                    for c in range(nc):
+                        x = xq[c] - xj
+                        num = (R + zq[c]) - x
+                        ok = real and (x >= zero) and (num > zero)
+                        mrow[c] = min(num / R, one) if ok else zero
+                        srow[c] = srow[c] * sc - lq[c] if ok else ninf
+                    _exp_seg(srow, red, ebuf, cst, is32)
+                    for c in range(nc):
+                        t_ = srow[c] * (prow[c] - dq_[c])             # t_ij = d out / d m_ij
+                        srow[c] = srow[c] * mrow[c]                   # P_ij
+                        prow[c] = t_ * mrow[c]                        # dS_ij
+                        red[c] = t_
+                    if keep:
+                        col = j - klq
+                        for c in range(nc):
+                            if mrow[c] > zero:
+                                tq[c0 + c, col] = red[c]
+            for g in range(0, kn, 4):
+                c0 = gc0[g // 4]; c1 = gc1[g // 4]
+                if c1 > c0:
+                    gn = min(4, kn - g)
+                    _mm4(dva, g, gn, ST[:, c0:c1], g, dos[i0 + c0:i0 + c1], 0, 0, c1 - c0, 0, E)
+                    _mm4(dka, g, gn, dPT[:, c0:c1], g, qs[i0 + c0:i0 + c1], 0, 0, c1 - c0, 0, D)
+        for r in range(kn):
+            dkr = dk[n, k0 + r]; dar = dka[r]
+            for d in range(D):
+                dkr[d] = dar[d] * sc
+        dv[n, k0:k0 + kn] = dva[:kn]
+    return dk, dv
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
+def backward_dq_from_t(k, tbuf, kl, z, lo, kp, xs, H, bq, cst):  # pragma: no cover - compiled
+    """``dQ`` and ``dz`` per query from the ``t_ij`` :func:`backward_dkdv` kept: ``dS = m t`` and one product
+    ``dQ = scale · dS K`` per group of 4 query rows (instead of :func:`backward_dq`'s recomputed ``Q Kᵀ``,
+    ``dO Vᵀ`` and ``exp``); pairs that do not count are never read from ``tbuf`` (selected away)."""
+    N, L, D = k.shape
+    NQ = (L + bq - 1) // bq
+    W = tbuf.shape[3]
+    dq = np.zeros((N, L, D), dtype=k.dtype)
+    dz = np.zeros((N, L), dtype=k.dtype)
+    R = cst[_RAMP]; sc = cst[_SC]; zero = R * 0; one = R / R
+    for it in numba.prange(N * NQ):
+        n = it // NQ; qb = it % NQ
+        kpb = kp[(n // H) % kp.shape[0]]
+        q0 = qb * bq
+        qn = min(bq, L - q0)
+        ks = k[n]; zs = z[n]; los = lo[n]
+        klq = kl[n, qb]
+        tq = tbuf[n, qb]
+        width = q0 + qn - klq
+        dS = np.empty((bq, W), dtype=k.dtype)
+        acc = np.zeros((bq, D), dtype=k.dtype)
+        dza = np.zeros(bq, dtype=k.dtype)
+        for g in range(0, qn, 4):
+            gn = min(4, qn - g)
+            c0, c1 = _group_cols(los, q0, g, gn, klq, width)
+            if c1 <= c0:
+                continue
+            nc = c1 - c0
+            xk = xs[klq + c0:klq + c1]; kpk = kpb[klq + c0:klq + c1]
+            for r in range(g, g + gn):
+                i = q0 + r
+                rz = R + zs[i]
+                xi = xs[i]
+                trow = tq[r, c0:c1]; drow = dS[r, c0:c1]
+                gz = zero
+                for c in range(nc):
+                    x = xi - xk[c]
+                    num = rz - x
+                    ok = (x >= zero) and (num > zero) and kpk[c] != 0
+                    t_ = trow[c] if ok else zero
+                    drow[c] = min(num / R, one) * t_
+                    gz += t_ if num <= R else zero
+                dza[r] += gz
+            _mm4(acc, g, gn, dS[:, c0:c1], g, ks[klq + c0:klq + c1], 0, 0, nc, 0, D)
+        for r in range(qn):
+            dz[n, q0 + r] = dza[r] / R
+            dqr = dq[n, q0 + r]; ar = acc[r]
+            for d in range(D):
+                dqr[d] = ar[d] * sc
+    return dq, dz

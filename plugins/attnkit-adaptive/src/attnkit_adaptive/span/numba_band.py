@@ -1,0 +1,177 @@
+"""The span mechanisms' ``numba`` backend: the soft-span band as fused CPU kernels behind a ``torch.autograd.Function``.
+
+:func:`span_band_attention_numba` computes exactly what
+:func:`attnkit_adaptive.span.band.span_band_attention` (the torch path) and the
+plain reference compute, the soft mask ``m_z(i - j) = clamp((R + z - (i - j)) / R, 0, 1)``
+as a weight in an online softmax, with the gradients of q, k, v **and of the
+spans** (per head or per query). Each query reads only the keys its own span
+reaches (``i - j < z_i + R``), so the cost is
+``O(L · (z + R) · D)``; no score matrix and no band of whole blocks is
+materialised. Kernels: :mod:`._numba_kernels`. float32 and float64, CPU.
+
+Threads: numba's pool follows ``torch.get_num_threads()`` at every call; its
+idle threads sleep (``OMP_WAIT_POLICY=PASSIVE`` while the pool starts) rather
+than spin on the cores torch needs next.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["span_band_attention_numba"]
+
+
+def _start_pool() -> None:
+    """Start numba's thread pool with passive idle threads (unless the user chose a wait policy)."""
+    key = "OMP_WAIT_POLICY"
+    preset = key in os.environ
+    if not preset:
+        os.environ[key] = "PASSIVE"
+    try:
+        numba.get_num_threads()
+    finally:
+        if not preset:
+            os.environ.pop(key, None)
+
+
+_start_pool()
+
+from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
+
+#: the backward keeps t_ij = e_ij (dP_ij - Δ_i) of the band (B·H·L·(far + block) floats) for dQ and the
+#: span gradient when it fits in this many bytes (5 tile products instead of 7); above, dQ recomputes them
+T_BUFFER_MAX_BYTES = 512 << 20
+
+
+def _run(kernel: Any, items: int, *args: Any) -> Any:
+    """Run a parallel kernel on torch's thread count, one chunk of the ``items`` work items per thread
+    (numba's chunked scheduling has a per-chunk cost; the work items are of near-equal size)."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    old = numba.set_parallel_chunksize(max(1, -(-items // threads)))
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_parallel_chunksize(old)
+
+
+def _np(x: Tensor) -> np.ndarray:
+    return x.detach().contiguous().numpy()
+
+
+def _flat(x: Tensor) -> np.ndarray:
+    """``(B, H, L, F)`` or ``(B, H, L)`` -> contiguous NumPy with B·H leading."""
+    return _np(x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]))
+
+
+class _SpanBand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float, scale: float,
+                kpm: Tensor | None, bq: int, bk: int) -> Tensor:
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        zf = z.detach().to(q.dtype).expand(B, H, L).contiguous()
+        # the first key each query may reach: the pair (i, j) counts iff (R + z_i) - (i - j) > 0, i.e.
+        # i - j <= ceil(R + z_i) - 1 (R + z_i in the dtype, as the kernels add them); lo_i = i + 1 for none
+        reach = torch.nan_to_num(zf + torch.tensor(ramp, dtype=q.dtype), nan=0.0, posinf=float(L + 1),
+                                 neginf=0.0).clamp(0.0, float(L + 1))
+        far_i = torch.ceil(reach).to(torch.int64) - 1                              # -1 .. L
+        pos = torch.arange(L, dtype=torch.int64)
+        lo = (pos - far_i).clamp_min(0).to(torch.int32)
+        far = far_i.clamp_min(0).reshape(B * H, L).amax(-1).to(torch.int32)
+        kp = (torch.ones(1, L, dtype=torch.uint8) if kpm is None else kpm.to(torch.uint8)).contiguous()
+        xs = torch.arange(L, dtype=q.dtype)
+        qs = q.detach()
+        cst = K.constants(_np(qs).dtype, float(ramp), float(scale))
+        f32 = q.dtype == torch.float32
+        nq = -(-L // bq)
+        out, lse = _run(K.forward, B * H * nq, _flat(qs), _flat(k), _flat(v), _flat(zf),
+                        _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32)
+        out_t = torch.from_numpy(out).view(B, H, L, E)
+        nan_z = torch.isnan(zf)
+        if bool(nan_z.any()):  # a NaN span (dynamic-span predicts it from a NaN query): NaN in, NaN out
+            out_t = out_t.masked_fill(nan_z[..., None], float("nan"))
+        ctx.save_for_backward(qs, k.detach(), v.detach(), zf, lo, far, kp, xs, out_t,
+                              torch.from_numpy(lse))
+        ctx.meta = (scale, float(ramp), bq, bk, tuple(z.shape))
+        return out_t
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        qs, k, v, zf, lo, far, kp, xs, out, lse = ctx.saved_tensors
+        scale, ramp, bq, bk, zshape = ctx.meta
+        B, H, L, D = qs.shape
+        E = v.shape[-1]
+        g = g.contiguous()
+        delta = (g * out).sum(-1)
+        cst = K.constants(_np(qs).dtype, ramp, scale)
+        f32 = qs.dtype == torch.float32
+        args = (_flat(qs), _flat(k), _flat(v), _flat(g), _np(lse), _flat(delta), _flat(zf))
+        dq = dz = dk = dv = None
+        want_qz = ctx.needs_input_grad[0] or ctx.needs_input_grad[3]
+        want_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        nq = -(-L // bq)
+        keep, tbuf, kl = False, np.empty((1, 1, 1, 1), dtype=args[0].dtype), np.zeros((1, 1), dtype=np.int64)
+        if want_qz and want_kv and bk % bq == 0:
+            # the first key each query block reaches, and the widest block: t is kept per block row
+            lo_p = F.pad(lo.reshape(B * H, L).to(torch.int64), (0, nq * bq - L), value=L)
+            kl_t = lo_p.view(B * H, nq, bq).amin(-1)
+            ends = torch.clamp(torch.arange(1, nq + 1) * bq, max=L)
+            width = int((ends - kl_t).amax())
+            if B * H * nq * bq * width * qs.element_size() <= T_BUFFER_MAX_BYTES:
+                keep, tbuf, kl = True, np.empty((B * H, nq, bq, width), dtype=args[0].dtype), _np(kl_t)
+        if want_kv:
+            dk_a, dv_a = _run(K.backward_dkdv, B * H * -(-L // bk), *args, _np(far), _np(kp), _np(xs), H, bq, bk,
+                              cst, f32, keep, tbuf, kl)
+            dk = torch.from_numpy(dk_a).view(B, H, L, D)
+            dv = torch.from_numpy(dv_a).view(B, H, L, E)
+        if want_qz:
+            if keep:
+                dq_a, dz_a = _run(K.backward_dq_from_t, B * H * nq, args[1], tbuf, kl, args[6], _flat(lo), _np(kp),
+                                  _np(xs), H, bq, cst)
+            else:
+                dq_a, dz_a = _run(K.backward_dq, B * H * nq, *args, _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32)
+            dq = torch.from_numpy(dq_a).view(B, H, L, D)
+            dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape)
+        return dq, dk, dv, dz, None, None, None, None, None
+
+
+def span_band_attention_numba(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float, *, scale: float,
+                              key_padding_mask: Tensor | None = None, block_size: int = 64,
+                              key_block: int | None = None) -> Tensor:
+    """Causal soft-span attention with the numba kernels; differentiable in q, k, v and z.
+
+    Args:
+        q: ``(B, H, L, D)``; k: ``(B, H, L, D)``; v: ``(B, H, L, E)`` (causal self-attention), float32 or
+            float64 CPU tensors of one dtype.
+        z: spans in positions, broadcastable to ``(B, H, L)`` (per head ``(1, H, 1)``, per query
+            ``(B, H, L)``); its gradient has z's shape.
+        ramp: R > 0.
+        scale: multiplier of ``q · k``.
+        key_padding_mask: bool ``(B, L)``, True = a real key, or None. Padded keys never count, but a
+            group of 4 query rows multiplies a weight of 0 by the values of the keys any of them reaches, so
+            padded (and out-of-span) keys must hold finite values: the module zeroes padded keys and values,
+            as attnkit does for every implementation.
+        block_size: query rows per work item (and per score tile).
+        key_block: keys per score tile (default ``block_size``).
+
+    Returns:
+        ``(B, H, L, E)``; a query that sees no real key gets 0.
+
+    Raises:
+        ValueError: tensors that are not float32/float64 on the CPU, or of different dtypes.
+    """
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or not (
+            q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"span_band_attention_numba: expected float32 or float64 CPU tensors of one dtype, got "
+                         f"q {q.dtype} on {q.device}, k {k.dtype}, v {v.dtype}")
+    bq = int(block_size)
+    bk = int(key_block or block_size)
+    return _SpanBand.apply(q, k, v, z, float(ramp), float(scale), key_padding_mask, bq, bk)
