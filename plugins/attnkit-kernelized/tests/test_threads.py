@@ -48,7 +48,7 @@ def test_a_real_kernel_runs_on_torch_thread_count(torch_threads, monkeypatch):
         seen.append(n)
         real(n)
 
-    monkeypatch.setattr(_numba.numba, "set_num_threads", spy)
+    monkeypatch.setattr(numba, "set_num_threads", spy)          # the module object every caller reads it from
     torch.set_num_threads(1)
     from attnkit_kernelized.linear import numba_ops
 

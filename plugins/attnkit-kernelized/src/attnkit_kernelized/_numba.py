@@ -6,68 +6,26 @@ Importing this module imports numba and starts its thread pool; only the
 
 from __future__ import annotations
 
-import os
-
-import numba
 import numpy as np
 from torch import Tensor
 
+from attnkit.numba_pool import kernel_threads, run_parallel, start_pool
 
-def _launch_numba_threads() -> None:
-    """Start numba's thread pool with idle threads that sleep instead of spinning.
-
-    With the ``omp`` threading layer numba runs its own copy of libgomp next to
-    the one bundled with torch; idle GNU OpenMP threads busy-wait by default,
-    so after every kernel call numba's threads would spin on the cores torch's
-    next operation needs (measured: SDPA and the feature maps ran ~2x slower
-    on 2 cores). libgomp reads ``OMP_WAIT_POLICY`` when it is loaded, which
-    happens when numba launches its threads, so it is set to ``PASSIVE`` for
-    that moment only (unless the user set it) and restored afterwards.
-    torch's own pool is not affected.
-    """
-    key = "OMP_WAIT_POLICY"
-    user_set = key in os.environ
-    if not user_set:
-        os.environ[key] = "PASSIVE"
-    try:
-        numba.get_num_threads()  # launches the pool (and loads numba's libgomp) once
-    finally:
-        if not user_set:
-            os.environ.pop(key, None)
+__all__ = ["FASTMATH", "kernel_threads", "dynamic", "arr", "check_float"]
 
 
-_launch_numba_threads()
+start_pool()
 
 # reassociation lets LLVM vectorise the short reductions; no NaN/inf
 # assumptions, so zeros from masked positions and NaN inputs behave exactly
 FASTMATH = {"reassoc", "contract", "nsz"}
 
 
-def kernel_threads() -> int:
-    """Threads a kernel call uses: ``torch.get_num_threads()``, capped by the threads numba launched.
-
-    numba's pool and torch's intra-op pool are separate; a kernel running on
-    more threads than torch is told to use oversubscribes the cores other
-    work (a data loader, a second process, ``torch.set_num_threads(1)`` in a
-    worker) was left, and every thread then waits on the slowest one.
-    """
-    import torch
-
-    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-
-
 def dynamic(fn, *args):
     """Run a parallel kernel on :func:`kernel_threads` threads, handing out its B*H sequences one at a time
     (numba's parallel chunk size 1) instead of in equal static blocks, so a thread slowed by a busy core
-    takes fewer. numba's thread count and chunk size are per calling thread; both are restored after."""
-    old_threads = numba.get_num_threads()
-    numba.set_num_threads(kernel_threads())
-    old = numba.set_parallel_chunksize(1)
-    try:
-        return fn(*args)
-    finally:
-        numba.set_parallel_chunksize(old)
-        numba.set_num_threads(old_threads)
+    takes fewer (:func:`attnkit.numba_pool.run_parallel`)."""
+    return run_parallel(fn, *args)
 
 
 def arr(x: Tensor) -> np.ndarray:

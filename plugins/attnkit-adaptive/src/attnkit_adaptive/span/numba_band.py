@@ -16,32 +16,19 @@ than spin on the cores torch needs next.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.numba_pool import run_parallel, start_pool
+
 __all__ = ["span_band_attention_numba"]
 
 
-def _start_pool() -> None:
-    """Start numba's thread pool with passive idle threads (unless the user chose a wait policy)."""
-    key = "OMP_WAIT_POLICY"
-    preset = key in os.environ
-    if not preset:
-        os.environ[key] = "PASSIVE"
-    try:
-        numba.get_num_threads()
-    finally:
-        if not preset:
-            os.environ.pop(key, None)
-
-
-_start_pool()
+start_pool()
 
 from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
 
@@ -51,15 +38,8 @@ T_BUFFER_MAX_BYTES = 512 << 20
 
 
 def _run(kernel: Any, items: int, *args: Any) -> Any:
-    """Run a parallel kernel on torch's thread count, one chunk of the ``items`` work items per thread
-    (numba's chunked scheduling has a per-chunk cost; the work items are of near-equal size)."""
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    old = numba.set_parallel_chunksize(max(1, -(-items // threads)))
-    try:
-        return kernel(*args)
-    finally:
-        numba.set_parallel_chunksize(old)
+    """Run a parallel kernel on torch's thread count, one chunk of the ``items`` work items per thread."""
+    return run_parallel(kernel, *args, items=items)
 
 
 def _np(x: Tensor) -> np.ndarray:

@@ -14,13 +14,13 @@ while the pool starts) instead of spinning on the cores torch needs next.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import numba
 import numpy as np
 import torch
 from torch import Tensor
+
+from attnkit.numba_pool import run_parallel, start_pool
 
 from .plan import BlockPlan
 
@@ -31,39 +31,14 @@ NAMESPACE = "attnkit_sparse"
 DS_BUFFER_MAX_BYTES = 1 << 30
 
 
-def _launch_threads() -> None:
-    """Start numba's pool with passive idle threads (see attnkit_kernelized._numba for the measurement)."""
-    key = "OMP_WAIT_POLICY"
-    user_set = key in os.environ
-    if not user_set:
-        os.environ[key] = "PASSIVE"
-    try:
-        numba.get_num_threads()
-    finally:
-        if not user_set:
-            os.environ.pop(key, None)
-
-
-_launch_threads()
+start_pool()
 
 from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
 
 
 def _run(kernel: Any, items: int, *args: Any) -> Any:
-    """Run a parallel kernel with torch's thread count, one chunk of the ``items`` work items per thread.
-
-    Measured on the causal-window case (L = 1K and 16K, 2 threads, interleaved): numba's chunked
-    scheduling costs about 1 ms per chunk, so 16 chunks per thread made a 1K forward+backward 110 ms
-    instead of 23 ms, and one chunk per thread was also the fastest at 16K (362-376 ms against
-    394-477 ms with 4 or 16 chunks per thread).
-    """
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    old = numba.set_parallel_chunksize(max(1, -(-items // threads)))
-    try:
-        return kernel(*args)
-    finally:
-        numba.set_parallel_chunksize(old)
+    """Run a parallel kernel on torch's thread count, one chunk of the ``items`` work items per thread."""
+    return run_parallel(kernel, *args, items=items)
 
 
 def _arr(x: Tensor) -> np.ndarray:
