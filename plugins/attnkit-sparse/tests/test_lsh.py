@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import proj_sum, rand
 
 import attnkit
 from attnkit import masks
@@ -18,30 +19,13 @@ BACKENDS = ("torch", "numba")
 TOL = dict(atol=1e-10, rtol=1e-9)
 
 
-def _rand(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64)
-
-
-def _proj_sum(out, seed=5):
-    return (out * _rand(out.shape, seed)).sum()
-
-
-def _mask(causal, kpm):
-    parts = ([masks.causal()] if causal else []) + ([masks.key_padding(kpm)] if kpm is not None else [])
-    m = None
-    for p in parts:
-        m = p if m is None else m & p
-    return m
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 def test_backends_match_reference_outputs_and_gradients(backend, causal, padded):
     B, H, L, D, E = 2, 2, 45, 8, 6
     attn = attnkit.build("lsh", bucket_size=4, n_hashes=3, seed=7, backend=backend)
-    q, k, v = _rand((B, H, L, D), 1), _rand((B, H, L, D), 2), _rand((B, H, L, E), 3)
+    q, k, v = rand((B, H, L, D), 1), rand((B, H, L, D), 2), rand((B, H, L, E), 3)
     kpm = None
     if padded:
         kpm = torch.ones(B, L, dtype=torch.bool)
@@ -55,9 +39,9 @@ def test_backends_match_reference_outputs_and_gradients(backend, causal, padded)
         poisoned[2] = torch.where(bad, torch.full_like(v, float("inf")), leaves[2])
     out = attn(*poisoned, causal=causal, key_padding_mask=kpm)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = reference(attn, *ref_leaves, mask=_mask(causal, kpm))
+    ref = reference(attn, *ref_leaves, mask=masks.resolve(causal=causal, key_padding_mask=kpm))
     torch.testing.assert_close(out, ref, **TOL)
-    for a, b in zip(torch.autograd.grad(_proj_sum(out), leaves), torch.autograd.grad(_proj_sum(ref), ref_leaves)):
+    for a, b in zip(torch.autograd.grad(proj_sum(out), leaves), torch.autograd.grad(proj_sum(ref), ref_leaves)):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, **TOL)
 
@@ -79,7 +63,7 @@ def _exact_shared_qk(q, v, scale, causal):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_bucket_is_exact_shared_qk_attention_with_the_self_rule(backend, causal):
-    q, v = _rand((1, 2, 13, 8), 11), _rand((1, 2, 13, 5), 12)
+    q, v = rand((1, 2, 13, 8), 11), rand((1, 2, 13, 5), 12)
     for bucket_size, n_hashes in ((13, 1), (64, 3)):   # L <= bucket_size: one bucket, one chunk
         attn = attnkit.build("lsh", bucket_size=bucket_size, n_hashes=n_hashes, backend=backend)
         out = attn(q, q, v, causal=causal)
@@ -87,7 +71,7 @@ def test_one_bucket_is_exact_shared_qk_attention_with_the_self_rule(backend, cau
 
 
 def test_reproducible_from_seed_and_seeds_differ():
-    k = _rand((1, 2, 64, 8), 3)
+    k = rand((1, 2, 64, 8), 3)
     a, b, c = (attnkit.build("lsh", bucket_size=4, n_hashes=2, seed=s) for s in (5, 5, 6))
     pa, pb, pc = (m.sorted_rounds(k) for m in (a, b, c))
     assert torch.equal(pa, pb)
@@ -102,7 +86,7 @@ def test_reproducible_from_seed_and_seeds_differ():
 def test_hashes_are_argmax_of_the_rotated_projection():
     from attnkit_sparse.lsh.hashing import buckets, n_buckets, rotations
     assert (n_buckets(8, 8), n_buckets(9, 8), n_buckets(17, 8), n_buckets(24, 8)) == (1, 2, 4, 4)
-    x = _rand((1, 1, 30, 4), 2)
+    x = rand((1, 1, 30, 4), 2)
     rot = rotations(0, 2, 4, 2, dtype=torch.float64, device=torch.device("cpu"))
     got = buckets(x, rot, 8, torch.tensor([30]))                     # 4 buckets: 2 columns
     proj = torch.einsum("ld,rdn->rln", x[0, 0], rot)
@@ -112,7 +96,7 @@ def test_hashes_are_argmax_of_the_rotated_projection():
 
 
 def test_causal_pairs_never_attend_the_future_and_never_self_unless_alone():
-    k = _rand((2, 2, 40, 8), 4)
+    k = rand((2, 2, 40, 8), 4)
     attn = attnkit.build("lsh", bucket_size=4, n_hashes=4, seed=1)
     for causal in (False, True):
         n = pair_counts(attn, k, causal=causal, key_padding_mask=None)
@@ -121,7 +105,7 @@ def test_causal_pairs_never_attend_the_future_and_never_self_unless_alone():
             assert int(n.triu(1).sum()) == 0
         assert int(n.sum()) > 0
     # through the module: d out_i / d v_j is zero for j > i (causal), and for j = i when i has other keys
-    v = _rand((1, 1, 40, 3), 5).requires_grad_()
+    v = rand((1, 1, 40, 3), 5).requires_grad_()
     q = k[:1, :1]
     out = attn(q, q, v, causal=True)
     n = pair_counts(attn, q, causal=True, key_padding_mask=None)[0, 0]
@@ -146,7 +130,7 @@ def test_engine_runs_only_the_chunk_tiles(monkeypatch):
     monkeypatch.setattr(engine, "attend_plan", spy)
     B, H, L, R, cs = 1, 2, 64, 3, 8
     attn = attnkit.build("lsh", bucket_size=cs, n_hashes=R)
-    q = _rand((B, H, L, 4), 1)
+    q = rand((B, H, L, 4), 1)
     attn(q, q, q)
     p = seen["plan"]
     nq = L // cs
@@ -167,7 +151,7 @@ def test_numba_chunk_masks_equal_the_torch_ones(causal):
     attn = attnkit.build("lsh", bucket_size=cs, n_hashes=2)
     kpm = torch.ones(B, L, dtype=torch.bool)
     kpm[1, [2, 7, 28]] = False
-    perm = attn.sorted_rounds(_rand((B, H, L, 4), 1), kpm)
+    perm = attn.sorted_rounds(rand((B, H, L, 4), 1), kpm)
     want = chunk_masks_torch(perm, kpm, cs, causal)
     pos = _chunks(perm, cs, -1).reshape(B * H * 2, -1)
     real = kpm.gather(1, pos.clamp(min=0).view(B, -1)).view(pos.shape)
@@ -198,9 +182,9 @@ def test_bad_input():
     with pytest.raises(InvalidInputError, match="backend"):
         attnkit.build("lsh", backend="triton")
     attn = attnkit.build("lsh", bucket_size=4)
-    q = _rand((1, 1, 9, 4), 0)
+    q = rand((1, 1, 9, 4), 0)
     with pytest.raises(UnsupportedFeatureError):
-        attn(q, _rand((1, 1, 7, 4), 1), _rand((1, 1, 7, 4), 2))          # cross-attention
+        attn(q, rand((1, 1, 7, 4), 1), rand((1, 1, 7, 4), 2))          # cross-attention
     with pytest.raises(UnsupportedFeatureError):
         attn(q, q, q, attn_mask=torch.ones(9, 9, dtype=torch.bool))
     # shorter than a bucket: one chunk, no padding needed; L = 1: itself
@@ -238,7 +222,7 @@ def test_explicit_plan_matches_the_dense_mask_with_lse_and_its_gradient(backend)
     p = explicit_plan(kv, bank, L, S)
     keep = _dense(kv, bank, L, S)
     assert p.attended_pairs == int(keep.sum())
-    q, k, v = _rand((B, H, L, 6), 1), _rand((B, H, S, 6), 2), _rand((B, H, S, 3), 3)
+    q, k, v = rand((B, H, L, 6), 1), rand((B, H, S, 6), 2), rand((B, H, S, 3), 3)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = attend_plan(*leaves, p, backend=backend, return_lse=True)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -248,9 +232,9 @@ def test_explicit_plan_matches_the_dense_mask_with_lse_and_its_gradient(backend)
     torch.testing.assert_close(out, ref, **TOL)
     torch.testing.assert_close(lse, ref_lse, **TOL)        # -inf for rows with no key on both sides
     fin = torch.isfinite(ref_lse)
-    w = _rand(lse.shape, 9)
-    got = torch.autograd.grad(_proj_sum(out) + (lse.masked_fill(~fin, 0) * w).sum(), leaves)
-    want = torch.autograd.grad(_proj_sum(ref) + (ref_lse.masked_fill(~fin, 0) * w).sum(), ref_leaves)
+    w = rand(lse.shape, 9)
+    got = torch.autograd.grad(proj_sum(out) + (lse.masked_fill(~fin, 0) * w).sum(), leaves)
+    want = torch.autograd.grad(proj_sum(ref) + (ref_lse.masked_fill(~fin, 0) * w).sum(), ref_leaves)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL)
 
@@ -264,7 +248,7 @@ def test_explicit_plan_refuses_bad_tiles():
     with pytest.raises(InvalidInputError, match="cover"):
         explicit_plan(torch.tensor([[[[0]]]]), torch.ones(1, 1, 1, 1, 4, 4, dtype=torch.bool), 9, 8)
     p = explicit_plan(torch.tensor([[[[0]]]]), torch.ones(1, 1, 1, 1, 4, 4, dtype=torch.bool), 4, 4)
-    q = _rand((1, 1, 5, 2), 0)
+    q = rand((1, 1, 5, 2), 0)
     with pytest.raises(InvalidInputError, match="plan"):
         attend_plan(q, q, q, p)
     with pytest.raises(InvalidInputError, match="backend"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import proj_sum, rand
 
 import attnkit
 from attnkit import masks
@@ -13,23 +14,6 @@ from attnkit_sparse.routing.naive import pair_counts, reference
 
 BACKENDS = ("torch", "numba")
 TOL = dict(atol=1e-10, rtol=1e-9)
-
-
-def _rand(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64)
-
-
-def _proj_sum(out, seed=5):
-    return (out * _rand(out.shape, seed)).sum()
-
-
-def _mask(causal, kpm):
-    parts = ([masks.causal()] if causal else []) + ([masks.key_padding(kpm)] if kpm is not None else [])
-    m = None
-    for p in parts:
-        m = p if m is None else m & p
-    return m
 
 
 def _build(**kw):
@@ -42,7 +26,7 @@ def _build(**kw):
 def test_backends_match_reference_outputs_and_gradients(backend, causal, padded):
     B, H, L, D, E = 2, 2, 37, 8, 5
     attn = _build(num_clusters=4, seed=3, backend=backend)
-    q, k, v = _rand((B, H, L, D), 1), _rand((B, H, L, D), 2), _rand((B, H, L, E), 3)
+    q, k, v = rand((B, H, L, D), 1), rand((B, H, L, D), 2), rand((B, H, L, E), 3)
     kpm = None
     if padded:
         kpm = torch.ones(B, L, dtype=torch.bool)
@@ -56,9 +40,9 @@ def test_backends_match_reference_outputs_and_gradients(backend, causal, padded)
         poisoned[2] = torch.where(bad, torch.full_like(v, float("inf")), leaves[2])
     out = attn(*poisoned, causal=causal, key_padding_mask=kpm)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = reference(attn, *ref_leaves, mask=_mask(causal, kpm))
+    ref = reference(attn, *ref_leaves, mask=masks.resolve(causal=causal, key_padding_mask=kpm))
     torch.testing.assert_close(out, ref, **TOL)
-    for a, b in zip(torch.autograd.grad(_proj_sum(out), leaves), torch.autograd.grad(_proj_sum(ref), ref_leaves)):
+    for a, b in zip(torch.autograd.grad(proj_sum(out), leaves), torch.autograd.grad(proj_sum(ref), ref_leaves)):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, **TOL)
 
@@ -66,7 +50,7 @@ def test_backends_match_reference_outputs_and_gradients(backend, causal, padded)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_cluster_is_exact_attention(backend, causal):
-    q, k, v = _rand((2, 2, 19, 8), 1), _rand((2, 2, 19, 8), 2), _rand((2, 2, 19, 5), 3)
+    q, k, v = rand((2, 2, 19, 8), 1), rand((2, 2, 19, 8), 2), rand((2, 2, 19, 5), 3)
     attn = _build(num_clusters=1, backend=backend)
     kpm = torch.ones(2, 19, dtype=torch.bool)
     kpm[1, 4:9] = False
@@ -80,7 +64,7 @@ def test_one_cluster_is_exact_attention(backend, causal):
 
 def test_clusters_are_balanced_and_top_w_per_centroid():
     attn = _build(num_clusters=4)
-    q, k = _rand((1, 2, 20, 8), 1), _rand((1, 2, 20, 8), 2)
+    q, k = rand((1, 2, 20, 8), 1), rand((1, 2, 20, 8), 2)
     qi, qok, ki, kok = route(q, k, attn.centroids_for(q), None)
     assert qi.shape == (1, 2, 4, 5) and bool(qok.all()) and bool(kok.all())      # w = 20 / 4 per cluster
     s = torch.einsum("bhld,hcd->bhcl", q / q.norm(dim=-1, keepdim=True), attn.centroids_for(q))
@@ -92,10 +76,10 @@ def test_clusters_are_balanced_and_top_w_per_centroid():
 
 def test_causal_pairs_never_attend_the_future():
     attn = _build(num_clusters=3)
-    q, k = _rand((2, 2, 30, 8), 1), _rand((2, 2, 30, 8), 2)
+    q, k = rand((2, 2, 30, 8), 1), rand((2, 2, 30, 8), 2)
     n = pair_counts(attn, q, k, causal=True, key_padding_mask=None)
     assert int(n.triu(1).sum()) == 0 and int(n.sum()) > 0
-    v = _rand((2, 2, 30, 3), 4).requires_grad_()
+    v = rand((2, 2, 30, 3), 4).requires_grad_()
     out = attn(q, k, v, causal=True)
     (g,) = torch.autograd.grad(out[:, :, 10].sum(), v)
     assert float(g[:, :, 11:].abs().sum()) == 0.0
@@ -103,7 +87,7 @@ def test_causal_pairs_never_attend_the_future():
 
 def test_centroids_follow_the_data_in_training_and_are_frozen_in_eval():
     attn = _build(num_clusters=2, decay=0.5)
-    q, k, v = _rand((2, 2, 16, 8), 1), _rand((2, 2, 16, 8), 2), _rand((2, 2, 16, 8), 3)
+    q, k, v = rand((2, 2, 16, 8), 1), rand((2, 2, 16, 8), 2), rand((2, 2, 16, 8), 3)
     before = attn.centroids.clone()
     attn(q, k, v)
     assert torch.equal(attn.centroids, before)                                      # eval: frozen
@@ -129,7 +113,7 @@ def test_centroids_follow_the_data_in_training_and_are_frozen_in_eval():
 
 def test_commitment_loss_reaches_queries_and_keys_and_is_weighted():
     attn = _build(num_clusters=2).train()
-    q, k, v = (_rand((1, 2, 8, 8), s).requires_grad_() for s in (1, 2, 3))
+    q, k, v = (rand((1, 2, 8, 8), s).requires_grad_() for s in (1, 2, 3))
     attn(q, k, v)
     loss = attnkit.aux_losses(attn)["routing_commitment"]
     assert attnkit.get_spec("routing").aux_losses["routing_commitment"] == 1e-4
@@ -139,7 +123,7 @@ def test_commitment_loss_reaches_queries_and_keys_and_is_weighted():
 
 def test_more_clusters_than_tokens_route_one_token_each():
     attn = _build(num_clusters=16)
-    q, k, v = _rand((1, 2, 5, 8), 1), _rand((1, 2, 5, 8), 2), _rand((1, 2, 5, 3), 3)
+    q, k, v = rand((1, 2, 5, 8), 1), rand((1, 2, 5, 8), 2), rand((1, 2, 5, 3), 3)
     qi, qok, ki, kok = route(q, k, attn.centroids_for(q), None)
     assert qi.shape[-1] == 1
     out = attn(q, k, v)
@@ -150,12 +134,12 @@ def test_more_clusters_than_tokens_route_one_token_each():
 def test_lazy_centroids_state_dict_and_layer():
     attn = attnkit.build("routing", num_clusters=3)
     assert attn.centroids is None
-    attn(_rand((1, 2, 6, 4), 1), _rand((1, 2, 6, 4), 2), _rand((1, 2, 6, 4), 3))
+    attn(rand((1, 2, 6, 4), 1), rand((1, 2, 6, 4), 2), rand((1, 2, 6, 4), 3))
     assert attn.centroids.shape == (1, 3, 4)
     assert "centroids" in attn.state_dict()
     attn.train()                                     # shared centroids (no num_heads) update from every head
     before = attn.centroids.clone()
-    attn(_rand((1, 2, 6, 4), 4), _rand((1, 2, 6, 4), 5), _rand((1, 2, 6, 4), 6))
+    attn(rand((1, 2, 6, 4), 4), rand((1, 2, 6, 4), 5), rand((1, 2, 6, 4), 6))
     assert not torch.equal(attn.centroids, before)
     torch.testing.assert_close(attn.centroids.norm(dim=-1), torch.ones(1, 3, dtype=before.dtype))
     mha = attnkit.MultiHeadAttention(16, 2, "routing", num_clusters=2)
@@ -168,8 +152,8 @@ def test_bad_input():
         with pytest.raises(InvalidInputError, match=name):
             attnkit.build("routing", **kw)
     attn = _build(num_clusters=2)
-    q = _rand((1, 2, 6, 8), 0)
+    q = rand((1, 2, 6, 8), 0)
     with pytest.raises(UnsupportedFeatureError):
-        attn(q, _rand((1, 2, 4, 8), 1), _rand((1, 2, 4, 8), 2))
+        attn(q, rand((1, 2, 4, 8), 1), rand((1, 2, 4, 8), 2))
     with pytest.raises(InvalidInputError):
-        attn(_rand((1, 2, 6, 4), 0), _rand((1, 2, 6, 4), 0), _rand((1, 2, 6, 4), 0))   # head_dim 8 declared
+        attn(rand((1, 2, 6, 4), 0), rand((1, 2, 6, 4), 0), rand((1, 2, 6, 4), 0))   # head_dim 8 declared

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import proj_sum, rand
 
 import attnkit
 from attnkit import masks
@@ -12,15 +13,6 @@ from attnkit_sparse.sinkhorn.naive import reference
 
 BACKENDS = ("torch", "numba")
 TOL = dict(atol=1e-10, rtol=1e-9)
-
-
-def _rand(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64)
-
-
-def _proj_sum(out, seed=5):
-    return (out * _rand(out.shape, seed)).sum()
 
 
 def _build(**kw):
@@ -32,13 +24,13 @@ def _build(**kw):
 @pytest.mark.parametrize("L", [24, 27])          # 27: not a multiple of the block size (padded at the end)
 def test_backends_match_reference_with_the_sorting_network_gradient(backend, causal, L):
     attn = _build(block_size=4, sinkhorn_iters=4, backend=backend)
-    q, k, v = _rand((2, 2, L, 8), 1), _rand((2, 2, L, 8), 2), _rand((2, 2, L, 5), 3)
+    q, k, v = rand((2, 2, L, 8), 1), rand((2, 2, L, 8), 2), rand((2, 2, L, 5), 3)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attn(*leaves, causal=causal)
-    got = torch.autograd.grad(_proj_sum(out), [*leaves, attn.sort_weight])
+    got = torch.autograd.grad(proj_sum(out), [*leaves, attn.sort_weight])
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = reference(attn, *ref_leaves, mask=masks.causal() if causal else None)
-    want = torch.autograd.grad(_proj_sum(ref), [*ref_leaves, attn.sort_weight])
+    want = torch.autograd.grad(proj_sum(ref), [*ref_leaves, attn.sort_weight])
     torch.testing.assert_close(out, ref, **TOL)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL)
@@ -49,14 +41,14 @@ def test_backends_match_reference_with_the_sorting_network_gradient(backend, cau
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_block_is_exact_attention(backend, causal):
     attn = _build(block_size=64, backend=backend)
-    q, k, v = _rand((1, 2, 13, 8), 1), _rand((1, 2, 13, 8), 2), _rand((1, 2, 13, 5), 3)
+    q, k, v = rand((1, 2, 13, 8), 1), rand((1, 2, 13, 8), 2), rand((1, 2, 13, 5), 3)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     torch.testing.assert_close(attn(q, k, v, causal=causal), want, **TOL)
 
 
 def test_sorting_matrix_is_doubly_stochastic_and_causal_rows_take_the_past():
     attn = _build(block_size=4, sinkhorn_iters=50)
-    k = _rand((1, 2, 32, 8), 2)
+    k = rand((1, 2, 32, 8), 2)
     s = attn.sort_matrix(k, causal=False)
     torch.testing.assert_close(s.sum(-1), torch.ones(1, 2, 8, dtype=s.dtype), atol=1e-6, rtol=0)
     torch.testing.assert_close(s.sum(-2), torch.ones(1, 2, 8, dtype=s.dtype), atol=1e-6, rtol=0)
@@ -70,7 +62,7 @@ def test_sorting_matrix_is_doubly_stochastic_and_causal_rows_take_the_past():
 
 def test_causal_outputs_ignore_the_future():
     attn = _build(block_size=4)
-    q, k, v = _rand((1, 2, 20, 8), 1), _rand((1, 2, 20, 8), 2), _rand((1, 2, 20, 5), 3)
+    q, k, v = rand((1, 2, 20, 8), 1), rand((1, 2, 20, 8), 2), rand((1, 2, 20, 5), 3)
     base = attn(q, k, v, causal=True)
     for t in (3, 4, 9, 16):
         q2, k2, v2 = (x.clone() for x in (q, k, v))
@@ -81,7 +73,7 @@ def test_causal_outputs_ignore_the_future():
 
 def test_gumbel_noise_in_training_only():
     attn = _build(block_size=4)
-    q, k, v = _rand((1, 2, 16, 8), 1), _rand((1, 2, 16, 8), 2), _rand((1, 2, 16, 5), 3)
+    q, k, v = rand((1, 2, 16, 8), 1), rand((1, 2, 16, 8), 2), rand((1, 2, 16, 5), 3)
     torch.testing.assert_close(attn(q, k, v), attn(q, k, v), atol=0, rtol=0)
     attn.train()
     torch.manual_seed(0)
@@ -106,11 +98,11 @@ def test_bad_input():
     with pytest.raises(InvalidInputError, match="head_dim"):
         attnkit.build("sinkhorn")
     attn = _build(block_size=4)
-    q = _rand((1, 2, 8, 8), 0)
+    q = rand((1, 2, 8, 8), 0)
     with pytest.raises(UnsupportedFeatureError, match="key_padding"):
         attn(q, q, q, key_padding_mask=torch.ones(1, 8, dtype=torch.bool))
     with pytest.raises(UnsupportedFeatureError):
-        attn(q, _rand((1, 2, 6, 8), 1), _rand((1, 2, 6, 8), 2))
+        attn(q, rand((1, 2, 6, 8), 1), rand((1, 2, 6, 8), 2))
     mha = attnkit.MultiHeadAttention(16, 2, "sinkhorn", block_size=4)
     assert mha(torch.randn(2, 10, 16), causal=True).shape == (2, 10, 16)
 
@@ -120,7 +112,7 @@ def test_non_contiguous_inputs_as_multi_head_attention_passes_them(causal):
     """The head split of MultiHeadAttention gives (B, H, L, D) views that are not contiguous (a `.view` on
     them failed); the output equals the one from contiguous copies, and a Transformer trains with it."""
     attn = _build(block_size=4, sinkhorn_iters=4)
-    q, k, v = (_rand((2, 24, 2, 8), s).transpose(1, 2) for s in (1, 2, 3))   # (B, H, L, D), strided
+    q, k, v = (rand((2, 24, 2, 8), s).transpose(1, 2) for s in (1, 2, 3))   # (B, H, L, D), strided
     assert not q.is_contiguous()
     want = attn(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal)
     torch.testing.assert_close(attn(q, k, v, causal=causal), want, **TOL)
