@@ -201,7 +201,7 @@ class ContextParallel:
         dist.all_gather(metas, torch.nn.functional.pad(meta, (0, width - meta.numel())), group=self.group)
         all_shapes = [_unpack_shapes(m) for m in metas]
         numels = [sum(_numel(s) for s in sh) for sh in all_shapes]
-        flat = torch.cat([t.to(dtype).reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        flat = torch.cat([t.to(dtype).reshape(-1) for t in tensors])
         flat = torch.nn.functional.pad(flat, (0, max(numels) - flat.numel()))
         stacked = _AllGather.apply(flat.to(device), self.group, self.rank, self.world)
         self._gathered.append(stacked)
