@@ -157,3 +157,17 @@ def test_bad_input():
         attn(q, rand((1, 2, 4, 8), 1), rand((1, 2, 4, 8), 2))
     with pytest.raises(InvalidInputError):
         attn(rand((1, 2, 6, 4), 0), rand((1, 2, 6, 4), 0), rand((1, 2, 6, 4), 0))   # head_dim 8 declared
+
+
+def test_sync_centroids_is_a_bool_and_a_no_op_without_a_process_group():
+    """Under DDP it all-reduces the EMA's cluster sums and counts (integration_tests/test_ddp_all.py checks the
+    buffers equal one process's); without an initialised group the update equals the default one."""
+    with pytest.raises(InvalidInputError, match="sync_centroids: expected bool, got 1"):
+        attnkit.build("routing", sync_centroids=1)
+    a, b = _build(num_clusters=2), _build(num_clusters=2, sync_centroids=True)
+    assert "sync_centroids=True" in repr(b)
+    q, k, v = rand((2, 2, 6, 8), 0), rand((2, 2, 6, 8), 1), rand((2, 2, 6, 8), 2)
+    a.train()(q, k, v)
+    b.train()(q, k, v)
+    assert not torch.equal(a.centroids, _build(num_clusters=2).centroids)   # the EMA moved them
+    assert torch.equal(a.centroids, b.centroids)
