@@ -144,10 +144,9 @@ def _kernel_ops(backend):
     lin, ops = backend_module("linear", backend), []
     ops.append(lambda q, k, v, b, S0, z0: lin.linear_attention(q, k, v, S0, z0, causal=True, chunk=4))
     ops.append(lambda q, k, v, b, S0, z0: lin.linear_attention(q, k, v, S0, z0, causal=False, chunk=4))
-    if backend != "triton":
-        gated, delta = backend_module("rfa", backend), backend_module("fast_weight", backend)
-        ops.append(lambda q, k, v, b, S0, z0: gated.gated_attention(q, k, v, b.log(), S0, z0, chunk=4))
-        ops.append(lambda q, k, v, b, S0, z0: delta.delta_rule(q, k, v, b, S0, chunk=4))
+    gated, delta = backend_module("rfa", backend), backend_module("fast_weight", backend)
+    ops.append(lambda q, k, v, b, S0, z0: gated.gated_attention(q, k, v, b.log(), S0, z0, chunk=4))
+    ops.append(lambda q, k, v, b, S0, z0: delta.delta_rule(q, k, v, b, S0, chunk=4))
     return ops
 
 

@@ -76,15 +76,17 @@ def backend_module(mechanism: str, backend: str) -> ModuleType:
             from .linear import triton_ops as mod
         else:
             from .linear import chunk as mod
-    elif backend == "triton":
-        raise ValueError(f"{mechanism!r} has no triton kernels (its spec does not offer the backend)")
     elif mechanism == "rfa":
         if backend == "numba":
             from .rfa import numba_ops as mod
+        elif backend == "triton":
+            from .rfa import triton_ops as mod
         else:
             from .rfa import chunk as mod
     elif backend == "numba":
         from .fast_weight import numba_ops as mod
+    elif backend == "triton":
+        from .fast_weight import triton_ops as mod
     else:
         from .fast_weight import chunk as mod
     return mod
