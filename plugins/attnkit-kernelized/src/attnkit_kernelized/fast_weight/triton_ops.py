@@ -85,7 +85,7 @@ def _chunk_setup(Q, K, V, BETA, n, c, L, M, E, offs_l, offs_m, offs_e, stride_qn
 def _delta_forward_kernel(Q, K, V, BETA, S0, OUT, SF, CK, L, M, E, n_chunks,
                           stride_qn, stride_ql, stride_vn, stride_vl, stride_on, stride_ol,
                           BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, F64: tl.constexpr):
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)     # offsets in int64: B·H·L·M may pass 2^31
     pid_e = tl.program_id(1)
     acc_t = tl.float64 if F64 else tl.float32
     offs_l = tl.arange(0, BLOCK_L)
@@ -115,7 +115,7 @@ def _delta_forward_kernel(Q, K, V, BETA, S0, OUT, SF, CK, L, M, E, n_chunks,
 def _delta_backward_kernel(Q, K, V, BETA, CK, DO, DSF, DQ, DK, DV, DB, DS0, N, L, M, E, n_chunks,
                            stride_qn, stride_ql, stride_vn, stride_vl,
                            BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, F64: tl.constexpr):
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)     # offsets in int64: B·H·L·M may pass 2^31
     pid_e = tl.program_id(1)
     acc_t = tl.float64 if F64 else tl.float32
     offs_l = tl.arange(0, BLOCK_L)

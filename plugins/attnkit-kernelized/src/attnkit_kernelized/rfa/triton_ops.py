@@ -56,7 +56,7 @@ def _gated_product_kernel(X, Y, W, LG, S0, OUT, SF, L, DX, DW,
                           stride_xn, stride_xl, stride_wn, stride_wl, stride_on, stride_ol,
                           BLOCK_L: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_W: tl.constexpr,
                           REVERSE: tl.constexpr, F64: tl.constexpr):
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)     # offsets in int64: B·H·L·M may pass 2^31
     pid_w = tl.program_id(1)
     acc_t = tl.float64 if F64 else tl.float32
     offs_x = tl.arange(0, BLOCK_X)
