@@ -175,18 +175,22 @@ def test_delta_half_inputs_accumulate_in_float32(dtype):
 
 
 # ------------------------------------------------------------------ the operators themselves
+CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
 def test_custom_operators_pass_opcheck():
-    """Schema, fake (meta) functions and autograd registration of the differentiable operators."""
+    """Schema, fake (meta) functions, autograd registration and tracing with dynamic shapes (what
+    ``torch.compile`` needs) of the differentiable operators."""
     _gated_ops()  # registers the operators
     q, k, v, log_g, S0, z0 = _gated_inputs(5, torch.float64, M=3, E=2, B=1)
     torch.library.opcheck(torch.ops.attnkit_kernelized.triton_gated_attention.default,
                           (q, k, v, log_g, S0.detach().requires_grad_(), z0.detach().requires_grad_(), 16),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+                          test_utils=CHECKS)
     q, k, v, beta, S0 = _delta_inputs(5, torch.float64, M=3, E=2, B=1)
     _delta_ops()
     torch.library.opcheck(torch.ops.attnkit_kernelized.triton_delta_rule.default,
                           (q, k, v, beta, S0.requires_grad_(), 16),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+                          test_utils=CHECKS)
 
 
 def _ops_run(fn):
