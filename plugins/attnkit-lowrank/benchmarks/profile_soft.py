@@ -1,7 +1,8 @@
 """Forward profile of ``soft`` step by step at one length (CPU, float32, one thread, H = 8, D = 64, stride 64).
 
 Times each step of ``SoftAttention`` on its own (bottleneck tokens, the m x m kernel
-A, the L x m kernel P_k, the 20 Newton iterations, P_k^T V, P (Z w)), then the whole
+A, the L x m kernel P_k, the 20 Newton iterations (as products, and from one
+eigendecomposition as the module runs them on CPU), P_k^T V, P (Z w)), then the whole
 forward and forward+backward, and SDPA's forward once, with the load average before
 and after. Run it alone::
 
@@ -15,7 +16,7 @@ import sys
 import time
 
 import torch
-from attnkit_lowrank.common import newton_pinv
+from attnkit_lowrank.common import newton_pinv, newton_pinv_sym
 from attnkit_lowrank.soft.module import gaussian_kernel
 
 import attnkit
@@ -50,6 +51,7 @@ def main(L: int) -> None:
             "A": lambda: gaussian_kernel(kb, kb, scale),
             "P_k": lambda: gaussian_kernel(x, kb, scale),
             "newton (20)": lambda: newton_pinv(a, 20),
+            "newton eigh": lambda: newton_pinv_sym(a, 20),      # what the module runs on CPU
             "P_k^T V": lambda: pk.transpose(-1, -2) @ v,
             "P (Z w)": lambda: pk @ (z @ w),
             "whole forward": lambda: attn(x, x, v),

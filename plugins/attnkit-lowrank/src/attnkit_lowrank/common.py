@@ -78,6 +78,82 @@ def newton_pinv(a: Tensor, iterations: int) -> Tensor:
     return z
 
 
+class _SymmetricNewtonPinv(torch.autograd.Function):
+    """``newton_pinv``'s iterate of a symmetric matrix from its eigendecomposition (see :func:`newton_pinv_sym`)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, c: Tensor, iterations: int) -> Tensor:
+        work = torch.float64
+        a64 = a.to(work)
+        lam, u = torch.linalg.eigh((a64 + a64.transpose(-1, -2)) / 2)
+        # eigenvalues at float64 rounding level are the exact zeros of a singular A (repeated bottleneck
+        # tokens): the Newton products keep such a null space exactly zero, an eigenvalue of 1e-17 would
+        # grow as 2^iterations instead
+        tol = lam.shape[-1] * torch.finfo(work).eps * lam.abs().amax(-1, keepdim=True)
+        lam = torch.where(lam.abs() <= tol, torch.zeros_like(lam), lam)
+        c64 = c.to(work)
+        p = lam / c64
+        for _ in range(iterations):
+            p = 2 * p - lam * p * p
+        ctx.save_for_backward(lam, u, c64)
+        ctx.iterations = iterations
+        return ((u * p.unsqueeze(-2)) @ u.transpose(-1, -2)).to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        lam, u, c = ctx.saved_tensors
+        g = grad.to(lam.dtype)
+        gs = u.transpose(-1, -2) @ ((g + g.transpose(-1, -2)) / 2) @ u
+        # Daleckii-Krein: d p(A) = U (P ∘ (U^T dA U)) U^T with P_ij the divided difference p[l_i, l_j]
+        # (p'(l_i) on the diagonal). For well-separated eigenvalues it is the quotient (p_i - p_j) / (l_i - l_j);
+        # for equal or close ones (relative gap <= 1e-3, the quotient would cancel) it is carried through the
+        # iteration p <- 2p - l p^2 exactly: p'[a, b] = 2 p[a, b] - p(a)^2 - b p[a, b] (p(a) + p(b)), whose
+        # error factor 2 - b (p(a) + p(b)) stays below 2 in size for such pairs (for distant ones it does not:
+        # hence the quotient there). ``dp_dc`` is each p(l_i)'s derivative in the scaling c (p_0 = l / c).
+        li, lj = lam.unsqueeze(-1), lam.unsqueeze(-2)
+        gap = li - lj
+        close = gap.abs() <= 1e-3 * torch.maximum(li.abs(), lj.abs())
+        safe_gap = torch.where(close, torch.ones_like(gap), gap)
+        p = lam / c
+        dp_dc = -lam / (c * c)
+        div = (1 / c).unsqueeze(-1).expand(*lam.shape, lam.shape[-1])
+        for _ in range(ctx.iterations):
+            pi, pj = p.unsqueeze(-1), p.unsqueeze(-2)
+            div = 2 * div - pi * pi - lj * div * (pi + pj)
+            dp_dc = 2 * dp_dc * (1 - lam * p)
+            p = 2 * p - lam * p * p
+            pi, pj = p.unsqueeze(-1), p.unsqueeze(-2)
+            div = torch.where(close, div, (pi - pj) / safe_gap)
+        grad_a = u @ (div * gs) @ u.transpose(-1, -2)
+        grad_c = (dp_dc * gs.diagonal(dim1=-2, dim2=-1)).sum(-1, keepdim=True)
+        return grad_a.to(grad.dtype), grad_c.to(grad.dtype), None
+
+
+def newton_pinv_sym(a: Tensor, iterations: int) -> Tensor:
+    """:func:`newton_pinv` of a symmetric ``a`` ``(..., m, m)``, through one eigendecomposition.
+
+    Every Newton iterate is a polynomial in ``a`` (``V_0 = a / c`` with
+    ``c = |a|_1 |a|_inf``, ``V <- 2V - V a V``), so with ``a = U diag(l) U^T``
+    the result is ``U diag(p(l)) U^T`` where the scalar ``p`` follows the same
+    iteration on each eigenvalue: the same function of ``a`` as
+    :func:`newton_pinv` (equal to rounding in float64), for one ``eigh``
+    instead of ``2·iterations`` ``m x m`` products. The eigendecomposition and
+    the scalar iteration run in float64 whatever the input's dtype (in float32
+    this is more accurate than the float32 Newton products; float32 ``eigh``
+    alone is not), and the result comes back in ``a``'s dtype. The backward is
+    the exact derivative of that function (Daleckii-Krein, with the divided
+    differences carried through the iteration, so equal eigenvalues are no
+    special case), gradients reach ``a`` through ``c`` as well. ``a`` is taken
+    as ``(a + a^T) / 2``; the gradient is that of this symmetrised function.
+    Eigenvalues within float64 rounding of zero (``m·eps·max|l|``) count as
+    exact zeros, as the products treat the null space of a singular ``a``
+    (repeated rows); on CPU this is SOFT's path (:class:`~attnkit_lowrank.soft.module.SoftAttention`).
+    """
+    absa = a.abs()
+    c = absa.sum(-2).amax(-1, keepdim=True) * absa.sum(-1).amax(-1, keepdim=True)     # (..., 1)
+    return _SymmetricNewtonPinv.apply(a, c, iterations)
+
+
 def segment_weights(keep: Tensor | None, batch: int, n: int, m: int, dtype: torch.dtype,
                     device: torch.device) -> Tensor:
     """Averaging weights ``(B, 1, m, n)`` of ``m`` segment-mean landmarks over the kept tokens.

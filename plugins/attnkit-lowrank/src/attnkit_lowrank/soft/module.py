@@ -12,8 +12,9 @@ pool of the keys),
     out = P_q (A^+ (P_k^T V))
 
 with ``A^+`` from the Newton-Raphson iteration ``V <- 2V - V A V``
-(:func:`attnkit_lowrank.common.newton_pinv`). Passing the same tensor as q
-and k is the paper's form (``P A^+ P^T``); distinct q and k give the same
+(:func:`attnkit_lowrank.common.newton_pinv`; on CPU the same iterate from one
+eigendecomposition of the symmetric ``A``, :func:`~attnkit_lowrank.common.newton_pinv_sym`).
+Passing the same tensor as q and k is the paper's form (``P A^+ P^T``); distinct q and k give the same
 Nystrom factorisation of the kernel between them. Cost O(L·m·D + m^3·iterations)
 with ``m = ceil(L / stride)``: linear in L for a fixed number of bottleneck
 tokens, i.e. a stride that grows with L (the paper fixes m per stage).
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_choice, check_int, newton_pinv
+from ..common import check_choice, check_int, newton_pinv, newton_pinv_sym
 from ..plugin import SOFT
 
 BOTTLENECKS = ("conv", "pool")
@@ -142,6 +143,10 @@ class SoftAttention(attnkit.Attention):
         a = gaussian_kernel(k_b, k_b, scale)
         p_k = gaussian_kernel(k, k_b, scale)
         p_q = p_k if q is k else gaussian_kernel(q, k_b, scale)
-        # (newton_pinv's iterates are polynomials in A, so A^+ w could be had with one m x m product per
-        # iteration (T <- 2T - T^2, x <- 2x - T x): tried, 30-130x the float32 error at cond(A) 7e2-9e3)
-        return p_q @ (newton_pinv(a, self.pinv_iterations) @ (p_k.transpose(-1, -2) @ v))
+        # A is symmetric (the kernel of K~ with itself), so on CPU the Newton iterate comes from one float64
+        # eigendecomposition (newton_pinv_sym: the same function, more accurate in float32, and 2·iterations
+        # fewer m x m products forward and backward). On other devices the products are cheap: plain Newton.
+        # (A one-product-per-iteration polynomial form, T <- 2T - T^2, x <- 2x - T x, was tried: 30-130x the
+        # float32 error at cond(A) 7e2-9e3.)
+        pinv = newton_pinv_sym if a.device.type == "cpu" else newton_pinv
+        return p_q @ (pinv(a, self.pinv_iterations) @ (p_k.transpose(-1, -2) @ v))
