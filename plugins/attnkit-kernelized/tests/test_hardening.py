@@ -85,7 +85,7 @@ def test_later_garbage_stays_in_the_future_linear(backend, fill):
     _later_position_garbage(lambda q, k, v: mod.linear_attention(q, k, v, causal=True, chunk=16)[0], fill)
 
 
-@pytest.mark.parametrize("backend", backends("torch", "numba"))
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("fill", [float("inf"), float("nan")])
 def test_later_garbage_stays_in_the_future_gated(backend, fill):
     gated = backend_module("rfa", backend)
