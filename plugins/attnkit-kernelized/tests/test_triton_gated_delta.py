@@ -207,3 +207,16 @@ def test_the_modules_run_the_triton_operators_forward_and_backward():
     fw = build("fast-weight", backend="triton")
     ran = _ops_run(lambda: fw(q, k, v, causal=True).sum().backward())
     assert {"attnkit_kernelized::triton_delta_rule", "attnkit_kernelized::triton_delta_backward"} <= ran, ran
+
+
+def test_context_parallel_on_the_triton_backend():
+    """The sequence split across 2 gloo ranks (uneven chunks, NaN/Inf at padded keys and values): outputs and
+    gradients equal one process's, on the triton kernels (rfa: gated summaries with the chunk's total decay;
+    fast-weight: the chunk's affine map of the state, run through the kernels with an identity state)."""
+    from attnkit.testing.context_parallel import check_context_parallel
+
+    H, D = 2, 8
+    cases = [("rfa", {"num_features": 8, "seed": 1, "num_heads": H, "head_dim": D, "backend": "triton"}),
+             ("fast-weight", {"num_heads": H, "head_dim": D, "backend": "triton"})]
+    failures = check_context_parallel(cases, worlds=[2], lengths=[5, 6], shape=(2, H, D, D))
+    assert not failures, "\n".join(failures)
