@@ -64,9 +64,10 @@ def _inverse_unit_lower(Lm, offs_l, BLOCK_L: tl.constexpr):
 
 @triton.jit
 def _chunk_setup(Q, K, V, BETA, n, c, L, M, E, offs_l, offs_m, offs_e, stride_qn, stride_ql, stride_vn, stride_vl,
-                 acc_t: tl.constexpr, BLOCK_L: tl.constexpr):
+                 F64: tl.constexpr, BLOCK_L: tl.constexpr):
     """Load chunk ``c`` of sequence ``n``: ``q, k (C, M)``, ``v (C, BE)``, ``b (C)`` (zeros past L), ``K K^T``
     and ``T = (I + tril(diag(b) K K^T, -1))^{-1}``."""
+    acc_t = tl.float64 if F64 else tl.float32
     t = c * BLOCK_L + offs_l
     mask_t = t < L
     qk_mask = mask_t[:, None] & (offs_m < M)[None, :]
@@ -98,7 +99,7 @@ def _delta_forward_kernel(Q, K, V, BETA, S0, OUT, SF, CK, L, M, E, n_chunks,
     for c in range(0, n_chunks):
         t, mask_t, q, k, v, b, KK, Ti = _chunk_setup(
             Q, K, V, BETA, n, c, L, M, E, offs_l, offs_m, offs_e, stride_qn, stride_ql, stride_vn, stride_vl,
-            acc_t, BLOCK_L)
+            F64, BLOCK_L)
         tl.store(CK + (n * n_chunks + c) * M * E + s_ptrs, S.to(CK.dtype.element_ty), mask=s_mask)
         r = b[:, None] * (v - tl.dot(k, S, input_precision="ieee", out_dtype=acc_t))
         u = tl.dot(Ti, r, input_precision="ieee", out_dtype=acc_t)
@@ -131,7 +132,7 @@ def _delta_backward_kernel(Q, K, V, BETA, CK, DO, DSF, DQ, DK, DV, DB, DS0, N, L
         c = n_chunks - 1 - i
         t, mask_t, q, k, v, b, KK, Ti = _chunk_setup(
             Q, K, V, BETA, n, c, L, M, E, offs_l, offs_m, offs_e, stride_qn, stride_ql, stride_vn, stride_vl,
-            acc_t, BLOCK_L)
+            F64, BLOCK_L)
         e_mask = mask_t[:, None] & (offs_e < E)[None, :]
         m_mask = mask_t[:, None] & (offs_m < M)[None, :]
         S = tl.load(CK + (n * n_chunks + c) * M * E + s_ptrs, mask=s_mask, other=0.0).to(acc_t)
