@@ -220,3 +220,26 @@ def test_context_parallel_on_the_triton_backend():
              ("fast-weight", {"num_heads": H, "head_dim": D, "backend": "triton"})]
     failures = check_context_parallel(cases, worlds=[2], lengths=[5, 6], shape=(2, H, D, D))
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name,opts", [("rfa", {"num_features": 8}), ("fast-weight", {})], ids=str)
+def test_compile_fullgraph_matches_eager(name, opts):
+    """torch.compile(fullgraph=True) of a small transformer on the triton backend (a multi-head layer: transposed
+    q, k, v; a padding mask): no graph break, the same outputs and gradients as eager. ``aot_eager``: dynamo and
+    the operators' fake functions and registered backward, without inductor's C++ build."""
+    import attnkit
+
+    torch.manual_seed(0)
+    model = attnkit.Transformer(16, 1, 2, name, attention_options={"backend": "triton", **opts}).double().eval()
+    x = rand((2, 9, 16), 0, torch.float64)
+    kpm = torch.ones(2, 9, dtype=torch.bool)
+    kpm[1, :2] = False
+    eager = model(x, causal=True, key_padding_mask=kpm)
+    g_eager = torch.autograd.grad(eager.square().mean(), [x, *model.parameters()])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x, causal=True, key_padding_mask=kpm)
+    g = torch.autograd.grad(out.square().mean(), [x, *model.parameters()])
+    torch.testing.assert_close(out, eager, atol=1e-12, rtol=1e-10)
+    for a, b in zip(g, g_eager, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
