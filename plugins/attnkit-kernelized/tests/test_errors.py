@@ -161,24 +161,25 @@ def test_a_state_with_other_value_sizes():
         attn(q, q, torch.randn(1, 2, 3, 5), causal=True, state=state, return_state=True)
 
 
-def test_forced_triton_on_cpu_without_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("name", ["linear", "rfa", "fast-weight"])
+def test_forced_triton_on_cpu_without_the_interpreter(monkeypatch, name):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    attn = _build("linear", backend="triton")
+    attn = _build(name, backend="triton")
     q = torch.randn(1, 2, 4, 8)
-    for causal in (True, False):
+    for causal in (True, False) if name != "fast-weight" else (True,):
         with pytest.raises(BackendUnavailableError, match="triton"):
             attn(q, q, q, causal=causal)
 
 
-@pytest.mark.parametrize("name,backend", [("rfa", "triton"), ("fast-weight", "triton"), ("linear", "cuda")])
+@pytest.mark.parametrize("name,backend", [("rfa", "cuda"), ("fast-weight", "flex"), ("linear", "cuda")])
 def test_backend_not_offered(name, backend):
     """Refused when built (by the registry's option check or the module's), naming the offered backends."""
     with pytest.raises(InvalidInputError) as exc:
         _build(name, backend=backend)
     msg = str(exc.value)
-    assert "backend" in msg and repr(backend) in msg and "'numba', 'torch'" in msg
+    assert "backend" in msg and repr(backend) in msg and "'triton', 'numba', 'torch'" in msg
     cls = attnkit.get_spec(name).load_factory()
-    expected = rf"backend: expected one of \['auto'.*'numba', 'torch'\], got {backend!r}"
+    expected = rf"backend: expected one of \['auto', 'triton', 'numba', 'torch'\], got {backend!r}"
     with pytest.raises(InvalidInputError, match=expected):
         cls(num_heads=2, head_dim=8, backend=backend)
 

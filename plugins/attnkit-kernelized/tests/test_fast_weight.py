@@ -13,7 +13,7 @@ from attnkit_kernelized.linear import chunk as linear_chunk
 
 OPTIONS = [{}, {"feature_map": "elu", "beta": 0.7, "normalize": False, "scale": 0.5},
            {"feature_map": "dpfp", "dpfp_nu": 2}]
-BACKENDS = backends("torch", "numba")
+BACKENDS = backends("torch", "numba", "triton")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

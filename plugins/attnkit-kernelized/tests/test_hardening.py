@@ -85,7 +85,7 @@ def test_later_garbage_stays_in_the_future_linear(backend, fill):
     _later_position_garbage(lambda q, k, v: mod.linear_attention(q, k, v, causal=True, chunk=16)[0], fill)
 
 
-@pytest.mark.parametrize("backend", backends("torch", "numba"))
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("fill", [float("inf"), float("nan")])
 def test_later_garbage_stays_in_the_future_gated(backend, fill):
     gated = backend_module("rfa", backend)
@@ -144,10 +144,9 @@ def _kernel_ops(backend):
     lin, ops = backend_module("linear", backend), []
     ops.append(lambda q, k, v, b, S0, z0: lin.linear_attention(q, k, v, S0, z0, causal=True, chunk=4))
     ops.append(lambda q, k, v, b, S0, z0: lin.linear_attention(q, k, v, S0, z0, causal=False, chunk=4))
-    if backend != "triton":
-        gated, delta = backend_module("rfa", backend), backend_module("fast_weight", backend)
-        ops.append(lambda q, k, v, b, S0, z0: gated.gated_attention(q, k, v, b.log(), S0, z0, chunk=4))
-        ops.append(lambda q, k, v, b, S0, z0: delta.delta_rule(q, k, v, b, S0, chunk=4))
+    gated, delta = backend_module("rfa", backend), backend_module("fast_weight", backend)
+    ops.append(lambda q, k, v, b, S0, z0: gated.gated_attention(q, k, v, b.log(), S0, z0, chunk=4))
+    ops.append(lambda q, k, v, b, S0, z0: delta.delta_rule(q, k, v, b, S0, chunk=4))
     return ops
 
 

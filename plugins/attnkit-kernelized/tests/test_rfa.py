@@ -12,7 +12,7 @@ from attnkit_kernelized.rfa import chunk, recurrent
 
 OPTIONS = [{"num_features": 8}, {"num_features": 8, "feature_map": "positive", "gate": False},
            {"num_features": 6, "sigma": 0.7, "learn_sigma": False, "gate_init": 0.5, "orthogonal": True}]
-BACKENDS = backends("torch", "numba")
+BACKENDS = backends("torch", "numba", "triton")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -32,6 +32,12 @@ NAMESPACE = "attnkit_kernelized"
 Product = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
 
 
+def acc_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 when any of ``tensors`` is float64, else float32: the dtype kernels accumulate in and return
+    numerators, denominators and states in (half-precision inputs keep float32 states)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def define(name: str, fn: Callable[..., Any], fake: Callable[..., Any], *,
            backward: Callable[..., Any] | None = None, setup_context: Callable[..., Any] | None = None) -> Any:
     """Register ``fn`` as the custom operator ``attnkit_kernelized::name`` (schema from its annotations).
@@ -76,15 +82,17 @@ def backend_module(mechanism: str, backend: str) -> ModuleType:
             from .linear import triton_ops as mod
         else:
             from .linear import chunk as mod
-    elif backend == "triton":
-        raise ValueError(f"{mechanism!r} has no triton kernels (its spec does not offer the backend)")
     elif mechanism == "rfa":
         if backend == "numba":
             from .rfa import numba_ops as mod
+        elif backend == "triton":
+            from .rfa import triton_ops as mod
         else:
             from .rfa import chunk as mod
     elif backend == "numba":
         from .fast_weight import numba_ops as mod
+    elif backend == "triton":
+        from .fast_weight import triton_ops as mod
     else:
         from .fast_weight import chunk as mod
     return mod
@@ -154,6 +162,9 @@ def linear_attention_backward(product: Product, ctx: Any, g_out: Tensor | None, 
     if need_v:
         dv = product(_seq(phi_k), _seq(phi_q), _seq(g_num), G_S.reshape(N, M, E).contiguous(),
                      phi_q.new_zeros(N, M), rev, ctx.chunk, False, False)[0].view(v.shape)
+    # in the inputs' dtypes (the products return float32 for half-precision inputs; no-ops otherwise)
+    dq, dk, dv, dS0, dz0 = (None if g is None else g.to(t.dtype) for g, t in
+                            zip((dq, dk, dv, dS0, dz0), (phi_q, phi_k, v, S0, z0), strict=True))
     return dq, dk, dv, dS0, dz0, None, None
 
 
@@ -186,8 +197,9 @@ def define_linear_attention(backend: str, product: Product) -> Any:
 
     def fake(phi_q, phi_k, v, S0, z0, causal, chunk):
         B, H, L, M = phi_q.shape
-        return (v.new_empty(B, H, L, v.shape[-1]), v.new_empty(B, H, L), torch.empty_like(S0),
-                torch.empty_like(z0))
+        acc = acc_dtype(phi_q, phi_k, v, S0, z0)
+        return (v.new_empty(B, H, L, v.shape[-1], dtype=acc), v.new_empty(B, H, L, dtype=acc),
+                S0.new_empty(S0.shape, dtype=acc), z0.new_empty(z0.shape, dtype=acc))
 
     def setup_context(ctx, inputs, output):
         phi_q, phi_k, v, S0, z0, causal, chunk = inputs
@@ -204,11 +216,13 @@ def define_linear_attention(backend: str, product: Product) -> Any:
 
 def call_linear_attention(op: Any, phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Tensor | None, z0: Tensor | None,
                           *, causal: bool, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Run a :func:`define_linear_attention` operator with zero states for None; ``(out, S, z)``."""
+    """Run a :func:`define_linear_attention` operator with zero states for None; ``(out, S, z)``, ``out`` in
+    the dtype of ``v``, the states float32 for half-precision inputs (float64 for float64)."""
     B, H, _, M = phi_q.shape
+    acc = acc_dtype(phi_q, v)
     if S0 is None:
-        S0 = phi_q.new_zeros(B, H, M, v.shape[-1])
+        S0 = phi_q.new_zeros(B, H, M, v.shape[-1], dtype=acc)
     if z0 is None:
-        z0 = phi_q.new_zeros(B, H, M)
+        z0 = phi_q.new_zeros(B, H, M, dtype=acc)
     out, _, S, z = op(phi_q, phi_k, v, S0, z0, causal, chunk)
-    return out, S, z
+    return out.to(v.dtype), S, z

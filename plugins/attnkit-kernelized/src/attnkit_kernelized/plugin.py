@@ -76,7 +76,7 @@ RFA = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
-        backends=("numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
+        backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
 
@@ -96,7 +96,7 @@ FAST_WEIGHT = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
-        backends=("numba", "torch"), time="O(L·M·E)",
+        backends=("triton", "numba", "torch"), time="O(L·M·E)",
         memory="O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head",
     ),
 )

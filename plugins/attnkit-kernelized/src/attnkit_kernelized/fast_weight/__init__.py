@@ -4,6 +4,8 @@
 * :mod:`.chunk`: the ``torch`` backend (chunked UT-transform form), any device.
 * :mod:`.recurrent`: the step form (one position at a time from a state), used by ``step()``.
 * :mod:`.numba_ops`: the ``numba`` backend (CPU kernels, custom operators).
+* :mod:`.triton_ops`: the ``triton`` backend (CUDA kernels of the chunked UT-transform form, forward and
+  backward, custom operators).
 * :mod:`.module`: :class:`FastWeightAttention`: options, features, beta, dispatch.
 """
 

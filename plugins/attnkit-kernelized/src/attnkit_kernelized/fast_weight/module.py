@@ -47,8 +47,9 @@ class FastWeightAttention(KernelizedAttention):
     Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` ->
     ``(B, H, L, E)``; ``causal=True`` is required (``causal=False`` and L != S
     are refused). Backends: ``numba`` (CPU kernels: the per-position
-    recurrence, checkpointed backward) and ``torch`` (the chunked UT-transform
-    form). Streams exactly through ``init_state``/``step`` and
+    recurrence, checkpointed backward), ``triton`` (CUDA kernels of the chunked
+    UT-transform form, forward and backward) and ``torch`` (the chunked
+    UT-transform form). Streams exactly through ``init_state``/``step`` and
     ``forward(..., state=..., return_state=True)`` (state ``{"S": (B, H, M, E)}``).
 
     Args:
@@ -57,11 +58,11 @@ class FastWeightAttention(KernelizedAttention):
         scale: None (default) leaves queries as they are, as in the paper; a
             float multiplies the output (queries are sum-normalised, so a query
             scale would cancel).
-        backend: ``"auto"`` (numba for CPU tensors, else torch), ``"torch"`` or ``"numba"``
-            (always that backend, or an error). On CPU the numba token loop measured faster than
-            the chunked torch form (``benchmarks/bench_fast_weight.py``: 0.6-0.9x at L = 2K-8K on
-            a 2-core EPYC), so ``auto`` keeps numba there; the torch form serves other devices,
-            ``torch.func`` transforms and ``torch.compile``.
+        backend: ``"auto"`` (triton for CUDA tensors, numba for CPU tensors), or one of ``"torch"``,
+            ``"numba"``, ``"triton"`` (always that backend, or an error). On CPU the numba token loop
+            measured faster than the chunked torch form (``benchmarks/bench_fast_weight.py``: 0.6-0.9x at
+            L = 2K-8K on a 2-core EPYC), so ``auto`` keeps numba there; triton runs on CUDA, the torch
+            form on other devices, under ``torch.func`` transforms and ``torch.compile``.
         feature_map: ``"dpfp"`` (the paper's DPFP-nu, 2·D·dpfp_nu features),
             ``"elu"``, ``"relu"`` or ``"softplus"`` (D features).
         dpfp_nu: rolls of the ``"dpfp"`` map (must stay 1 with the other maps).

@@ -11,7 +11,9 @@ the sequence in chunks of ``BLOCK_L`` positions, holding the running state
 block (``tl.dot``), ``A w + x S``, then ``S += y^T w``.
 ``_full_product_kernel`` (every j, L != S allowed) first accumulates ``S``
 over every key, then computes ``x S``. Both start from a state and store the
-final one. Accumulation is float32 (float64 for float64 inputs), with IEEE
+final one. Accumulation is float32 (float64 for float64 inputs), and so are
+the outputs and final states (half-precision inputs: float32 numerators,
+denominators and states, so long sums cannot overflow float16), with IEEE
 (not TF32) products so results agree with the torch path in float32. The
 backward pass is three more products
 (:func:`attnkit_kernelized._ops.linear_attention_backward`).
@@ -33,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .._ops import acc_dtype as _acc_dtype
 from .._ops import call_linear_attention, define, define_linear_attention
 from ..common import DEFAULT_CHUNK
 from ..common import normalize as _normalize
@@ -155,15 +158,17 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
                          f"normalize only with with_den; got mode={mode!r}, L={L}, S={S}, chunk={chunk}")
     x, y, w = x.contiguous(), y.contiguous(), w.contiguous()
     S0, z0 = S0.contiguous(), z0.contiguous()
-    out = torch.empty(N, L, DW, dtype=x.dtype, device=x.device)
-    den = torch.empty(N, L if with_den else 0, dtype=x.dtype, device=x.device)
-    den_arg = den if with_den else torch.empty(N, 1, dtype=x.dtype, device=x.device)
-    SF, zF = torch.empty_like(S0), torch.empty_like(z0)
+    acc = _acc_dtype(x, y, w, S0, z0)   # half-precision inputs: float32 outputs and states (no float16 overflow)
+    out = torch.empty(N, L, DW, dtype=acc, device=x.device)
+    den = torch.empty(N, L if with_den else 0, dtype=acc, device=x.device)
+    den_arg = den if with_den else torch.empty(N, 1, dtype=acc, device=x.device)
+    SF = torch.empty(S0.shape, dtype=acc, device=x.device)
+    zF = torch.empty(z0.shape, dtype=acc, device=x.device)
     block_l = _block(chunk)
     BLOCK_X, BLOCK_W = _block(DX), _block(DW, 64)
     grid = (N, triton.cdiv(max(DW, 1), BLOCK_W))
     common = dict(BLOCK_L=block_l, BLOCK_X=BLOCK_X, BLOCK_W=BLOCK_W, WITH_DEN=with_den,
-                  F64=x.dtype == torch.float64, num_warps=8 if BLOCK_X >= 256 else 4)
+                  F64=acc == torch.float64, num_warps=8 if BLOCK_X >= 256 else 4)
     if N:
         if mode == "full":
             _full_product_kernel[grid](
@@ -180,8 +185,9 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
 
 def _product_fake(x, y, w, S0, z0, mode, chunk, with_den, normalize):
     N, L, _ = x.shape
-    return (x.new_empty(N, L, w.shape[-1]), x.new_empty(N, L if with_den else 0), torch.empty_like(S0),
-            torch.empty_like(z0))
+    acc = _acc_dtype(x, y, w, S0, z0)
+    return (x.new_empty(N, L, w.shape[-1], dtype=acc), x.new_empty(N, L if with_den else 0, dtype=acc),
+            S0.new_empty(S0.shape, dtype=acc), z0.new_empty(z0.shape, dtype=acc))
 
 
 #: ``attnkit_kernelized::triton_linear_product`` (see :func:`attnkit_kernelized._ops.define_linear_attention`)

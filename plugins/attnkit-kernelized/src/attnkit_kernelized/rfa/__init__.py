@@ -4,6 +4,8 @@
 * :mod:`.chunk`: the ``torch`` backend of the gated causal form (chunked), any device.
 * :mod:`.recurrent`: the step form (one position at a time from a state), used by ``step()``.
 * :mod:`.numba_ops`: the ``numba`` backend of the gated causal form (CPU kernels, custom operators).
+* :mod:`.triton_ops`: the ``triton`` backend of the gated causal form (CUDA kernels of the chunked
+  form, forward and backward, custom operators).
 * :mod:`.module`: :class:`RandomFeatureAttention`: options, features, gate, dispatch.
 
 The non-causal form is ungated: linear attention on the features, run by the

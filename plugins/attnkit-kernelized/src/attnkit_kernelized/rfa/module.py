@@ -48,18 +48,19 @@ class RandomFeatureAttention(KernelizedAttention):
     Shapes as in :func:`torch.nn.functional.scaled_dot_product_attention`:
     q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` -> ``(B, H, L, E)``.
     Causal (L == S): the gated recurrence, on the ``numba`` backend (CPU
-    kernels) or the ``torch`` backend (chunked form), streamed exactly through
+    kernels), the ``triton`` backend (CUDA kernels of the chunked form) or the
+    ``torch`` backend (chunked form), streamed exactly through
     ``init_state``/``step`` and ``forward(..., state=..., return_state=True)``.
     Non-causal (also L != S): ungated RFA (linear attention on the features,
-    numba kernel or two matmuls). ``attn_mask`` is refused.
+    the ``linear`` kernels or two matmuls). ``attn_mask`` is refused.
 
     Args:
         num_heads: number of heads H (the gate and sigma are per head; required).
         head_dim: head dimension D the random features and gate are drawn for (required).
         scale: None (default) starts sigma at ``sigma``; a float starts it at
             ``scale ** -0.5`` (the kernel is then ``exp(scale · cos-sim)`` up to a constant).
-        backend: ``"auto"`` (numba for CPU tensors, else torch), ``"torch"`` or ``"numba"``
-            (always that backend, or an error).
+        backend: ``"auto"`` (triton for CUDA tensors, numba for CPU tensors), or one of ``"torch"``,
+            ``"numba"``, ``"triton"`` (always that backend, or an error).
         num_features: number of random frequencies M (>= 1); ``"trig"`` gives
             2·M features (sin and cos).
         feature_map: ``"trig"`` (random Fourier features, the paper's; not
