@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -438,7 +439,8 @@ def _lookup(specs: list[Any], name: str, *, kind: str, records: list[PluginRecor
         qual_family, _, key = key.partition("/")
     cands = [s for s in specs if key == s.name or key in s.aliases]
     if qual_dist is not None:
-        cands = [s for s in cands if qual_dist in (s.distribution.lower(), s.plugin.lower())]
+        want = _normalise_dist(qual_dist)
+        cands = [s for s in cands if want in (_normalise_dist(s.distribution), _normalise_dist(s.plugin))]
     if qual_family is not None:
         cands = [s for s in cands if s.family == qual_family]
     if not cands:
@@ -450,6 +452,11 @@ def _lookup(specs: list[Any], name: str, *, kind: str, records: list[PluginRecor
     if len(cands) > 1:
         raise AmbiguousNameError(key, [(s.distribution or s.plugin, s.family) for s in cands])
     return cands[0]
+
+
+def _normalise_dist(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503): runs of ``-``, ``_`` and ``.`` are one ``-``."""
+    return re.sub(r"[-_.]+", "-", (name or "").strip()).lower()
 
 
 def _load(spec: Any) -> Callable[..., Any]:

@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -457,14 +458,36 @@ def derive_options(factory: Any) -> tuple[OptionSpec, ...]:
             option the constructor does not take.
     """
     target = factory.__init__ if inspect.isclass(factory) else factory
+    constraints = dict(_BASE_CONSTRAINTS)
+    for klass in reversed(getattr(factory, "__mro__", ())):
+        constraints.update(getattr(klass, "__dict__", {}).get("option_constraints", {}) or {})
+    # Derived once per factory: reading a signature and docstring cost ~0.3 ms, paid by every build().
+    # The key changes when the constructor or any option_constraints along the MRO does.
+    key = (id(target), repr(constraints))
+    try:
+        hit = _DERIVED.get(factory)
+    except TypeError:  # not hashable or not weak-referenceable: no cache
+        hit = None
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    opts = _derive_options(factory, target, constraints)
+    try:
+        _DERIVED[factory] = (key, opts)
+    except TypeError:
+        pass
+    return opts
+
+
+#: factory -> (key, options) of :func:`derive_options`; weak, so classes defined in tests can go.
+_DERIVED: weakref.WeakKeyDictionary[Any, tuple[tuple[int, str], tuple[OptionSpec, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _derive_options(factory: Any, target: Any, constraints: dict[str, Any]) -> tuple[OptionSpec, ...]:
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):
         return ()
     helps = _docstring_args(factory)
-    constraints = dict(_BASE_CONSTRAINTS)
-    for klass in reversed(getattr(factory, "__mro__", ())):
-        constraints.update(getattr(klass, "__dict__", {}).get("option_constraints", {}) or {})
     opts = []
     for p in sig.parameters.values():
         if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):

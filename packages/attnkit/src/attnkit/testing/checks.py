@@ -236,4 +236,11 @@ def run_conformance(name: str, options: Mapping[str, Any] | None = None, *,
     unknown = [c for c in selected if c not in CHECKS]
     if unknown:
         raise ConformanceConfigError(f"checks: unknown check name(s) {unknown}; the checks are {list(CHECKS)}")
+    try:  # a factory that cannot be imported fails once, as "import", not once per check
+        cfg.spec.load_factory()
+    except Exception as exc:  # noqa: BLE001 - the plugin's fault: a failed result, not a crash
+        return ConformanceReport(name, dict(cfg.options), [CheckResult(
+            "import", "failed",
+            f"cannot import the factory {cfg.spec.factory_path} of {cfg.spec.name!r}: {type(exc).__name__}: {exc}; "
+            f"the {len(selected)} check(s) were not run")])
     return ConformanceReport(name, dict(cfg.options), [run_check(c, cfg) for c in selected])
