@@ -43,6 +43,7 @@ import torch.nn.functional as F
 import attnkit
 
 B, H, D = 1, 8, 64
+PAIRS = (("lsh", "reformer-pytorch"), ("routing", "routing-transformer"), ("sinkhorn", "sinkhorn-transformer"))
 
 
 def _inputs(L: int, grad: bool, shared: bool = False) -> tuple[torch.Tensor, ...]:
@@ -109,6 +110,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dense-max", type=int, default=16384, help="skip SDPA above this length")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated subset of the pairs to run: lsh, routing, sinkhorn (default all; sdpa always)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -118,6 +121,9 @@ def main() -> int:
         table = cases(L)
         if L > args.dense_max:
             table.pop("sdpa")
+        if args.cases:
+            keep = {"sdpa"} | {n for pair in PAIRS if pair[0] in args.cases.split(",") for n in pair}
+            table = {n: c for n, c in table.items() if n in keep}
         for mode, bw in (("forward", False), ("forward_backward", True)):
             times: dict[str, list[float]] = {name: [] for name in table}
             for fn, mod, shared in table.values():
@@ -137,8 +143,9 @@ def main() -> int:
     print("|---:|---|---|---:|---:|---:|")
     for L in sorted({r["L"] for r in rows}):
         for mode in ("forward", "forward_backward"):
-            for ours, theirs in (("lsh", "reformer-pytorch"), ("routing", "routing-transformer"),
-                                 ("sinkhorn", "sinkhorn-transformer")):
+            for ours, theirs in PAIRS:
+                if (L, ours, mode) not in med:
+                    continue
                 a, b = med[(L, ours, mode)], med[(L, theirs, mode)]
                 print(f"| {L:,} | {mode} | {ours} / {theirs} | {a['median_s']:.3f} | {b['median_s']:.3f} | "
                       f"{b['median_s'] / a['median_s']:.2f}x |")
