@@ -337,3 +337,24 @@ def test_numba_hash_labels_equal_the_torch_argmax_in_slabs(dtype):
     want = torch.cat([proj, -proj], -1).argmax(-1)
     assert torch.equal(out, want)
     assert int(out[0, 1, :, 4].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_counting_sort_equals_the_stable_argsort_and_its_inverse(padded, monkeypatch):
+    """The CPU counting sort of the rounds (numba) gives the stable argsort by (bucket, position) and its inverse,
+    padded positions last, as the torch path does."""
+    from attnkit_sparse.lsh import hashing
+    g = torch.Generator().manual_seed(3)
+    bk = torch.randint(0, 6, (2, 3, 4, 41), generator=g)
+    kpm = None
+    if padded:
+        kpm = torch.ones(2, 41, dtype=torch.bool)
+        kpm[0, -5:] = False
+        kpm[1, [0, 9]] = False
+    perm, inv = hashing.sort_rounds_inverse(bk, kpm)
+    monkeypatch.setattr(hashing, "_numba_ok", lambda: False)           # the torch path
+    want, want_inv = hashing.sort_rounds_inverse(bk, kpm)
+    assert torch.equal(perm, want) and torch.equal(inv, want_inv)
+    assert torch.equal(inv, perm.argsort(-1))
+    key = torch.where(kpm[:, None, None, :], bk, 6) if padded else bk
+    assert bool((key.gather(-1, perm).diff(dim=-1) >= 0).all())        # sorted by bucket, padded last

@@ -195,3 +195,27 @@ def combine_backward(g, out, out_s, w, perm):  # pragma: no cover - compiled
                 acc += gi[e] * (src[e] - oi[e])
             d_lse[n, r, j] = wr * acc
     return d_out, d_lse
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def counting_sort(lab, nlab):  # pragma: no cover - compiled
+    """Stable sort of each row of ``lab`` int64 ``(N, L)`` (labels in ``[0, nlab)``) -> ``perm`` (sorted index ->
+    position, ties by position) and ``inv`` (position -> sorted index), int64 ``(N, L)``: one counting pass,
+    a prefix sum over the labels and one placing pass per row."""
+    N, L = lab.shape
+    perm = np.empty((N, L), dtype=np.int64)
+    inv = np.empty((N, L), dtype=np.int64)
+    for n in numba.prange(N):
+        start = np.zeros(nlab + 1, dtype=np.int64)
+        row = lab[n]
+        for i in range(L):
+            start[row[i] + 1] += 1
+        for c in range(nlab):
+            start[c + 1] += start[c]
+        for i in range(L):
+            c = row[i]
+            j = start[c]
+            start[c] = j + 1
+            perm[n, j] = i
+            inv[n, i] = j
+    return perm, inv

@@ -21,7 +21,7 @@ from attnkit import Attention
 from attnkit.context import CallContext
 
 from ..base import check_int
-from .hashing import buckets, n_buckets, real_lengths, rotations, sort_rounds, unit
+from .hashing import buckets, n_buckets, real_lengths, rotations, sort_rounds, sort_rounds_inverse, unit
 
 __all__ = ["LSHAttention"]
 
@@ -137,6 +137,13 @@ class LSHAttention(Attention):
             self._rot[key] = rotations(self.seed, self.n_hashes, D, cols, dtype=dtype, device=device)
         return self._rot[key]
 
+    def sorted_rounds_inverse(self, k: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`sorted_rounds` and its inverse permutation (position -> sorted index), ``(B, H, n_hashes, L)``."""
+        B, H, L, D = k.shape
+        rot = self.rotations(L, D, dtype=k.dtype, device=k.device)
+        lengths = real_lengths(B, L, key_padding_mask, k.device)
+        return sort_rounds_inverse(buckets(k, rot, self.bucket_size, lengths), key_padding_mask)
+
     def sorted_rounds(self, k: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """``perm`` ``(B, H, n_hashes, L)``: each round's positions in sorted ``(bucket, position)`` order.
 
@@ -190,17 +197,16 @@ class LSHAttention(Attention):
             self._rot[key] = band_plan(bank, L)
         return self._rot[key]
 
-    def _attend_numba(self, q: Tensor, k: Tensor, v: Tensor, perm: Tensor, plan: Any, kpm: Tensor | None,
-                      scale: float) -> Tensor:
+    def _attend_numba(self, q: Tensor, k: Tensor, v: Tensor, perm: Tensor, inv: Tensor, plan: Any,
+                      kpm: Tensor | None, scale: float) -> Tensor:
         """The CPU path: sorted gathers and the rounds' combination as numba kernels (:mod:`.rounds`)."""
         from ..engine import attend_plan
-        from .rounds import combine_rounds, gather_rounds, inverse
+        from .rounds import combine_rounds, gather_rounds
 
         B, H, L, D = q.shape
         E = v.shape[-1]
         R = perm.shape[2]
-        p = perm.reshape(B * H, R, L)
-        inv = inverse(p)
+        p, inv = perm.reshape(B * H, R, L), inv.reshape(B * H, R, L)
         qs = gather_rounds(q.reshape(B * H, L, D), p, inv).view(B, H * R, L, D)
         ks = gather_rounds(unit(k).reshape(B * H, L, D), p, inv).view(B, H * R, L, D)
         vs = gather_rounds(v.reshape(B * H, L, E), p, inv).view(B, H * R, L, E)
@@ -221,13 +227,13 @@ class LSHAttention(Attention):
         R, cs = self.n_hashes, min(self.bucket_size, L)
         kpm = ctx.key_padding_mask
         kpm = None if kpm is None else kpm.to(q.device)
-        perm = self.sorted_rounds(k, kpm)                                # (B, H, R, L)
+        perm, inv = self.sorted_rounds_inverse(k, kpm)                   # (B, H, R, L)
         if kpm is None and not ctx.causal:   # the masks are "not itself" only: one bank for every head and round
             plan = self._shared_plan(L, cs, q.device)
         else:
             plan = self._plan(perm, kpm, cs, ctx.causal, numba_masks=ctx.backend == "numba")
         if ctx.backend == "numba":
-            return self._attend_numba(q, k, v, perm, plan, kpm, ctx.scale)
+            return self._attend_numba(q, k, v, perm, inv, plan, kpm, ctx.scale)
         # the sorted sequences, one per round, as heads of the engine: rows of (B·H·L, D) picked by index
         flat = (perm + (torch.arange(B * H, device=q.device) * L).view(B, H, 1, 1)).reshape(-1)
         qs = q.reshape(B * H * L, D).index_select(0, flat).view(B, H * R, L, D)
@@ -235,7 +241,6 @@ class LSHAttention(Attention):
         vs = v.reshape(B * H * L, E).index_select(0, flat).view(B, H * R, L, E)
         out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=ctx.scale, backend=ctx.backend, return_lse=True)
         # unsort and combine the rounds by their log-sum-exp
-        inv = perm.argsort(dim=-1)                                       # (B, H, R, L)
         inv_flat = (inv + (torch.arange(B * H * R, device=q.device) * L).view(B, H, R, 1)).reshape(-1)
         out_r = out_s.reshape(B * H * R * L, E).index_select(0, inv_flat).view(B, H, R, L, E)
         lse_r = lse_s.reshape(-1).index_select(0, inv_flat).view(B, H, R, L)

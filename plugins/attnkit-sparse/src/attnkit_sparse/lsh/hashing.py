@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["n_buckets", "rotations", "buckets", "sort_rounds", "unit", "real_lengths"]
+__all__ = ["n_buckets", "rotations", "buckets", "sort_rounds", "sort_rounds_inverse", "unit", "real_lengths"]
 
 
 def n_buckets(L: int, bucket_size: int) -> int:
@@ -107,7 +107,27 @@ def _numba_ok() -> bool:
 
 def sort_rounds(bk: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     """``perm`` ``(B, H, R, L)``: each round's positions ordered by ``(bucket, position)``, padded keys last."""
+    return sort_rounds_inverse(bk, key_padding_mask)[0]
+
+
+def sort_rounds_inverse(bk: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(perm, inv)`` ``(B, H, R, L)``: :func:`sort_rounds` and its inverse (position -> sorted index).
+
+    CPU with numba: a counting sort per row (the labels are small integers), which gives both at once;
+    otherwise a stable ``argsort`` and a scatter of ``arange``.
+    """
     if key_padding_mask is not None:
         last = bk.max() + 1 if bk.numel() else 0
         bk = torch.where(key_padding_mask.to(bk.device)[:, None, None, :], bk, last)
-    return bk.argsort(dim=-1, stable=True)                               # ties (one bucket) by position
+    if bk.device.type == "cpu" and bk.numel() and _numba_ok():
+        from attnkit.numba_pool import run_parallel, start_pool
+
+        from ._numba import counting_sort
+        start_pool()
+        B, H, R, L = bk.shape
+        flat = bk.reshape(B * H * R, L).contiguous()
+        perm, inv = run_parallel(counting_sort, flat.numpy(), int(flat.max()) + 1, items=B * H * R)
+        return torch.from_numpy(perm).view(bk.shape), torch.from_numpy(inv).view(bk.shape)
+    perm = bk.argsort(dim=-1, stable=True)                               # ties (one bucket) by position
+    inv = torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device).expand_as(perm))
+    return perm, inv

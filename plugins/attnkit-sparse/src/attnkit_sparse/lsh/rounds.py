@@ -41,15 +41,16 @@ def inverse(perm: Tensor) -> Tensor:
     return torch.empty_like(perm).scatter_(-1, perm, ar)
 
 
-def labels(x: Tensor, rot: Tensor, C: int, out: Tensor, *, max_floats: int = 1 << 20) -> Tensor:
+def labels(x: Tensor, rot: Tensor, C: int, out: Tensor, *, max_floats: int = 1 << 22) -> Tensor:
     """``argmax([x R; -x R])`` labels of ``x`` ``(B, H, L, D)`` into ``out`` int64 ``(B, H, R, L)``, with ``rot``
     ``(R, D, half)`` and labels in ``[0, 2C)`` (see :func:`.hashing.buckets`).
 
     The rotated rows ``(rows, R, half)`` are computed a slab of rows at a time (at most ``max_floats``
-    floats, 4 MiB in float32, which stay in cache: measured 84 ms at 16K against 105 ms for 16 MiB slabs and 175 ms
-    for 64 MiB; the projection is ``L·R·L/(2·bucket)``, quadratic in L, so it is never whole) by one matrix
-    product each, and reduced by :func:`._numba.hash_labels` (one pass: first max and first min of
-    each row).
+    floats, 16 MiB in float32; the projection is ``L·R·L/(2·bucket)``, quadratic in L, so it is never
+    whole) by one matrix product each, and reduced by :func:`._numba.hash_labels` (one pass: first max and
+    first min of each row). The slab size trades cache reuse against the number of parallel calls, each
+    of which waits for both threads: at 16K on the 2-core VM, 4 / 16 / 64 MiB slabs took 84 / 105 / 175 ms
+    idle, but 1470 / 450 / 360 ms while other processes held the cores.
     """
     from ._numba import hash_labels
 
