@@ -121,13 +121,15 @@ def main() -> int:
     ap.add_argument("--dense-max", type=int, default=16384, help="skip SDPA above this length")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--cases", default=None,
-                    help="comma-separated subset of the pairs to run: lsh, routing, sinkhorn (default all; sdpa always)")
+                    help="comma-separated subset of the pairs to run: lsh, routing, sinkhorn (default all; "
+                         "sdpa always)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     import attnkit_sparse
     src = os.path.dirname(attnkit_sparse.__file__)
-    rev = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
     print(f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; {up}")
     print(f"# attnkit_sparse from {src} (git {rev or 'n/a'})")
     rows: list[dict[str, Any]] = []

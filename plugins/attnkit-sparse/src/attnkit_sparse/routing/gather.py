@@ -41,7 +41,8 @@ class _Gather(torch.autograd.Function):
 
 
 def gather_routed(x: Tensor, idx: Tensor) -> Tensor:
-    """``x`` ``(N, L, F)``, ``idx`` int64 ``(N, M)`` -> ``(N, M, F)`` (row ``j`` = ``x[idx[j]]``), differentiable in x."""
+    """``x`` ``(N, L, F)``, ``idx`` int64 ``(N, M)`` -> ``(N, M, F)`` (row ``j`` = ``x[idx[j]]``); differentiable in
+    ``x`` (the gradient scatter-adds each routed row back to its position)."""
     return _Gather.apply(x, idx)
 
 
