@@ -15,8 +15,12 @@ float32, B = 1, H = 8, D = 64, bidirectional, the same settings on both sides:
   n_hashes=4)`` on the 8 sequences (it folds heads into the batch);
 * ``routing``: ``num_clusters = L / 128`` (each cluster routes 128 queries and keys); routing-transformer
   ``KmeansAttention(num_clusters=L/128, window_size=128, num_heads=8, head_dim=64)``;
-* ``sinkhorn``: blocks of 64; sinkhorn-transformer ``SinkhornAttention(bucket_size=64, dim=512,
-  dim_heads=64, heads=8, max_seq_len=L)``;
+* ``sinkhorn``: blocks of 64, 8 Sinkhorn iterations, temperature 0.75; sinkhorn-transformer
+  ``SinkhornAttention(bucket_size=64, dim=512, dim_heads=64, heads=8, max_seq_len=L, non_permutative=False,
+  sinkhorn_iter=8, temperature=0.75)`` (Gumbel-Sinkhorn, as ours), and as ``sinkhorn-transformer-topk`` the
+  package's default ``non_permutative=True`` (a top-1 bucket per query bucket, no Sinkhorn iterations: less
+  work than the paper's method; the figure earlier sessions compared with). Note that 0.11.4 attends the
+  sorted *keys* as values (``b_v_r = b_k_r.reshape(...)``), so neither is the same computation as ours;
 * ``sdpa``: dense ``scaled_dot_product_attention`` for scale.
 
 Forward runs in eval mode under ``no_grad``; forward+backward in train mode (both sides update their
@@ -43,6 +47,8 @@ import torch.nn.functional as F
 import attnkit
 
 B, H, D = 1, 8, 64
+PAIRS = (("lsh", "reformer-pytorch"), ("routing", "routing-transformer"), ("sinkhorn", "sinkhorn-transformer"),
+         ("sinkhorn", "sinkhorn-transformer-topk"))
 
 
 def _inputs(L: int, grad: bool, shared: bool = False) -> tuple[torch.Tensor, ...]:
@@ -66,7 +72,11 @@ def cases(L: int) -> dict[str, tuple[Callable[..., torch.Tensor], torch.nn.Modul
     ours_rt = attnkit.build("routing", num_clusters=clusters, num_heads=H, head_dim=D)
     ref_rt = KmeansAttention(num_clusters=clusters, window_size=128, num_heads=H, head_dim=D, causal=False)
     ours_sk = attnkit.build("sinkhorn", block_size=64, num_heads=H, head_dim=D)
-    ref_sk = SinkhornAttention(bucket_size=64, dim=H * D, dim_heads=D, heads=H, max_seq_len=L)
+    # the same algorithm as ours: Gumbel-Sinkhorn sorting, 8 iterations, temperature 0.75
+    ref_sk = SinkhornAttention(bucket_size=64, dim=H * D, dim_heads=D, heads=H, max_seq_len=L, non_permutative=False,
+                               sinkhorn_iter=8, temperature=0.75)
+    # the package's default (non_permutative=True): top-1 bucket per query bucket, no Sinkhorn iterations
+    ref_sk_top = SinkhornAttention(bucket_size=64, dim=H * D, dim_heads=D, heads=H, max_seq_len=L)
 
     def reformer(q, k, v):
         out = ref_lsh(q.reshape(B * H, L, D), v.reshape(B * H, L, D))[0]
@@ -84,6 +94,7 @@ def cases(L: int) -> dict[str, tuple[Callable[..., torch.Tensor], torch.nn.Modul
         "routing-transformer": (kmeans, ref_rt, False),
         "sinkhorn": (lambda q, k, v: ours_sk(q, k, v), ours_sk, False),
         "sinkhorn-transformer": (lambda q, k, v: ref_sk(q, k, v), ref_sk, False),
+        "sinkhorn-transformer-topk": (lambda q, k, v: ref_sk_top(q, k, v), ref_sk_top, False),
     }
 
 
@@ -109,15 +120,26 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dense-max", type=int, default=16384, help="skip SDPA above this length")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated subset of the pairs to run: lsh, routing, sinkhorn (default all; "
+                         "sdpa always)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    import attnkit_sparse
+    src = os.path.dirname(attnkit_sparse.__file__)
+    rev = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
     print(f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; {up}")
+    print(f"# attnkit_sparse from {src} (git {rev or 'n/a'})")
     rows: list[dict[str, Any]] = []
     for L in [int(x) for x in args.lengths.split(",")]:
         table = cases(L)
         if L > args.dense_max:
             table.pop("sdpa")
+        if args.cases:
+            keep = {"sdpa"} | {n for pair in PAIRS if pair[0] in args.cases.split(",") for n in pair}
+            table = {n: c for n, c in table.items() if n in keep}
         for mode, bw in (("forward", False), ("forward_backward", True)):
             times: dict[str, list[float]] = {name: [] for name in table}
             for fn, mod, shared in table.values():
@@ -137,14 +159,16 @@ def main() -> int:
     print("|---:|---|---|---:|---:|---:|")
     for L in sorted({r["L"] for r in rows}):
         for mode in ("forward", "forward_backward"):
-            for ours, theirs in (("lsh", "reformer-pytorch"), ("routing", "routing-transformer"),
-                                 ("sinkhorn", "sinkhorn-transformer")):
+            for ours, theirs in PAIRS:
+                if (L, ours, mode) not in med:
+                    continue
                 a, b = med[(L, ours, mode)], med[(L, theirs, mode)]
                 print(f"| {L:,} | {mode} | {ours} / {theirs} | {a['median_s']:.3f} | {b['median_s']:.3f} | "
                       f"{b['median_s'] / a['median_s']:.2f}x |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"uptime_before": up, "uptime_after": up2, "argv": sys.argv, "torch": torch.__version__,
+                       "attnkit_sparse": src, "git": rev,
                        "rows": rows}, fh, indent=1)
     return 0
 

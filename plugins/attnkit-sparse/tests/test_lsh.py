@@ -131,13 +131,36 @@ def test_engine_runs_only_the_chunk_tiles(monkeypatch):
     B, H, L, R, cs = 1, 2, 64, 3, 8
     attn = attnkit.build("lsh", bucket_size=cs, n_hashes=R)
     q = rand((B, H, L, 4), 1)
-    attn(q, q, q)
-    p = seen["plan"]
     nq = L // cs
+    attn(q, q, q, causal=True)                            # causal: each head and round has its own masks
+    p = seen["plan"]
     assert p.index_dims == (B, H * R)
     assert p.tiles == B * H * R * (2 * nq - 1)            # its chunk and the previous one: linear in L
     assert p.attended_pairs <= B * H * R * L * 2 * cs
     assert p.bank.shape == (B * H * R * nq * 2, cs, cs)   # one entry per (chunk, slot): an unused one for chunk 0
+    attn(q, q, q)                                         # bidirectional, unpadded: one bank for every head and round
+    p = seen["plan"]
+    assert p.index_dims == (1, 1)
+    assert p.tiles == 2 * nq - 1
+    assert p.bank.shape == (nq * 2, cs, cs)
+
+
+@pytest.mark.parametrize("L", [64, 61, 8, 5])
+def test_shared_plan_equals_every_rounds_own_masks(L):
+    """Without causal or padding the "not itself" masks of every round are the same bank: the cached shared plan
+    must equal the per-round masks built from the sorted positions (short last chunk included)."""
+    from attnkit_sparse.lsh.attention import chunk_masks_torch
+    cs = 8
+    attn = attnkit.build("lsh", bucket_size=cs, n_hashes=3, seed=2)
+    perm = attn.sorted_rounds(rand((2, 2, L, 4), 3))
+    cs = min(cs, L)
+    want = chunk_masks_torch(perm, None, cs, False)                 # (B, H, R, NQ, 2, cs, cs)
+    shared = attn._shared_plan(L, cs, torch.device("cpu"))
+    nq = -(-L // cs)
+    got = shared.bank.view(nq, 2, cs, cs)
+    assert torch.equal(want, got.expand_as(want))
+    assert shared.attended_pairs == int(want[0, 0, 0].sum()) > 0
+    assert attn._shared_plan(L, cs, torch.device("cpu")) is shared  # cached
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -253,3 +276,85 @@ def test_explicit_plan_refuses_bad_tiles():
         attend_plan(q, q, q, p)
     with pytest.raises(InvalidInputError, match="backend"):
         attend_plan(q[:, :, :4], q[:, :, :4], q[:, :, :4], p, backend="flex")
+
+
+def _perms(N, R, L, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.stack([torch.randperm(L, generator=g) for _ in range(R)]) for _ in range(N)])
+
+
+def test_numba_gather_and_combine_match_torch_with_gradients():
+    """The numba CPU path's sorted gathers and round combination (:mod:`attnkit_sparse.lsh.rounds`) against the
+    plain torch formulas, outputs and gradients, with rounds that have no pair (``-inf``) and a position with no
+    pair in any round (output 0, ``alone``)."""
+    from attnkit_sparse.lsh.rounds import combine_rounds, gather_rounds, inverse
+    N, R, L, E = 3, 4, 37, 5
+    perm = _perms(N, R, L, 0)
+    inv = inverse(perm)
+    assert torch.equal(inv, perm.argsort(-1))
+    x = rand((N, L, E), 1).requires_grad_()
+    xs = gather_rounds(x, perm, inv)
+    want = torch.stack([torch.stack([x[n, perm[n, r]] for r in range(R)]) for n in range(N)])
+    torch.testing.assert_close(xs, want, **TOL)
+    w = rand(xs.shape, 2)
+    torch.testing.assert_close(torch.autograd.grad((xs * w).sum(), x)[0],
+                               torch.autograd.grad((want * w).sum(), x)[0], **TOL)
+
+    out_s = rand((N, R, L, E), 3).requires_grad_()
+    lse_s = rand((N, R, L), 4)
+    lse_s[0, 1, 5] = float("-inf")                      # one round without a pair
+    for r in range(R):                                   # position 7 of sequence 2: no pair in any round
+        lse_s[2, r, inv[2, r, 7]] = float("-inf")
+    lse_s.requires_grad_()
+    out, alone = combine_rounds(out_s, lse_s, perm, inv)
+    # torch: unsort, softmax over the rounds, weighted sum
+    o_r = torch.stack([torch.stack([out_s[n, r, inv[n, r]] for r in range(R)]) for n in range(N)])
+    l_r = torch.stack([torch.stack([lse_s[n, r, inv[n, r]] for r in range(R)]) for n in range(N)])
+    none = torch.isinf(l_r).all(1)
+    wts = torch.softmax(l_r.masked_fill(none[:, None], 0.0), 1).masked_fill(none[:, None], 0.0)
+    ref = (wts[..., None] * o_r).sum(1)
+    assert alone.dtype == torch.bool and alone.sum() == 1 and bool(alone[2, 7])
+    assert torch.equal(out[2, 7], torch.zeros(E, dtype=out.dtype))
+    torch.testing.assert_close(out, ref, **TOL)
+    gw = rand(out.shape, 5)
+    for a, b in zip(torch.autograd.grad((out * gw).sum(), (out_s, lse_s)),
+                    torch.autograd.grad((ref * gw).sum(), (out_s, lse_s))):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_numba_hash_labels_equal_the_torch_argmax_in_slabs(dtype):
+    """The numba labels (projected a slab of rows at a time) equal ``argmax([xR; -xR])``, zero rows included."""
+    from attnkit_sparse.lsh.hashing import rotations
+    from attnkit_sparse.lsh.rounds import labels
+    B, H, L, D, R, half = 2, 3, 50, 8, 3, 5
+    x = rand((B, H, L, D), 6).to(dtype)
+    x[0, 1, 4] = 0.0                                    # all projections 0: label 0 (the first maximum)
+    rot = rotations(1, R, D, half, dtype=dtype, device=torch.device("cpu"))
+    out = labels(x, rot, half, torch.empty(B, H, R, L, dtype=torch.long), max_floats=7 * R * half)   # 43 slabs
+    proj = torch.einsum("bhld,rdn->bhrln", x, rot)
+    want = torch.cat([proj, -proj], -1).argmax(-1)
+    assert torch.equal(out, want)
+    assert int(out[0, 1, :, 4].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_counting_sort_equals_the_stable_argsort_and_its_inverse(padded, monkeypatch):
+    """The CPU counting sort of the rounds (numba) gives the stable argsort by (bucket, position) and its inverse,
+    padded positions last, as the torch path does."""
+    from attnkit_sparse.lsh import hashing
+    g = torch.Generator().manual_seed(3)
+    bk = torch.randint(0, 6, (2, 3, 4, 41), generator=g)
+    kpm = None
+    if padded:
+        kpm = torch.ones(2, 41, dtype=torch.bool)
+        kpm[0, -5:] = False
+        kpm[1, [0, 9]] = False
+    perm, inv = hashing.sort_rounds_inverse(bk, kpm)
+    monkeypatch.setattr(hashing, "_numba_ok", lambda: False)           # the torch path
+    want, want_inv = hashing.sort_rounds_inverse(bk, kpm)
+    assert torch.equal(perm, want) and torch.equal(inv, want_inv)
+    assert torch.equal(inv, perm.argsort(-1))
+    key = torch.where(kpm[:, None, None, :], bk, 6) if padded else bk
+    assert bool((key.gather(-1, perm).diff(dim=-1) >= 0).all())        # sorted by bucket, padded last

@@ -171,3 +171,96 @@ def test_sync_centroids_is_a_bool_and_a_no_op_without_a_process_group():
     b.train()(q, k, v)
     assert not torch.equal(a.centroids, _build(num_clusters=2).centroids)   # the EMA moved them
     assert torch.equal(a.centroids, b.centroids)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_commitment_loss_and_ema_from_cluster_sums_equal_the_explicit_formulas_with_padding(shared):
+    """The commitment term (from the per-cluster sums) and its gradient equal ``mean ‖x̂ − μ(x̂)‖²`` over the real
+    queries and keys gathered explicitly; padded positions move neither the loss nor the centroids."""
+    B, H, L, D, C = 2, 2, 12, 8, 3
+    kw = dict(num_clusters=C, decay=0.25)
+    attn = (attnkit.build("routing", head_dim=D, **kw).double() if shared else _build(**kw)).train()
+    q, k, v = (rand((B, H, L, D), s) for s in (1, 2, 3))
+    kpm = torch.ones(B, L, dtype=torch.bool)
+    kpm[0, -3:] = False
+    kpm[1, 4] = False
+    before = attn.centroids.clone()
+    mu = before.expand(H, C, D)
+    leaves = [t.clone().requires_grad_() for t in (q, k)]
+    attn(leaves[0], leaves[1], v, key_padding_mask=kpm)
+    loss = attnkit.aux_losses(attn, weighted=False)["routing_commitment"]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k)]
+    xs = [x / x.norm(dim=-1, keepdim=True) for x in ref_leaves]
+    x = torch.cat(xs, 2)                                               # (B, H, 2L, D)
+    real = torch.cat([kpm, kpm], 1)[:, None, :].expand(B, H, 2 * L)
+    near = torch.einsum("bhld,hcd->bhlc", x.detach(), mu).argmax(-1)
+    chosen = mu[torch.arange(H)[None, :, None], near]
+    want = ((x - chosen) ** 2).sum(-1)[real].mean()
+    torch.testing.assert_close(loss, want)
+    for a, b in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(want, ref_leaves)):
+        torch.testing.assert_close(a, b)
+    # the EMA: per (head or shared, cluster) mean of the real unit vectors assigned to it
+    xd = x.detach()
+    for c in range(C):
+        for h in range(attn.centroids.shape[0]):
+            sel = (near == c) & real
+            if not shared:
+                sel = sel & (torch.arange(H)[None, :, None] == h)
+            if not bool(sel.any()):
+                torch.testing.assert_close(attn.centroids[h, c], before[h, c])
+                continue
+            w = 0.25 * before[h, c] + 0.75 * xd[sel].mean(0)
+            torch.testing.assert_close(attn.centroids[h, c], w / w.norm())
+
+
+def test_numba_routed_gather_and_combine_match_torch_with_gradients():
+    """The CPU path's routed gathers and combination (:mod:`attnkit_sparse.routing.gather`) against torch formulas:
+    positions routed by several clusters, by one and by none, rows that count for nothing (``-inf``)."""
+    from attnkit_sparse.routing.gather import combine_routed, gather_routed
+    N, L, M, E = 2, 9, 14, 3
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, L - 1, (N, M), generator=g)                 # position L - 1 is never routed
+    idx[0, :3] = 2                                                     # position 2 routed three times
+    x = rand((N, L, E), 1).requires_grad_()
+    xs = gather_routed(x, idx)
+    want = torch.stack([x[n, idx[n]] for n in range(N)])
+    torch.testing.assert_close(xs, want, atol=1e-12, rtol=1e-12)
+    w = rand(xs.shape, 2)
+    torch.testing.assert_close(torch.autograd.grad((xs * w).sum(), x)[0], torch.autograd.grad((want * w).sum(), x)[0],
+                               atol=1e-12, rtol=1e-12)
+    out_s = rand((N, M, E), 3).requires_grad_()
+    lse_s = rand((N, M), 4)
+    lse_s[0, 1] = float("-inf")
+    lse_s[1, idx[1] == idx[1, 0]] = float("-inf")                      # every row of one position: output 0
+    lse_s.requires_grad_()
+    out = combine_routed(out_s, lse_s, idx, L)
+    ref = []
+    for n in range(N):
+        rows = []
+        for i in range(L):
+            sel = (idx[n] == i) & torch.isfinite(lse_s[n])
+            if not bool(sel.any()):
+                rows.append(torch.zeros(E, dtype=out_s.dtype))
+                continue
+            wt = torch.softmax(lse_s[n][sel], 0)
+            rows.append((wt[:, None] * out_s[n][sel]).sum(0))
+        ref.append(torch.stack(rows))
+    ref = torch.stack(ref)
+    assert float(out[0, L - 1].detach().abs().sum()) == 0.0 and float(out[1, idx[1, 0]].detach().abs().sum()) == 0.0
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    gw = rand(out.shape, 5)
+    for a, b in zip(torch.autograd.grad((out * gw).sum(), (out_s, lse_s)),
+                    torch.autograd.grad((ref * gw).sum(), (out_s, lse_s))):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_nearest_cluster_is_the_first_argmax():
+    from attnkit_sparse.routing.clusters import _nearest
+    s = rand((2, 3, 5, 700), 1)                                        # two blocks of positions per sequence
+    s[0, 0, :, 3] = 1.0                                                # a tie: the first cluster
+    s[1, 2, :, 9] = float("-inf")                                      # a padded position: 0
+    got = _nearest(s)
+    assert torch.equal(got, s.argmax(2))
+    assert int(got[0, 0, 3]) == 0 and int(got[1, 2, 9]) == 0
+    assert torch.equal(_nearest(s.float()), s.float().argmax(2))

@@ -118,3 +118,45 @@ def test_non_contiguous_inputs_as_multi_head_attention_passes_them(causal):
     torch.testing.assert_close(attn(q, k, v, causal=causal), want, **TOL)
     model = attnkit.Transformer(16, 1, 2, attention="sinkhorn", attention_options={"block_size": 4})
     model(torch.randn(2, 12, 16), causal=causal).sum().backward()
+
+
+@pytest.mark.parametrize("spread", [1.0, 30.0, 400.0])
+def test_scaling_sinkhorn_equals_the_log_domain_iterations_with_gradients(spread):
+    """The module's exponential-domain iterations against the log-domain ones (float64, values and gradients);
+    logits spread beyond the accepted range fall back to the log domain (still equal, never NaN)."""
+    from attnkit_sparse.sinkhorn.sorting import _sinkhorn_scaling, sinkhorn
+    logits = (rand((2, 3, 9, 9), 4) * spread).requires_grad_()
+    a = sinkhorn(logits, 6, False, scaling=True)
+    b = sinkhorn(logits, 6, False, scaling=False)
+    used = _sinkhorn_scaling(logits.detach(), 6) is not None
+    assert used == (spread < 100)                     # x400 spans ~1900 below a row maximum: log domain
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    w = rand(a.shape, 5)
+    ga, = torch.autograd.grad((a * w).sum(), logits)
+    gb, = torch.autograd.grad((b * w).sum(), logits)
+    assert torch.isfinite(ga).all()
+    torch.testing.assert_close(ga, gb, atol=1e-10, rtol=1e-8)
+    # float32 accepts a smaller range (60 below each row's maximum)
+    for mult, accepted in ((5, True), (40, False)):
+        f = (rand((1, 1, 6, 6), 6) * mult).float()
+        p = _sinkhorn_scaling(f, 3)
+        assert (p is not None) == accepted
+        if accepted:
+            torch.testing.assert_close(p, sinkhorn(f, 3, False), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("L", [12, 10])
+def test_own_and_sorted_equals_the_cat_with_gradients(L):
+    """The module's one-buffer ``[x; S·blocks(x)]`` against ``cat`` of the padded blocks and the sorted blocks,
+    values and gradients in ``x`` (non-contiguous, with end padding) and ``S``."""
+    from attnkit_sparse.sinkhorn.sorting import own_and_sorted, pad_blocks, sorted_blocks
+    b, nb = 4, 3
+    x = rand((2, 5, 3, L), 1).transpose(1, 3).requires_grad_()         # (2, L, 3, 5) -> non-contiguous (B, H, L, F)
+    x = x.transpose(1, 2)                                               # (2, 3, L, 5)
+    s = torch.softmax(rand((2, 3, nb, nb), 2), -1).requires_grad_()
+    got = own_and_sorted(x, s, b)
+    want = torch.cat([pad_blocks(x, b), sorted_blocks(x, s, b)], 2)
+    torch.testing.assert_close(got, want, **TOL)
+    w = rand(got.shape, 3)
+    for a, c in zip(torch.autograd.grad((got * w).sum(), (x, s)), torch.autograd.grad((want * w).sum(), (x, s))):
+        torch.testing.assert_close(a, c, **TOL)

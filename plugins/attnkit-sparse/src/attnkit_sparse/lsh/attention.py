@@ -21,7 +21,7 @@ from attnkit import Attention
 from attnkit.context import CallContext
 
 from ..base import check_int
-from .hashing import buckets, n_buckets, real_lengths, rotations, sort_rounds, unit
+from .hashing import buckets, n_buckets, real_lengths, rotations, sort_rounds, sort_rounds_inverse, unit
 
 __all__ = ["LSHAttention"]
 
@@ -137,6 +137,13 @@ class LSHAttention(Attention):
             self._rot[key] = rotations(self.seed, self.n_hashes, D, cols, dtype=dtype, device=device)
         return self._rot[key]
 
+    def sorted_rounds_inverse(self, k: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`sorted_rounds` and its inverse permutation (position -> sorted index), ``(B, H, n_hashes, L)``."""
+        B, H, L, D = k.shape
+        rot = self.rotations(L, D, dtype=k.dtype, device=k.device)
+        lengths = real_lengths(B, L, key_padding_mask, k.device)
+        return sort_rounds_inverse(buckets(k, rot, self.bucket_size, lengths), key_padding_mask)
+
     def sorted_rounds(self, k: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """``perm`` ``(B, H, n_hashes, L)``: each round's positions in sorted ``(bucket, position)`` order.
 
@@ -168,6 +175,50 @@ class LSHAttention(Attention):
         bank = chunk_masks_torch(perm, kpm, cs, causal)
         return band_plan(bank.view(B, H * R, *bank.shape[3:]), L)
 
+    def _shared_plan(self, L: int, cs: int, device: torch.device) -> Any:
+        """The plan without causal or key padding, index dims ``(1, 1)``: sorted row ``i`` of chunk ``c`` may attend
+        every row of chunk ``c - 1`` and of chunk ``c`` but itself (a round sorts a permutation, so a position
+        meets itself only on the diagonal of its own chunk), never a row past ``L``. It depends on ``L`` and
+        the chunk size only: cached, built without a pass over the sorted positions."""
+        from ..engine import band_plan
+
+        key = ("plan", L, cs, str(device))
+        if key not in self._rot:
+            if len(self._rot) > 8:
+                self._rot.clear()
+            nq = -(-L // cs)
+            row = torch.arange(nq * cs, device=device).view(nq, cs)
+            real = row < L
+            prev = torch.cat([torch.zeros_like(real[:1]), real[:-1]], 0)           # chunk c - 1 (none for 0)
+            eye = torch.eye(cs, dtype=torch.bool, device=device)
+            slot0 = real[:, :, None] & prev[:, None, :]
+            slot1 = real[:, :, None] & real[:, None, :] & ~eye
+            bank = torch.stack([slot0, slot1], 1).view(1, 1, nq, 2, cs, cs)
+            self._rot[key] = band_plan(bank, L)
+        return self._rot[key]
+
+    def _attend_numba(self, q: Tensor, k: Tensor, v: Tensor, perm: Tensor, inv: Tensor, plan: Any,
+                      kpm: Tensor | None, scale: float) -> Tensor:
+        """The CPU path: sorted gathers and the rounds' combination as numba kernels (:mod:`.rounds`)."""
+        from ..engine import attend_plan
+        from .rounds import combine_rounds, gather_rounds
+
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        R = perm.shape[2]
+        p, inv = perm.reshape(B * H, R, L), inv.reshape(B * H, R, L)
+        qs = gather_rounds(q.reshape(B * H, L, D), p, inv).view(B, H * R, L, D)
+        ks = gather_rounds(unit(k).reshape(B * H, L, D), p, inv).view(B, H * R, L, D)
+        vs = gather_rounds(v.reshape(B * H, L, E), p, inv).view(B, H * R, L, E)
+        out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=scale, backend="numba", return_lse=True)
+        out, alone = combine_rounds(out_s.view(B * H, R, L, E), lse_s.view(B * H, R, L), p, inv)
+        out, alone = out.view(B, H, L, E), alone.view(B, H, L)
+        if kpm is not None:
+            alone = alone & kpm[:, None, :]
+        if not bool(alone.any()):
+            return out
+        return torch.where(alone[..., None], v, out)                    # no pair in any round: itself only
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         from ..engine import attend_plan
 
@@ -176,8 +227,13 @@ class LSHAttention(Attention):
         R, cs = self.n_hashes, min(self.bucket_size, L)
         kpm = ctx.key_padding_mask
         kpm = None if kpm is None else kpm.to(q.device)
-        perm = self.sorted_rounds(k, kpm)                                # (B, H, R, L)
-        plan = self._plan(perm, kpm, cs, ctx.causal, numba_masks=ctx.backend == "numba")
+        perm, inv = self.sorted_rounds_inverse(k, kpm)                   # (B, H, R, L)
+        if kpm is None and not ctx.causal:   # the masks are "not itself" only: one bank for every head and round
+            plan = self._shared_plan(L, cs, q.device)
+        else:
+            plan = self._plan(perm, kpm, cs, ctx.causal, numba_masks=ctx.backend == "numba")
+        if ctx.backend == "numba":
+            return self._attend_numba(q, k, v, perm, inv, plan, kpm, ctx.scale)
         # the sorted sequences, one per round, as heads of the engine: rows of (B·H·L, D) picked by index
         flat = (perm + (torch.arange(B * H, device=q.device) * L).view(B, H, 1, 1)).reshape(-1)
         qs = q.reshape(B * H * L, D).index_select(0, flat).view(B, H * R, L, D)
@@ -185,7 +241,6 @@ class LSHAttention(Attention):
         vs = v.reshape(B * H * L, E).index_select(0, flat).view(B, H * R, L, E)
         out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=ctx.scale, backend=ctx.backend, return_lse=True)
         # unsort and combine the rounds by their log-sum-exp
-        inv = perm.argsort(dim=-1)                                       # (B, H, R, L)
         inv_flat = (inv + (torch.arange(B * H * R, device=q.device) * L).view(B, H, R, 1)).reshape(-1)
         out_r = out_s.reshape(B * H * R * L, E).index_select(0, inv_flat).view(B, H, R, L, E)
         lse_r = lse_s.reshape(-1).index_select(0, inv_flat).view(B, H, R, L)

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["n_buckets", "rotations", "buckets", "sort_rounds", "unit", "real_lengths"]
+__all__ = ["n_buckets", "rotations", "buckets", "sort_rounds", "sort_rounds_inverse", "unit", "real_lengths"]
 
 
 def n_buckets(L: int, bucket_size: int) -> int:
@@ -73,11 +73,7 @@ def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor
             continue
         sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=x.device)
         xb = x.detach()[sel] if len(rows) != B else x.detach()
-        # (b, H, R, half, L): the reductions run over a strided dim, vectorised along L
-        proj = torch.einsum("rdn,bhld->bhrnl", rot[..., :half], xb)
-        mx, amx = proj.max(3)
-        mn, amn = proj.min(3)
-        lab = torch.where(mx >= -mn, amx, C + amn)
+        lab = _labels(xb, rot[..., :half], C)
         if len(rows) == B:
             out = lab
         else:
@@ -85,11 +81,53 @@ def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor
     return out
 
 
+def _labels(x: Tensor, rot: Tensor, C: int) -> Tensor:
+    """int64 ``(b, H, R, L)`` labels of ``x`` ``(b, H, L, D)`` with ``rot`` ``(R, D, half)`` (``half >= 1``).
+
+    CPU with numba: :func:`.rounds.labels` (slabs of rows, one product and one reduction pass each).
+    Otherwise the rows' projections ``(b·H·L, R, half)`` by one product, reduced along their contiguous
+    last dim.
+    """
+    b, H, L, D = x.shape
+    R, _, half = rot.shape
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and _numba_ok():
+        from .rounds import labels
+        out = torch.empty(b, H, R, L, dtype=torch.long)
+        return labels(x.contiguous(), rot.to(x.dtype), C, out)
+    proj = torch.mm(x.reshape(b * H * L, D), rot.permute(1, 0, 2).reshape(D, R * half)).view(b, H, L, R, half)
+    mx, amx = proj.max(-1)
+    mn, amn = proj.min(-1)
+    return torch.where(mx >= -mn, amx, C + amn).permute(0, 1, 3, 2)
+
+
+def _numba_ok() -> bool:
+    from ..engine import why_unavailable
+    return why_unavailable("numba", "cpu") is None
+
+
 def sort_rounds(bk: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     """``perm`` ``(B, H, R, L)``: each round's positions ordered by ``(bucket, position)``, padded keys last."""
-    L = bk.shape[-1]
+    return sort_rounds_inverse(bk, key_padding_mask)[0]
+
+
+def sort_rounds_inverse(bk: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(perm, inv)`` ``(B, H, R, L)``: :func:`sort_rounds` and its inverse (position -> sorted index).
+
+    CPU with numba: a counting sort per row (the labels are small integers), which gives both at once;
+    otherwise a stable ``argsort`` and a scatter of ``arange``.
+    """
     if key_padding_mask is not None:
         last = bk.max() + 1 if bk.numel() else 0
         bk = torch.where(key_padding_mask.to(bk.device)[:, None, None, :], bk, last)
-    key = bk * L + torch.arange(L, device=bk.device)
-    return key.argsort(dim=-1)
+    if bk.device.type == "cpu" and bk.numel() and _numba_ok():
+        from attnkit.numba_pool import run_parallel, start_pool
+
+        from ._numba import counting_sort
+        start_pool()
+        B, H, R, L = bk.shape
+        flat = bk.reshape(B * H * R, L).contiguous()
+        perm, inv = run_parallel(counting_sort, flat.numpy(), int(flat.max()) + 1, items=B * H * R)
+        return torch.from_numpy(perm).view(bk.shape), torch.from_numpy(inv).view(bk.shape)
+    perm = bk.argsort(dim=-1, stable=True)                               # ties (one bucket) by position
+    inv = torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device).expand_as(perm))
+    return perm, inv

@@ -109,6 +109,11 @@ class RoutingAttention(Attention):
         return (f"{super().extra_repr()}, num_clusters={self.num_clusters}, decay={self.decay}, seed={self.seed}"
                 + (", sync_centroids=True" if self.sync_centroids else ""))
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_plans", None)                                         # cached plans: rebuilt on demand
+        return state
+
     def centroids_for(self, q: Tensor) -> Tensor:
         """The centroids ``(H, num_clusters, D)`` for inputs like ``q`` (created at the first call if needed)."""
         H, D = q.shape[1], q.shape[-1]
@@ -118,54 +123,121 @@ class RoutingAttention(Attention):
             raise InvalidInputError(f"q: the centroids have head_dim {self.centroids.shape[-1]}, got D={D}")
         return self.centroids.to(q.dtype).expand(H, -1, -1)
 
-    def _update(self, q: Tensor, k: Tensor, kpm: Tensor | None) -> None:
-        """EMA update (training) and the commitment loss."""
-        mu = self.centroids_for(q)                                        # (H, C, D)
-        x = torch.cat([unit(q), unit(k)], 2)                              # (B, H, 2L, D)
-        real = torch.ones(x.shape[0], x.shape[2], dtype=torch.bool, device=x.device) if kpm is None \
-            else torch.cat([kpm, kpm], 1)
+    def _update(self, q: Tensor, k: Tensor, kpm: Tensor | None, near: tuple[Tensor, Tensor]) -> None:
+        """EMA update (training) and the commitment loss, from the nearest centroids ``near`` ``(B, H, L)`` of the
+        queries and keys (read off the routing scores).
+
+        One ``index_add`` per side sums the unit vectors of each (head, cluster), ``S_c``; it gives the EMA's
+        means (detached) and the commitment term without gathering a centroid per token:
+        ``Σ_i ‖x̂_i − μ_c(i)‖² = Σ_i ‖x̂_i‖² − 2 Σ_c μ_c·S_c + Σ_c n_c ‖μ_c‖²`` (centroids held constant, so its
+        gradient is ``2 (x̂_i − μ_c(i))``, through the sums' ``index_add``).
+        """
+        mu = self.centroids_for(q).detach().clone()   # (H, C, D); a copy: the loss keeps it, the EMA updates in place
+        B, H, L, D = q.shape
+        C = mu.shape[1]
+        hc = (torch.arange(H, device=q.device) * C).view(1, H, 1)
+        dump = H * C                                                     # padded positions land in a dropped row
+        sums = torch.zeros(H * C + 1, D, dtype=q.dtype, device=q.device)
+        counts = torch.zeros(H * C + 1, dtype=q.dtype, device=q.device)
+        sq = q.new_zeros(())
+        for x, nr in ((unit(q), near[0]), (unit(k), near[1])):
+            idx = nr + hc
+            if kpm is not None:
+                idx = torch.where(kpm[:, None, :], idx, torch.full_like(idx, dump))
+            idx = idx.reshape(-1)
+            xf = x.reshape(B * H * L, D)
+            sums = sums.index_add(0, idx, xf)
+            counts = counts.index_add(0, idx, torch.ones_like(idx, dtype=q.dtype))
+            n2 = (x * x).sum(-1)
+            sq = sq + (n2 if kpm is None else torch.where(kpm[:, None, :], n2, torch.zeros_like(n2))).sum()
+        sums, counts = sums[:H * C].view(H, C, D), counts[:H * C].view(H, C, 1)
+        total = counts.sum()
+        loss = sq - 2 * (mu * sums).sum() + (counts * (mu * mu).sum(-1, keepdim=True)).sum()
+        self.record_aux_loss("routing_commitment", loss / total.clamp(min=1))
         with torch.no_grad():
-            near = torch.einsum("bhld,hcd->bhlc", x, mu).argmax(-1)      # (B, H, 2L)
-        chosen = mu.detach().unsqueeze(0).expand(x.shape[0], -1, -1, -1).gather(
-            2, near[..., None].expand(*near.shape, x.shape[-1]))           # (B, H, 2L, D)
-        err = ((x - chosen) ** 2).sum(-1)
-        r = real[:, None, :].expand_as(err)
-        self.record_aux_loss("routing_commitment", (err * r).sum() / r.sum().clamp(min=1))
-        with torch.no_grad():
-            onehot = torch.nn.functional.one_hot(near, self.num_clusters).to(x.dtype) * r[..., None]
-            sums = torch.einsum("bhlc,bhld->hcd", onehot, x.detach())      # (H, C, D)
-            counts = onehot.sum((0, 2))[..., None]                          # (H, C, 1)
+            sums = sums.detach()
             if self.sync_centroids and dist.is_available() and dist.is_initialized():
                 both = torch.cat([sums, counts], -1)
                 dist.all_reduce(both)                                       # the global batch's sums and counts
                 sums, counts = both[..., :-1], both[..., -1:]
             if self.centroids.shape[0] == 1:
                 sums, counts = sums.sum(0, keepdim=True), counts.sum(0, keepdim=True)
-            old = self.centroids.to(x.dtype)
+            old = self.centroids.to(q.dtype)
             mean = sums / counts.clamp(min=1)
             new = unit(self.decay * old + (1 - self.decay) * mean)
             self.centroids.copy_(torch.where(counts > 0, new, old).to(self.centroids.dtype))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
-        from ..engine import attend_plan, explicit_plan
+        from ..engine import explicit_plan
 
         B, H, L, D = q.shape
         E = v.shape[-1]
         kpm = ctx.key_padding_mask
         kpm = None if kpm is None else kpm.to(q.device)
-        qi, qok, ki, kok = route(q, k, self.centroids_for(q), kpm)        # (B, H, C, W)
+        qi, qok, ki, kok, near = route(q, k, self.centroids_for(q), kpm, nearest=True)   # (B, H, C, W)
         C, W = qi.shape[2], qi.shape[3]
-        bank = qok[..., :, None] & kok[..., None, :]
-        if ctx.causal:
-            bank = bank & (ki[..., None, :] <= qi[..., :, None])
-        kv_idx = torch.arange(C, device=q.device).view(1, 1, C, 1).expand(B, H, C, 1)
-        plan = explicit_plan(kv_idx, bank.view(B, H, C, 1, W, W), C * W, C * W)
+        if kpm is None and not ctx.causal:   # every slot used, no element mask: one all-true bank for all heads
+            plan = self._full_plan(C, W, q.device)
+        else:
+            bank = qok[..., :, None] & kok[..., None, :]
+            if ctx.causal:
+                bank = bank & (ki[..., None, :] <= qi[..., :, None])
+            kv_idx = torch.arange(C, device=q.device).view(1, 1, C, 1).expand(B, H, C, 1)
+            plan = explicit_plan(kv_idx, bank.view(B, H, C, 1, W, W), C * W, C * W)
+        if ctx.backend == "numba":
+            out = self._gather_attend_combine_numba(q, k, v, qi, qok, ki, plan, ctx.scale)
+        else:
+            out = self._gather_attend_combine_torch(q, k, v, qi, qok, ki, plan, ctx.scale, ctx.backend)
+        if self.training:
+            self._update(q, k, kpm, near)
+        return out.view(B, H, L, E)
+
+    def _full_plan(self, C: int, W: int, device: torch.device) -> Any:
+        """The block-diagonal plan of ``C`` clusters of ``W`` rows with no element mask (index dims ``(1, 1)``),
+        cached: without causal or key padding every routed slot is used and every pair of a cluster attended."""
+        from ..engine import explicit_plan
+
+        key = (C, W, str(device))
+        cache = self.__dict__.setdefault("_plans", {})
+        if key not in cache:
+            if len(cache) > 8:
+                cache.clear()
+            kv_idx = torch.arange(C, device=device).view(1, 1, C, 1)
+            cache[key] = explicit_plan(kv_idx, torch.ones(1, 1, C, 1, W, W, dtype=torch.bool, device=device),
+                                       C * W, C * W)
+        return cache[key]
+
+    def _gather_attend_combine_numba(self, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor,
+                                     plan: Any, scale: float) -> Tensor:
+        """The CPU path: routed gathers and the combination as numba kernels (:mod:`.gather`)."""
+        from ..engine import attend_plan
+        from .gather import combine_routed, gather_routed
+
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        M = qi.shape[2] * qi.shape[3]
+        qf, kf = qi.reshape(B * H, M), ki.reshape(B * H, M)
+        qs = gather_routed(q.reshape(B * H, L, D), qf).view(B, H, M, D)
+        ks = gather_routed(k.reshape(B * H, L, D), kf).view(B, H, M, D)
+        vs = gather_routed(v.reshape(B * H, L, E), kf).view(B, H, M, E)
+        out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=scale, backend="numba", return_lse=True)
+        lse_s = torch.where(qok.reshape(B, H, M), lse_s, torch.full_like(lse_s, float("-inf")))
+        return combine_routed(out_s.view(B * H, M, E), lse_s.view(B * H, M), qf, L)
+
+    def _gather_attend_combine_torch(self, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor,
+                                     plan: Any, scale: float, backend: str) -> Tensor:
+        """Any device: ``index_select`` gathers, the combination by ``scatter_reduce`` / ``index_add``."""
+        from ..engine import attend_plan
+
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        C, W = qi.shape[2], qi.shape[3]
         off = (torch.arange(B * H, device=q.device) * L).view(B, H, 1, 1)
         qf, kf = (qi + off).reshape(-1), (ki + off).reshape(-1)
         qs = q.reshape(B * H * L, D).index_select(0, qf).view(B, H, C * W, D)
         ks = k.reshape(B * H * L, D).index_select(0, kf).view(B, H, C * W, D)
         vs = v.reshape(B * H * L, E).index_select(0, kf).view(B, H, C * W, E)
-        out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=ctx.scale, backend=ctx.backend, return_lse=True)
+        out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=scale, backend=backend, return_lse=True)
         # back to positions: the clusters that routed a query, combined by their log-sum-exp
         lse_s = torch.where(qok.reshape(B, H, C * W), lse_s, torch.full_like(lse_s, float("-inf")))
         dest = qf.view(B, H, C * W)                                       # flat rows of (B·H·L)
@@ -176,7 +248,4 @@ class RoutingAttention(Attention):
         num = torch.zeros(B * H * L, E, dtype=q.dtype, device=q.device).index_add(
             0, dest.reshape(-1), w[:, None] * out_s.reshape(-1, E))
         den = torch.zeros(B * H * L, dtype=q.dtype, device=q.device).index_add(0, dest.reshape(-1), w)
-        out = num / torch.where(den > 0, den, torch.ones_like(den))[:, None]
-        if self.training:
-            self._update(q, k, kpm)
-        return out.view(B, H, L, E)
+        return num / torch.where(den > 0, den, torch.ones_like(den))[:, None]

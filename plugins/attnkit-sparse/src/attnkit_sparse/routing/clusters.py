@@ -12,6 +12,7 @@ attends the keys of every cluster that routed it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,27 +29,49 @@ def cluster_width(n: int, num_clusters: int) -> int:
     return max(1, math.ceil(n / num_clusters))
 
 
-def route(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor,
-                                                                                               Tensor]:
+def _nearest(s: Tensor) -> Tensor:
+    """int64 ``(B, H, L)``: the first cluster of largest score in ``s`` ``(B, H, C, L)`` (numba on CPU: a vertical
+    pass along the contiguous L instead of a reduction over the strided C)."""
+    B, H, C, L = s.shape
+    if s.device.type == "cpu" and s.dtype in (torch.float32, torch.float64):
+        from ..engine import why_unavailable
+        if why_unavailable("numba", "cpu") is None:
+            from attnkit.numba_pool import run_parallel, start_pool
+
+            from ._numba import argmax_clusters
+            start_pool()
+            a = s.detach().contiguous().view(B * H, C, L).numpy()
+            return torch.from_numpy(run_parallel(argmax_clusters, a, items=B * H * -(-L // 512))).view(B, H, L)
+    return s.argmax(2)
+
+
+def route(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None, *,
+          nearest: bool = False) -> tuple[Any, ...]:
     """The routed positions of each cluster.
 
     Args:
         q, k: ``(B, H, L, D)``.
         centroids: ``(H', C, D)`` unit vectors, ``H'`` 1 or H.
         key_padding_mask: ``(B, L)`` bool (True = real) or None.
+        nearest: also return each query's and key's nearest centroid (the k-means assignment of the
+            EMA update), read off the same scores (no second product).
 
     Returns:
         ``(q_idx, q_ok, k_idx, k_ok)``: int64 ``(B, H, C, W)`` positions routed to each cluster, ascending
-        (``W`` the widest batch element's width), and bool ``(B, H, C, W)`` which entries are used.
+        (``W`` the widest batch element's width), and bool ``(B, H, C, W)`` which entries are used; with
+        ``nearest`` a fifth entry ``(near_q, near_k)``, int64 ``(B, H, L)`` (arbitrary at padded positions).
     """
     B, H, L, _ = q.shape
     C = centroids.shape[1]
     n = torch.full((B,), L, dtype=torch.long) if key_padding_mask is None else key_padding_mask.sum(-1).cpu()
     widths = torch.tensor([cluster_width(int(x), C) for x in n.tolist()], device=q.device)
     W = min(int(widths.max()), L)
-    out = []
+    out: list[Any] = []
+    near = []
     for x in (q, k):
         s = torch.einsum("bhld,hcd->bhcl", unit(x.detach()), centroids.to(x.dtype))   # (B, H, C, L)
+        if nearest:
+            near.append(_nearest(s))
         if key_padding_mask is not None:
             s = s.masked_fill(~key_padding_mask.to(q.device)[:, None, None, :], float("-inf"))
         val, idx = s.topk(W, dim=-1)                                                   # (B, H, C, W)
@@ -57,4 +80,6 @@ def route(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | No
         idx, order = idx.sort(-1)
         ok = ok.gather(-1, order)
         out += [torch.where(ok, idx, torch.zeros_like(idx)), ok]
+    if nearest:
+        return out[0], out[1], out[2], out[3], (near[0], near[1])
     return out[0], out[1], out[2], out[3]

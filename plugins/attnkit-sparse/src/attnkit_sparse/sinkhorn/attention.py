@@ -13,7 +13,7 @@ from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
 from ..base import check_int
-from .sorting import pad_blocks, sort_matrix, sorted_blocks
+from .sorting import own_and_sorted, pad_blocks, sort_matrix
 
 __all__ = ["SinkhornAttention"]
 
@@ -97,8 +97,10 @@ class SinkhornAttention(Attention):
         return (f"{super().extra_repr()}, block_size={self.block_size}, temperature={self.temperature}, "
                 f"sinkhorn_iters={self.sinkhorn_iters}")
 
-    def sort_matrix(self, k: Tensor, *, causal: bool) -> Tensor:
-        """``(B, H, NB, NB)`` block sorting matrix for keys ``k`` (Gumbel noise in training only)."""
+    def sort_matrix(self, k: Tensor, *, causal: bool, scaling: bool = True) -> Tensor:
+        """``(B, H, NB, NB)`` block sorting matrix for keys ``k`` (Gumbel noise in training only); ``scaling``:
+        Sinkhorn's iterations in the exponential domain where the logits' range allows (the reference
+        runs them in log space, ``scaling=False``)."""
         b = min(self.block_size, k.shape[2])
         nb = -(-k.shape[2] // b)
         noise = None
@@ -106,28 +108,48 @@ class SinkhornAttention(Attention):
             u = torch.rand(k.shape[0], k.shape[1], nb, nb, dtype=k.dtype, device=k.device)
             noise = -torch.log((-torch.log(u.clamp(1e-20, 1.0))).clamp(min=1e-20))   # Gumbel(0, 1)
         return sort_matrix(k, self.sort_weight.to(k.dtype), b, temperature=self.temperature,
-                           iters=self.sinkhorn_iters, causal=causal, noise=noise)
+                           iters=self.sinkhorn_iters, causal=causal, noise=noise, scaling=scaling)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_plans", None)                                         # cached plans: rebuilt on demand
+        return state
+
+    def _plan(self, L: int, b: int, causal: bool, device: torch.device) -> Any:
+        """The engine's plan: query block ``i`` x (its own block ``i``, sorted block ``i``), with the element masks
+        (never the end padding; causal: the own block up to the query, no sorted block for block 0). It
+        depends on ``L``, ``b`` and ``causal`` only: cached."""
+        from ..engine import explicit_plan
+
+        key = (L, b, causal, str(device))
+        cache = self.__dict__.setdefault("_plans", {})
+        if key in cache:
+            return cache[key]
+        if len(cache) > 8:
+            cache.clear()
+        nb = -(-L // b)
+        n = torch.arange(nb, device=device)
+        kv_idx = torch.stack([n, n + nb], -1).view(1, 1, nb, 2)
+        i = torch.arange(b, device=device).view(b, 1)
+        j = torch.arange(b, device=device).view(1, b)
+        own = ((n.view(nb, 1, 1) * b + j) < L).expand(nb, b, b)             # never the end padding
+        if causal:
+            own = own & (j <= i)
+        srt = torch.ones(nb, b, b, dtype=torch.bool, device=device)
+        if causal:
+            srt[0] = False
+        bank = torch.stack([own, srt], 1).view(1, 1, nb, 2, b, b)
+        cache[key] = explicit_plan(kv_idx, bank, nb * b, 2 * nb * b)
+        return cache[key]
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
-        from ..engine import attend_plan, explicit_plan
+        from ..engine import attend_plan
 
         B, H, L, _ = q.shape
         b = min(self.block_size, L)
-        nb = -(-L // b)
         s = self.sort_matrix(k, causal=ctx.causal)
-        kx = torch.cat([pad_blocks(k, b), sorted_blocks(k, s, b)], 2)          # (B, H, 2·NB·b, D)
-        vx = torch.cat([pad_blocks(v, b), sorted_blocks(v, s, b)], 2)
-        n = torch.arange(nb, device=q.device)
-        kv_idx = torch.stack([n, n + nb], -1).view(1, 1, nb, 2)
-        i = torch.arange(b, device=q.device).view(b, 1)
-        j = torch.arange(b, device=q.device).view(1, b)
-        own = ((n.view(nb, 1, 1) * b + j) < L).expand(nb, b, b)             # never the end padding
-        if ctx.causal:
-            own = own & (j <= i)
-        srt = torch.ones(nb, b, b, dtype=torch.bool, device=q.device)
-        if ctx.causal:
-            srt[0] = False
-        bank = torch.stack([own, srt], 1).view(1, 1, nb, 2, b, b)
-        plan = explicit_plan(kv_idx, bank, nb * b, 2 * nb * b)
+        kx = own_and_sorted(k, s, b)                                            # (B, H, 2·NB·b, D)
+        vx = own_and_sorted(v, s, b)
+        plan = self._plan(L, b, ctx.causal, q.device)
         out = attend_plan(pad_blocks(q, b), kx, vx, plan, scale=ctx.scale, backend=ctx.backend)
         return out[:, :, :L]

@@ -38,7 +38,7 @@ def reference(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, mask: Any = None, p
     causal = mask is not None and mask.is_causal
     B, H, L, _ = q.shape
     b = min(attn.block_size, L)
-    s = attn.sort_matrix(k, causal=causal)
+    s = attn.sort_matrix(k, causal=causal, scaling=False)        # log-domain Sinkhorn iterations
     kx = torch.cat([pad_blocks(k, b), sorted_blocks(k, s, b)], 2)
     vx = torch.cat([pad_blocks(v, b), sorted_blocks(v, s, b)], 2)
     keep = dense_mask(L, b, causal, q.device)

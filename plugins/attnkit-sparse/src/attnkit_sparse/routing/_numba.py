@@ -1,0 +1,146 @@
+"""numba kernels of routing's CPU path around the engine (:mod:`.gather`): routed gathers and the clusters'
+combination, each with its gradient. ``N = B·H`` sequences of ``L`` positions, ``M = C·W`` routed rows each
+(cluster ``c``'s ``W`` slots one after another); ``idx`` int64 ``(N, M)`` is the position of each routed row.
+A position may be routed by several clusters or by none, so the gradient of a gather is a scatter-add;
+each work item owns one sequence, so no two threads write the same rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+_FM = {"reassoc", "contract", "nsz"}
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def gather_rows(x, idx):  # pragma: no cover - compiled
+    """``x`` ``(N, L, F)``, ``idx`` ``(N, M)`` -> ``(N, M, F)``: ``out[n, j] = x[n, idx[n, j]]``."""
+    N, L, F = x.shape
+    M = idx.shape[1]
+    out = np.empty((N, M, F), dtype=x.dtype)
+    nblk = (M + 511) // 512
+    for item in numba.prange(N * nblk):
+        n = item // nblk
+        j0 = (item % nblk) * 512
+        for j in range(j0, min(M, j0 + 512)):
+            src = x[n, idx[n, j]]
+            dst = out[n, j]
+            for f in range(F):
+                dst[f] = src[f]
+    return out
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
+def scatter_rows(g, idx, L):  # pragma: no cover - compiled
+    """The gradient of :func:`gather_rows`: ``out[n, i] = Σ_{j: idx[n, j] = i} g[n, j]`` ``(N, L, F)``."""
+    N, M, F = g.shape
+    out = np.empty((N, L, F), dtype=g.dtype)
+    for n in numba.prange(N):
+        o = out[n]
+        for i in range(L):
+            oi = o[i]
+            for f in range(F):
+                oi[f] = 0.0
+        for j in range(M):
+            oi = o[idx[n, j]]
+            src = g[n, j]
+            for f in range(F):
+                oi[f] += src[f]
+    return out
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
+def combine_forward(out_s, lse_s, idx, L):  # pragma: no cover - compiled
+    """The routed rows combined by their log-sum-exp per position: ``out`` ``(N, L, E)`` =
+    ``Σ_j w_j out_s[j]`` over the rows ``j`` routed to the position, ``w = softmax(lse)`` among them (rows with
+    ``lse = -inf`` weigh 0; a position with no finite row gives 0), and ``w`` ``(N, M)``."""
+    N, M, E = out_s.shape
+    out = np.empty((N, L, E), dtype=out_s.dtype)
+    w = np.empty((N, M), dtype=out_s.dtype)
+    for n in numba.prange(N):
+        m = np.full(L, -np.inf)
+        den = np.zeros(L)
+        o = out[n]
+        for i in range(L):
+            oi = o[i]
+            for e in range(E):
+                oi[e] = 0.0
+        for j in range(M):
+            p = idx[n, j]
+            if lse_s[n, j] > m[p]:
+                m[p] = lse_s[n, j]
+        for j in range(M):
+            p = idx[n, j]
+            lj = lse_s[n, j]
+            if lj == -np.inf:
+                w[n, j] = 0.0
+                continue
+            wj = math.exp(lj - m[p])
+            w[n, j] = wj
+            den[p] += wj
+            oi = o[p]
+            src = out_s[n, j]
+            for e in range(E):
+                oi[e] += wj * src[e]
+        for i in range(L):
+            if den[i] > 0:
+                inv = 1.0 / den[i]
+                oi = o[i]
+                for e in range(E):
+                    oi[e] *= inv
+        for j in range(M):
+            d = den[idx[n, j]]
+            if d > 0:
+                w[n, j] = w[n, j] / d
+    return out, w
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
+def combine_backward(g, out, out_s, w, idx):  # pragma: no cover - compiled
+    """The gradient of :func:`combine_forward` by routed row: ``d out_s[j] = w_j g_p`` and
+    ``d lse_s[j] = w_j (g_p·out_s[j] − g_p·out_p)`` for ``p = idx[j]``."""
+    N, M, E = out_s.shape
+    d_out = np.empty((N, M, E), dtype=out_s.dtype)
+    d_lse = np.empty((N, M), dtype=out_s.dtype)
+    nblk = (M + 511) // 512
+    for item in numba.prange(N * nblk):
+        n = item // nblk
+        j0 = (item % nblk) * 512
+        for j in range(j0, min(M, j0 + 512)):
+            p = idx[n, j]
+            wj = w[n, j]
+            gp = g[n, p]
+            op = out[n, p]
+            src = out_s[n, j]
+            dst = d_out[n, j]
+            acc = 0.0
+            for e in range(E):
+                dst[e] = wj * gp[e]
+                acc += gp[e] * (src[e] - op[e])
+            d_lse[n, j] = wj * acc
+    return d_out, d_lse
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def argmax_clusters(s):  # pragma: no cover - compiled
+    """``s`` ``(N, C, L)`` -> int64 ``(N, L)``: the first ``c`` with the largest ``s[n, c, l]`` (rows of ``-inf``: 0),
+    a vertical pass over the contiguous ``L`` for each ``c``."""
+    N, C, L = s.shape
+    out = np.zeros((N, L), dtype=np.int64)
+    nblk = (L + 511) // 512
+    for item in numba.prange(N * nblk):
+        n = item // nblk
+        l0 = (item % nblk) * 512
+        l1 = min(L, l0 + 512)
+        best = s[n, 0, l0:l1].copy()
+        arg = out[n, l0:l1]
+        for c in range(1, C):
+            row = s[n, c, l0:l1]
+            for j in range(l1 - l0):
+                if row[j] > best[j]:
+                    best[j] = row[j]
+                    arg[j] = c
+    return out
