@@ -113,17 +113,23 @@ class _SymmetricNewtonPinv(torch.autograd.Function):
         li, lj = lam.unsqueeze(-1), lam.unsqueeze(-2)
         gap = li - lj
         close = gap.abs() <= 1e-3 * torch.maximum(li.abs(), lj.abs())
-        safe_gap = torch.where(close, torch.ones_like(gap), gap)
+        # the close pairs (the diagonal and near-equal eigenvalues, few) carried through the iteration as
+        # vectors; every other pair is the quotient of the final p, formed once (the whole (m, m) recursion
+        # every iteration cost ~10 (m, m) passes per iteration: ~300 ms of SOFT's 16K backward at m = 256)
+        at = close.nonzero(as_tuple=True)
+        batch, ia, ib = at[:-2], at[-2], at[-1]
+        lb = lam[(*batch, ib)]
         p = lam / c
         dp_dc = -lam / (c * c)
-        div = (1 / c).unsqueeze(-1).expand(*lam.shape, lam.shape[-1])
+        div_close = 1 / c[(*batch, torch.zeros_like(ia))]
         for _ in range(ctx.iterations):
-            pi, pj = p.unsqueeze(-1), p.unsqueeze(-2)
-            div = 2 * div - pi * pi - lj * div * (pi + pj)
+            pa, pb = p[(*batch, ia)], p[(*batch, ib)]
+            div_close = 2 * div_close - pa * pa - lb * div_close * (pa + pb)
             dp_dc = 2 * dp_dc * (1 - lam * p)
             p = 2 * p - lam * p * p
-            pi, pj = p.unsqueeze(-1), p.unsqueeze(-2)
-            div = torch.where(close, div, (pi - pj) / safe_gap)
+        safe_gap = torch.where(close, torch.ones_like(gap), gap)
+        div = (p.unsqueeze(-1) - p.unsqueeze(-2)) / safe_gap
+        div[at] = div_close
         grad_a = u @ (div * gs) @ u.transpose(-1, -2)
         grad_c = (dp_dc * gs.diagonal(dim1=-2, dim2=-1)).sum(-1, keepdim=True)
         return grad_a.to(grad.dtype), grad_c.to(grad.dtype), None
