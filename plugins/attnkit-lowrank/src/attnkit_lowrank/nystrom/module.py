@@ -34,7 +34,9 @@ def landmarks(x: Tensor, keep: Tensor | None, m: int) -> Tensor:
     """``m`` segment means of ``x`` ``(B, H, n, D)`` over the kept tokens -> ``(B, H, m, D)``."""
     B, _, n, _ = x.shape
     if keep is None and n % m == 0:
-        return x.unflatten(2, (m, n // m)).mean(3)
+        # sum, then divide the small (m, D) result: mean's backward divided and materialised an (n, D)
+        # gradient (two passes at 16K x 8 heads); sum's backward is an expand
+        return x.unflatten(2, (m, n // m)).sum(3) / (n // m)
     return segment_weights(keep, B, n, m, x.dtype, x.device) @ x
 
 
