@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 import attnkit
 from attnkit import InvalidInputError
@@ -144,14 +145,57 @@ class NystromAttention(attnkit.Attention):
         k_l = landmarks(k, keep, m)
         k_ls = scale * k_l                              # the scale on the small (m, D) side
         a = torch.softmax(q_l @ k_ls.transpose(-1, -2), dim=-1)
-        g = (scale * q_l) @ k.transpose(-1, -2)
-        if keep is not None:
-            g = g.masked_fill(~keep[:, None, None, :], torch.finfo(g.dtype).min)
-        g = torch.softmax(g, dim=-1)
-        out = softmax_attend(q, k_ls.transpose(-1, -2), nystrom_pinv(a, self.pinv_iterations) @ (g @ v))
+        gv = keys_attend(scale * q_l, k, v, keep)                      # G V
+        out = softmax_attend(q, k_ls.transpose(-1, -2), nystrom_pinv(a, self.pinv_iterations) @ gv)
         if self.conv_weight is not None:
             out = out + depthwise_conv(v, self.conv_weight)
         return out
+
+
+class _KeysAttend(torch.autograd.Function):
+    """``softmax(q_l k^T, padded keys at the dtype's minimum) v`` for few query rows ``q_l`` and all S keys.
+
+    Autograd over the plain expression made five ``(m, S)`` tensors per call (scores, the masked copy, the
+    softmax, its gradient, the softmax backward's result: 32 MiB each at S = 16K, m = 64, H = 8, fresh
+    pages every time); here two: the scores, normalised in place and kept, and ``dP``, turned into ``dS`` in
+    place, with ``rowsum(P ∘ dP)`` taken as ``rowsum(dGV ∘ GV)`` (an ``(m, E)`` product, not an (m, S) pass).
+    """
+
+    @staticmethod
+    def forward(ctx, q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
+        p = q_l @ k.transpose(-1, -2)
+        if keep is not None:
+            p.masked_fill_(~keep[:, None, None, :], torch.finfo(p.dtype).min)
+        p.sub_(p.amax(-1, keepdim=True)).exp_()
+        p.div_(p.sum(-1, keepdim=True))
+        gv = p @ v
+        ctx.save_for_backward(q_l, k, v, p, gv)
+        ctx.keep = keep
+        return gv
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dgv: Tensor):
+        q_l, k, v, p, gv = ctx.saved_tensors
+        ds = dgv @ v.transpose(-1, -2)                                  # dP
+        ds.sub_((dgv * gv).sum(-1, keepdim=True)).mul_(p)               # dS = P ∘ (dP - rowsum(P ∘ dP))
+        if ctx.keep is not None:
+            # masked_fill passes no gradient to the filled scores; P is exactly 0 there except in a row of only
+            # padded keys (uniform weights), whose scores get none either
+            dead = ~ctx.keep.any(-1)
+            if dead.any():
+                ds[dead] = 0
+        dq_l = ds @ k if ctx.needs_input_grad[0] else None
+        dk = ds.transpose(-1, -2) @ q_l if ctx.needs_input_grad[1] else None
+        dv = p.transpose(-1, -2) @ dgv if ctx.needs_input_grad[2] else None
+        return dq_l, dk, dv, None
+
+
+def keys_attend(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
+    """``softmax(q_l @ k^T) @ v`` (``q_l`` ``(B, H, m, D)`` already scaled), padded keys (``keep`` False) excluded;
+    a row of only padded keys weighs them all equally, as ``masked_fill`` + ``softmax`` does (the caller
+    zeroes such rows). Differentiable once, in q_l, k and v."""
+    return _KeysAttend.apply(q_l, k, v, keep)
 
 
 def depthwise_conv(v: Tensor, weight: Tensor) -> Tensor:
