@@ -107,5 +107,6 @@ def project(e: Tensor, x: Tensor) -> Tensor:
     B, H, S, D = x.shape
     if e.shape[0] != 1:
         return e @ x
-    y = e[0] @ x.permute(2, 0, 1, 3).reshape(S, B * H * D)
+    # e.reshape, not e[0]: a select's backward zero-fills a (1, k, max_length) gradient and copies into it
+    y = e.reshape(e.shape[1:]) @ x.permute(2, 0, 1, 3).reshape(S, B * H * D)
     return y.view(-1, B, H, D).permute(1, 2, 0, 3)
