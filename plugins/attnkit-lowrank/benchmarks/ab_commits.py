@@ -89,7 +89,7 @@ def main() -> int:
             times = {(tag, mode, clock): [] for tag in variants for mode in ("fwd", "fwd+bwd")
                      for clock in ("wall", "cpu")}
 
-            def run(mod, grad):
+            def run(mod, grad, call=call, leaves=leaves):
                 q, k, v = call()
                 if mod is None:
                     o = F.scaled_dot_product_attention(q, k, v)
@@ -102,7 +102,7 @@ def main() -> int:
                     if mod is not None:
                         mod.zero_grad(set_to_none=True)
 
-            for tag, mod in variants.items():           # warm-up
+            for mod in variants.values():               # warm-up
                 with torch.no_grad():
                     run(mod, False)
             for _ in range(args.rounds):

@@ -66,7 +66,7 @@ def test_gradcheck(shared):
 
 
 def test_an_expanded_output_gradient_and_float32():
-    """``out.sum().backward()`` hands an expanded (stride-0) gradient; float32 agrees with float64 to float32 rounding."""
+    """``out.sum().backward()`` hands an expanded (stride-0) gradient; float32 agrees with float64 to its rounding."""
     q, _, kb, z, v = _inputs(True, L=40, m=6, seed=2)
     z = torch.eye(6, dtype=F64).expand(2, 3, 6, 6).clone().requires_grad_(True)
     ref = _plain(q, q, kb, z, v, 0.5)

@@ -5,9 +5,9 @@ inputs, an expanded output gradient, gradcheck."""
 
 from __future__ import annotations
 
+import attnkit_lowrank.common as common
 import pytest
 import torch
-import attnkit_lowrank.common as common
 from attnkit_lowrank.common import softmax_attend
 
 F64 = torch.float64

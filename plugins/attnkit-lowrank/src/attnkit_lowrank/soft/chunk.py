@@ -103,7 +103,7 @@ class _SoftKernelProduct(torch.autograd.Function):
         y_t, dw_t = y.transpose(1, 2), dw.transpose(1, 2)
 
         def side(x3: Tensor, ps: list[Tensor], left: list[Tensor], right_t: Tensor, extra) -> Tensor:
-            """dx for one side: dP_c = left_c right_t (with ``extra`` appended to left when q is k), dS_c = dP_c ∘ P_c."""
+            """dx for one side: dP_c = left_c right_t (``extra`` appended to left when q is k), dS_c = dP_c ∘ P_c."""
             nonlocal colsum
             dx = []
             for i, (pc, xc, lc) in enumerate(zip(ps, x3.split(rows, dim=1), left)):
