@@ -50,3 +50,30 @@ def test_gradcheck():
     v = torch.randn(1, 2, 7, 4, generator=g, dtype=F64).requires_grad_(True)
     keep = torch.tensor([[True, True, False, True, True, True, False]])
     assert torch.autograd.gradcheck(lambda a, b, c: keys_attend(a, b, c, keep), (q_l, k, v))
+
+
+@pytest.mark.parametrize("padding", ["none", "some", "leading chunks all padded", "a row all padded"])
+def test_the_streamed_no_grad_form_equals_masked_softmax(monkeypatch, padding):
+    """Without a backward, key chunks with a running max (online softmax): chunks of 64 keys at m = 4."""
+    import attnkit_lowrank.common as common
+    import attnkit_lowrank.nystrom.module as nmod
+    monkeypatch.setattr(common, "CHUNK_ELEMENTS", 64 * 4)
+    calls = []
+    real = nmod._keys_attend_streamed
+    monkeypatch.setattr(nmod, "_keys_attend_streamed", lambda *a: calls.append(a[-1]) or real(*a))
+    g = torch.Generator().manual_seed(2)
+    q_l = torch.randn(2, 3, 4, 5, generator=g, dtype=F64) * 2
+    k = torch.randn(2, 3, 200, 5, generator=g, dtype=F64)
+    v = torch.randn(2, 3, 200, 6, generator=g, dtype=F64)
+    keep = None
+    if padding != "none":
+        keep = torch.ones(2, 200, dtype=torch.bool)
+        keep[0, 150:] = False
+        if padding == "leading chunks all padded":
+            keep[1, :140] = False                 # the running max starts at the dtype's minimum
+        if padding == "a row all padded":
+            keep[1] = False
+    with torch.no_grad():
+        out = keys_attend(q_l, k, v, keep)
+    assert calls == [64]
+    torch.testing.assert_close(out, _plain(q_l, k, v, keep), atol=1e-12, rtol=1e-10)

@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_int, nystrom_pinv, segment_weights, softmax_attend
+from ..common import chunk_rows, check_int, nystrom_pinv, segment_weights, softmax_attend
 from ..plugin import NYSTROM
 
 DEFAULT_LANDMARKS = 64        # the paper's
@@ -191,11 +191,41 @@ class _KeysAttend(torch.autograd.Function):
         return dq_l, dk, dv, None
 
 
+def _keys_attend_streamed(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, cols: int) -> Tensor:
+    """The same without a backward: key chunks of ``cols`` with a running max and sum (online softmax), so
+    the ``(m, S)`` score block is never allocated whole (a fresh 32 MiB per call at 16K, m = 64, H = 8)."""
+    low = torch.finfo(q_l.dtype).min
+    m_run = l_run = acc = None
+    keeps = keep.split(cols, dim=1) if keep is not None else [None] * -(-k.shape[2] // cols)
+    for kc, vc, keepc in zip(k.split(cols, dim=2), v.split(cols, dim=2), keeps):
+        s = q_l @ kc.transpose(-1, -2)
+        if keepc is not None:
+            s.masked_fill_(~keepc[:, None, None, :], low)
+        m_new = s.amax(-1, keepdim=True)
+        if m_run is not None:
+            m_new = torch.maximum(m_run, m_new)
+        s.sub_(m_new).exp_()
+        if m_run is None:
+            l_run, acc = s.sum(-1, keepdim=True), s @ vc
+        else:
+            alpha = (m_run - m_new).exp_()        # 0 when a real key follows only padded ones: their sums vanish
+            l_run = l_run.mul_(alpha).add_(s.sum(-1, keepdim=True))
+            acc = acc.mul_(alpha).add_(s @ vc)
+        m_run = m_new
+    return acc / l_run
+
+
 def keys_attend(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
     """``softmax(q_l @ k^T) @ v`` (``q_l`` ``(B, H, m, D)`` already scaled), padded keys (``keep`` False) excluded;
     a row of only padded keys weighs them all equally, as ``masked_fill`` + ``softmax`` does (the caller
-    zeroes such rows). Differentiable once, in q_l, k and v."""
-    return _KeysAttend.apply(q_l, k, v, keep)
+    zeroes such rows). Differentiable once, in q_l, k and v; without a backward to come, streamed over key
+    chunks (:func:`_keys_attend_streamed`)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_l, k, v)):
+        return _KeysAttend.apply(q_l, k, v, keep)
+    cols = chunk_rows(k.shape[2], q_l.shape[2])
+    if cols >= k.shape[2]:
+        return _KeysAttend.apply(q_l, k, v, keep)
+    return _keys_attend_streamed(q_l, k, v, keep, cols)
 
 
 def depthwise_conv(v: Tensor, weight: Tensor) -> Tensor:
