@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import chunk_rows, check_int, nystrom_pinv, segment_weights, softmax_attend
+from ..common import check_int, chunk_rows, nystrom_pinv, segment_weights, softmax_attend
 from ..plugin import NYSTROM
 
 DEFAULT_LANDMARKS = 64        # the paper's
