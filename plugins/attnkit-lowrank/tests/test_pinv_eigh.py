@@ -106,3 +106,23 @@ def test_soft_on_cpu_runs_the_eigendecomposition(monkeypatch):
     q = torch.randn(1, 2, 8, 4)
     attn(q, q, torch.randn(1, 2, 8, 3))
     assert calls == [5]
+
+
+def test_close_but_unequal_eigenvalues_in_a_batch():
+    """Pairs within the 1e-3 relative gap (carried through the iteration) next to separated ones and an exact
+    repeat, in a (2, 3) batch: gradients equal those of the Newton products in float64."""
+    g = torch.Generator().manual_seed(7)
+    u, _ = torch.linalg.qr(torch.randn(2, 3, 6, 6, generator=g, dtype=F64))
+    lam = torch.tensor([1.0, 1.0 + 2e-5, 1.0 + 5e-4, 0.3, 0.3, 0.05], dtype=F64)
+    lam = lam * torch.linspace(0.8, 1.2, 6, dtype=F64).view(2, 3, 1, 1).squeeze(-1)
+    base = (u * lam.unsqueeze(-2)) @ u.transpose(-1, -2)
+    base = ((base + base.transpose(-1, -2)) / 2).requires_grad_(True)
+    w = torch.randn(2, 3, 6, 6, generator=g, dtype=F64)
+    for iterations in (5, 20):
+        z_ref, z = newton_pinv(base, iterations), newton_pinv_sym(base, iterations)
+        torch.testing.assert_close(z, z_ref, atol=1e-10 * z_ref.abs().max().item(), rtol=1e-9)
+        g_ref, = torch.autograd.grad((z_ref * w).sum(), base)
+        g_sym, = torch.autograd.grad((z * w).sum(), base)
+        # the products' gradient is not symmetric; newton_pinv_sym's is that of the symmetrised function
+        g_ref = (g_ref + g_ref.transpose(-1, -2)) / 2
+        torch.testing.assert_close(g_sym, g_ref, atol=1e-8 * g_ref.abs().max().item(), rtol=1e-7)

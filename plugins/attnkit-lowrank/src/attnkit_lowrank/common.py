@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from attnkit import InvalidInputError
 
@@ -113,17 +114,23 @@ class _SymmetricNewtonPinv(torch.autograd.Function):
         li, lj = lam.unsqueeze(-1), lam.unsqueeze(-2)
         gap = li - lj
         close = gap.abs() <= 1e-3 * torch.maximum(li.abs(), lj.abs())
-        safe_gap = torch.where(close, torch.ones_like(gap), gap)
+        # the close pairs (the diagonal and near-equal eigenvalues, few) carried through the iteration as
+        # vectors; every other pair is the quotient of the final p, formed once (the whole (m, m) recursion
+        # every iteration cost ~10 (m, m) passes per iteration: ~300 ms of SOFT's 16K backward at m = 256)
+        at = close.nonzero(as_tuple=True)
+        batch, ia, ib = at[:-2], at[-2], at[-1]
+        lb = lam[(*batch, ib)]
         p = lam / c
         dp_dc = -lam / (c * c)
-        div = (1 / c).unsqueeze(-1).expand(*lam.shape, lam.shape[-1])
+        div_close = 1 / c[(*batch, torch.zeros_like(ia))]
         for _ in range(ctx.iterations):
-            pi, pj = p.unsqueeze(-1), p.unsqueeze(-2)
-            div = 2 * div - pi * pi - lj * div * (pi + pj)
+            pa, pb = p[(*batch, ia)], p[(*batch, ib)]
+            div_close = 2 * div_close - pa * pa - lb * div_close * (pa + pb)
             dp_dc = 2 * dp_dc * (1 - lam * p)
             p = 2 * p - lam * p * p
-            pi, pj = p.unsqueeze(-1), p.unsqueeze(-2)
-            div = torch.where(close, div, (pi - pj) / safe_gap)
+        safe_gap = torch.where(close, torch.ones_like(gap), gap)
+        div = (p.unsqueeze(-1) - p.unsqueeze(-2)) / safe_gap
+        div[at] = div_close
         grad_a = u @ (div * gs) @ u.transpose(-1, -2)
         grad_c = (dp_dc * gs.diagonal(dim1=-2, dim2=-1)).sum(-1, keepdim=True)
         return grad_a.to(grad.dtype), grad_c.to(grad.dtype), None
@@ -186,18 +193,69 @@ def chunk_rows(L: int, m: int) -> int:
     return max(64, min(L, CHUNK_ELEMENTS // max(m, 1)))
 
 
+class _SoftmaxAttend(torch.autograd.Function):
+    """``softmax(q @ kt) @ v`` in query chunks of ``rows`` rows, with its backward written out per chunk.
+
+    Autograd through the chunks ran, per chunk, a softmax backward into a fresh block, accumulated the
+    gradients of ``kt`` and ``v`` one node at a time and, for head views of a (B, L, H·D) tensor, took a
+    per-head fallback (select, clone, mm) in the products' backward. Here, per chunk of ``dO``:
+    ``dS = P ∘ (dO vᵀ - rowsum(dO ∘ O))`` in place (``rowsum(P ∘ dP)`` read off the output: an
+    (chunk, E) pass, not (chunk, m)), ``dq_c = dS ktᵀ``, ``dkt += q_cᵀ dS``, ``dv += P_cᵀ dO_c``.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, kt: Tensor, v: Tensor, rows: int) -> Tensor:
+        ps = [torch.softmax(qc @ kt, -1) for qc in q.split(rows, dim=2)]
+        out = torch.cat([p @ v for p in ps], 2) if len(ps) > 1 else ps[0] @ v
+        ctx.save_for_backward(q, kt, v, out)
+        ctx.ps, ctx.rows = ps, rows
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out: Tensor):
+        q, kt, v, out = ctx.saved_tensors
+        ps, rows = ctx.ps, ctx.rows
+        if 0 in d_out.stride():
+            d_out = d_out.contiguous()          # an expanded gradient (e.g. of .sum()): stride 0
+        need_q, need_kt, need_v = ctx.needs_input_grad[:3]
+        v_t, k = v.transpose(-1, -2), kt.transpose(-1, -2)
+        dkt = dv = None
+        dq = []
+        for p, qc, dc, oc in zip(ps, q.split(rows, dim=2), d_out.split(rows, dim=2), out.split(rows, dim=2)):
+            if need_v:
+                dvc = p.transpose(-1, -2) @ dc
+                dv = dvc if dv is None else dv.add_(dvc)
+            if not (need_q or need_kt):
+                continue
+            ds = (dc @ v_t).sub_((dc * oc).sum(-1, keepdim=True)).mul_(p)
+            if need_q:
+                dq.append(ds @ k)
+            if need_kt:
+                dktc = qc.transpose(-1, -2) @ ds
+                dkt = dktc if dkt is None else dkt.add_(dktc)
+        dq_all = (torch.cat(dq, 2) if len(dq) > 1 else dq[0]) if need_q else None
+        if dkt is not None and dkt.shape != kt.shape:
+            dkt = dkt.sum_to_size(kt.shape)
+        if dv is not None and dv.shape != v.shape:
+            dv = dv.sum_to_size(v.shape)
+        return dq_all, dkt, dv, None
+
+
 def softmax_attend(q: Tensor, kt: Tensor, v: Tensor) -> Tensor:
     """``softmax(q @ kt) @ v`` for ``q`` ``(B, H, L, D)``, ``kt`` ``(..., D, m)``, ``v`` ``(..., m, E)``.
 
     Query chunks of ``chunk_rows(L, m)`` rows: each ``(chunk, m)`` score block is
     computed, normalised and used while it is still in cache (the whole
     ``(L, m)`` block written and read three times ran at half the speed: 16K
-    queries x 256 columns x 8 heads, one thread, 338 -> 164 ms). Same values,
-    same autograd (``split`` gives each chunk's gradient back as one ``cat``).
+    queries x 256 columns x 8 heads, one thread, 338 -> 164 ms). Same values;
+    the backward is :class:`_SoftmaxAttend`'s, per chunk (first order).
     """
     L, m = q.shape[2], kt.shape[-1]
     c = chunk_rows(L, m)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kt, v)) and L:
+        return _SoftmaxAttend.apply(q, kt, v, c)
     if c >= L:
         return torch.softmax(q @ kt, -1) @ v
-    # split, not slicing: a slice's backward writes a whole (B, H, L, D) zero tensor per chunk
+    # no backward: each block is dropped once used (the function above keeps them all for its backward)
     return torch.cat([torch.softmax(qc @ kt, -1) @ v for qc in q.split(c, dim=2)], 2)

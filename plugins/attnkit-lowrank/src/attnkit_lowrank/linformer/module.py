@@ -83,8 +83,12 @@ class LinformerAttention(attnkit.Attention):
 
     def projections(self, S: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``E, F`` restricted to S keys: ``(1 or H, proj_len, S)`` each, in ``dtype``."""
-        e = self.proj_k[:, :, :S].to(dtype)
-        f = e if self.proj_v is None else self.proj_v[:, :, :S].to(dtype)
+        def cut(w: Tensor) -> Tensor:
+            # all S = max_length columns: the parameter itself (a slice's backward zero-fills a whole
+            # parameter-sized gradient and copies into it: 2 x 16 MiB per call at 16K, proj_len 256)
+            return (w if S == w.shape[-1] else w[:, :, :S]).to(dtype)
+        e = cut(self.proj_k)
+        f = e if self.proj_v is None else cut(self.proj_v)
         return e, f
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
@@ -103,5 +107,6 @@ def project(e: Tensor, x: Tensor) -> Tensor:
     B, H, S, D = x.shape
     if e.shape[0] != 1:
         return e @ x
-    y = e[0] @ x.permute(2, 0, 1, 3).reshape(S, B * H * D)
+    # e.reshape, not e[0]: a select's backward zero-fills a (1, k, max_length) gradient and copies into it
+    y = e.reshape(e.shape[1:]) @ x.permute(2, 0, 1, 3).reshape(S, B * H * D)
     return y.view(-1, B, H, D).permute(1, 2, 0, 3)

@@ -20,11 +20,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_int, nystrom_pinv, segment_weights, softmax_attend
+from ..common import check_int, chunk_rows, nystrom_pinv, segment_weights, softmax_attend
 from ..plugin import NYSTROM
 
 DEFAULT_LANDMARKS = 64        # the paper's
@@ -34,7 +35,9 @@ def landmarks(x: Tensor, keep: Tensor | None, m: int) -> Tensor:
     """``m`` segment means of ``x`` ``(B, H, n, D)`` over the kept tokens -> ``(B, H, m, D)``."""
     B, _, n, _ = x.shape
     if keep is None and n % m == 0:
-        return x.unflatten(2, (m, n // m)).mean(3)
+        # sum, then divide the small (m, D) result: mean's backward divided and materialised an (n, D)
+        # gradient (two passes at 16K x 8 heads); sum's backward is an expand
+        return x.unflatten(2, (m, n // m)).sum(3) / (n // m)
     return segment_weights(keep, B, n, m, x.dtype, x.device) @ x
 
 
@@ -142,14 +145,87 @@ class NystromAttention(attnkit.Attention):
         k_l = landmarks(k, keep, m)
         k_ls = scale * k_l                              # the scale on the small (m, D) side
         a = torch.softmax(q_l @ k_ls.transpose(-1, -2), dim=-1)
-        g = (scale * q_l) @ k.transpose(-1, -2)
-        if keep is not None:
-            g = g.masked_fill(~keep[:, None, None, :], torch.finfo(g.dtype).min)
-        g = torch.softmax(g, dim=-1)
-        out = softmax_attend(q, k_ls.transpose(-1, -2), nystrom_pinv(a, self.pinv_iterations) @ (g @ v))
+        gv = keys_attend(scale * q_l, k, v, keep)                      # G V
+        out = softmax_attend(q, k_ls.transpose(-1, -2), nystrom_pinv(a, self.pinv_iterations) @ gv)
         if self.conv_weight is not None:
             out = out + depthwise_conv(v, self.conv_weight)
         return out
+
+
+class _KeysAttend(torch.autograd.Function):
+    """``softmax(q_l k^T, padded keys at the dtype's minimum) v`` for few query rows ``q_l`` and all S keys.
+
+    Autograd over the plain expression made five ``(m, S)`` tensors per call (scores, the masked copy, the
+    softmax, its gradient, the softmax backward's result: 32 MiB each at S = 16K, m = 64, H = 8, fresh
+    pages every time); here two: the scores, normalised in place and kept, and ``dP``, turned into ``dS`` in
+    place, with ``rowsum(P ∘ dP)`` taken as ``rowsum(dGV ∘ GV)`` (an ``(m, E)`` product, not an (m, S) pass).
+    """
+
+    @staticmethod
+    def forward(ctx, q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
+        p = q_l @ k.transpose(-1, -2)
+        if keep is not None:
+            p.masked_fill_(~keep[:, None, None, :], torch.finfo(p.dtype).min)
+        p.sub_(p.amax(-1, keepdim=True)).exp_()
+        p.div_(p.sum(-1, keepdim=True))
+        gv = p @ v
+        ctx.save_for_backward(q_l, k, v, p, gv)
+        ctx.keep = keep
+        return gv
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dgv: Tensor):
+        q_l, k, v, p, gv = ctx.saved_tensors
+        ds = dgv @ v.transpose(-1, -2)                                  # dP
+        ds.sub_((dgv * gv).sum(-1, keepdim=True)).mul_(p)               # dS = P ∘ (dP - rowsum(P ∘ dP))
+        if ctx.keep is not None:
+            # masked_fill passes no gradient to the filled scores; P is exactly 0 there except in a row of only
+            # padded keys (uniform weights), whose scores get none either
+            dead = ~ctx.keep.any(-1)
+            if dead.any():
+                ds[dead] = 0
+        dq_l = ds @ k if ctx.needs_input_grad[0] else None
+        dk = ds.transpose(-1, -2) @ q_l if ctx.needs_input_grad[1] else None
+        dv = p.transpose(-1, -2) @ dgv if ctx.needs_input_grad[2] else None
+        return dq_l, dk, dv, None
+
+
+def _keys_attend_streamed(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, cols: int) -> Tensor:
+    """The same without a backward: key chunks of ``cols`` with a running max and sum (online softmax), so
+    the ``(m, S)`` score block is never allocated whole (a fresh 32 MiB per call at 16K, m = 64, H = 8)."""
+    low = torch.finfo(q_l.dtype).min
+    m_run = l_run = acc = None
+    keeps = keep.split(cols, dim=1) if keep is not None else [None] * -(-k.shape[2] // cols)
+    for kc, vc, keepc in zip(k.split(cols, dim=2), v.split(cols, dim=2), keeps):
+        s = q_l @ kc.transpose(-1, -2)
+        if keepc is not None:
+            s.masked_fill_(~keepc[:, None, None, :], low)
+        m_new = s.amax(-1, keepdim=True)
+        if m_run is not None:
+            m_new = torch.maximum(m_run, m_new)
+        s.sub_(m_new).exp_()
+        if m_run is None:
+            l_run, acc = s.sum(-1, keepdim=True), s @ vc
+        else:
+            alpha = (m_run - m_new).exp_()        # 0 when a real key follows only padded ones: their sums vanish
+            l_run = l_run.mul_(alpha).add_(s.sum(-1, keepdim=True))
+            acc = acc.mul_(alpha).add_(s @ vc)
+        m_run = m_new
+    return acc / l_run
+
+
+def keys_attend(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
+    """``softmax(q_l @ k^T) @ v`` (``q_l`` ``(B, H, m, D)`` already scaled), padded keys (``keep`` False) excluded;
+    a row of only padded keys weighs them all equally, as ``masked_fill`` + ``softmax`` does (the caller
+    zeroes such rows). Differentiable once, in q_l, k and v; without a backward to come, streamed over key
+    chunks (:func:`_keys_attend_streamed`)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_l, k, v)):
+        return _KeysAttend.apply(q_l, k, v, keep)
+    cols = chunk_rows(k.shape[2], q_l.shape[2])
+    if cols >= k.shape[2]:
+        return _KeysAttend.apply(q_l, k, v, keep)
+    return _keys_attend_streamed(q_l, k, v, keep, cols)
 
 
 def depthwise_conv(v: Tensor, weight: Tensor) -> Tensor:

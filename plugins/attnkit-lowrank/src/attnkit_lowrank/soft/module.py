@@ -33,6 +33,7 @@ from attnkit import InvalidInputError
 
 from ..common import check_choice, check_int, newton_pinv, newton_pinv_sym
 from ..plugin import SOFT
+from .chunk import soft_kernel_product
 
 BOTTLENECKS = ("conv", "pool")
 DEFAULT_STRIDE = 64
@@ -141,12 +142,16 @@ class SoftAttention(attnkit.Attention):
         scale = ctx.scale
         k_b = self.bottleneck_tokens(k)
         a = gaussian_kernel(k_b, k_b, scale)
-        p_k = gaussian_kernel(k, k_b, scale)
-        p_q = p_k if q is k else gaussian_kernel(q, k_b, scale)
+        on_cpu = a.device.type == "cpu"
         # A is symmetric (the kernel of K~ with itself), so on CPU the Newton iterate comes from one float64
         # eigendecomposition (newton_pinv_sym: the same function, more accurate in float32, and 2·iterations
         # fewer m x m products forward and backward). On other devices the products are cheap: plain Newton.
         # (A one-product-per-iteration polynomial form, T <- 2T - T^2, x <- 2x - T x, was tried: 30-130x the
         # float32 error at cond(A) 7e2-9e3.)
-        pinv = newton_pinv_sym if a.device.type == "cpu" else newton_pinv
-        return p_q @ (pinv(a, self.pinv_iterations) @ (p_k.transpose(-1, -2) @ v))
+        z = (newton_pinv_sym if on_cpu else newton_pinv)(a, self.pinv_iterations)
+        if on_cpu:
+            # the (L, m) kernels made and used in cache chunk by chunk, with their own backward (chunk.py)
+            return soft_kernel_product(q, k, k_b, z, v, scale)
+        p_k = gaussian_kernel(k, k_b, scale)
+        p_q = p_k if q is k else gaussian_kernel(q, k_b, scale)
+        return p_q @ (z @ (p_k.transpose(-1, -2) @ v))
