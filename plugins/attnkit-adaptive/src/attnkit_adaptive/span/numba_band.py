@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.numba_pool import run_parallel, start_pool
+from attnkit.numba_pool import kernel_threads, run_parallel, start_pool
 
 __all__ = ["span_band_attention_numba"]
 
@@ -35,6 +35,11 @@ from . import _numba_kernels as K  # noqa: E402  -- after the pool started with 
 #: the backward keeps t_ij = e_ij (dP_ij - Δ_i) of the band (B·H·L·(far + block) floats) for dQ and the
 #: span gradient when it fits in this many bytes (5 tile products instead of 7); above, dQ recomputes them
 T_BUFFER_MAX_BYTES = 512 << 20
+
+#: the backward in one query-major kernel (:func:`._numba_kernels.backward_fused`) instead of key-major dK / dV
+#: and then dQ; FUSED_CHUNKS: query-block chunks per row (None: about 4 work items per thread)
+FUSED_BACKWARD = True
+FUSED_CHUNKS: int | None = None
 
 
 def _run(kernel: Any, items: int, *args: Any) -> Any:
@@ -90,9 +95,23 @@ class _SpanBand(torch.autograd.Function):
         B, H, L, D = qs.shape
         E = v.shape[-1]
         g = g.contiguous()
-        delta = (g * out).sum(-1)
         cst = K.constants(_np(qs).dtype, ramp, scale)
         f32 = qs.dtype == torch.float32
+        if FUSED_BACKWARD:
+            nqb = -(-L // bq)
+            nc = FUSED_CHUNKS or min(nqb, max(1, -(-4 * kernel_threads() // (B * H))))
+            cb = -(-nqb // nc)
+            dq_a, dk_a, dv_a, dz_a, spk, spv = _run(K.backward_fused, B * H * -(-nqb // cb), _flat(qs), _flat(k),
+                                                    _flat(v), _flat(out), _flat(g), _np(lse), _flat(zf), _flat(lo),
+                                                    _np(far), _np(kp), _np(xs), H, bq, cb, cst, f32)
+            if spk.shape[0] > B * H and spk.shape[1] > 0:
+                _run(K.add_spill, B * H, dk_a, dv_a, spk, spv, bq, cb)
+            dq = torch.from_numpy(dq_a).view(B, H, L, D) if ctx.needs_input_grad[0] else None
+            dk = torch.from_numpy(dk_a).view(B, H, L, D) if ctx.needs_input_grad[1] else None
+            dv = torch.from_numpy(dv_a).view(B, H, L, E) if ctx.needs_input_grad[2] else None
+            dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape) if ctx.needs_input_grad[3] else None
+            return dq, dk, dv, dz, None, None, None, None, None
+        delta = (g * out).sum(-1)
         args = (_flat(qs), _flat(k), _flat(v), _flat(g), _np(lse), _flat(delta), _flat(zf))
         dq = dz = dk = dv = None
         want_qz = ctx.needs_input_grad[0] or ctx.needs_input_grad[3]
