@@ -17,7 +17,8 @@ The element test, the same arithmetic as the plain reference
 ``m = min(num / R, 1)`` and the span gradient flows where ``num <= R`` (the
 clamp passes its gradient at its bounds, as torch's does).
 
-* :func:`forward`: ``prange`` over N x query blocks of ``bq`` rows. The
+* :func:`forward`: ``prange`` over N x query blocks of ``bq`` rows (with ``save``, each row's scaled scores over
+  its reach are kept for :func:`backward_fused`). The
   block's keys ``[min lo, q0 + bq)`` are visited in tiles of ``bk``; inside a
   tile each group of 4 query rows computes only the columns some row of the
   group reaches, scores ``Q Kᵀ`` and ``acc += P V`` as register-tiled axpy
@@ -25,6 +26,13 @@ clamp passes its gradient at its bounds, as torch's does).
   contiguous output row). Online softmax with the soft mask as a weight:
   ``acc += m·exp(s - M)·v``, ``l += m·exp(s - M)``. Stores ``out`` and
   ``lse = M + log l`` (+inf for a row with no key: its output is 0).
+* :func:`backward_fused` (the backward the wrapper runs): query-major, FlashAttention-2's order. Each query
+  block forms ``P``, ``dP = dO Vᵀ``, ``t`` and ``dS`` once (its scores read from what the forward kept, or
+  recomputed), writes ``dQ`` and ``dz`` of its rows and accumulates ``dK``, ``dV`` for the keys of its window
+  (:func:`_mm4t`, the product with ``A`` read transposed); a work item is a chunk of query blocks of one row,
+  in order, owning its keys; keys before the chunk go to spill rows (:func:`add_spill`). 4 tile products
+  per block with kept scores, 5 without.
+* The key-major route it replaced (kept for A/B runs and as a cross-check in the tests):
 * :func:`backward_dq`: query-major, recomputes ``e = exp(s - lse)``,
   ``dP = dO Vᵀ``, ``t = e (dP - Δ)``: ``dS = m t`` gives ``dQ``, and ``t / R``
   summed over the ramp's pairs gives ``dz`` per query (the derivative of the
@@ -592,7 +600,8 @@ def _dkdv_keys(dk, dv, k_off, j_lo, j_hi, wo, q0, qn, fn, P, dS, qs, dos, D, E):
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _saved_rows(Sb, Pb, mrow_, red, ebuf, sn, g, gn, q0, wo, c0, c1, fn, los, xs, zs, lses, dlt, dzn, cst, is32):  # pragma: no cover - compiled
+def _saved_rows(Sb, Pb, mrow_, red, ebuf, sn, g, gn, q0, wo, c0, c1, fn, los, xs, zs, lses, dlt, dzn, cst,
+                is32):  # pragma: no cover - compiled
     """:func:`backward_fused`'s element pass from the forward's saved scores ``sn = sbuf[n]``: rows ``g .. g + gn``,
     columns ``[c0, c1)`` (``Sb`` holds ``dP`` there): ``P`` into ``Pb``, ``scale · dS`` into ``Sb``, ``dz`` per row;
     columns outside a row's own reach ``[lo_i, i]`` get 0."""
@@ -642,9 +651,9 @@ def backward_fused(q, k, v, o, do, lse, z, lo, far, kp, xs, H, bq, cb, cst, is32
     ``dS = scale · m t`` (``t = e (dP - Δ)``, ``Δ = dO·O`` per row computed here), writes ``dQ = dS K`` and ``dz``
     of its rows, then accumulates ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` for the keys of its window. Within a chunk
     the blocks run in order, so the chunk owns the keys from its first query on: key rows ``[q0, q0 + bq)`` are
-    zeroed by their own block (no key before a block's first query... is reached by no earlier query) and
-    accumulated in place. Keys before the chunk's first query (the window of its first blocks) go to the chunk's
-    ``(far, D)`` spill rows; :func:`add_spill` adds them afterwards, in chunk order (deterministic, no atomics).
+    zeroed by their own block (an earlier query never reaches a later key) and accumulated in place. Keys
+    before the chunk's first query (the window of its first blocks) go to the chunk's ``(far, D)`` spill rows;
+    :func:`add_spill` adds them afterwards, in chunk order (deterministic, no atomics).
     With ``have_s`` the scaled scores come from the forward's ``sbuf`` (see :func:`forward`) instead of ``Q Kᵀ``:
     4 tile products per block instead of 5.
     Returns ``dq, dk, dv, dz, spill_k, spill_v``."""
