@@ -156,7 +156,8 @@ def test_direct_function_refuses_other_dtypes(qkv):
 
 
 def test_both_backward_routes_agree(qkv, monkeypatch):
-    """dQ / dz from the kept t (the default when it fits) and from recomputed scores give the same gradients."""
+    """The key-major route (FUSED_BACKWARD off): dQ / dz from the kept t (the default there when it fits) and from
+    recomputed scores give the same gradients, and the same as the fused query-major kernel."""
     from attnkit_adaptive.span import numba_band
 
     q, k, v = qkv(29, grad=True)
@@ -169,12 +170,108 @@ def test_both_backward_routes_agree(qkv, monkeypatch):
     def refuse(*a):
         raise AssertionError("this route must not run")
 
+    fused = grads()
+    monkeypatch.setattr(numba_band, "FUSED_BACKWARD", False)
     with monkeypatch.context() as m:
         m.setattr(numba_band.K, "backward_dq", refuse)
+        m.setattr(numba_band.K, "backward_fused", refuse)
         kept = grads()
     with monkeypatch.context() as m:
         m.setattr(numba_band, "T_BUFFER_MAX_BYTES", 0)
         m.setattr(numba_band.K, "backward_dq_from_t", refuse)
+        m.setattr(numba_band.K, "backward_fused", refuse)
         recomputed = grads()
-    for a, b in zip(kept, recomputed):
+    for a, b, c in zip(kept, recomputed, fused):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(c, b, atol=1e-12, rtol=1e-10)
+
+
+def _spy(monkeypatch):
+    """Record each kernel launch of the numba backend: ``[(kernel name, args), ...]``."""
+    from attnkit_adaptive.span import numba_band
+
+    calls = []
+    run = numba_band._run
+
+    def spy(kernel, items, *args):
+        calls.append((kernel.py_func.__name__, args))
+        return run(kernel, items, *args)
+
+    monkeypatch.setattr(numba_band, "_run", spy)
+    return calls
+
+
+@pytest.mark.parametrize("saved", [True, False])
+@pytest.mark.parametrize(("chunks", "bwd_block"), [(None, None), (3, None), (2, 5), (50, 3)])
+def test_fused_backward_equals_reference(qkv, monkeypatch, saved, chunks, bwd_block):
+    """The fused query-major backward against the float64 reference: scores kept by the forward or recomputed;
+    one chunk of query blocks per row or several (keys before a chunk go through its spill rows, spill windows
+    longer than a chunk included: 50 chunks of 3-row blocks under spans of 13); a backward block other than the
+    forward's; spans across blocks, odd length, poisoned padding, a row with no key."""
+    from attnkit_adaptive.span import numba_band
+
+    monkeypatch.setattr(numba_band, "FUSED_CHUNKS", chunks)
+    monkeypatch.setattr(numba_band, "FUSED_BLOCK", bwd_block)
+    if not saved:
+        monkeypatch.setattr(numba_band, "SCORES_MAX_BYTES", 0)
+    calls = _spy(monkeypatch)
+    L = 37
+    attn = _span([11.7, 13.2, 0.4], ramp=2.5, block_size=4)
+    q, k, v = qkv(L, H=3, grad=True)
+    kpm = torch.ones(2, L, dtype=torch.bool)
+    kpm[1, 3:9] = False
+    kpm[0, 0] = False
+    kp, vp = _poisoned(k, kpm, float("nan")), _poisoned(v, kpm, float("inf"))
+    out = attn(q, kp, vp, causal=True, key_padding_mask=kpm)
+    ref = reference(attn, q, k, v, mask=causal() & key_padding(kpm))
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    got = _grads(out, (q, kp, vp, attn.span_fraction))
+    want = _grads(ref, (q, k, v, attn.span_fraction))
+    for name, a, b in zip("q k v span".split(), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9, msg=lambda m, n=name: f"grad {n}: {m}")
+    names = [c[0] for c in calls]
+    assert names[0] == "forward" and names[1] == "backward_fused"
+    assert calls[0][1][-2] is saved and calls[1][1][-2] is saved  # the forward kept the scores; the backward read them
+    if chunks:
+        assert "add_spill" in names, names
+
+
+def test_fused_backward_head_size_64_and_per_query_spans(qkv, monkeypatch):
+    """D = E = 64 (the products' constant-width copy) and D = 64, E = 24; per-query spans (dynamic-span) with
+    spill chunks; float64 against the reference."""
+    from attnkit_adaptive.span import numba_band
+
+    monkeypatch.setattr(numba_band, "FUSED_CHUNKS", 3)
+    for E in (64, 24):
+        L = 70
+        q, k, v = qkv(L, B=1, D=64, E=E, grad=True, seed=E)
+        z = torch.rand(1, 2, L, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).mul(40)
+        z.requires_grad_()
+        out = span_band_attention_numba(q, k, v, z, 3.0, scale=0.125, block_size=8)
+        ref = _dense_span(q, k, v, z, 3.0, 0.125)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+        for a, b in zip(_grads(out, (q, k, v, z)), _grads(ref, (q, k, v, z))):
+            torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
+
+
+def _dense_span(q, k, v, z, ramp, scale):
+    """The soft-span attention written out densely (per-query spans ``z (B, H, L)``): the plain reference's route."""
+    L = q.shape[-2]
+    i = torch.arange(L, dtype=q.dtype)
+    x = i[:, None] - i[None, :]
+    m = ((ramp + z[..., None] - x) / ramp).clamp(0, 1) * (x >= 0)
+    s = torch.exp(q @ k.transpose(-1, -2) * scale - (q @ k.transpose(-1, -2) * scale).amax(-1, keepdim=True))
+    w = m * s
+    return (w / w.sum(-1, keepdim=True)) @ v
+
+
+def test_forward_keeps_no_scores_without_a_gradient(qkv, monkeypatch):
+    calls = _spy(monkeypatch)
+    q, k, v = qkv(20, grad=True)
+    z = torch.full((1, 2, 1), 4.0, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        span_band_attention_numba(q, k, v, z, 2.0, scale=0.3, block_size=4)
+    span_band_attention_numba(q.detach(), k.detach(), v.detach(), z.detach(), 2.0, scale=0.3, block_size=4)
+    span_band_attention_numba(q, k, v, z, 2.0, scale=0.3, block_size=4)
+    assert [c[1][-2] for c in calls] == [False, False, True]

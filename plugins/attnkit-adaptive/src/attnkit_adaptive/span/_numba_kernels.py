@@ -17,7 +17,8 @@ The element test, the same arithmetic as the plain reference
 ``m = min(num / R, 1)`` and the span gradient flows where ``num <= R`` (the
 clamp passes its gradient at its bounds, as torch's does).
 
-* :func:`forward`: ``prange`` over N x query blocks of ``bq`` rows. The
+* :func:`forward`: ``prange`` over N x query blocks of ``bq`` rows (with ``save``, each row's scaled scores over
+  its reach are kept for :func:`backward_fused`). The
   block's keys ``[min lo, q0 + bq)`` are visited in tiles of ``bk``; inside a
   tile each group of 4 query rows computes only the columns some row of the
   group reaches, scores ``Q Kᵀ`` and ``acc += P V`` as register-tiled axpy
@@ -25,6 +26,13 @@ clamp passes its gradient at its bounds, as torch's does).
   contiguous output row). Online softmax with the soft mask as a weight:
   ``acc += m·exp(s - M)·v``, ``l += m·exp(s - M)``. Stores ``out`` and
   ``lse = M + log l`` (+inf for a row with no key: its output is 0).
+* :func:`backward_fused` (the backward the wrapper runs): query-major, FlashAttention-2's order. Each query
+  block forms ``P``, ``dP = dO Vᵀ``, ``t`` and ``dS`` once (its scores read from what the forward kept, or
+  recomputed), writes ``dQ`` and ``dz`` of its rows and accumulates ``dK``, ``dV`` for the keys of its window
+  (:func:`_mm4t`, the product with ``A`` read transposed); a work item is a chunk of query blocks of one row,
+  in order, owning its keys; keys before the chunk go to spill rows (:func:`add_spill`). 4 tile products
+  per block with kept scores, 5 without.
+* The key-major route it replaced (kept for A/B runs and as a cross-check in the tests):
 * :func:`backward_dq`: query-major, recomputes ``e = exp(s - lse)``,
   ``dP = dO Vᵀ``, ``t = e (dP - Δ)``: ``dS = m t`` gives ``dQ``, and ``t / R``
   summed over the ramp's pairs gives ``dz`` per query (the derivative of the
@@ -112,14 +120,14 @@ def _exp_seg(row, red, ebuf, cst, is32):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _mm4(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover - compiled
+def _mm4_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, ne):  # pragma: no cover - compiled
     """``OUT[o0 + r, e] += sum_{t0 <= t < t1} A[a0 + r, t] · B[b0 + t, e]`` for ``r < n <= 4``, ``e0 <= e < e1``.
 
     4 rows x 4 terms per pass over the output row: each load of a ``B`` row feeds four output rows, each
     output row is loaded and stored once per four terms, and the innermost loop (over ``e``, contiguous,
     on slices from 0: see :func:`_exp_seg`) vectorises with no horizontal sum (~75 GFLOP/s float32 on a
-    64-wide row, one Zen 5 core, against ~16 with ``range(e0, e1)`` over whole rows)."""
-    ne = e1 - e0
+    64-wide row, one Zen 5 core, against ~16 with ``range(e0, e1)`` over whole rows). ``ne = e1 - e0``."""
+    e1 = e0 + ne
     if n == 4:
         oa = OUT[o0, e0:e1]; ob = OUT[o0 + 1, e0:e1]; oc = OUT[o0 + 2, e0:e1]; od = OUT[o0 + 3, e0:e1]
         ca = A[a0]; cb = A[a0 + 1]; cc = A[a0 + 2]; cd = A[a0 + 3]
@@ -150,6 +158,17 @@ def _mm4(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover - compil
                 p0 = ca[t]
                 for e in range(ne):
                     oa[e] += p0 * y[e]
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _mm4(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover - compiled
+    """``OUT[o0 + r, e] += sum_t A[a0 + r, t] · B[b0 + t, e]``: :func:`_mm4_body`. Output rows of 64 (the usual
+    head size) take a copy of the body with the width a compile-time constant: LLVM then unrolls the row into
+    whole vectors with no remainder or runtime checks (1.4-1.6x on 64-wide products in a micro-benchmark, one
+    core: 41-45 -> 59-74 GFLOP/s; splitting wider rows into constant 32- or 48-wide pieces did not pay)."""
+    if e1 - e0 == 64:
+        _mm4_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, 64)
+    else:
+        _mm4_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1 - e0)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -202,7 +221,10 @@ def _group_cols(los, q0, g, gn, t0, kn):  # pragma: no cover - compiled
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover - compiled
+def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32, far, save, sbuf):  # pragma: no cover - compiled
+    """With ``save``, also keeps every row's scaled scores (``-inf`` where the pair does not count) over its own
+    reach, ``sbuf[n, i, j - i + far[n]] = s_ij`` for ``lo_i <= j <= i`` (``sbuf (N, L, max far + 1)``), for
+    :func:`backward_fused` (which then skips its ``Q Kᵀ`` product)."""
     N, L, D = q.shape
     E = v.shape[2]
     NQ = (L + bq - 1) // bq
@@ -215,6 +237,7 @@ def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover -
         q0 = qb * bq
         qn = min(bq, L - q0)
         qs = q[n]; ks = k[n]; vs = v[n]; zs = z[n]; los = lo[n]
+        fn = far[n]
         klo = q0
         for r in range(qn):
             klo = min(klo, los[q0 + r])
@@ -246,6 +269,12 @@ def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32):  # pragma: no cover -
                     i = q0 + r
                     srow = Sc[r, c0:c1]; mrow = Mw[r, c0:c1]
                     _query_row_weights(srow, mrow, xs[i], xk_t[c0:c1], R + zs[i], kp_t[c0:c1], cst)
+                    if save:
+                        ja = max(los[i], t0 + c0); jb = min(i + 1, t0 + c1)
+                        if jb > ja:
+                            dst = sbuf[n, i, ja - i + fn:jb - i + fn]; src = srow[ja - t0 - c0:jb - t0 - c0]
+                            for c in range(jb - ja):
+                                dst[c] = src[c]
                     m_t = ninf
                     for c in range(nc):
                         sc_ = srow[c]
@@ -503,3 +532,260 @@ def backward_dq_from_t(k, tbuf, kl, z, lo, kp, xs, H, bq, cst):  # pragma: no co
             for d in range(D):
                 dqr[d] = ar[d] * sc
     return dq, dz
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _mm4t_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, ne):  # pragma: no cover - compiled
+    """``OUT[o0 + r, e] += sum_{t0 <= t < t1} A[t, a0 + r] · B[b0 + t, e]`` for ``r < n <= 4``, ``e0 <= e < e1``:
+    :func:`_mm4` with ``A`` read transposed (its 4 x 4 coefficients per pass are 4 rows of 4 adjacent columns),
+    so a product ``Aᵀ B`` needs no transposed copy of ``A``. ``ne = e1 - e0``."""
+    e1 = e0 + ne
+    if n == 4:
+        oa = OUT[o0, e0:e1]; ob = OUT[o0 + 1, e0:e1]; oc = OUT[o0 + 2, e0:e1]; od = OUT[o0 + 3, e0:e1]
+        t4 = t1 - (t1 - t0) % 4
+        for t in range(t0, t4, 4):
+            y0 = B[b0 + t, e0:e1]; y1 = B[b0 + t + 1, e0:e1]; y2 = B[b0 + t + 2, e0:e1]; y3 = B[b0 + t + 3, e0:e1]
+            x0 = A[t, a0:a0 + 4]; x1 = A[t + 1, a0:a0 + 4]; x2 = A[t + 2, a0:a0 + 4]; x3 = A[t + 3, a0:a0 + 4]
+            p0 = x0[0]; p1 = x1[0]; p2 = x2[0]; p3 = x3[0]
+            r0 = x0[1]; r1 = x1[1]; r2 = x2[1]; r3 = x3[1]
+            s0 = x0[2]; s1 = x1[2]; s2 = x2[2]; s3 = x3[2]
+            u0 = x0[3]; u1 = x1[3]; u2 = x2[3]; u3 = x3[3]
+            for e in range(ne):
+                w0 = y0[e]; w1 = y1[e]; w2 = y2[e]; w3 = y3[e]
+                oa[e] += p0 * w0 + p1 * w1 + p2 * w2 + p3 * w3
+                ob[e] += r0 * w0 + r1 * w1 + r2 * w2 + r3 * w3
+                oc[e] += s0 * w0 + s1 * w1 + s2 * w2 + s3 * w3
+                od[e] += u0 * w0 + u1 * w1 + u2 * w2 + u3 * w3
+        for t in range(t4, t1):
+            y = B[b0 + t, e0:e1]
+            x0 = A[t, a0:a0 + 4]
+            p0 = x0[0]; r0 = x0[1]; s0 = x0[2]; u0 = x0[3]
+            for e in range(ne):
+                w = y[e]
+                oa[e] += p0 * w; ob[e] += r0 * w; oc[e] += s0 * w; od[e] += u0 * w
+    else:
+        for r in range(n):
+            oa = OUT[o0 + r, e0:e1]
+            for t in range(t0, t1):
+                y = B[b0 + t, e0:e1]
+                p0 = A[t, a0 + r]
+                for e in range(ne):
+                    oa[e] += p0 * y[e]
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _mm4t(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover - compiled
+    """``OUT[o0 + r, e] += sum_t A[t, a0 + r] · B[b0 + t, e]``: :func:`_mm4t_body`. Output rows of 64 (the usual
+    head size) take a copy of the body with the width a compile-time constant: LLVM then unrolls the row into
+    whole vectors with no remainder or runtime checks (1.4-1.6x on 64-wide products in a micro-benchmark, one
+    core: 41-45 -> 59-74 GFLOP/s; splitting wider rows into constant 32- or 48-wide pieces did not pay)."""
+    if e1 - e0 == 64:
+        _mm4t_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, 64)
+    else:
+        _mm4t_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1 - e0)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _dkdv_keys(dk, dv, k_off, j_lo, j_hi, wo, q0, qn, fn, P, dS, qs, dos, D, E):  # pragma: no cover - compiled
+    """``dV[j] += Σ_i P[i, j] dO[i]``, ``dK[j] += Σ_i dS[i, j] Q[i]`` for the keys ``j_lo <= j < j_hi`` in groups of
+    4 (written at rows ``j - k_off`` of ``dk`` / ``dv``), over the block's queries each group can reach
+    (``j <= i < j + 4 + far``); ``P`` and ``dS`` are the block's ``(query row, key - wo)`` tiles."""
+    for j0 in range(j_lo, j_hi, 4):
+        gn = min(4, j_hi - j0)
+        t0 = max(j0 - q0, 0)
+        t1 = min(j0 + gn + fn - q0, qn)
+        if t1 <= t0:
+            continue
+        _mm4t(dv, j0 - k_off, gn, P, j0 - wo, dos, q0, t0, t1, 0, E)
+        _mm4t(dk, j0 - k_off, gn, dS, j0 - wo, qs, q0, t0, t1, 0, D)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _saved_rows(Sb, Pb, mrow_, red, ebuf, sn, g, gn, q0, wo, c0, c1, fn, los, xs, zs, lses, dlt, dzn, cst,
+                is32):  # pragma: no cover - compiled
+    """:func:`backward_fused`'s element pass from the forward's saved scores ``sn = sbuf[n]``: rows ``g .. g + gn``,
+    columns ``[c0, c1)`` (``Sb`` holds ``dP`` there): ``P`` into ``Pb``, ``scale · dS`` into ``Sb``, ``dz`` per row;
+    columns outside a row's own reach ``[lo_i, i]`` get 0."""
+    R = cst[_RAMP]; sc = cst[_SC]; zero = R * 0; one = R / R
+    for r in range(g, g + gn):
+        i = q0 + r
+        a = los[i] - wo; b = i + 1 - wo                  # the row's own reach, within [c0, c1)
+        if b < a:
+            b = a
+        pz = Pb[r]; sz = Sb[r]
+        for c in range(c0, a):
+            pz[c] = zero; sz[c] = zero
+        for c in range(b, c1):
+            pz[c] = zero; sz[c] = zero
+        nc = b - a
+        if nc == 0:
+            dzn[i] = zero
+            continue
+        srow = Pb[r, a:b]; prow = Sb[r, a:b]; mrow = mrow_[:nc]
+        src = sn[i, wo + a - i + fn:wo + b - i + fn]
+        xk = xs[wo + a:wo + b]
+        xi = xs[i]
+        rz = R + zs[i]
+        li = lses[i]
+        di = dlt[r]
+        for c in range(nc):
+            srow[c] = src[c] - li
+            mrow[c] = min((rz - (xi - xk[c])) / R, one)   # used only where the pair counts (e > 0 there)
+        _exp_seg(srow, red, ebuf, cst, is32)
+        gz = zero
+        for c in range(nc):
+            e_ = srow[c]
+            tt = e_ * (prow[c] - di)
+            gz += tt if rz - (xi - xk[c]) <= R else zero
+            srow[c] = e_ * mrow[c]
+            prow[c] = (sc * mrow[c]) * tt
+        dzn[i] = gz / R
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
+def backward_fused(q, k, v, o, do, lse, z, lo, far, kp, xs, H, bq, cb, cst, is32, have_s,
+                   sbuf):  # pragma: no cover - compiled
+    """``dQ``, ``dK``, ``dV`` and ``dz`` in one query-major pass (FlashAttention-2's order), no kept ``t``.
+
+    Work item: a chunk of ``cb`` query blocks of one row ``n``, in order. Each block recomputes its scores and
+    ``dP = dO Vᵀ`` once per group of 4 query rows over the columns the group reaches, forms ``P = m e`` and
+    ``dS = scale · m t`` (``t = e (dP - Δ)``, ``Δ = dO·O`` per row computed here), writes ``dQ = dS K`` and ``dz``
+    of its rows, then accumulates ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` for the keys of its window. Within a chunk
+    the blocks run in order, so the chunk owns the keys from its first query on: key rows ``[q0, q0 + bq)`` are
+    zeroed by their own block (an earlier query never reaches a later key) and accumulated in place. Keys
+    before the chunk's first query (the window of its first blocks) go to the chunk's ``(far, D)`` spill rows;
+    :func:`add_spill` adds them afterwards, in chunk order (deterministic, no atomics).
+    With ``have_s`` the scaled scores come from the forward's ``sbuf`` (see :func:`forward`) instead of ``Q Kᵀ``:
+    4 tile products per block instead of 5.
+    Returns ``dq, dk, dv, dz, spill_k, spill_v``."""
+    N, L, D = q.shape
+    E = v.shape[2]
+    NQ = (L + bq - 1) // bq
+    NC = (NQ + cb - 1) // cb
+    fmax = 0
+    for n in range(N):
+        fmax = max(fmax, far[n])
+    SP = fmax
+    WM = fmax + bq + 8                                    # the widest window, plus the score products' rounding
+    dq = np.empty((N, L, D), dtype=q.dtype)
+    dk = np.empty((N, L, D), dtype=q.dtype)
+    dv = np.empty((N, L, E), dtype=q.dtype)
+    dz = np.empty((N, L), dtype=q.dtype)
+    spk = np.zeros((N * NC, SP, D), dtype=q.dtype)
+    spv = np.zeros((N * NC, SP, E), dtype=q.dtype)
+    R = cst[_RAMP]; sc = cst[_SC]; zero = R * 0
+    for it in numba.prange(N * NC):
+        n = it // NC; ch = it % NC
+        kpb = kp[(n // H) % kp.shape[0]]
+        qs = q[n]; ks = k[n]; vs = v[n]; os_ = o[n]; dos = do[n]; zs = z[n]; los = lo[n]; lses = lse[n]
+        dks = dk[n]; dvs = dv[n]
+        fn = far[n]
+        cs = ch * cb * bq
+        ce = min(L, cs + cb * bq)
+        KT = np.zeros((D, WM), dtype=q.dtype)
+        VT = np.zeros((E, WM), dtype=q.dtype)
+        Pb = np.empty((bq, WM), dtype=q.dtype)
+        Sb = np.empty((bq, WM), dtype=q.dtype)
+        mrow_ = np.empty(WM, dtype=q.dtype)
+        red = np.empty(WM, dtype=q.dtype)
+        ebuf = np.empty(WM, dtype=np.int32)
+        acc = np.empty((bq, D), dtype=q.dtype)
+        dlt = np.empty(bq, dtype=q.dtype)
+        for q0 in range(cs, ce, bq):
+            qn = min(bq, L - q0)
+            klo = q0
+            for r in range(qn):
+                klo = min(klo, los[q0 + r])
+            wo = klo
+            W = q0 + qn - wo
+            if not have_s:
+                _transpose(ks, wo, W, KT)
+            _transpose(vs, wo, W, VT)
+            for r in range(qn):
+                i = q0 + r
+                orow = os_[i]; drow = dos[i]
+                s = zero
+                for e in range(E):
+                    s += orow[e] * drow[e]
+                dlt[r] = s
+            _zero(acc, 0, qn, 0, D, zero)
+            _zero(dks, q0, qn, 0, D, zero)      # this block's own keys: first reached here
+            _zero(dvs, q0, qn, 0, E, zero)
+            for g in range(0, qn, 4):
+                gn = min(4, qn - g)
+                c0, c1 = _group_cols(los, q0, g, gn, wo, W)
+                if c1 > c0:
+                    nc = c1 - c0
+                    r0, r1 = _round8(c0, c1, WM)
+                    if not have_s:
+                        _zero(Pb, g, gn, r0, r1, zero)
+                        _mm4(Pb, g, gn, qs, q0 + g, KT, 0, 0, D, r0, r1)
+                    _zero(Sb, g, gn, r0, r1, zero)
+                    _mm4(Sb, g, gn, dos, q0 + g, VT, 0, 0, E, r0, r1)
+                    xk = xs[wo + c0:wo + c1]; kpk = kpb[wo + c0:wo + c1]
+                    mrow = mrow_[:nc]
+                    if have_s:
+                        _saved_rows(Sb, Pb, mrow_, red, ebuf, sbuf[n], g, gn, q0, wo, c0, c1, fn, los, xs, zs, lses,
+                                    dlt, dz[n], cst, is32)
+                    else:
+                        for r in range(g, g + gn):
+                            i = q0 + r
+                            srow = Pb[r, c0:c1]; prow = Sb[r, c0:c1]
+                            rz = R + zs[i]
+                            xi = xs[i]
+                            _query_row_weights(srow, mrow, xi, xk, rz, kpk, cst)
+                            li = lses[i]
+                            di = dlt[r]
+                            for c in range(nc):
+                                srow[c] = srow[c] - li
+                            _exp_seg(srow, red, ebuf, cst, is32)
+                            gz = zero
+                            for c in range(nc):
+                                e_ = srow[c]
+                                tt = e_ * (prow[c] - di)          # d out / d m_ij (0 where the pair does not count)
+                                gz += tt if rz - (xi - xk[c]) <= R else zero
+                                srow[c] = e_ * mrow[c]            # P_ij
+                                prow[c] = (sc * mrow[c]) * tt     # scale · dS_ij
+                            dz[n, i] = gz / R
+                    _mm4(acc, g, gn, Sb[:, c0:c1], g, ks[wo + c0:wo + c1], 0, 0, nc, 0, D)
+                else:
+                    c0 = c1 = 0
+                    for r in range(g, g + gn):
+                        dz[n, q0 + r] = zero
+                # the key groups below read row i at keys (i - far - 4, i + 4): zero what the group did not compute
+                for r in range(g, g + gn):
+                    i = q0 + r
+                    rd0 = max(i - fn - 3 - wo, 0)
+                    rd1 = min(i + 4 - wo, W)
+                    pz = Pb[r]; sz = Sb[r]
+                    for c in range(rd0, min(c0, rd1)):
+                        pz[c] = zero; sz[c] = zero
+                    for c in range(max(c1, rd0), rd1):
+                        pz[c] = zero; sz[c] = zero
+            for r in range(qn):
+                dqr = dq[n, q0 + r]; ar = acc[r]
+                for d in range(D):
+                    dqr[d] = ar[d]
+            if wo < cs:   # keys before the chunk: its spill rows
+                _dkdv_keys(spk[it], spv[it], cs - SP, wo, cs, wo, q0, qn, fn, Pb, Sb, qs, dos, D, E)
+            _dkdv_keys(dks, dvs, 0, max(wo, cs), q0 + qn, wo, q0, qn, fn, Pb, Sb, qs, dos, D, E)
+    return dq, dk, dv, dz, spk, spv
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def add_spill(dk, dv, spk, spv, bq, cb):  # pragma: no cover - compiled
+    """Add :func:`backward_fused`'s spill rows into ``dk`` / ``dv``: per row ``n``, the chunks in order."""
+    N, L, D = dk.shape
+    E = dv.shape[2]
+    SP = spk.shape[1]
+    NC = spk.shape[0] // N
+    for n in numba.prange(N):
+        for ch in range(1, NC):
+            it = n * NC + ch
+            cs = ch * cb * bq
+            for r in range(SP):
+                j = cs - SP + r
+                if j >= 0:
+                    for d in range(D):
+                        dk[n, j, d] += spk[it, r, d]
+                    for e in range(E):
+                        dv[n, j, e] += spv[it, r, e]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.numba_pool import run_parallel, start_pool
+from attnkit.numba_pool import kernel_threads, run_parallel, start_pool
 
 __all__ = ["span_band_attention_numba"]
 
@@ -35,6 +35,15 @@ from . import _numba_kernels as K  # noqa: E402  -- after the pool started with 
 #: the backward keeps t_ij = e_ij (dP_ij - Δ_i) of the band (B·H·L·(far + block) floats) for dQ and the
 #: span gradient when it fits in this many bytes (5 tile products instead of 7); above, dQ recomputes them
 T_BUFFER_MAX_BYTES = 512 << 20
+
+#: the backward in one query-major kernel (:func:`._numba_kernels.backward_fused`) instead of key-major dK / dV
+#: and then dQ; FUSED_CHUNKS: query-block chunks per row (None: about 4 work items per thread)
+FUSED_BACKWARD = True
+FUSED_CHUNKS: int | None = None
+FUSED_BLOCK: int | None = None
+#: the forward keeps each row's scores over its reach (B·H·L·(far + 1) floats) for the fused backward when they fit
+#: in this many bytes (4 tile products per query block instead of 5); above, the backward recomputes Q Kᵀ
+SCORES_MAX_BYTES = 512 << 20
 
 
 def _run(kernel: Any, items: int, *args: Any) -> Any:
@@ -54,7 +63,7 @@ def _flat(x: Tensor) -> np.ndarray:
 class _SpanBand(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float, scale: float,
-                kpm: Tensor | None, bq: int, bk: int) -> Tensor:
+                kpm: Tensor | None, bq: int, bk: int, grad: bool) -> Tensor:
         B, H, L, D = q.shape
         E = v.shape[-1]
         zf = z.detach().to(q.dtype).expand(B, H, L).contiguous()
@@ -72,8 +81,11 @@ class _SpanBand(torch.autograd.Function):
         cst = K.constants(_np(qs).dtype, float(ramp), float(scale))
         f32 = q.dtype == torch.float32
         nq = -(-L // bq)
+        fmax = int(far.max()) if far.numel() else 0
+        save = FUSED_BACKWARD and grad and B * H * L * (fmax + 1) * q.element_size() <= SCORES_MAX_BYTES
+        sbuf = np.empty((B * H, L, fmax + 1) if save else (1, 1, 1), dtype=cst.dtype)
         out, lse = _run(K.forward, B * H * nq, _flat(qs), _flat(k), _flat(v), _flat(zf),
-                        _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32)
+                        _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32, _np(far), save, sbuf)
         out_t = torch.from_numpy(out).view(B, H, L, E)
         nan_z = torch.isnan(zf)
         if bool(nan_z.any()):  # a NaN span (dynamic-span predicts it from a NaN query): NaN in, NaN out
@@ -81,6 +93,7 @@ class _SpanBand(torch.autograd.Function):
         ctx.save_for_backward(qs, k.detach(), v.detach(), zf, lo, far, kp, xs, out_t,
                               torch.from_numpy(lse))
         ctx.meta = (scale, float(ramp), bq, bk, tuple(z.shape))
+        ctx.sbuf = sbuf if save else None
         return out_t
 
     @staticmethod
@@ -90,9 +103,26 @@ class _SpanBand(torch.autograd.Function):
         B, H, L, D = qs.shape
         E = v.shape[-1]
         g = g.contiguous()
-        delta = (g * out).sum(-1)
         cst = K.constants(_np(qs).dtype, ramp, scale)
         f32 = qs.dtype == torch.float32
+        if FUSED_BACKWARD:
+            sbuf = ctx.sbuf if ctx.sbuf is not None else np.empty((1, 1, 1), dtype=cst.dtype)
+            bq = FUSED_BLOCK or bq
+            nqb = -(-L // bq)
+            nc = FUSED_CHUNKS or min(nqb, max(1, -(-4 * kernel_threads() // (B * H))))
+            cb = -(-nqb // nc)
+            dq_a, dk_a, dv_a, dz_a, spk, spv = _run(K.backward_fused, B * H * -(-nqb // cb), _flat(qs), _flat(k),
+                                                    _flat(v), _flat(out), _flat(g), _np(lse), _flat(zf), _flat(lo),
+                                                    _np(far), _np(kp), _np(xs), H, bq, cb, cst, f32,
+                                                    ctx.sbuf is not None, sbuf)
+            if spk.shape[0] > B * H and spk.shape[1] > 0:
+                _run(K.add_spill, B * H, dk_a, dv_a, spk, spv, bq, cb)
+            dq = torch.from_numpy(dq_a).view(B, H, L, D) if ctx.needs_input_grad[0] else None
+            dk = torch.from_numpy(dk_a).view(B, H, L, D) if ctx.needs_input_grad[1] else None
+            dv = torch.from_numpy(dv_a).view(B, H, L, E) if ctx.needs_input_grad[2] else None
+            dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape) if ctx.needs_input_grad[3] else None
+            return dq, dk, dv, dz, None, None, None, None, None, None
+        delta = (g * out).sum(-1)
         args = (_flat(qs), _flat(k), _flat(v), _flat(g), _np(lse), _flat(delta), _flat(zf))
         dq = dz = dk = dv = None
         want_qz = ctx.needs_input_grad[0] or ctx.needs_input_grad[3]
@@ -120,7 +150,7 @@ class _SpanBand(torch.autograd.Function):
                 dq_a, dz_a = _run(K.backward_dq, B * H * nq, *args, _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32)
             dq = torch.from_numpy(dq_a).view(B, H, L, D)
             dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape)
-        return dq, dk, dv, dz, None, None, None, None, None
+        return dq, dk, dv, dz, None, None, None, None, None, None
 
 
 def span_band_attention_numba(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float, *, scale: float,
@@ -154,4 +184,5 @@ def span_band_attention_numba(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: 
                          f"q {q.dtype} on {q.device}, k {k.dtype}, v {v.dtype}")
     bq = int(block_size)
     bk = int(key_block or block_size)
-    return _SpanBand.apply(q, k, v, z, float(ramp), float(scale), key_padding_mask, bq, bk)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, z))
+    return _SpanBand.apply(q, k, v, z, float(ramp), float(scale), key_padding_mask, bq, bk, grad)
