@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -29,8 +31,10 @@ from attnkit_sparse.engine import _numba_kernels as NEW  # noqa: E402
 
 
 def load(path: str):
-    spec = importlib.util.spec_from_file_location("old_kernels", path)
+    name = "bench_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod   # numba's cache finds the module of a cached function by name
     spec.loader.exec_module(mod)
     return mod
 
@@ -53,9 +57,10 @@ def steps(K, a: dict) -> dict:
                                              items=a["N"] * a["nq"]),
     }
     if hasattr(K, "backward_heads"):
+        span = (a["span"],) if "span" in inspect.signature(K.backward_heads.py_func).parameters else ()
         out["fused heads"] = lambda: run_parallel(K.backward_heads, a["q"], a["k"], a["v"], a["g"], *stats,
-                                                  a["q_count"], a["q_idx"], a["q_tile"], a["bank"], bq, bk, a["cst"],
-                                                  a["f32"], a["qT"], a["gT"], items=a["N"])
+                                                  a["q_count"], a["q_idx"], a["q_tile"], a["bank"], *span, bq, bk,
+                                                  a["cst"], a["f32"], a["qT"], a["gT"], items=a["N"])
     return out
 
 
