@@ -308,9 +308,25 @@ def test_numba_backward_without_the_ds_buffer(monkeypatch):
     """Above DS_BUFFER_MAX_BYTES the backward recomputes the probabilities for dQ: same gradients."""
     from attnkit_sparse.engine import numba_ops
     monkeypatch.setattr(numba_ops, "DS_BUFFER_MAX_BYTES", 0)
+    monkeypatch.setattr(numba_ops, "FUSED_BACKWARD", False)
     for case in ("causal_window", "random_per_head", "empty_rows", "block_16x32"):
         L, S, make, kw = CASES[case]
         agree("numba", *inputs(L, S), make(), **kw)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_numba_backward_one_kernel_per_sequence_and_the_two_kernel_path(monkeypatch, fused):
+    """Both backward paths (``backward_heads``: dQ, dK, dV per sequence in one kernel; ``backward_dkdv`` then dQ from
+    the dS buffer) match the reference, ragged lengths, padding and empty rows included."""
+    from attnkit_sparse.engine import numba_ops
+    monkeypatch.setattr(numba_ops, "FUSED_BACKWARD", fused)
+    calls = []
+    for name in ("backward_heads", "backward_dkdv"):
+        kernel = getattr(numba_ops.K, name)
+        monkeypatch.setattr(numba_ops.K, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    for L, S, make, kw in CASES.values():
+        agree("numba", *inputs(L, S), make(), **kw)
+    assert calls and set(calls) == {"backward_heads" if fused else "backward_dkdv"}
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])

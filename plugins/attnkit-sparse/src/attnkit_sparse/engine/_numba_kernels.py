@@ -463,3 +463,100 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
         dk[n, k0:k0 + kn] = dka[:kn]
         dv[n, k0:k0 + kn] = dva[:kn]
     return dk, dv
+
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def _backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, bank, bq, bk, cst, is32, dqs, dks,
+                       dvs):  # pragma: no cover - compiled
+    """:func:`backward_heads` for one sequence (a function of its own: the same loops inlined in the
+    ``prange`` body compiled to code twice as slow, measured)."""
+    L, D = qs.shape
+    S = ks.shape[0]
+    E = vs.shape[1]
+    NK = qc.shape[0]
+    zero = cst[_HALF] - cst[_HALF]   # float32 for float32 (cst[_SC] * 0 would be float64)
+    sc = cst[_SC]
+    QT = np.zeros((D, bq), dtype=qs.dtype)
+    OT = np.zeros((E, bq), dtype=qs.dtype)
+    ST = np.empty((bk, bq), dtype=qs.dtype)     # scores / probabilities, key-major (keys x queries)
+    dPT = np.empty((bk, bq), dtype=qs.dtype)
+    nbuf = np.empty(bq, dtype=np.int32)
+    dqa = np.empty((bq, D), dtype=qs.dtype)
+    for i in range(L):
+        r = dqs[i]
+        for d in range(D):
+            r[d] = zero
+    for kb in range(NK):
+        k0 = kb * bk
+        kn = min(bk, S - k0)
+        dka = dks[k0:k0 + kn]
+        dva = dvs[k0:k0 + kn]
+        for j in range(kn):
+            a = dka[j]
+            for d in range(D):
+                a[d] = zero
+            b = dva[j]
+            for e in range(E):
+                b[e] = zero
+        for c in range(qc[kb]):
+            qb = qi[kb, c]; t = qt[kb, c]
+            q0 = qb * bq
+            qn = min(bq, L - q0)
+            for d in range(D):
+                src = qTs[d, q0:q0 + qn]
+                dst = QT[d]
+                for i in range(qn):
+                    dst[i] = src[i]
+            for e in range(E):
+                src = doTs[e, q0:q0 + qn]
+                dst = OT[e]
+                for i in range(qn):
+                    dst[i] = src[i]
+            _dots(ks, k0, kn, QT, ST, zero)
+            if t >= 0:
+                _apply_tile_mask(ST, kn, qn, bank, t, True)
+            lr = lr_all[q0:q0 + qn]
+            dl = dl_all[q0:q0 + qn]
+            for j in range(kn):
+                row = ST[j, :qn]
+                _exp_into(row, sc, lr, zero, row, nbuf, cst, is32)
+            _axpy(dva, kn, ST, dos, q0, qn)
+            _dots(vs, k0, kn, OT, dPT, zero)
+            for j in range(kn):
+                for i in range(qn):
+                    dPT[j, i] = ST[j, i] * (dPT[j, i] - dl[i]) * sc
+            _axpy(dka, kn, dPT, qs, q0, qn)
+            for i in range(qn):
+                a = dqa[i]
+                for d in range(D):
+                    a[d] = zero
+            for g in range(0, qn, 4):
+                _axpy_t(dqa, g, min(4, qn - g), dPT, ks, k0, 0, kn)
+            for i in range(qn):
+                ri = dqs[q0 + i]
+                ai = dqa[i]
+                for d in range(D):
+                    ri[d] += ai[d]
+
+
+@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
+def backward_heads(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, bank, bq, bk, cst, is32,
+                   qT, doT):  # pragma: no cover - compiled
+    """``dQ``, ``dK``, ``dV`` in one pass, ``prange`` over the N = B·H sequences: a worker owns a whole
+    sequence, so besides :func:`backward_dkdv`'s key-major ``dK``, ``dV`` it adds ``scale·dS K`` into that
+    sequence's ``dQ`` rows while the ``dS`` tile is in cache (no ``ds`` buffer written and read back, no
+    second kernel). Key blocks ascending: the sums run in a fixed order (deterministic). Meant for
+    ``N`` large enough against the threads (one chunk of sequences per thread)."""
+    N, L, D = q.shape
+    S = k.shape[1]
+    E = v.shape[2]
+    Bp, Hp, NK = q_count.shape
+    dq = np.empty((N, L, D), dtype=q.dtype)
+    dk = np.empty((N, S, D), dtype=q.dtype)
+    dv = np.empty((N, S, E), dtype=q.dtype)
+    for n in numba.prange(N):
+        bi = (n // H) % Bp; hi = (n % H) % Hp
+        _backward_sequence(q[n], k[n], v[n], do[n], qT[n], doT[n], lse[n], delta[n], q_count[bi, hi],
+                           q_idx[bi, hi], q_tile[bi, hi], bank, bq, bk, cst, is32, dq[n], dk[n], dv[n])
+    return dq, dk, dv

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.numba_pool import run_parallel, start_pool
+from attnkit.numba_pool import kernel_threads, run_parallel, start_pool
 
 from .plan import BlockPlan
 
@@ -29,6 +29,17 @@ NAMESPACE = "attnkit_sparse"
 #: the backward keeps scale·dS per tile (tiles·BQ·BK floats) for dQ when it fits in this many bytes;
 #: above it, dQ recomputes the probabilities instead (two more tile products and an exp per tile)
 DS_BUFFER_MAX_BYTES = 1 << 30
+
+#: one fused backward kernel per sequence (``backward_heads``: dQ from each dS tile while it is in cache,
+#: no dS buffer) when the B·H sequences spread evenly over the threads: "auto", True or False
+FUSED_BACKWARD: str | bool = "auto"
+
+
+def _fused(n: int) -> bool:
+    if FUSED_BACKWARD != "auto":
+        return bool(FUSED_BACKWARD)
+    t = kernel_threads()
+    return n % t == 0 or n >= 4 * t
 
 
 start_pool()
@@ -88,6 +99,12 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     stats = (_arr(lse.reshape(B * H, L)), _arr(delta.reshape(B * H, L)), H)
     bank_a = _arr(bank)
     nq = kv_idx.shape[-2]
+    qT, gT = np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1))
+    if _fused(B * H):
+        dq, dk, dv = _run(K.backward_heads, B * H, qa, ka, va, ga, *stats, _arr(q_count), _arr(q_idx), _arr(q_tile),
+                          bank_a, bq, bk, cst, f32, qT, gT)
+        return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
+                torch.from_numpy(dv).view(B, H, S, E))
     # compact dS buffer: the visited tiles of each query block one after another (a pattern with a few
     # global rows visits NK tiles there and few elsewhere; NQ x max(count) would grow like L^2)
     counts = kv_count.to(torch.int64)
@@ -97,8 +114,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     ds = np.empty((B * H, tiles, bk, bq) if keep_ds else (0, 1, 1, 1), dtype=qa.dtype)
     off_a = _arr(ds_off)
     dk, dv = _run(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, _arr(q_count), _arr(q_idx),
-                  _arr(q_tile), _arr(q_slot), bank_a, bq, bk, cst, f32, ds, off_a,
-                  np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1)))
+                  _arr(q_tile), _arr(q_slot), bank_a, bq, bk, cst, f32, ds, off_a, qT, gT)
     if keep_ds:
         dq = _run(K.backward_dq_from_ds, B * H * nq, ka, ds, off_a, L, H, _arr(kv_count), _arr(kv_idx), bq, bk)
     else:
