@@ -26,8 +26,8 @@ import torch  # noqa: E402
 
 from attnkit import masks  # noqa: E402
 from attnkit.numba_pool import run_parallel  # noqa: E402
-from attnkit_sparse.engine import numba_ops, plan  # noqa: E402
 from attnkit_sparse.engine import _numba_kernels as NEW  # noqa: E402
+from attnkit_sparse.engine import numba_ops, plan  # noqa: E402
 
 
 def load(path: str):
