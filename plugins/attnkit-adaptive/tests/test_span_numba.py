@@ -37,6 +37,25 @@ def _poisoned(t, kpm, value):
     return t.detach().masked_fill(~kpm[:, None, :, None], value).requires_grad_()
 
 
+def _check_poisoned_against_reference(attn, qkv, L):
+    """``attn`` (causal, key padding with NaN / Inf in the padded keys / values) against the dense float64
+    reference: outputs and the gradients of q, k, v and the spans (finite, equal); returns those gradients."""
+    q, k, v = qkv(L, H=3, grad=True)
+    kpm = torch.ones(2, L, dtype=torch.bool)
+    kpm[1, 3:9] = False
+    kpm[0, 0] = False
+    kp, vp = _poisoned(k, kpm, float("nan")), _poisoned(v, kpm, float("inf"))
+    out = attn(q, kp, vp, causal=True, key_padding_mask=kpm)
+    ref = reference(attn, q, k, v, mask=causal() & key_padding(kpm))
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    got = _grads(out, (q, kp, vp, attn.span_fraction))
+    want = _grads(ref, (q, k, v, attn.span_fraction))
+    for name, a, b in zip("q k v span".split(), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9, msg=lambda m, n=name: f"grad {n}: {m}")
+    return got
+
+
 def test_auto_backend_is_numba_on_cpu(qkv):
     attn = attnkit.build("adaptive-span", num_heads=2, max_span=16)
     q, _, _ = qkv(5)
@@ -51,19 +70,7 @@ def test_numba_equals_reference_float64_with_poisoned_padding(qkv, block_size, L
     cross query blocks; integer spans put pairs exactly on the ramp's upper bound (num == R)."""
     ramp = 2.0 if spans[0] == 3.0 else 2.5
     attn = _span(spans, ramp=ramp, block_size=block_size)
-    q, k, v = qkv(L, H=3, grad=True)
-    kpm = torch.ones(2, L, dtype=torch.bool)
-    kpm[1, 3:9] = False
-    kpm[0, 0] = False
-    kp, vp = _poisoned(k, kpm, float("nan")), _poisoned(v, kpm, float("inf"))
-    out = attn(q, kp, vp, causal=True, key_padding_mask=kpm)
-    ref = reference(attn, q, k, v, mask=causal() & key_padding(kpm))
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    got = _grads(out, (q, kp, vp, attn.span_fraction))
-    want = _grads(ref, (q, k, v, attn.span_fraction))
-    for name, a, b in zip("q k v span".split(), got, want):
-        assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9, msg=lambda m, n=name: f"grad {n}: {m}")
+    got = _check_poisoned_against_reference(attn, qkv, L)
     assert got[3].abs().min() > 0  # every head's span learns
 
 
@@ -215,21 +222,7 @@ def test_fused_backward_equals_reference(qkv, monkeypatch, saved, chunks, bwd_bl
     if not saved:
         monkeypatch.setattr(numba_band, "SCORES_MAX_BYTES", 0)
     calls = _spy(monkeypatch)
-    L = 37
-    attn = _span([11.7, 13.2, 0.4], ramp=2.5, block_size=4)
-    q, k, v = qkv(L, H=3, grad=True)
-    kpm = torch.ones(2, L, dtype=torch.bool)
-    kpm[1, 3:9] = False
-    kpm[0, 0] = False
-    kp, vp = _poisoned(k, kpm, float("nan")), _poisoned(v, kpm, float("inf"))
-    out = attn(q, kp, vp, causal=True, key_padding_mask=kpm)
-    ref = reference(attn, q, k, v, mask=causal() & key_padding(kpm))
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    got = _grads(out, (q, kp, vp, attn.span_fraction))
-    want = _grads(ref, (q, k, v, attn.span_fraction))
-    for name, a, b in zip("q k v span".split(), got, want):
-        assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9, msg=lambda m, n=name: f"grad {n}: {m}")
+    _check_poisoned_against_reference(_span([11.7, 13.2, 0.4], ramp=2.5, block_size=4), qkv, 37)
     names = [c[0] for c in calls]
     assert names[0] == "forward" and names[1] == "backward_fused"
     assert calls[0][1][-2] is saved and calls[1][1][-2] is saved  # the forward kept the scores; the backward read them
