@@ -15,6 +15,7 @@ from test_engine import CASES, KPM, _broken, agree, inputs
 
 from attnkit import masks
 from attnkit.errors import InvalidInputError
+from attnkit_sparse.engine import attend, plan, reference_attend
 
 pytestmark = [
     pytest.mark.triton,
@@ -54,3 +55,30 @@ def test_the_comparison_catches_a_broken_plan(monkeypatch):
 def test_block_size_must_suit_tl_dot():
     with pytest.raises(InvalidInputError, match="powers of two >= 16"):
         agree("triton", *inputs(37, 37), masks.causal(), block_size=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    """float16 goes to ``tl.dot`` as it is (the tensor-core path), bfloat16 is widened under the interpreter:
+    both against the float64 reference at half precision's tolerance, output and gradients; the
+    log-sum-exp stays float32."""
+    from attnkit_sparse.engine import triton_ops
+
+    q, k, v = inputs(75, 75)
+    m = masks.causal() & masks.sliding_window(20)
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    ref_leaves = [t.detach().to(dtype).double().requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves, m, backend="triton", block_size=16)
+    ref = reference_attend(*ref_leaves, m)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * g).sum(), leaves)
+    want = torch.autograd.grad((ref * g).sum(), ref_leaves)
+    for name, a, b in zip("qkv", got, want):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, atol=5e-2, rtol=5e-2, msg=lambda msg, name=name: f"d{name}: {msg}")
+    p = plan(m, *q.shape[:2], 75, 75, block_size=16)
+    _, lse = triton_ops.triton_block_attention(*leaves, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx,
+                                               p.q_tile, p.bank, 16, 16, 0.125)
+    assert lse.dtype == torch.float32

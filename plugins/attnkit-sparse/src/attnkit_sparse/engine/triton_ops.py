@@ -9,7 +9,11 @@
 * ``_backward_dkdv_kernel``: one program per (key block, batch x head) over
   the transposed index: ``dV += Pᵀ dO``, ``dK += scale · dSᵀ Q``; no atomics.
 
-Accumulation is float32 (float64 for float64 inputs) with IEEE products.
+Accumulation is float32 (float64 for float64 inputs); float32 and float64 inputs
+get IEEE products, float16 and bfloat16 inputs go to ``tl.dot`` as they are
+(tensor cores, float32 results; the softmax weights and ``dS`` are rounded to
+the input dtype for their products, as flash attention does). The
+log-sum-exp and ``Δ = rowsum(dO ∘ O)`` are float32 for half inputs.
 Block sizes must be powers of two >= 16 (``tl.dot``). The module imports
 triton at import time and is imported only when the backend runs; CPU
 tensors run under ``TRITON_INTERPRET=1`` (set before the run), which is how
@@ -32,11 +36,24 @@ NAMESPACE = "attnkit_sparse"
 
 
 @triton.jit
+def _mm(a, b, acc_t: tl.constexpr, LOWP: tl.constexpr):
+    """``a @ b``: half-precision operands on the tensor cores with a float32 result (``LOWP``), else IEEE
+    products in ``acc_t`` (float32 or float64)."""
+    if LOWP:
+        out = tl.dot(a, b, out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, b, input_precision="ieee", out_dtype=acc_t)
+    return out
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, OUT, LSE, KV_COUNT, KV_IDX, KV_TILE, BANK, L, S, H, Bp, Hp, NQ, CK, D, E, scale,
-                    BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, F64: tl.constexpr):
+                    BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, F64: tl.constexpr,
+                    LOWP: tl.constexpr):
     qb = tl.program_id(0)
     n = tl.program_id(1)
     acc_t = tl.float64 if F64 else tl.float32
+    op_t = Q.dtype.element_ty if LOWP else acc_t  # the operands of the products
     row = ((n // H) % Bp * Hp + (n % H) % Hp) * NQ + qb
     offs_q = qb * BQ + tl.arange(0, BQ)
     offs_d = tl.arange(0, BD)
@@ -44,7 +61,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, KV_COUNT, KV_IDX, KV_TILE, BANK, L, S, H,
     offs_j = tl.arange(0, BK)
     q_in = offs_q < L
     q = tl.load(Q + n * L * D + offs_q[:, None] * D + offs_d[None, :],
-                mask=q_in[:, None] & (offs_d < D)[None, :], other=0.0).to(acc_t)
+                mask=q_in[:, None] & (offs_d < D)[None, :], other=0.0).to(op_t)
     m = tl.full([BQ], float("-inf"), acc_t)
     lsum = tl.zeros([BQ], acc_t)
     acc = tl.zeros([BQ, BE], acc_t)
@@ -55,10 +72,10 @@ def _forward_kernel(Q, K, V, OUT, LSE, KV_COUNT, KV_IDX, KV_TILE, BANK, L, S, H,
         offs_k = kb * BK + offs_j
         k_in = offs_k < S
         k = tl.load(K + n * S * D + offs_k[:, None] * D + offs_d[None, :],
-                    mask=k_in[:, None] & (offs_d < D)[None, :], other=0.0).to(acc_t)
+                    mask=k_in[:, None] & (offs_d < D)[None, :], other=0.0).to(op_t)
         v = tl.load(V + n * S * E + offs_k[:, None] * E + offs_e[None, :],
-                    mask=k_in[:, None] & (offs_e < E)[None, :], other=0.0).to(acc_t)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=acc_t) * scale
+                    mask=k_in[:, None] & (offs_e < E)[None, :], other=0.0).to(op_t)
+        s = _mm(q, tl.trans(k), acc_t, LOWP) * scale
         tile = tl.load(BANK + tl.maximum(t, 0) * BQ * BK + tl.arange(0, BQ)[:, None] * BK + offs_j[None, :],
                        mask=(offs_j[None, :] * 0 + t >= 0) & q_in[:, None] & k_in[None, :], other=1)
         keep = k_in[None, :] & q_in[:, None] & (tile != 0)
@@ -68,7 +85,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, KV_COUNT, KV_IDX, KV_TILE, BANK, L, S, H,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(acc_t), v, input_precision="ieee", out_dtype=acc_t)
+        acc = acc * alpha[:, None] + _mm(p.to(op_t), v, acc_t, LOWP)
         m = m_new
     has = lsum > 0
     out = acc / tl.where(has, lsum, 1.0)[:, None]
@@ -80,10 +97,11 @@ def _forward_kernel(Q, K, V, OUT, LSE, KV_COUNT, KV_IDX, KV_TILE, BANK, L, S, H,
 @triton.jit
 def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_COUNT, KV_IDX, KV_TILE, BANK, L, S, H, Bp, Hp, NQ, CK, D, E,
                         scale, BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                        F64: tl.constexpr):
+                        F64: tl.constexpr, LOWP: tl.constexpr):
     qb = tl.program_id(0)
     n = tl.program_id(1)
     acc_t = tl.float64 if F64 else tl.float32
+    op_t = Q.dtype.element_ty if LOWP else acc_t  # the operands of the products
     row = ((n // H) % Bp * Hp + (n % H) % Hp) * NQ + qb
     offs_q = qb * BQ + tl.arange(0, BQ)
     offs_d = tl.arange(0, BD)
@@ -91,9 +109,9 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_COUNT, KV_IDX, KV_TILE, 
     offs_j = tl.arange(0, BK)
     q_in = offs_q < L
     q = tl.load(Q + n * L * D + offs_q[:, None] * D + offs_d[None, :],
-                mask=q_in[:, None] & (offs_d < D)[None, :], other=0.0).to(acc_t)
+                mask=q_in[:, None] & (offs_d < D)[None, :], other=0.0).to(op_t)
     do = tl.load(DO + n * L * E + offs_q[:, None] * E + offs_e[None, :],
-                 mask=q_in[:, None] & (offs_e < E)[None, :], other=0.0).to(acc_t)
+                 mask=q_in[:, None] & (offs_e < E)[None, :], other=0.0).to(op_t)
     lse = tl.load(LSE + n * L + offs_q, mask=q_in, other=float("inf")).to(acc_t)
     delta = tl.load(DELTA + n * L + offs_q, mask=q_in, other=0.0).to(acc_t)
     dq = tl.zeros([BQ, BD], acc_t)
@@ -104,27 +122,28 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_COUNT, KV_IDX, KV_TILE, 
         offs_k = kb * BK + offs_j
         k_in = offs_k < S
         k = tl.load(K + n * S * D + offs_k[:, None] * D + offs_d[None, :],
-                    mask=k_in[:, None] & (offs_d < D)[None, :], other=0.0).to(acc_t)
+                    mask=k_in[:, None] & (offs_d < D)[None, :], other=0.0).to(op_t)
         v = tl.load(V + n * S * E + offs_k[:, None] * E + offs_e[None, :],
-                    mask=k_in[:, None] & (offs_e < E)[None, :], other=0.0).to(acc_t)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=acc_t) * scale
+                    mask=k_in[:, None] & (offs_e < E)[None, :], other=0.0).to(op_t)
+        s = _mm(q, tl.trans(k), acc_t, LOWP) * scale
         tile = tl.load(BANK + tl.maximum(t, 0) * BQ * BK + tl.arange(0, BQ)[:, None] * BK + offs_j[None, :],
                        mask=(offs_j[None, :] * 0 + t >= 0) & q_in[:, None] & k_in[None, :], other=1)
         keep = k_in[None, :] & q_in[:, None] & (tile != 0)
         p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee", out_dtype=acc_t)
+        dp = _mm(do, tl.trans(v), acc_t, LOWP)
         ds = p * (dp - delta[:, None]) * scale
-        dq += tl.dot(ds.to(acc_t), k, input_precision="ieee", out_dtype=acc_t)
+        dq += _mm(ds.to(op_t), k, acc_t, LOWP)
     tl.store(DQ + n * L * D + offs_q[:, None] * D + offs_d[None, :], dq, mask=q_in[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
 def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_COUNT, Q_IDX, Q_TILE, BANK, L, S, H, Bp, Hp, NK, CQ, D,
                           E, scale, BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                          F64: tl.constexpr):
+                          F64: tl.constexpr, LOWP: tl.constexpr):
     kb = tl.program_id(0)
     n = tl.program_id(1)
     acc_t = tl.float64 if F64 else tl.float32
+    op_t = Q.dtype.element_ty if LOWP else acc_t  # the operands of the products
     row = ((n // H) % Bp * Hp + (n % H) % Hp) * NK + kb
     offs_k = kb * BK + tl.arange(0, BK)
     offs_d = tl.arange(0, BD)
@@ -132,9 +151,9 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_COUNT, Q_IDX, Q_TIL
     offs_i = tl.arange(0, BQ)
     k_in = offs_k < S
     k = tl.load(K + n * S * D + offs_k[:, None] * D + offs_d[None, :],
-                mask=k_in[:, None] & (offs_d < D)[None, :], other=0.0).to(acc_t)
+                mask=k_in[:, None] & (offs_d < D)[None, :], other=0.0).to(op_t)
     v = tl.load(V + n * S * E + offs_k[:, None] * E + offs_e[None, :],
-                mask=k_in[:, None] & (offs_e < E)[None, :], other=0.0).to(acc_t)
+                mask=k_in[:, None] & (offs_e < E)[None, :], other=0.0).to(op_t)
     dk = tl.zeros([BK, BD], acc_t)
     dv = tl.zeros([BK, BE], acc_t)
     count = tl.load(Q_COUNT + row)
@@ -144,22 +163,33 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_COUNT, Q_IDX, Q_TIL
         offs_q = qb * BQ + offs_i
         q_in = offs_q < L
         q = tl.load(Q + n * L * D + offs_q[:, None] * D + offs_d[None, :],
-                    mask=q_in[:, None] & (offs_d < D)[None, :], other=0.0).to(acc_t)
+                    mask=q_in[:, None] & (offs_d < D)[None, :], other=0.0).to(op_t)
         do = tl.load(DO + n * L * E + offs_q[:, None] * E + offs_e[None, :],
-                     mask=q_in[:, None] & (offs_e < E)[None, :], other=0.0).to(acc_t)
+                     mask=q_in[:, None] & (offs_e < E)[None, :], other=0.0).to(op_t)
         lse = tl.load(LSE + n * L + offs_q, mask=q_in, other=float("inf")).to(acc_t)
         delta = tl.load(DELTA + n * L + offs_q, mask=q_in, other=0.0).to(acc_t)
-        sT = tl.dot(k, tl.trans(q), input_precision="ieee", out_dtype=acc_t) * scale      # (BK, BQ)
+        sT = _mm(k, tl.trans(q), acc_t, LOWP) * scale      # (BK, BQ)
         tile = tl.load(BANK + tl.maximum(t, 0) * BQ * BK + offs_i[None, :] * BK + tl.arange(0, BK)[:, None],
                        mask=(offs_i[None, :] * 0 + t >= 0) & k_in[:, None] & q_in[None, :], other=1)
         keep = k_in[:, None] & q_in[None, :] & (tile != 0)
         pT = tl.where(keep, tl.exp(sT - lse[None, :]), 0.0)
-        dv += tl.dot(pT.to(acc_t), do, input_precision="ieee", out_dtype=acc_t)
-        dpT = tl.dot(v, tl.trans(do), input_precision="ieee", out_dtype=acc_t)
+        dv += _mm(pT.to(op_t), do, acc_t, LOWP)
+        dpT = _mm(v, tl.trans(do), acc_t, LOWP)
         dsT = pT * (dpT - delta[None, :]) * scale
-        dk += tl.dot(dsT.to(acc_t), q, input_precision="ieee", out_dtype=acc_t)
+        dk += _mm(dsT.to(op_t), q, acc_t, LOWP)
     tl.store(DK + n * S * D + offs_k[:, None] * D + offs_d[None, :], dk, mask=k_in[:, None] & (offs_d < D)[None, :])
     tl.store(DV + n * S * E + offs_k[:, None] * E + offs_e[None, :], dv, mask=k_in[:, None] & (offs_e < E)[None, :])
+
+
+def _acc(q: Tensor) -> torch.dtype:
+    """The dtype of the log-sum-exp, Δ and the accumulators: float64 for float64 inputs, else float32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _lowp(q: Tensor) -> bool:
+    """Half-precision operands go to ``tl.dot`` as they are (tensor cores, float32 results). bfloat16 only on
+    CUDA: the triton interpreter multiplies bfloat16 operands wrongly, so there they are widened to float32."""
+    return q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and q.device.type == "cuda")
 
 
 def _p2(n: int) -> int:
@@ -179,18 +209,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, 
     S, E = k.shape[-2], v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = q.new_empty(B, H, L, E)
-    lse = q.new_empty(B, H, L)
+    lse = q.new_empty(B, H, L, dtype=_acc(q))
     Bp, Hp, NQ = kv_count.shape
     grid = (NQ, B * H)
     _forward_kernel[grid](q, k, v, out, lse, kv_count.contiguous(), kv_idx.contiguous(), kv_tile.contiguous(),
                           _bank8(bank), L, S, H, Bp, Hp, NQ, kv_idx.shape[-1], D, E, scale,
-                          BQ=bq, BK=bk, BD=_p2(D), BE=_p2(E), F64=q.dtype == torch.float64)
+                          BQ=bq, BK=bk, BD=_p2(D), BE=_p2(E), F64=q.dtype == torch.float64, LOWP=_lowp(q))
     return out, lse
 
 
 def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, bq, bk, scale):
     B, H, L, _ = q.shape
-    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L)
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=_acc(q))
 
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, kv_count: Tensor,
@@ -199,12 +229,12 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
     q, k, v, g = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous()
-    delta = (g * out).sum(-1).contiguous()
+    delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1).contiguous()
     bank8 = _bank8(bank)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     Bp, Hp, NQ = kv_count.shape
     NK = q_count.shape[-1]
-    consts = dict(BQ=bq, BK=bk, BD=_p2(D), BE=_p2(E), F64=q.dtype == torch.float64)
+    consts = dict(BQ=bq, BK=bk, BD=_p2(D), BE=_p2(E), F64=q.dtype == torch.float64, LOWP=_lowp(q))
     _backward_dq_kernel[(NQ, B * H)](q, k, v, g, lse.contiguous(), delta, dq, kv_count.contiguous(),
                                      kv_idx.contiguous(), kv_tile.contiguous(), bank8, L, S, H, Bp, Hp, NQ,
                                      kv_idx.shape[-1], D, E, scale, **consts)
