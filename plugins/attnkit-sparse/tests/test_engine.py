@@ -126,6 +126,22 @@ def test_flex_compiled_forward_float32():
     agree("flex", *inputs(37, 37, torch.float32), masks.causal() & masks.sliding_window(20), grads=False)
 
 
+@pytest.mark.parametrize(("block", "tile"), [(16, 16), (64, 64), ((64, 32), 32), ((48, 64), 16), (128, None),
+                                             (256, None)])
+def test_flex_kernel_tiles_divide_the_plan_blocks_on_cuda(block, tile):
+    """Compiled FlexAttention on CUDA refuses kernel tiles that do not divide the block mask's blocks (its
+    defaults reach 128): below 128 the backend sets every tile, forward and backward, to one that divides both."""
+    p = plan(masks.causal(), 1, 1, 300, 300, block_size=block)
+    options = flex_backend.kernel_options(p, torch.device("cuda"))
+    if tile is None:
+        assert options is None
+        return
+    assert set(options) == {"BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"}
+    assert set(options.values()) == {tile}
+    assert all(b % tile == 0 for b in p.block_size)
+    assert flex_backend.kernel_options(p, torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_float32(backend):
     agree(backend, *inputs(37, 37, torch.float32), masks.causal() & masks.sliding_window(20))

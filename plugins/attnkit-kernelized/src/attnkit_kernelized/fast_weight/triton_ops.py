@@ -44,6 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._ops import define
+from .._triton_fit import launch
 from ..common import DEFAULT_CHUNK
 
 
@@ -201,10 +202,11 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
     SF = torch.empty(N, M, E, dtype=acc, device=v.device)
     ck = torch.empty(N, nc, M, E, dtype=acc, device=v.device)
     if N and E:
-        _delta_forward_kernel[(N, ne)](
+        # the tiles fix the checkpoints' layout and the buffers: only the pipeline depth may give way
+        launch(_delta_forward_kernel, lambda m: (N, ne), (
             q, k, w, b, S0n, out, SF, ck, L, M, E, nc, q.stride(0), q.stride(1), w.stride(0), w.stride(1),
-            out.stride(0), out.stride(1), BLOCK_L=block_l, BLOCK_M=block_m, BLOCK_E=block_e,
-            F64=acc == torch.float64, num_warps=8 if block_m >= 128 else 4)
+            out.stride(0), out.stride(1)), dict(BLOCK_L=block_l, BLOCK_M=block_m, BLOCK_E=block_e,
+                                                F64=acc == torch.float64, num_warps=8 if block_m >= 128 else 4))
     else:
         SF.copy_(S0n)
     return out.view(B, H, L, E), SF.view(B, H, M, E), ck.view(B, H, nc, M, E)
@@ -232,10 +234,10 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
     dv = torch.empty(N, L, E, dtype=acc, device=v.device)
     dS0 = torch.empty(N, M, E, dtype=acc, device=v.device)
     if N and E:
-        _delta_backward_kernel[(N, ne)](
+        launch(_delta_backward_kernel, lambda m: (N, ne), (
             q, k, w, b, ck, do, dSn, dq, dk, dv, db, dS0, N, L, M, E, nc, q.stride(0), q.stride(1), w.stride(0),
-            w.stride(1), BLOCK_L=block_l, BLOCK_M=block_m, BLOCK_E=block_e, F64=acc == torch.float64,
-            num_warps=8 if block_m >= 128 else 4)
+            w.stride(1)), dict(BLOCK_L=block_l, BLOCK_M=block_m, BLOCK_E=block_e, F64=acc == torch.float64,
+                               num_warps=8 if block_m >= 128 else 4))
     else:
         dS0.copy_(dSn)
     return (dq.sum(0).view(B, H, L, M).to(phi_q.dtype), dk.sum(0).view(B, H, L, M).to(phi_k.dtype),

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .._ops import acc_dtype as _acc_dtype
 from .._ops import call_linear_attention, define, define_linear_attention
+from .._triton_fit import launch
 from ..common import DEFAULT_CHUNK
 from ..common import normalize as _normalize
 
@@ -164,20 +165,23 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
     den_arg = den if with_den else torch.empty(N, 1, dtype=acc, device=x.device)
     SF = torch.empty(S0.shape, dtype=acc, device=x.device)
     zF = torch.empty(z0.shape, dtype=acc, device=x.device)
-    block_l = _block(chunk)
     BLOCK_X, BLOCK_W = _block(DX), _block(DW, 64)
-    grid = (N, triton.cdiv(max(DW, 1), BLOCK_W))
-    common = dict(BLOCK_L=block_l, BLOCK_X=BLOCK_X, BLOCK_W=BLOCK_W, WITH_DEN=with_den,
-                  F64=acc == torch.float64, num_warps=8 if BLOCK_X >= 256 else 4)
-    if N:
+    meta = dict(BLOCK_L=_block(chunk), BLOCK_X=BLOCK_X, BLOCK_W=BLOCK_W, WITH_DEN=with_den,
+                F64=acc == torch.float64, num_warps=8 if BLOCK_X >= 256 else 4)
+
+    def grid(m):
+        return (N, triton.cdiv(max(DW, 1), m["BLOCK_W"]))
+    if N:  # positions per block and value columns per program may shrink to fit shared memory
         if mode == "full":
-            _full_product_kernel[grid](
+            launch(_full_product_kernel, grid, (
                 x, y, w, S0, z0, out, den_arg, SF, zF, L, S, DX, DW, x.stride(0), x.stride(1), y.stride(0),
-                y.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), den_arg.stride(0), **common)
+                y.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), den_arg.stride(0)), meta,
+                shrink=("BLOCK_L", "BLOCK_W"))
         else:
-            _causal_product_kernel[grid](
+            launch(_causal_product_kernel, grid, (
                 x, y, w, S0, z0, out, den_arg, SF, zF, L, DX, DW, x.stride(0), x.stride(1), w.stride(0),
-                w.stride(1), out.stride(0), out.stride(1), den_arg.stride(0), REVERSE=mode == "reverse", **common)
+                w.stride(1), out.stride(0), out.stride(1), den_arg.stride(0)), {**meta, "REVERSE": mode == "reverse"},
+                shrink=("BLOCK_L", "BLOCK_W"))
     if normalize:
         out = _normalize(out, den)
     return out, den, SF, zF

@@ -17,6 +17,7 @@ is needed.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -108,4 +109,23 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, plan: BlockPlan, 
     """
     B, H = q.shape[:2]
     bm = block_mask(mask, plan, B, H, q.device, positions)
+    options = kernel_options(plan, q.device)
+    if options:
+        return _flex()(q, k, v, block_mask=bm, scale=scale, kernel_options=options)
     return _flex()(q, k, v, block_mask=bm, scale=scale)
+
+
+def kernel_options(plan: BlockPlan, device: torch.device) -> dict[str, int] | None:
+    """FlexAttention's kernel tiles for a plan whose blocks are smaller than 128 (CUDA), else None.
+
+    Compiled FlexAttention on CUDA needs its kernel tiles (``BLOCK_M``, ``BLOCK_N``; ``BLOCK_M1`` ... ``BLOCK_N2``
+    in the backward) to divide the block mask's block size; its default tiles (up to 128) do not divide the
+    engine's default 64 (seen on an H100, torch 2.11: "Q and KV block size must be divisible by BLOCK_M and
+    BLOCK_N"). Below 128 every tile is set to the largest power of two dividing both block sizes, at most 64.
+    """
+    bq, bk = plan.block_size
+    if device.type != "cuda" or (bq % 128 == 0 and bk % 128 == 0):
+        return None
+    g = math.gcd(bq, bk)
+    t = min(g & -g, 64)
+    return {"BLOCK_M": t, "BLOCK_N": t, "BLOCK_M1": t, "BLOCK_N1": t, "BLOCK_M2": t, "BLOCK_N2": t}
