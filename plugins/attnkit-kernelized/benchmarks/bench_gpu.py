@@ -492,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-call", type=float, default=1.0,
                    help="a second call slower than this (s) is reported as that single call, no do_bench")
     p.add_argument("--no-check", action="store_true", help="skip the correctness section")
+    p.add_argument("--check-methods", nargs="+", default=["linear", "performer", "rfa", "fast-weight"],
+                   help="modules the correctness section checks")
     args = p.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (kernels read it)
@@ -543,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- correctness
     if not args.no_check:
         for dtype_name in args.dtypes:
-            for name in ("linear", "performer", "rfa", "fast-weight"):
+            for name in args.check_methods:
                 dts = module_dtypes(name)
                 if dts is not None and dtype_name not in dts:
                     res.add("correctness", {"method": name, "dtype": dtype_name, "ok": None,

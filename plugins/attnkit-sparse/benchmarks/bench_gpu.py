@@ -213,7 +213,8 @@ def flex_local(L: int, device: torch.device) -> tuple[Callable[..., torch.Tensor
 
 
 def engine(run: Run, device: torch.device, lengths: list[int], dtype: torch.dtype, budget: float,
-           block_sizes: list[int], pattern_flex_lengths: list[int]) -> None:
+           block_sizes: list[int], pattern_flex_lengths: list[int], flex_block_sizes: list[int],
+           only: list[str] | None) -> None:
     local_mask = masks.causal() & masks.sliding_window(WINDOW - 1)   # 256 keys, itself included
     patterns = {"bigbird": attnkit.build("bigbird", num_heads=H, head_dim=D),
                 "longformer": attnkit.build("longformer", num_heads=H, head_dim=D)}
@@ -227,7 +228,7 @@ def engine(run: Run, device: torch.device, lengths: list[int], dtype: torch.dtyp
             return fn, {"block_mask_s": build_s}
         cases.append((L, "local", "flexattention", flex_raw))
         for backend in ("flex", "triton"):
-            for bs in (block_sizes if backend == "triton" else [128]):
+            for bs in (block_sizes if backend == "triton" else flex_block_sizes):
                 def ours(backend=backend, bs=bs, L=L, mask=local_mask):
                     t0 = time.perf_counter()
                     plan(mask, B, H, L, L, block_size=bs, device=device)
@@ -252,6 +253,8 @@ def engine(run: Run, device: torch.device, lengths: list[int], dtype: torch.dtyp
                     return (lambda q, k, v: attend(q, k, v, mask, backend=backend, block_size=bs)), extra
                 cases.append((L, pname, backend, pat))
     for L, pattern, name, make in cases:
+        if only is not None and name not in only:
+            continue
         row: dict[str, Any] = {"pattern": pattern, "method": name, "L": L, "dtype": str(dtype).split(".")[-1]}
         if time.time() - run.t0 > budget:
             row["skipped"] = "time budget spent"
@@ -352,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--pattern-flex-lengths", type=int, nargs="+", default=[16384],
                    help="lengths at which bigbird/longformer also run on the flex backend (a compile each)")
+    p.add_argument("--flex-block-sizes", type=int, nargs="+", default=[64, 128], help="flex backend block sizes")
+    p.add_argument("--only-methods", nargs="+", default=None,
+                   help="engine rows of these methods only (sdpa, flexattention, flex-b64, triton-b64, flex, triton)")
+    p.add_argument("--check-backends", nargs="+", default=None, help="backends the check section runs")
+    p.add_argument("--mech-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the mechanisms section (most modules declare float32/float64 only)")
     p.add_argument("--mech-lengths", type=int, nargs="+", default=[16384])
     p.add_argument("--mechanisms", nargs="+", default=DEFAULT_MECHANISMS)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128], help="triton backend block sizes")
@@ -365,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         device = torch.device("cpu")
         args.lengths, args.mech_lengths, args.block_sizes, args.pattern_flex_lengths = [256], [256], [64], [256]
+        args.flex_block_sizes = [64]
         backends, dtype = ["torch", "triton"], torch.float32
         from attnkit_sparse.engine import flex as flex_backend
         flex_backend.COMPILE = False
@@ -385,12 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(Path(args.out), meta)
     print("meta", json.dumps(meta), flush=True)
     if "check" in args.sections:
-        check(run, device, 200 if not args.smoke else 64, backends)
+        check(run, device, 200 if not args.smoke else 64, args.check_backends or backends)
     if "engine" in args.sections:
-        engine(run, device, args.lengths, dtype, args.budget, args.block_sizes, args.pattern_flex_lengths)
+        engine(run, device, args.lengths, dtype, args.budget, args.block_sizes, args.pattern_flex_lengths,
+               args.flex_block_sizes, args.only_methods)
     if "mechanisms" in args.sections:
         mechanisms(run, device, args.mechanisms if not args.smoke else args.mechanisms[:3], args.mech_lengths,
-                   dtype if not args.smoke else torch.float32, args.budget)
+                   getattr(torch, args.mech_dtype) if not args.smoke else torch.float32, args.budget)
     md = tables(run.data)
     Path(args.out).with_suffix(".md").write_text(md + "\n")
     print(md, flush=True)
