@@ -76,3 +76,21 @@ def test_product_rejects_bad_arguments(backend):
             prod(x, x, x.float(), S, z, "causal", 4, True, False)
         with pytest.raises(ValueError, match=r"\(N, S, DW\)"):
             prod(x, x, x[:1], S, z, "causal", 4, True, False)
+
+
+@pytest.mark.parametrize("backend", backends("numba", "triton"))
+@pytest.mark.parametrize("mode", ["causal", "reverse", "full"])
+def test_product_with_256_features_matches_dense_formulas(backend, mode):
+    """256 features (a performer's default): the triton launch starts from one pipeline stage and 32-position
+    chunks for this width (``_triton_fit.wide_feature_tiles``); the result must not depend on it."""
+    g = torch.Generator().manual_seed(5)
+    L = 45
+    x, y = torch.rand(2, L, 256, generator=g, dtype=torch.float64), torch.rand(2, L, 256, generator=g,
+                                                                               dtype=torch.float64)
+    w = torch.randn(2, L, 8, generator=g, dtype=torch.float64)
+    S0, z0 = torch.rand(2, 256, 8, generator=g, dtype=torch.float64), torch.rand(2, 256, generator=g,
+                                                                                 dtype=torch.float64)
+    want = _dense(x, y, w, S0, z0, mode)
+    got = _product(backend)(x, y, w, S0, z0, mode, 64, True, False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)

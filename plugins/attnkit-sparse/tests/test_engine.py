@@ -136,7 +136,8 @@ def test_flex_kernel_tiles_divide_the_plan_blocks_on_cuda(block, tile):
     if tile is None:
         assert options is None
         return
-    assert set(options) == {"BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"}
+    assert set(options) == {"fwd_BLOCK_M", "fwd_BLOCK_N", "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2",
+                            "bwd_BLOCK_N2"}
     assert set(options.values()) == {tile}
     assert all(b % tile == 0 for b in p.block_size)
     assert flex_backend.kernel_options(p, torch.device("cpu")) is None
@@ -308,6 +309,18 @@ def test_availability():
     assert reason is None or "TRITON_INTERPRET" in reason or "not installed" in reason
     assert engine.auto_backend(cpu) == "numba"
     assert set(engine.BACKENDS) == {"torch", "numba", "flex", "triton"}
+
+
+def test_auto_prefers_triton_then_flex_on_cuda(monkeypatch):
+    """The measured order on CUDA (an H100, docs/benchmarks.md): triton, else FlexAttention, else torch."""
+    gone: set[str] = set()
+    monkeypatch.setattr(engine, "why_unavailable", lambda b, d: "absent" if b in gone else None)
+    assert engine.auto_backend("cuda") == "triton"
+    gone.add("triton")
+    assert engine.auto_backend("cuda") == "flex"
+    gone.add("flex")
+    assert engine.auto_backend("cuda") == "torch"
+    assert engine.BACKENDS[:2] == ("triton", "flex")
 
 
 def test_numba_custom_op_passes_opcheck():

@@ -18,8 +18,8 @@ from attnkit import AttentionSpec, Capabilities, Paper
 
 ATTNKIT_API_VERSION = 1
 
-#: in order of preference: FlexAttention and triton on CUDA, numba on CPU, torch anywhere
-BACKENDS = ("flex", "triton", "numba", "torch")
+#: in order of preference: triton, then FlexAttention on CUDA (measured, engine.BACKENDS), numba on CPU, torch
+BACKENDS = ("triton", "flex", "numba", "torch")
 _KINDS = ("causal", "key_padding", "tensor", "sliding_window", "document", "function", "union")
 _MEMORY = "O(attended tiles) block index + O(L·E) output; no L x S matrix (additive bias: dense path)"
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .._ops import acc_dtype as _acc_dtype
 from .._ops import call_linear_attention, define, define_linear_attention
-from .._triton_fit import launch
+from .._triton_fit import launch, wide_feature_tiles
 from ..common import DEFAULT_CHUNK
 from ..common import normalize as _normalize
 
@@ -168,6 +168,7 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
     BLOCK_X, BLOCK_W = _block(DX), _block(DW, 64)
     meta = dict(BLOCK_L=_block(chunk), BLOCK_X=BLOCK_X, BLOCK_W=BLOCK_W, WITH_DEN=with_den,
                 F64=acc == torch.float64, num_warps=8 if BLOCK_X >= 256 else 4)
+    meta.update(wide_feature_tiles(BLOCK_X, meta["BLOCK_L"]))
 
     def grid(m):
         return (N, triton.cdiv(max(DW, 1), m["BLOCK_W"]))

@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._ops import define
-from .._triton_fit import launch
+from .._triton_fit import launch, wide_feature_tiles
 from ..common import DEFAULT_CHUNK, normalize, with_ones_column
 
 
@@ -146,13 +146,13 @@ def _product(x: Tensor, y: Tensor, w: Tensor, log_g: Tensor, S0: Tensor, reverse
     out = torch.empty(N, L, DW, dtype=acc, device=x.device)
     SF = torch.empty(N, DX, DW, dtype=acc, device=x.device)
     BLOCK_X, BLOCK_W = _block(DX), _block(DW, 64)
+    meta = dict(BLOCK_L=_block(chunk), BLOCK_X=BLOCK_X, BLOCK_W=BLOCK_W, REVERSE=reverse, F64=acc == torch.float64,
+                num_warps=8 if BLOCK_X >= 256 else 4)
+    meta.update(wide_feature_tiles(BLOCK_X, meta["BLOCK_L"]))
     if N:  # positions per block and value columns per program may shrink to fit shared memory
         launch(_gated_product_kernel, lambda m: (N, triton.cdiv(max(DW, 1), m["BLOCK_W"])), (
             x, y, w, log_g, S0, out, SF, L, DX, DW, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            out.stride(0), out.stride(1)), dict(BLOCK_L=_block(chunk), BLOCK_X=BLOCK_X, BLOCK_W=BLOCK_W,
-                                                REVERSE=reverse, F64=acc == torch.float64,
-                                                num_warps=8 if BLOCK_X >= 256 else 4),
-               shrink=("BLOCK_L", "BLOCK_W"))
+            out.stride(0), out.stride(1)), meta, shrink=("BLOCK_L", "BLOCK_W"))
     return out, SF
 
 

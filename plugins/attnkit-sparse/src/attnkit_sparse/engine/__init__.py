@@ -34,8 +34,13 @@ from attnkit.positions import Positions, as_positions
 from .naive import reference_attend
 from .plan import DEFAULT_BLOCK_SIZE, BlockPlan, check_block_size, plan
 
-#: every backend of the engine, in the order ``auto`` prefers them on CUDA
-BACKENDS = ("flex", "triton", "numba", "torch")
+#: every backend of the engine, in the order ``auto`` prefers them on CUDA (triton before flex: on an H100 in
+#: bfloat16 the triton kernels ran the causal 256-key window faster than the flex backend forward at every
+#: length from 1K to 64K, and forward+backward from 16K; docs/benchmarks.md, "GPU")
+BACKENDS = ("triton", "flex", "numba", "torch")
+
+#: the ``flex`` backend's block size on CUDA when none is asked for: FlexAttention's own (see flex.kernel_options)
+FLEX_CUDA_BLOCK_SIZE = 128
 
 
 @cache
@@ -91,14 +96,14 @@ def available_backends(device: torch.device | str) -> tuple[str, ...]:
 
 
 def auto_backend(device: torch.device | str, *, needs_grad: bool = False) -> str:
-    """The static choice of ``backend="auto"``: CPU -> numba (else torch); CUDA -> flex, else triton, else torch.
+    """The static choice of ``backend="auto"``: CPU -> numba (else torch); CUDA -> triton, else flex, else torch.
 
     attnkit's measured choice (``attnkit tune``) is made by the core per
     mechanism before the engine is called (``ctx.backend``); this is the
     fallback when a caller passes ``"auto"`` itself.
     """
     device = torch.device(device)
-    order = ("numba", "torch") if device.type == "cpu" else ("flex", "triton", "torch")
+    order = ("numba", "torch") if device.type == "cpu" else ("triton", "flex", "torch")
     for b in order:
         if why_unavailable(b, device) is None:
             return b
@@ -166,6 +171,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
                       "use 'numba' or 'torch'")
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} cannot run: {reason}")
+    if block_size is None and name == "flex" and q.device.type == "cuda":
+        block_size = FLEX_CUDA_BLOCK_SIZE
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
     if mask is not None:
         kpm = mask.key_padding_mask

@@ -116,16 +116,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, plan: BlockPlan, 
 
 
 def kernel_options(plan: BlockPlan, device: torch.device) -> dict[str, int] | None:
-    """FlexAttention's kernel tiles for a plan whose blocks are smaller than 128 (CUDA), else None.
+    """FlexAttention's kernel tiles for a plan whose blocks are not multiples of 128 (CUDA), else None.
 
-    Compiled FlexAttention on CUDA needs its kernel tiles (``BLOCK_M``, ``BLOCK_N``; ``BLOCK_M1`` ... ``BLOCK_N2``
-    in the backward) to divide the block mask's block size; its default tiles (up to 128) do not divide the
-    engine's default 64 (seen on an H100, torch 2.11: "Q and KV block size must be divisible by BLOCK_M and
-    BLOCK_N"). Below 128 every tile is set to the largest power of two dividing both block sizes, at most 64.
+    Compiled FlexAttention on CUDA needs its kernel tiles (``BLOCK_M``, ``BLOCK_N`` in the forward,
+    ``BLOCK_M1`` ... ``BLOCK_N2`` in the backward) to divide the block mask's block size; its default tiles
+    (up to 128) do not divide 64 (seen on an H100, torch 2.11: "Q and KV block size must be divisible by
+    BLOCK_M and BLOCK_N"). Then every tile of both passes (``fwd_``/``bwd_`` prefixed, so each pass gets
+    only its own) is set to the largest power of two dividing both block sizes, at most 64. On the H100
+    the forward ran so at 64; the backward at 64 is not yet confirmed on a GPU, which is why
+    :func:`attnkit_sparse.engine.attend` gives the ``flex`` backend FlexAttention's own 128 on CUDA when no
+    block size is asked for.
     """
     bq, bk = plan.block_size
     if device.type != "cuda" or (bq % 128 == 0 and bk % 128 == 0):
         return None
     g = math.gcd(bq, bk)
     t = min(g & -g, 64)
-    return {"BLOCK_M": t, "BLOCK_N": t, "BLOCK_M1": t, "BLOCK_N1": t, "BLOCK_M2": t, "BLOCK_N2": t}
+    return {"fwd_BLOCK_M": t, "fwd_BLOCK_N": t,
+            "bwd_BLOCK_M1": t, "bwd_BLOCK_N1": t, "bwd_BLOCK_M2": t, "bwd_BLOCK_N2": t}
