@@ -311,6 +311,14 @@ def test_availability():
     assert set(engine.BACKENDS) == {"torch", "numba", "flex", "triton"}
 
 
+def test_flex_on_cuda_defaults_to_128_blocks_and_refuses_training_through_smaller_ones():
+    assert engine.flex_cuda_block_size(None, True) == (128, None)
+    assert engine.flex_cuda_block_size((128, 256), True) == ((128, 256), None)
+    assert engine.flex_cuda_block_size(64, False) == (64, None)            # the forward runs at 64 (kernel tiles)
+    size, reason = engine.flex_cuda_block_size(64, True)
+    assert size == 64 and "block_size=64" in reason and "'triton'" in reason and "128" in reason
+
+
 def test_auto_prefers_triton_then_flex_on_cuda(monkeypatch):
     """The measured order on CUDA (an H100, docs/benchmarks.md): triton, else FlexAttention, else torch."""
     gone: set[str] = set()

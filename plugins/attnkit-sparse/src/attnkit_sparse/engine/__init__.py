@@ -23,6 +23,7 @@ import importlib.util
 import math
 import os
 from functools import cache
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -110,6 +111,23 @@ def auto_backend(device: torch.device | str, *, needs_grad: bool = False) -> str
     return "torch"
 
 
+def flex_cuda_block_size(block_size: Any, needs_grad: bool) -> tuple[Any, str | None]:
+    """The ``flex`` backend's block size on CUDA and, when it cannot train there, why.
+
+    None becomes :data:`FLEX_CUDA_BLOCK_SIZE` (FlexAttention's own). FlexAttention's CUDA backward (torch 2.11
+    on an H100) keeps only kernel configurations whose tiles divide the blocks, and all of them are 128 wide:
+    a gradient through smaller blocks is refused here with a clear reason instead of an inductor error.
+    """
+    if block_size is None:
+        return FLEX_CUDA_BLOCK_SIZE, None
+    if needs_grad and any(b % FLEX_CUDA_BLOCK_SIZE for b in check_block_size(block_size)):
+        return block_size, (f"FlexAttention's CUDA backward takes blocks that are multiples of "
+                            f"{FLEX_CUDA_BLOCK_SIZE} (its kernel configurations), got block_size={block_size!r} "
+                            "and a gradient is needed; use block_size=None or 128, or backend 'triton', which "
+                            "trains at any power-of-two block >= 16")
+    return block_size, None
+
+
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, scale: float | None, backend: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
@@ -169,10 +187,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
         elif flex.COMPILE and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             reason = (f"compiled FlexAttention on CPU takes float32, float16 or bfloat16, got {q.dtype}; "
                       "use 'numba' or 'torch'")
+    if reason is None and name == "flex" and q.device.type == "cuda":
+        block_size, reason = flex_cuda_block_size(block_size, needs_grad)
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} cannot run: {reason}")
-    if block_size is None and name == "flex" and q.device.type == "cuda":
-        block_size = FLEX_CUDA_BLOCK_SIZE
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
     if mask is not None:
         kpm = mask.key_padding_mask

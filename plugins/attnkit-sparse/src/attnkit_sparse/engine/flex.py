@@ -123,9 +123,10 @@ def kernel_options(plan: BlockPlan, device: torch.device) -> dict[str, int] | No
     (up to 128) do not divide 64 (seen on an H100, torch 2.11: "Q and KV block size must be divisible by
     BLOCK_M and BLOCK_N"). Then every tile of both passes (``fwd_``/``bwd_`` prefixed, so each pass gets
     only its own) is set to the largest power of two dividing both block sizes, at most 64. On the H100
-    the forward ran so at 64; the backward at 64 is not yet confirmed on a GPU, which is why
+    the forward ran so at 64, but the backward did not: torch 2.11 drops its backward configurations whose
+    tiles do not divide the blocks before it reads these options ("NoValidChoicesError"). So
     :func:`attnkit_sparse.engine.attend` gives the ``flex`` backend FlexAttention's own 128 on CUDA when no
-    block size is asked for.
+    block size is asked for, and refuses a gradient through smaller blocks with an error naming ``triton``.
     """
     bq, bk = plan.block_size
     if device.type != "cuda" or (bq % 128 == 0 and bk % 128 == 0):
