@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from test_engine import CASES, KPM, _broken, agree, inputs
+from test_engine import CASES, KPM, B, H, _broken, agree, inputs
 
 from attnkit import masks
 from attnkit.errors import InvalidInputError
@@ -82,3 +82,65 @@ def test_half_precision_inputs(dtype):
     _, lse = triton_ops.triton_block_attention(*leaves, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx,
                                                p.q_tile, p.bank, 16, 16, 0.125)
     assert lse.dtype == torch.float32
+
+
+def _explicit_case(L=45, S=40, bq=16, bk=16, seed=3):
+    """An explicit plan as content-based mechanisms build them: per (batch, head) key blocks and random tile
+    masks, one query block visiting nothing and a row inside a visited tile with no allowed key."""
+    from attnkit_sparse.engine import explicit_plan
+
+    g = torch.Generator().manual_seed(seed)
+    nq, nk = -(-L // bq), -(-S // bk)
+    kv_idx = torch.full((B, H, nq, 2), -1, dtype=torch.long)
+    for b in range(B):
+        for h in range(H):
+            for n in range(1, nq):  # query block 0 visits nothing
+                picks = torch.randperm(nk, generator=g)[:2].sort().values
+                kv_idx[b, h, n, : 1 + (n + b + h) % 2] = picks[: 1 + (n + b + h) % 2]
+    bank = torch.rand(B, H, nq, 2, bq, bk, generator=g) < 0.6
+    bank[..., 3, :] = False  # row 3 of every tile: no key at all
+    return explicit_plan(kv_idx, bank, L, S)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_attend_plan_with_its_log_sum_exp_matches_the_torch_backend(dtype):
+    """triton is an ``attend_plan`` backend: output and log-sum-exp (-inf for rows with no key) agree with the
+    torch backend, and so do the gradients of q, k, v through both (lsh combines its rounds by the lse)."""
+    from attnkit_sparse.engine import attend_plan
+
+    L, S = 45, 40
+    p = _explicit_case(L, S)
+    q, k, v = inputs(L, S, dtype)
+    got_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attend_plan(*got_leaves, p, backend="triton", return_lse=True)
+    ref_out, ref_lse = attend_plan(*ref_leaves, p, backend="torch", return_lse=True)
+    tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(out, ref_out, **tol)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) and bool(torch.isneginf(lse).any())
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin], ref_lse[fin], **tol)
+    gen = torch.Generator().manual_seed(9)
+    g_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    g_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    def loss(o, s):
+        return (o * g_out).sum() + (torch.where(torch.isfinite(s), s, torch.zeros_like(s)) * g_lse).sum()
+
+    got = torch.autograd.grad(loss(out, lse), got_leaves)
+    want = torch.autograd.grad(loss(ref_out, ref_lse), ref_leaves)
+    for name, a, b in zip("qkv", got, want):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"d{name}: {m}")
+    # the lse's gradient is really used: without it dq differs
+    only_out = torch.autograd.grad((attend_plan(*got_leaves, p, backend="triton") * g_out).sum(), got_leaves[0])[0]
+    assert not torch.allclose(only_out, got[0])
+
+
+def test_attend_plan_refuses_triton_for_blocks_it_cannot_tile():
+    from attnkit_sparse.engine import attend_plan, explicit_plan
+
+    p = explicit_plan(torch.zeros(1, 1, 5, 1, dtype=torch.long), torch.ones(1, 1, 5, 1, 8, 8, dtype=torch.bool),
+                      37, 37)
+    with pytest.raises(InvalidInputError, match="powers of two >= 16"):
+        attend_plan(*inputs(37, 37), p, backend="triton", return_lse=True)

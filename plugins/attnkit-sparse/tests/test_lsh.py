@@ -203,7 +203,7 @@ def test_bad_input():
     with pytest.raises(InvalidInputError, match="seed"):
         attnkit.build("lsh", seed=-1)
     with pytest.raises(InvalidInputError, match="backend"):
-        attnkit.build("lsh", backend="triton")
+        attnkit.build("lsh", backend="flex")
     attn = attnkit.build("lsh", bucket_size=4)
     q = rand((1, 1, 9, 4), 0)
     with pytest.raises(UnsupportedFeatureError):

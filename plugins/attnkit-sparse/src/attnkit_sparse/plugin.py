@@ -106,8 +106,9 @@ BLOCK_SPARSE = _spec("block-sparse", "BlockSparseAttention", "block_sparse",
 _KITAEV = Paper("Kitaev, Kaiser, Levskaya", 2020, "Reformer: The Efficient Transformer", "2001.04451")
 
 #: content-based mechanisms: the sequence is reordered from the data, the engine runs an explicit plan
-#: (attnkit_sparse.engine.attend_plan: torch and numba return the log-sum-exp the rounds are combined with)
-CONTENT_BACKENDS = ("numba", "torch")
+#: (attnkit_sparse.engine.attend_plan: torch, numba and triton return the log-sum-exp the rounds are combined
+#: with). triton comes last, so ``auto`` keeps torch on CUDA until the triton path is timed on a GPU
+CONTENT_BACKENDS = ("numba", "torch", "triton")
 
 LSH = AttentionSpec(
     name="lsh", aliases=("reformer",), factory="attnkit_sparse.lsh.attention:LSHAttention",

@@ -211,6 +211,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
     return triton_ops.attend(q, k, v, p, scale)
 
 
+#: the backends of :func:`attend_plan` (those that return the log-sum-exp with its gradient)
+PLAN_BACKENDS = ("torch", "numba", "triton")
+
+
+def _triton_blocks(plan: BlockPlan) -> bool:
+    return all(n >= 16 and not n & (n - 1) for n in plan.block_size)
+
+
+def _auto_plan_backend(device: torch.device, plan: BlockPlan) -> str:
+    """``attend_plan``'s ``auto``: numba (else torch) on CPU; on CUDA triton for power-of-two blocks >= 16, else
+    torch (FlexAttention returns no differentiable log-sum-exp)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return auto_backend(device)
+    if _triton_blocks(plan) and why_unavailable("triton", device) is None:
+        return "triton"
+    return "torch"
+
+
 def attend_plan(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, *, scale: float | None = None,
                 backend: str = "auto", return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse masked softmax over the tiles of a given plan (e.g. :func:`explicit_plan`).
@@ -223,7 +242,9 @@ def attend_plan(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, *, scale: floa
         q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``; one dtype and device.
         plan: a :class:`BlockPlan` for ``(L, S)`` whose index dims ``(B', H')`` divide ``(B, H)``.
         scale: multiplier of ``q · k`` (default ``1/sqrt(D)``).
-        backend: ``"auto"``, ``"torch"`` or ``"numba"`` (the backends that return the log-sum-exp).
+        backend: ``"auto"``, ``"torch"``, ``"numba"`` or ``"triton"`` (the backends that return the log-sum-exp
+            with its gradient). ``"auto"``: numba (else torch) on CPU; on CUDA triton when the plan's block
+            sizes are powers of two >= 16, else torch.
         return_lse: also return the log-sum-exp ``(B, H, L)`` of the allowed scaled scores per row,
             differentiable (``-inf`` for a row with no allowed key).
 
@@ -244,9 +265,9 @@ def attend_plan(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, *, scale: floa
     if B % bp or H % hp:
         raise InvalidInputError(f"plan: index dims (B', H') = ({bp}, {hp}) do not divide (B, H) = ({B}, {H})")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    name = auto_backend(q.device) if backend == "auto" else backend
-    if name not in ("torch", "numba"):
-        raise InvalidInputError(f"backend: attend_plan runs 'torch' or 'numba' (the backends that return the "
+    name = _auto_plan_backend(q.device, plan) if backend == "auto" else backend
+    if name not in PLAN_BACKENDS:
+        raise InvalidInputError(f"backend: attend_plan runs one of {PLAN_BACKENDS} (the backends that return the "
                                 f"log-sum-exp with its gradient), got {name!r}")
     reason = why_unavailable(name, q.device)
     if reason is not None:
@@ -254,9 +275,12 @@ def attend_plan(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, *, scale: floa
     if name == "torch":
         from . import torch_ops
         res = torch_ops.attend(q, k, v, plan, scale, return_lse=return_lse)
-    else:
+    elif name == "numba":
         from . import numba_ops
         res = numba_ops.attend(q, k, v, plan, scale, return_lse=return_lse)
+    else:
+        from . import triton_ops
+        res = triton_ops.attend(q, k, v, plan, scale, return_lse=return_lse)
     if not return_lse:
         return res
     out, lse = res

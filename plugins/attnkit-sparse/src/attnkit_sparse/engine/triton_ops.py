@@ -223,13 +223,16 @@ def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, ba
     return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=_acc(q))
 
 
-def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, kv_count: Tensor,
+def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, g_lse: Tensor, kv_count: Tensor,
               kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor, q_idx: Tensor, q_tile: Tensor, bank: Tensor,
               bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
     q, k, v, g = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous()
-    delta = (g.to(_acc(q)) * out.to(_acc(q))).sum(-1).contiguous()
+    # dS = P ∘ (dP − Δ) with Δ = rowsum(dO ∘ O) − d lse (∂lse/∂s = P); rows without a key (lse = +inf) have P = 0
+    acc = _acc(q)
+    g_lse = torch.where(torch.isfinite(lse), g_lse.to(acc), torch.zeros((), dtype=acc, device=lse.device))
+    delta = ((g.to(acc) * out.to(acc)).sum(-1) - g_lse).contiguous()
     bank8 = _bank8(bank)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     Bp, Hp, NQ = kv_count.shape
@@ -244,7 +247,8 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     return dq, dk, dv
 
 
-def _backward_fake(q, k, v, out, lse, g, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, bq, bk, scale):
+def _backward_fake(q, k, v, out, lse, g, g_lse, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, bank, bq, bk,
+                   scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -266,23 +270,29 @@ def _autograd(ctx, g_out, g_lse):
     q, k, v, out, lse, *index = ctx.saved_tensors
     if g_out is None:
         g_out = torch.zeros_like(out)
-    dq, dk, dv = triton_block_attention_backward(q, k, v, out, lse, g_out, *index, ctx.bq, ctx.bk, ctx.scale)
+    if g_lse is None:
+        g_lse = torch.zeros_like(lse)
+    dq, dk, dv = triton_block_attention_backward(q, k, v, out, lse, g_out, g_lse, *index, ctx.bq, ctx.bk,
+                                                 ctx.scale)
     return dq, dk, dv, *([None] * 10)
 
 
 triton_block_attention.register_autograd(_autograd, setup_context=_setup_context)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float,
+           return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse attention with the triton kernels (differentiable in q, k, v).
 
     Args:
         q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``; CUDA tensors (CPU under TRITON_INTERPRET=1).
         plan: the :class:`~attnkit_sparse.engine.plan.BlockPlan`; block sizes powers of two >= 16.
         scale: multiplier of ``q · k``.
+        return_lse: also return the log-sum-exp ``(B, H, L)`` of the scaled scores per row (``+inf`` for a
+            row with no key; float32 for half inputs), differentiable like the output.
 
     Returns:
-        ``(B, H, L, E)``; rows with no allowed key are 0.
+        ``(B, H, L, E)``; rows with no allowed key are 0. Or ``(out, lse)``.
 
     Raises:
         InvalidInputError: a block size that is not a power of two >= 16.
@@ -291,6 +301,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float) -> Te
     for name, n in (("query", bq), ("key", bk)):
         if n < 16 or n & (n - 1):
             raise InvalidInputError(f"block_size ({name}): the triton backend takes powers of two >= 16, got {n}")
-    out, _ = triton_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
-                                    plan.q_tile, plan.bank, bq, bk, float(scale))
-    return out
+    out, lse = triton_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
+                                      plan.q_tile, plan.bank, bq, bk, float(scale))
+    return (out, lse) if return_lse else out

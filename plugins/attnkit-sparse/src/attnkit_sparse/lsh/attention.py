@@ -94,7 +94,8 @@ class LSHAttention(Attention):
         num_heads: number of heads H; when given, inputs with another H are refused.
         head_dim: head dimension D; when given, inputs with another D are refused.
         scale: multiplier of q·k̂; None means 1/sqrt(D).
-        backend: "auto", "numba" (CPU kernels) or "torch" (any device).
+        backend: "auto", "numba" (CPU kernels), "torch" (any device) or "triton" (CUDA kernels
+            for the attention inside the reordered blocks; block sizes powers of two >= 16; forced only).
 
     Raises:
         InvalidInputError: an option out of range (named), or inputs the base class refuses.
@@ -103,7 +104,7 @@ class LSHAttention(Attention):
 
     option_constraints: ClassVar[dict[str, dict[str, Any]]] = {
         "bucket_size": {"minimum": 1}, "n_hashes": {"minimum": 1}, "seed": {"minimum": 0},
-        "backend": {"choices": ("auto", "numba", "torch")},
+        "backend": {"choices": ("auto", "numba", "torch", "triton")},
     }
     refusal_reasons: ClassVar[dict[str, str]] = {
         "cross": "shared-QK LSH hashes one sequence: queries and keys are the same positions",

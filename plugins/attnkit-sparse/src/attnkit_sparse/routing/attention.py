@@ -67,7 +67,8 @@ class RoutingAttention(Attention):
         num_heads: number of heads H; when given, one set of centroids per head.
         head_dim: head dimension D; when given, the centroids are created at build.
         scale: multiplier of q·k; None means 1/sqrt(D).
-        backend: "auto", "numba" (CPU kernels) or "torch" (any device).
+        backend: "auto", "numba" (CPU kernels), "torch" (any device) or "triton" (CUDA kernels
+            for the attention inside the reordered blocks; block sizes powers of two >= 16; forced only).
 
     Raises:
         InvalidInputError: an option out of range (named); inputs whose D differs from the centroids'.
@@ -77,7 +78,7 @@ class RoutingAttention(Attention):
     option_constraints: ClassVar[dict[str, dict[str, Any]]] = {
         "num_clusters": {"minimum": 1}, "seed": {"minimum": 0},
         "decay": {"minimum": 0, "maximum": 1, "exclusive_maximum": True},
-        "backend": {"choices": ("auto", "numba", "torch")},
+        "backend": {"choices": ("auto", "numba", "torch", "triton")},
     }
     refusal_reasons: ClassVar[dict[str, str]] = {
         "cross": "queries and keys are routed as the same positions (self-attention)",

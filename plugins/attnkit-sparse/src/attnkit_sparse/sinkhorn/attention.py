@@ -54,7 +54,8 @@ class SinkhornAttention(Attention):
         num_heads: number of heads H; when given, one sorting network per head.
         head_dim: head dimension D (required: the sorting network's weight is D x D).
         scale: multiplier of q·k; None means 1/sqrt(D).
-        backend: "auto", "numba" (CPU kernels) or "torch" (any device).
+        backend: "auto", "numba" (CPU kernels), "torch" (any device) or "triton" (CUDA kernels
+            for the attention inside the reordered blocks; block sizes powers of two >= 16; forced only).
 
     Raises:
         InvalidInputError: an option out of range or a missing head_dim (named).
@@ -64,7 +65,7 @@ class SinkhornAttention(Attention):
     option_constraints: ClassVar[dict[str, dict[str, Any]]] = {
         "block_size": {"minimum": 1}, "sinkhorn_iters": {"minimum": 1}, "seed": {"minimum": 0},
         "temperature": {"minimum": 0, "exclusive_minimum": True},
-        "backend": {"choices": ("auto", "numba", "torch")},
+        "backend": {"choices": ("auto", "numba", "torch", "triton")},
     }
     refusal_reasons: ClassVar[dict[str, str]] = {
         "cross": "blocks of queries are sorted against blocks of the same sequence (self-attention)",
