@@ -13,7 +13,7 @@ Make the base copy with::
     mv /tmp/base/plugins/attnkit-lowrank/src/attnkit_lowrank /tmp/base/attnkit_lowrank_base
     flock /tmp/attnkit-bench.lock python benchmarks/ab_commits.py --base-dir /tmp/base --impls soft --lengths 16384
 
-Settings as ``bench_lowrank.py`` (float32, one thread, B = 1, H = 8, D = 64):
+Settings as ``bench_lowrank.py`` (float32, one thread unless ``--threads``, B = 1, H = 8, D = 64):
 ``soft`` stride 64, conv, 20 iterations, k is q (contiguous inputs); ``nystrom``
 64 landmarks, 6 iterations and ``linformer`` proj_len 256 (max_length = L) on
 head views of (1, L, 512) tensors, as ``bench_external.py``'s attention alone.
@@ -62,12 +62,14 @@ def main() -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[16384])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--fwd-only", action="store_true", help="time the forward only (no-grad), not forward+backward")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     sys.path.insert(0, str(args.base_dir))
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     up = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()  # noqa: E731
-    res = {"command": " ".join(sys.argv), "uptime_before": up(), "rows": []}
+    res = {"command": " ".join(sys.argv), "threads": torch.get_num_threads(), "uptime_before": up(), "rows": []}
     print(res["uptime_before"], flush=True)
     for L in args.lengths:
         for name in args.impls:
@@ -86,8 +88,8 @@ def main() -> int:
             scale = max(outs["base"][0].abs().max().item(), 1e-30)
             print(f"{name} L={L}: base vs new, largest difference in output and gradients {diff:.2e} "
                   f"(output scale {scale:.2e})", flush=True)
-            times = {(tag, mode, clock): [] for tag in variants for mode in ("fwd", "fwd+bwd")
-                     for clock in ("wall", "cpu")}
+            modes = ("fwd",) if args.fwd_only else ("fwd", "fwd+bwd")
+            times = {(tag, mode, clock): [] for tag in variants for mode in modes for clock in ("wall", "cpu")}
 
             def run(mod, grad, call=call, leaves=leaves):
                 q, k, v = call()
@@ -106,7 +108,7 @@ def main() -> int:
                 with torch.no_grad():
                     run(mod, False)
             for _ in range(args.rounds):
-                for mode in ("fwd", "fwd+bwd"):
+                for mode in modes:
                     for tag, mod in variants.items():
                         w0, c0 = time.perf_counter(), time.process_time()
                         if mode == "fwd":

@@ -5,13 +5,16 @@ Newton products, so the kit already compares the two through SOFT; these
 tests pin the pseudo-inverse itself: the same values and gradients as the
 products in float64 over well- and ill-conditioned kernel matrices, repeated
 points, many iterations (where a divided-difference recurrence alone would
-diverge), gradcheck, and float32 accuracy.
+diverge), gradcheck, and float32 accuracy; and the converged shortcut (every eigenvalue converged to
+rounding, certified by a shifted Cholesky factorisation: the inverse from a Cholesky factor) taken where it
+holds and not elsewhere, with the same values and gradients.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from attnkit_lowrank import common
 from attnkit_lowrank.common import newton_pinv, newton_pinv_sym
 from attnkit_lowrank.soft.naive import gauss
 
@@ -126,3 +129,37 @@ def test_close_but_unequal_eigenvalues_in_a_batch():
         # the products' gradient is not symmetric; newton_pinv_sym's is that of the symmetrised function
         g_ref = (g_ref + g_ref.transpose(-1, -2)) / 2
         torch.testing.assert_close(g_sym, g_ref, atol=1e-8 * g_ref.abs().max().item(), rtol=1e-7)
+
+
+def _spy_shortcut(monkeypatch) -> list[bool]:
+    taken, real = [], common._converged_inverse
+    monkeypatch.setattr(common, "_converged_inverse", lambda a, c, it: taken.append((r := real(a, c, it)) is not None)
+                        or r)
+    return taken
+
+
+def test_the_converged_shortcut_where_it_holds_and_not_elsewhere(monkeypatch):
+    """Well-conditioned kernels at 20 iterations: every eigenvalue converged, the inverse from a Cholesky factor.
+    One ill-conditioned matrix in the batch, or too few iterations: the eigendecomposition for all. Values and
+    gradients (through the kernel, so also through the scaling c) equal the Newton products in float64."""
+    taken = _spy_shortcut(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    well = torch.randn(3, 32, 6, generator=g, dtype=F64) * 1.5                       # cond(A) ~ 2-10
+    mixed = torch.cat([well[:2], torch.randn(1, 32, 6, generator=g, dtype=F64) * 0.3])    # third: cond ~ 1e4
+    for x, iterations, expect in ((well, 20, True), (mixed, 20, False), (well, 5, False), (well, 60, True)):
+        x = x.clone().requires_grad_(True)
+        w = torch.randn(3, 32, 32, generator=g, dtype=F64)
+        z_ref, z = newton_pinv(gauss_batched(x), iterations), newton_pinv_sym(gauss_batched(x), iterations)
+        assert taken[-1] is expect
+        torch.testing.assert_close(z, z_ref, atol=1e-10 * z_ref.abs().max().item(), rtol=1e-9)
+        g_ref, = torch.autograd.grad((z_ref * w).sum(), x)
+        g_sym, = torch.autograd.grad((z * w).sum(), x)
+        torch.testing.assert_close(g_sym, g_ref, atol=1e-9 * g_ref.abs().max().item(), rtol=1e-8)
+    x = (torch.randn(2, 6, 3, dtype=F64) * 2).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: newton_pinv_sym(gauss_batched(x), 20), (x,))
+    assert taken[-1] is True
+    a = gauss_batched(well.float())
+    z32 = newton_pinv_sym(a, 20)
+    assert taken[-1] is True and z32.dtype == torch.float32
+    exact = newton_pinv(a.double(), 20)
+    assert ((z32.double() - exact).norm() / exact.norm()) < 1e-6

@@ -4,15 +4,16 @@
 gradients in q, k, K~, Z and V, with q is k (the paper's form, one kernel
 matrix and the two gradient terms summed per chunk) and q, k distinct, chunk
 sizes that divide L, do not, and exceed it, with the kernel blocks kept for the
-backward and recomputed (no grad); gradcheck on both forms; and the module on
-CPU takes this path.
+backward, recomputed (no grad) and kept in the reused workspace (no grad);
+gradcheck on both forms; and the module on CPU takes this path.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from attnkit_lowrank.soft.chunk import soft_kernel_product
+from attnkit_lowrank.soft import chunk
+from attnkit_lowrank.soft.chunk import release_workspace, soft_kernel_product
 from attnkit_lowrank.soft.module import gaussian_kernel
 
 import attnkit
@@ -52,6 +53,45 @@ def test_values_and_gradients_equal_the_plain_expression(shared, rows):
     w = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, ins, w), torch.autograd.grad(ref, ins, w)):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_reused_workspace_gives_the_plain_values(shared, monkeypatch):
+    """No backward coming: the blocks go into the thread's kept workspace. Calls of growing and shrinking sizes,
+    float32 after float64, a call above the size cap (fresh blocks), grad mode on with no input requiring grad,
+    and a call with a backward in between: each equals the plain expression, and the output never aliases the
+    workspace (a later call leaves an earlier output unchanged)."""
+    release_workspace()
+    outs = []
+    for L, m, rows, dtype in ((13, 4, 5, F64), (40, 6, 7, F64), (9, 3, 64, F64), (13, 4, 4, torch.float32)):
+        q, k, kb, z, v = (t.detach().to(dtype) for t in _inputs(shared, L=L, m=m, seed=L))
+        with torch.no_grad():
+            out = soft_kernel_product(q, k, kb, z, v, 0.7, rows)
+        tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == F64 else {"atol": 1e-4, "rtol": 1e-4}
+        torch.testing.assert_close(out, _plain(q, k, kb, z, v, 0.7), **tol)
+        outs.append((out.clone(), out))
+        assert chunk._workspace.buf is not None and out.data_ptr() != chunk._workspace.buf.data_ptr()
+    q, k, kb, z, v = (t.detach() for t in _inputs(shared, L=11, m=5, seed=3))
+    torch.testing.assert_close(soft_kernel_product(q, k, kb, z, v, 0.7, 4), _plain(q, k, kb, z, v, 0.7),
+                               atol=1e-12, rtol=1e-10)                                 # grad mode, no grad needed
+    q, k, kb, z, v = _inputs(shared, L=11, m=5, seed=4)
+    out = soft_kernel_product(q, k, kb, z, v, 0.7, 3)                                   # with a backward
+    ref = _plain(q, k, kb, z, v, 0.7)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    with torch.no_grad():                                                               # overwrites the workspace
+        soft_kernel_product(*(t.detach() * 1.1 for t in (q, k, kb, z, v)), 0.7, 3)
+    for a, b in zip(torch.autograd.grad(out.sum(), v), torch.autograd.grad(ref.sum(), v)):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
+    monkeypatch.setattr(chunk, "WORKSPACE_MAX_BYTES", 64)                               # above the cap: fresh
+    release_workspace()
+    q, k, kb, z, v = (t.detach() for t in _inputs(shared, L=13, m=4, seed=5))
+    with torch.no_grad():
+        torch.testing.assert_close(soft_kernel_product(q, k, kb, z, v, 0.7, 5), _plain(q, k, kb, z, v, 0.7),
+                                   atol=1e-12, rtol=1e-10)
+    assert chunk._workspace.buf is None
+    for kept, out in outs:
+        assert torch.equal(kept, out)
+    release_workspace()
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -28,19 +28,51 @@ autograd through the plain expression in float64 (``tests/test_soft_chunk.py``).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..common import chunk_rows
 
+#: the largest kernel-block workspace (bytes) that a thread keeps between calls with no backward (see
+#: :func:`soft_kernel_product`); larger requests allocate their blocks per call as with a backward
+WORKSPACE_MAX_BYTES = 256 << 20
+_workspace = threading.local()
 
-def _kernel_chunks(x: Tensor, kbs_t: Tensor, hk: Tensor, scale: float, rows: int) -> list[Tensor]:
-    """``exp(x_c kbs_t + h_x + h_k)`` per chunk of ``rows`` rows of ``x`` ``(N, n, D)``: ``(N, c, m)`` tensors."""
+
+def _reused_workspace(numel: int, like: Tensor) -> Tensor | None:
+    """This thread's kept flat buffer of ``like``'s dtype with at least ``numel`` elements (grown when too
+    small), or None on a device other than CPU or above :data:`WORKSPACE_MAX_BYTES`."""
+    if like.device.type != "cpu" or numel * like.element_size() > WORKSPACE_MAX_BYTES:
+        return None
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf.dtype != like.dtype or buf.numel() < numel:
+        _workspace.buf = None                                             # the old one freed first
+        buf = _workspace.buf = torch.empty(numel, dtype=like.dtype)
+    return buf[:numel]
+
+
+def release_workspace() -> None:
+    """Free this thread's kept kernel-block workspace (the next call with no backward allocates it again)."""
+    _workspace.buf = None
+
+
+def _kernel_chunks(x: Tensor, kbs_t: Tensor, hk: Tensor, scale: float, rows: int,
+                   buf: Tensor | None = None) -> list[Tensor]:
+    """``exp(x_c kbs_t + h_x + h_k)`` per chunk of ``rows`` rows of ``x`` ``(N, n, D)``: ``(N, c, m)`` tensors,
+    fresh or (``buf``, flat, at least ``N·n·m`` elements) consecutive views of ``buf``."""
     out = []
+    off, m = 0, kbs_t.shape[-1]
     for xc in x.split(rows, dim=1):
         hx = (xc * xc).sum(-1, keepdim=True).mul_(-0.5 * scale)          # (N, c, 1)
-        s = torch.baddbmm(hk, xc, kbs_t)                                  # h_k + x k~s^T
+        if buf is None:
+            s = torch.baddbmm(hk, xc, kbs_t)                              # h_k + x k~s^T
+        else:
+            n = xc.shape[0] * xc.shape[1] * m
+            s = torch.baddbmm(hk, xc, kbs_t, out=buf[off:off + n].view(xc.shape[0], xc.shape[1], m))
+            off += n
         out.append(s.add_(hx).exp_())
     return out
 
@@ -48,7 +80,7 @@ def _kernel_chunks(x: Tensor, kbs_t: Tensor, hk: Tensor, scale: float, rows: int
 class _SoftKernelProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq: Tensor, xk: Tensor | None, kb: Tensor, z: Tensor, v: Tensor, scale: float,
-                rows: int, keep: bool) -> Tensor:
+                rows: int, keep: bool, reuse: bool = False) -> Tensor:
         B, H, L, D = xq.shape
         m, E = kb.shape[2], v.shape[-1]
         N = B * H
@@ -61,12 +93,28 @@ class _SoftKernelProduct(torch.autograd.Function):
         z3 = z.reshape(N, m, m)
         w = v3.new_zeros(N, m, E)
         if keep:
-            p_q = _kernel_chunks(xq3, kbs_t, hk, scale, rows)
-            p_k = p_q if xk3 is None else _kernel_chunks(xk3, kbs_t, hk, scale, rows)
-            for pc, vc in zip(p_k, v3.split(rows, dim=1)):
+            # no backward coming (reuse): the blocks go into this thread's kept workspace, not fresh memory (the
+            # first touch of 128 MiB of new pages per call at 16K, m = 256, H = 8 cost ~50-80 ms, as much as the
+            # kernel product's exp and scores); with q distinct from k, only P_q's blocks are kept there
+            ws = _reused_workspace(N * L * m, v3) if reuse else None
+            # each P_k block used for W while it is still in cache, just after its exp
+            p_k, off = [], 0
+            for xc, vc in zip((xq3 if xk3 is None else xk3).split(rows, dim=1), v3.split(rows, dim=1)):
+                n = xc.shape[0] * xc.shape[1] * m
+                pc = _kernel_chunks(xc, kbs_t, hk, scale, rows, None if ws is None else ws[off:off + n])[0]
+                if ws is not None and xk3 is None:
+                    off += n                                  # kept for the second pass (else: scratch)
                 w.baddbmm_(pc.transpose(1, 2), vc)
+                p_k.append(pc)
+            p_q = p_k if xk3 is None else _kernel_chunks(xq3, kbs_t, hk, scale, rows, ws)
             y = torch.bmm(z3, w)
-            out = torch.cat([torch.bmm(pc, y) for pc in p_q], 1) if p_q else v3.new_zeros(N, L, E)
+            # each chunk's product written into its rows of the output: no (chunk, E) temporaries and no cat
+            # (those were two fresh (L, E) tensors' worth of page faults and one copy: ~15-25 ms at 16K)
+            out = v3.new_zeros(N, L, E) if not p_q else v3.new_empty(N, L, E)
+            r0 = 0
+            for pc in p_q:
+                torch.bmm(pc, y, out=out[:, r0:r0 + pc.shape[1]])
+                r0 += pc.shape[1]
         else:
             # each block made twice (once per pass) rather than kept: nothing of size (L, m) in memory, but
             # slower on CPU (16K, m = 256, no grad, CPU time: 275-309 ms against 229-233 ms keeping the blocks,
@@ -78,6 +126,8 @@ class _SoftKernelProduct(torch.autograd.Function):
                              for xc in xq3.split(rows, dim=1)], 1) if L else v3.new_zeros(N, L, E)
             p_q = p_k = []
         ctx.save_for_backward(xq3, xk3, kb3, z3, v3, w, y)
+        if reuse:
+            p_q = p_k = []                                    # views of the workspace: no backward uses them
         ctx.p_q, ctx.p_k = p_q, (None if xk3 is None else p_k)
         ctx.scale, ctx.rows, ctx.shape = scale, rows, (B, H, L, D, m, E)
         return out.view(B, H, L, E)
@@ -125,7 +175,7 @@ class _SoftKernelProduct(torch.autograd.Function):
         dkb = dkbs.mul_(scale).sub_(kbs * colsum.transpose(1, 2))
         S = v3.shape[1]
         return (dxq.view(B, H, L, D), None if shared else dxk.view(B, H, S, D), dkb.view(B, H, m, D),
-                dz.view(B, H, m, m), dv.view(B, H, S, E), None, None, None)
+                dz.view(B, H, m, m), dv.view(B, H, S, E), None, None, None, None)
 
 
 def soft_kernel_product(q: Tensor, k: Tensor, kb: Tensor, z: Tensor, v: Tensor, scale: float,
@@ -137,10 +187,17 @@ def soft_kernel_product(q: Tensor, k: Tensor, kb: Tensor, z: Tensor, v: Tensor, 
     ``v`` ``(B, H, S, E)`` -> ``(B, H, L, E)``. Differentiable in q, k, kb, z, v
     (first order). ``keep=False`` (no backward only) makes each kernel block
     twice instead of keeping them: memory O(chunk·m) instead of O(L·m), ~20%
-    slower at 16K.
+    slower at 16K. With ``keep`` and no backward coming (no grad mode, or no
+    input requiring grad) on CPU, the kept blocks are written into a flat
+    workspace that the calling thread keeps for its next such call (up to
+    :data:`WORKSPACE_MAX_BYTES`; 128 MiB at L = 16K, m = 256, H = 8; freed by
+    :func:`release_workspace`): the same values, without the page faults of
+    fresh memory every call. Calls with a backward allocate their blocks as
+    before (the backward reads them).
     """
     m = kb.shape[2]
     rows = chunk_rows(max(q.shape[2], 1), m) if rows is None else rows
     # the backward needs the blocks: keep=False only holds where none is coming
-    keep = keep or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, kb, z, v)))
-    return _SoftKernelProduct.apply(q, None if k is q else k, kb, z, v, scale, rows, keep)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, kb, z, v))
+    keep = keep or backward
+    return _SoftKernelProduct.apply(q, None if k is q else k, kb, z, v, scale, rows, keep, keep and not backward)
