@@ -120,9 +120,10 @@ def busy_threads(device: torch.device | str, sampler: LoadSampler | None = None)
     """For a CPU call: torch on one thread while the machine is busy (:class:`LoadSampler`), restored after.
 
     Yields whether it engaged. Nested uses (the backward inside a forward, a segment inside a call) reuse
-    the outer decision.
+    the outer decision; under ``torch.compile`` tracing it never engages.
     """
-    if (torch.device(device).type != "cpu" or not _ENABLED or not _OPENMP
+    # not while torch.compile traces (thread counts are not graph operations): the compiled call keeps torch's
+    if (torch.compiler.is_compiling() or torch.device(device).type != "cpu" or not _ENABLED or not _OPENMP
             or getattr(_local, "threads", None) is not None):
         yield False
         return
