@@ -10,3 +10,66 @@ def test_importing_attnkit_does_not_import_numba():
     code = "import sys, attnkit, attnkit.numba_pool; assert 'numba' not in sys.modules, 'numba imported'"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+# ---------------------------------------------------------------- run_items (opt-in, Python helper threads)
+import threading  # noqa: E402
+
+import pytest  # noqa: E402
+
+from attnkit.numba_pool import run_items  # noqa: E402
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("items", [0, 1, 5, 64])
+def test_run_items_runs_every_item_once(threads, items):
+    seen = []
+    lock = threading.Lock()
+
+    def work(i):
+        with lock:
+            seen.append(i)
+
+    run_items(work, items, threads=threads)
+    assert sorted(seen) == list(range(items))
+
+
+def test_run_items_uses_helper_threads():
+    names = set()
+    barrier = threading.Barrier(2, timeout=10)
+
+    def work(i):
+        names.add(threading.current_thread().name)
+        if i < 2:
+            barrier.wait()          # two items must run at the same time: the caller and one helper
+
+    run_items(work, 4, threads=2)
+    assert threading.current_thread().name in names and any(n.startswith("attnkit-items") for n in names)
+
+
+def test_run_items_reraises_the_first_error_and_stops_handing_out():
+    done = []
+
+    def work(i):
+        if i == 0:
+            raise ValueError("item 0")
+        done.append(i)
+
+    with pytest.raises(ValueError, match="item 0"):
+        run_items(work, 100, threads=1)
+    assert done == []
+    with pytest.raises(ValueError, match="item 0"):
+        run_items(work, 100, threads=2)
+
+
+def test_run_items_nested_calls_do_not_deadlock():
+    """A call from inside an item (every helper possibly busy) still finishes: the caller works its items."""
+    out = []
+    lock = threading.Lock()
+
+    def inner(i):
+        with lock:
+            out.append(i)
+
+    run_items(lambda i: run_items(inner, 3, threads=4), 6, threads=4)
+    assert sorted(out) == sorted(list(range(3)) * 6)

@@ -57,6 +57,43 @@ def test_a_real_kernel_runs_on_torch_thread_count(torch_threads, monkeypatch):
     assert seen and seen[0] == 1
 
 
+def test_busy_mode_hands_sequences_out_on_the_former_thread_count(torch_threads, monkeypatch):
+    """Inside busy mode (torch dropped to 1 thread) the kernel runs through rows() -> run_items on the count
+    torch had before, and gives the numba team's result (the same loop; LLVM may round the two builds' sums
+    differently in the last bits)."""
+    from attnkit_kernelized import _busy
+    from attnkit_kernelized.linear import numba_ops
+
+    seen = []
+    real = _numba.run_items
+
+    def spy(work, items, *, threads=None):
+        seen.append(threads)
+        real(work, items, threads=threads)
+
+    monkeypatch.setattr(_numba, "run_items", spy)
+    torch.set_num_threads(2)
+    x = torch.rand(2, 3, 33, 4, dtype=torch.float64)
+    want = numba_ops.linear_attention(x, x, x, causal=True)
+    assert not seen
+    monkeypatch.setattr(_busy._local, "threads", 2, raising=False)   # what busy_threads sets when it engages
+    torch.set_num_threads(1)
+    got = numba_ops.linear_attention(x, x, x, causal=True)
+    assert seen == [min(2, numba.config.NUMBA_NUM_THREADS)]
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_run_parallel_takes_an_explicit_thread_count(torch_threads):
+    """numba_pool.run_parallel(threads=) (what dynamic() passes in busy mode) overrides torch's count."""
+    from attnkit.numba_pool import run_parallel
+
+    torch.set_num_threads(1)
+    want = min(2, numba.config.NUMBA_NUM_THREADS)
+    assert run_parallel(_threads_inside, np.ones(8), threads=2) == want
+    assert run_parallel(_threads_inside, np.ones(8)) == 1
+
+
 def test_the_wait_policy_is_set_for_numba_only():
     """numba's libgomp is loaded with OMP_WAIT_POLICY=PASSIVE (idle threads sleep: no spinning against torch's
     pool), and the variable is not left set for the user's process (a fresh interpreter, no user setting)."""

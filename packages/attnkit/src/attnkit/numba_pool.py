@@ -3,16 +3,25 @@
 numba is imported by these functions, never by ``import attnkit`` (the core does
 not need it); a plugin's numba backend module calls :func:`start_pool` before it
 compiles or loads its kernels and launches them with :func:`run_parallel`.
+
+:func:`run_items` is the opt-in alternative for serial ``nogil`` kernels: the
+items are handed out one at a time to the calling thread and a few Python
+helper threads, so a thread the operating system deschedules (another process
+on the cores) simply takes fewer items instead of holding a share the others
+wait for (numba's OpenMP layer splits a ``prange`` statically among its threads).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-__all__ = ["start_pool", "kernel_threads", "run_parallel"]
+__all__ = ["start_pool", "kernel_threads", "run_parallel", "run_items"]
 
 
 def start_pool() -> None:
@@ -53,7 +62,7 @@ def kernel_threads() -> int:
     return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
-def run_parallel(kernel: Any, *args: Any, items: int | None = None) -> Any:
+def run_parallel(kernel: Any, *args: Any, items: int | None = None, threads: int | None = None) -> Any:
     """Call a ``parallel=True`` kernel on :func:`kernel_threads` threads; numba's settings are restored after.
 
     Args:
@@ -64,10 +73,12 @@ def run_parallel(kernel: Any, *args: Any, items: int | None = None) -> Any:
             engine, 16 chunks per thread made a 1K forward+backward 110 ms instead of 23 ms). None:
             chunk size 1, the items handed out one at a time, so a thread slowed by a busy core takes
             fewer (the kernelized family's few, long B·H sequences).
+        threads: run on this many threads (capped by the threads numba launched) instead of
+            :func:`kernel_threads` (None, the default).
     """
     import numba
 
-    threads = kernel_threads()
+    threads = kernel_threads() if threads is None else max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     old_threads = numba.get_num_threads()
     numba.set_num_threads(threads)
     old = numba.set_parallel_chunksize(1 if items is None else max(1, -(-items // threads)))
@@ -76,3 +87,93 @@ def run_parallel(kernel: Any, *args: Any, items: int | None = None) -> Any:
     finally:
         numba.set_parallel_chunksize(old)
         numba.set_num_threads(old_threads)
+
+
+# ------------------------------------------------------------- items on Python threads
+_helpers: ThreadPoolExecutor | None = None
+_helpers_size = 0
+_helpers_lock = threading.Lock()
+
+
+def _helper_pool(size: int) -> ThreadPoolExecutor:
+    """The shared helper threads of :func:`run_items` (created on first use, grown when more are asked for)."""
+    global _helpers, _helpers_size
+    with _helpers_lock:
+        if _helpers is None or _helpers_size < size:
+            old = _helpers
+            _helpers = ThreadPoolExecutor(max_workers=size, thread_name_prefix="attnkit-items")
+            _helpers_size = size
+            if old is not None:
+                old.shutdown(wait=False)
+        return _helpers
+
+
+class _Items:
+    """One :func:`run_items` call: the next item to hand out, the items running, the first error."""
+
+    def __init__(self, work: Callable[[int], Any], items: int) -> None:
+        self.work, self.items = work, items
+        self.next = 0
+        self.active = 0
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def run(self) -> None:
+        """Take items one at a time until none is left (or one failed)."""
+        while True:
+            with self.cond:
+                if self.error is not None or self.next >= self.items:
+                    return
+                i = self.next
+                self.next += 1
+                self.active += 1
+            try:
+                self.work(i)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+                with self.cond:
+                    if self.error is None:
+                        self.error = e
+            finally:
+                with self.cond:
+                    self.active -= 1
+                    self.cond.notify_all()
+
+    def wait(self) -> None:
+        """Until every item handed out has finished; re-raises the first error."""
+        with self.cond:
+            while self.active:
+                self.cond.wait()
+        if self.error is not None:
+            raise self.error
+
+
+def run_items(work: Callable[[int], Any], items: int, *, threads: int | None = None) -> None:
+    """Call ``work(i)`` for every ``i`` in ``range(items)`` on ``threads`` threads, one item at a time.
+
+    The calling thread works too, beside ``threads - 1`` shared helper threads; each takes the next
+    item when it finishes one, so a thread that the operating system deschedules (another process
+    on the cores) takes fewer items and nobody waits for a fixed share it holds. The work must
+    release the GIL (a ``nogil=True`` numba kernel) to run in parallel. Helpers that start after
+    the last item was handed out return at once, so a call made from inside ``work`` cannot deadlock.
+
+    Args:
+        work: called with the item index; what it returns is ignored (write results into arrays).
+        items: how many items.
+        threads: threads to use (None: :func:`kernel_threads`); at most ``items``; 1 runs every item in
+            the calling thread.
+
+    Raises:
+        The first exception ``work`` raised (no further items are handed out after it).
+    """
+    threads = kernel_threads() if threads is None else threads
+    threads = max(1, min(threads, items))
+    if threads == 1:
+        for i in range(items):
+            work(i)
+        return
+    call = _Items(work, items)
+    pool = _helper_pool(threads - 1)
+    for _ in range(threads - 1):
+        pool.submit(call.run)
+    call.run()
+    call.wait()

@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 from torch import Tensor
 
-from attnkit.numba_pool import kernel_threads, run_parallel, start_pool
+from attnkit.numba_pool import kernel_threads, run_items, run_parallel, start_pool
 
-__all__ = ["FASTMATH", "kernel_threads", "dynamic", "arr", "check_float"]
+from ._busy import kernel_thread_count
+
+__all__ = ["FASTMATH", "kernel_threads", "threads", "dynamic", "rows", "arr", "check_float"]
 
 
 start_pool()
@@ -21,11 +23,35 @@ start_pool()
 FASTMATH = {"reassoc", "contract", "nsz"}
 
 
+def threads() -> int:
+    """Threads a kernel call uses: :func:`kernel_threads`, or inside a call that runs torch on one thread
+    because the machine is busy (:func:`attnkit_kernelized._busy.busy_threads`), the count torch had before."""
+    saved = kernel_thread_count()
+    return kernel_threads() if saved is None else _cap(saved)
+
+
+def _cap(n: int) -> int:
+    import numba
+
+    return max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+
+
 def dynamic(fn, *args):
-    """Run a parallel kernel on :func:`kernel_threads` threads, handing out its B*H sequences one at a time
-    (numba's parallel chunk size 1) instead of in equal static blocks, so a thread slowed by a busy core
-    takes fewer (:func:`attnkit.numba_pool.run_parallel`)."""
-    return run_parallel(fn, *args)
+    """Run a parallel kernel on :func:`threads` threads, numba's parallel chunk size 1
+    (:func:`attnkit.numba_pool.run_parallel`; numba's OpenMP layer still splits the sequences statically)."""
+    return run_parallel(fn, *args, threads=threads())
+
+
+def rows(kernel, n: int, *args) -> None:
+    """Run a serial ``nogil`` kernel ``kernel(*args, n0, n1)`` (sequences ``n0 <= i < n1`` of ``n``) on
+    :func:`threads` threads, handing out blocks of sequences one at a time
+    (:func:`attnkit.numba_pool.run_items`): a thread the operating system deschedules takes fewer
+    blocks, and the others never wait for a share it holds. Each sequence is computed by one thread with
+    the same code, so the result does not depend on the thread count or the order."""
+    t = threads()
+    per = max(1, n // (4 * t))                    # at least ~4 blocks per thread; one sequence when n is small
+    blocks = -(-n // per)
+    run_items(lambda b: kernel(*args, b * per, min(n, (b + 1) * per)), blocks, threads=t)
 
 
 def arr(x: Tensor) -> np.ndarray:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._busy import busy_threads
 from .common import with_ones_column
 
 NAMESPACE = "attnkit_kernelized"
@@ -209,7 +210,8 @@ def define_linear_attention(backend: str, product: Product) -> Any:
         ctx.set_materialize_grads(False)
 
     def backward(ctx, g_out, g_den, g_S, g_z):
-        return linear_attention_backward(product, ctx, g_out, g_den, g_S, g_z)
+        with busy_threads(ctx.saved_tensors[0].device):       # see ._busy: one torch thread on a busy machine
+            return linear_attention_backward(product, ctx, g_out, g_den, g_S, g_z)
 
     return define(f"{backend}_linear_attention", fn, fake, backward=backward, setup_context=setup_context)
 

@@ -11,6 +11,7 @@ from attnkit import Attention
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
+from ._busy import busy_threads
 from ._ops import backend_module, runnable_backend
 from .linear.recurrent import linear_attention_step
 from .options import check_choice, check_int
@@ -92,6 +93,11 @@ class KernelizedAttention(Attention):
 
     # ---------------------------------------------------------------- forward
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
+        # a CPU call on a machine other processes keep busy runs torch on one thread (see ._busy)
+        with busy_threads(q.device):
+            return self._attend_body(q, k, v, ctx)
+
+    def _attend_body(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
         self._before_forward()
         # the kernels read contiguous rows; a multi-head layer hands over transposed views. Copying them
         # once here (D wide, before the M-wide features) also keeps every stride the same under
@@ -116,10 +122,12 @@ class KernelizedAttention(Attention):
         """The causal form over ``L`` positions from ``state`` (None: zeros), :attr:`segment_length` at a time."""
         L, seg = q.shape[2], self.segment_length
         outs = []
-        for s0 in range(0, L, seg):
-            s1 = min(L, s0 + seg)
-            part = None if kpm is None else kpm[:, s0:s1]
-            out, state = self._causal_segment(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], part, state, backend)
+        # torch.split, not slicing: under autograd one backward node per input concatenates the segments'
+        # gradients, where a slice per segment writes a zero tensor of the whole length and adds them up
+        qs, ks, vs = (t.split(seg, dim=2) for t in (q, k, v))
+        for i, s0 in enumerate(range(0, L, seg)):
+            part = None if kpm is None else kpm[:, s0:s0 + seg]
+            out, state = self._causal_segment(qs[i], ks[i], vs[i], part, state, backend)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out, state  # type: ignore[return-value]

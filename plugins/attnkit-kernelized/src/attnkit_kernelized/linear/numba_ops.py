@@ -13,11 +13,23 @@ attention's numerator is ``product(phi(q), phi(k), v)`` and ``den`` its
 denominator; the backward pass is three more products
 (:func:`attnkit_kernelized._ops.linear_attention_backward`).
 
-:func:`_causal_product` (causal and reverse) runs ``prange`` over the N = B*H
-sequences (``parallel=True``, ``nopython``, ``cache=True``) and walks each
-sequence in chunks of ``chunk`` positions, so a chunk's inputs stay in L1/L2
-while they are reused. Per chunk: the inter-chunk part ``out[t] = S^T x[t]``
-from the state of the earlier chunks, the causal triangle
+:func:`_causal_rows` (causal and reverse) computes the sequences ``n0 <= n < n1``
+of the N = B*H (serial, ``nogil``, ``nopython``, ``cache=True``), each into
+arrays of its own, copied into the caller's at its end (writing into argument
+arrays lets LLVM assume they alias the inputs and vectorise the tiles less:
+measured 2x slower). Two ways run it over the sequences: :func:`_causal_team`,
+a numba ``prange`` with one sequence per iteration (numba's OpenMP threads, the
+default), and, while the machine is busy (:mod:`attnkit_kernelized._busy`),
+:func:`attnkit_kernelized._numba.rows`: blocks of sequences handed out one at a
+time to the calling thread and Python helper threads, so a thread another
+process deschedules takes fewer and nobody waits for a fixed share (numba's
+OpenMP layer splits a ``prange`` statically). Each sequence is computed by one
+thread with the same loop either way (the two builds may round in the last bits
+differently; neither depends on the thread count or the order).
+
+The kernel walks each sequence in chunks of ``chunk`` positions, so a chunk's
+inputs stay in L1/L2 while they are reused. Per chunk: the inter-chunk part
+``out[t] = S^T x[t]`` from the state of the earlier chunks, the causal triangle
 ``A[t, j] = x[t] . y[j]`` and ``out[t] += sum_j A[t, j] w[j]``, then the state
 update ``S^T += w^T y`` over the chunk. The state is kept transposed (E x M)
 so that every heavy loop is a dot product over a contiguous axis; each dot
@@ -28,7 +40,7 @@ Work O(L * (M * E + chunk * (M + E))), memory O(M * E + chunk * (M + E)) per
 sequence besides inputs and outputs. With ``normalize`` the division by the
 denominator is fused (0 where it is 0, NaN stays NaN).
 
-:func:`_full_product` (the non-causal form, L != S allowed) accumulates the
+:func:`_full_rows` (the non-causal form, L != S allowed) accumulates the
 whole state with the same tiles, then ``out[t] = S^T x[t]``.
 
 Operators (``torch.library``, namespace ``attnkit_kernelized``):
@@ -43,25 +55,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._numba import FASTMATH, arr, check_float, dynamic
+from .._busy import kernel_thread_count
+from .._numba import FASTMATH, arr, check_float, dynamic, rows
 from .._ops import call_linear_attention, define, define_linear_attention
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _causal_product(x, y, w, reverse, chunk, with_den, normalize, ST0, z0):  # pragma: no cover - compiled
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, n0,
+                 n1):  # pragma: no cover - compiled
     N, L, M = x.shape
     E = w.shape[2]
-    out = np.empty((N, L, E), dtype=x.dtype)
-    den = np.zeros((N, L if with_den else 0), dtype=x.dtype)
-    ST_out = np.empty((N, E, M), dtype=x.dtype)
-    z_out = np.empty((N, M), dtype=x.dtype)
     n_chunks = (L + chunk - 1) // chunk
     E4 = E - E % 4
-    for n in numba.prange(N):
-        xn = x[n]; yn = y[n]; wn = w[n]; on = out[n]
+    for n in range(n0, n1):
+        xn = x[n]; yn = y[n]; wn = w[n]
+        # the results of the sequence go to arrays allocated here, copied out at its end: writes into the
+        # caller's arrays could alias the inputs for LLVM, which then vectorises the tiles less (2x slower)
+        on = np.empty((xn.shape[0], E), dtype=x.dtype)
+        dn = np.zeros(xn.shape[0] if with_den else 0, dtype=x.dtype)
         zero = np.zeros(1, dtype=x.dtype)          # a typed 0 (a literal 0.0 would be float64)
         ST = ST0[n].copy()                         # the state S^T = sum_j w_j y_j^T (E x M)
         z = z0[n].copy()
@@ -161,7 +175,7 @@ def _causal_product(x, y, w, reverse, chunk, with_den, normalize, ST0, z0):  # p
                     xa = xc[t]
                     for m in range(M):
                         s += xa[m] * z[m]
-                    den[n, c0 + t] = s
+                    dn[c0 + t] = s
                     if normalize:  # out /= den, 0 where no key is visible
                         ot = oc[t]
                         if s == 0:
@@ -214,24 +228,27 @@ def _causal_product(x, y, w, reverse, chunk, with_den, normalize, ST0, z0):  # p
                     for j in range(T):
                         s += ya[j]
                     z[m] += s
+        out[n] = on
+        if with_den:
+            den[n] = dn
         ST_out[n] = ST
         z_out[n] = z
-    return out, den, ST_out, z_out
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _full_product(x, y, w, chunk, with_den, normalize, ST0, z0):  # pragma: no cover - compiled
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _full_rows(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, n0,
+               n1):  # pragma: no cover - compiled
     N, L, M = x.shape
     S = y.shape[1]
     E = w.shape[2]
-    out = np.empty((N, L, E), dtype=x.dtype)
-    den = np.zeros((N, L if with_den else 0), dtype=x.dtype)
-    ST_out = np.empty((N, E, M), dtype=x.dtype)
-    z_out = np.empty((N, M), dtype=x.dtype)
     E4 = E - E % 4
     M2 = M - M % 2
-    for n in numba.prange(N):
-        xn = x[n]; yn = y[n]; wn = w[n]; on = out[n]
+    for n in range(n0, n1):
+        xn = x[n]; yn = y[n]; wn = w[n]
+        # the results of the sequence go to arrays allocated here, copied out at its end: writes into the
+        # caller's arrays could alias the inputs for LLVM, which then vectorises the tiles less (2x slower)
+        on = np.empty((xn.shape[0], E), dtype=x.dtype)
+        dn = np.zeros(xn.shape[0] if with_den else 0, dtype=x.dtype)
         zero = np.zeros(1, dtype=x.dtype)          # a typed 0 (a literal 0.0 would be float64)
         ST = ST0[n].copy()                         # S^T = S0^T + sum_j w_j y_j^T (E x M)
         z = z0[n].copy()
@@ -323,7 +340,7 @@ def _full_product(x, y, w, chunk, with_den, normalize, ST0, z0):  # pragma: no c
                     s = zero[0]
                     for m in range(M):
                         s += xa[m] * z[m]
-                    den[n, c0 + t] = s
+                    dn[c0 + t] = s
                     if normalize:  # out /= den, 0 where no key is visible
                         ot = oc[t]
                         if s == 0:
@@ -333,9 +350,24 @@ def _full_product(x, y, w, chunk, with_den, normalize, ST0, z0):  # pragma: no c
                             r = 1 / s
                             for e in range(E):
                                 ot[e] *= r
+        out[n] = on
+        if with_den:
+            den[n] = dn
         ST_out[n] = ST
         z_out[n] = z
-    return out, den, ST_out, z_out
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _causal_team(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out,
+                 z_out):  # pragma: no cover - compiled
+    for n in numba.prange(x.shape[0]):
+        _causal_rows(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, n, n + 1)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _full_team(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out):  # pragma: no cover - compiled
+    for n in numba.prange(x.shape[0]):
+        _full_rows(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, n, n + 1)
 
 
 # ------------------------------------------------------------------ operators
@@ -361,11 +393,22 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
     xa, ya, wa, z0a = arr(x), arr(y), arr(w), arr(z0)
     ST0 = np.ascontiguousarray(arr(S0).transpose(0, 2, 1))
     check_float(xa, ya, wa, ST0, z0a)
-    if mode == "full":
-        out, den, ST, z = dynamic(_full_product, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), ST0, z0a)
+    dt = xa.dtype
+    out = np.empty((N, L, DW), dtype=dt)
+    den = np.zeros((N, L if with_den else 0), dtype=dt)
+    ST = np.empty((N, DW, DX), dtype=dt)
+    z = np.empty((N, DX), dtype=dt)
+    if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
+        if mode == "full":
+            rows(_full_rows, N, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), ST0, z0a, out, den, ST, z)
+        else:
+            rows(_causal_rows, N, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), ST0,
+                 z0a, out, den, ST, z)
+    elif mode == "full":                      # idle: numba's OpenMP team, one sequence per prange iteration
+        dynamic(_full_team, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), ST0, z0a, out, den, ST, z)
     else:
-        out, den, ST, z = dynamic(_causal_product, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den),
-                                  bool(normalize), ST0, z0a)
+        dynamic(_causal_team, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), ST0, z0a,
+                out, den, ST, z)
     return (torch.from_numpy(out), torch.from_numpy(den), torch.from_numpy(ST).transpose(1, 2).contiguous(),
             torch.from_numpy(z))
 
