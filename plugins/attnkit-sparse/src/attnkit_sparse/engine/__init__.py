@@ -33,7 +33,7 @@ from attnkit.masks import Mask
 from attnkit.positions import Positions, as_positions
 
 from .naive import reference_attend
-from .plan import DEFAULT_BLOCK_SIZE, BlockPlan, check_block_size, plan
+from .plan import DEFAULT_BLOCK_SIZE, BlockPlan, check_block_size, plan, tl_dot_blocks
 
 #: every backend of the engine, in the order ``auto`` prefers them on CUDA (triton before flex: on an H100 in
 #: bfloat16 the triton kernels ran the causal 256-key window faster than the flex backend forward at every
@@ -215,17 +215,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
 PLAN_BACKENDS = ("torch", "numba", "triton")
 
 
-def _triton_blocks(plan: BlockPlan) -> bool:
-    return all(n >= 16 and not n & (n - 1) for n in plan.block_size)
-
-
 def _auto_plan_backend(device: torch.device, plan: BlockPlan) -> str:
     """``attend_plan``'s ``auto``: numba (else torch) on CPU; on CUDA triton for power-of-two blocks >= 16, else
     torch (FlexAttention returns no differentiable log-sum-exp)."""
     device = torch.device(device)
     if device.type == "cpu":
         return auto_backend(device)
-    if _triton_blocks(plan) and why_unavailable("triton", device) is None:
+    if tl_dot_blocks(plan.block_size) and why_unavailable("triton", device) is None:
         return "triton"
     return "torch"
 

@@ -46,6 +46,11 @@ _PLANS: weakref.WeakKeyDictionary[Mask, dict[tuple[Any, ...], BlockPlan]] = weak
 _UNMASKED: dict[tuple[Any, ...], BlockPlan] = {}
 
 
+def tl_dot_blocks(block_size: tuple[int, int]) -> bool:
+    """True when both block sizes are powers of two >= 16: the tiles the triton backend's ``tl.dot`` takes."""
+    return all(n >= 16 and not n & (n - 1) for n in block_size)
+
+
 def check_block_size(block_size: Any) -> tuple[int, int]:
     """``(BQ, BK)`` from ``None`` (the default), an int or a pair of ints >= 1.
 

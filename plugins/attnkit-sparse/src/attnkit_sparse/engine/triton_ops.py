@@ -30,7 +30,7 @@ from torch import Tensor
 
 from attnkit.errors import InvalidInputError
 
-from .plan import BlockPlan
+from .plan import BlockPlan, tl_dot_blocks
 
 NAMESPACE = "attnkit_sparse"
 
@@ -298,9 +298,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float,
         InvalidInputError: a block size that is not a power of two >= 16.
     """
     bq, bk = plan.block_size
-    for name, n in (("query", bq), ("key", bk)):
-        if n < 16 or n & (n - 1):
-            raise InvalidInputError(f"block_size ({name}): the triton backend takes powers of two >= 16, got {n}")
+    if not tl_dot_blocks(plan.block_size):
+        name, n = ("query", bq) if not tl_dot_blocks((bq, bq)) else ("key", bk)
+        raise InvalidInputError(f"block_size ({name}): the triton backend takes powers of two >= 16, got {n}")
     out, lse = triton_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
                                       plan.q_tile, plan.bank, bq, bk, float(scale))
     return (out, lse) if return_lse else out
