@@ -17,8 +17,14 @@ a run stopped at its time limit keeps what it measured.
    ``plan``, FlexAttention's ``create_block_mask``) and the peak memory of
    each call are reported apart.
 3. ``mechanisms``: every mechanism named in ``--mechanisms`` built with
-   ``attnkit.build`` (whatever plugins are installed) on CUDA at
-   ``--mech-lengths``, forward and forward+backward against SDPA.
+   ``attnkit.build`` (whatever plugins are installed) and moved to the device
+   and ``--mech-dtype`` with ``module.to(device, dtype)`` (the module path a
+   user takes, not an engine call), at ``--mech-lengths``, forward and
+   forward+backward against SDPA in the same dtype. ``--mech-dtype``:
+   bfloat16 on CUDA unless given (every sparse module takes float16 and
+   bfloat16; a module that does not is recorded with its refusal), float32
+   under ``--smoke`` unless given (``--smoke --mech-dtype bfloat16`` runs the
+   half module path on CPU).
 
 Times are ``triton.testing.do_bench`` medians (CUDA events, L2 flushed
 between calls) in milliseconds. ``--smoke`` runs every path once on tiny CPU
@@ -294,8 +300,10 @@ def mechanisms(run: Run, device: torch.device, names: list[str], lengths: list[i
                     if name == "axial":
                         side = int(math.isqrt(L))
                         opts["grid"] = (side, L // side)
-                    mod = attnkit.build(name, **opts).to(device=device, dtype=dtype).eval()
-                    shared_qk = getattr(getattr(mod, "caps", None), "shared_qk", False)
+                    mod = attnkit.build(name, **opts).to(device=device, dtype=dtype).eval()   # the module path
+                    caps = getattr(mod, "caps", None)
+                    row["declares_dtype"] = str(dtype).split(".")[-1] in getattr(caps, "dtypes", ())
+                    shared_qk = getattr(caps, "shared_qk", False)
                     row["shared_qk"] = bool(shared_qk)
                     fn = ((lambda q, k, v, mod=mod: mod(q, q, v)) if shared_qk
                           else (lambda q, k, v, mod=mod: mod(q, k, v)))
@@ -359,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only-methods", nargs="+", default=None,
                    help="engine rows of these methods only (sdpa, flexattention, flex-b64, triton-b64, flex, triton)")
     p.add_argument("--check-backends", nargs="+", default=None, help="backends the check section runs")
-    p.add_argument("--mech-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the mechanisms section (most modules declare float32/float64 only)")
+    p.add_argument("--mech-dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the mechanisms section's modules and inputs (module.to(dtype)); default "
+                        "bfloat16 on CUDA, float32 under --smoke")
     p.add_argument("--mech-lengths", type=int, nargs="+", default=[16384])
     p.add_argument("--mechanisms", nargs="+", default=DEFAULT_MECHANISMS)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128], help="triton backend block sizes")
@@ -401,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                args.flex_block_sizes, args.only_methods)
     if "mechanisms" in args.sections:
         mechanisms(run, device, args.mechanisms if not args.smoke else args.mechanisms[:3], args.mech_lengths,
-                   getattr(torch, args.mech_dtype) if not args.smoke else torch.float32, args.budget)
+                   getattr(torch, args.mech_dtype or ("float32" if args.smoke else "bfloat16")), args.budget)
     md = tables(run.data)
     Path(args.out).with_suffix(".md").write_text(md + "\n")
     print(md, flush=True)

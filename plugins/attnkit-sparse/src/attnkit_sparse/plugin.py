@@ -21,6 +21,10 @@ ATTNKIT_API_VERSION = 1
 #: in order of preference: triton, then FlexAttention on CUDA (measured, engine.BACKENDS), numba on CPU, torch
 BACKENDS = ("triton", "flex", "numba", "torch")
 _KINDS = ("causal", "key_padding", "tensor", "sliding_window", "document", "function", "union")
+#: every sparse module takes half precision: triton and flex run float16/bfloat16 operands as they are (float32
+#: softmax statistics); numba upcasts to float32 and casts the output and gradients back; torch computes scores,
+#: softmax and accumulation in float32 (docs/sparse-engine.md, "Dtypes")
+HALF_AND_FULL = ("float16", "bfloat16", "float32", "float64")
 _MEMORY = "O(attended tiles) block index + O(L·E) output; no L x S matrix (additive bias: dense path)"
 
 _PARMAR = Paper("Parmar, Vaswani, Uszkoreit, Kaiser, Shazeer, Ku, Tran", 2018, "Image Transformer", "1802.05751")
@@ -37,7 +41,7 @@ def _caps(*, causal: bool = True, cross: bool = True, streaming: str | None = No
         causal=causal, noncausal=True, key_padding_mask=True, attn_mask=True, cross=cross,
         causal_cross=causal and cross, streaming=streaming, positions=True, context_parallel=context_parallel,
         mask_kinds=_KINDS if causal else tuple(k for k in _KINDS if k != "causal"),
-        dtypes=("float32", "float64"), backends=BACKENDS, time=time, memory=_MEMORY,
+        dtypes=HALF_AND_FULL, backends=BACKENDS, time=time, memory=_MEMORY,
     )
 
 
@@ -122,7 +126,7 @@ LSH = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
-        mask_kinds=("causal", "key_padding"), positions=False, dtypes=("float32", "float64"),
+        mask_kinds=("causal", "key_padding"), positions=False, dtypes=HALF_AND_FULL,
         backends=CONTENT_BACKENDS, shared_qk=True, time="O(n_hashes·L·bucket_size·D)",
         memory="O(n_hashes·L·(D + E + bucket_size)): sorted copies and the chunks' element masks; no L x S matrix",
     ),
@@ -140,7 +144,7 @@ ROUTING = AttentionSpec(
     error_bound=None, aux_losses={"routing_commitment": 1e-4},
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
-        mask_kinds=("causal", "key_padding"), positions=False, dtypes=("float32", "float64"),
+        mask_kinds=("causal", "key_padding"), positions=False, dtypes=HALF_AND_FULL,
         backends=CONTENT_BACKENDS, time="O(L·(L/num_clusters)·D + L·num_clusters·D)",
         memory="O(L·(D + E) + num_clusters·w²) with w = L/num_clusters; no L x S matrix",
     ),
@@ -157,7 +161,7 @@ SINKHORN = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
-        mask_kinds=("causal",), positions=False, dtypes=("float32", "float64"), backends=CONTENT_BACKENDS,
+        mask_kinds=("causal",), positions=False, dtypes=HALF_AND_FULL, backends=CONTENT_BACKENDS,
         time="O(L·2·block_size·D + (L/block_size)²·D)",
         memory="O(L·(D + E)) sorted copies + O((L/block_size)²) sorting matrix; no L x S matrix",
     ),

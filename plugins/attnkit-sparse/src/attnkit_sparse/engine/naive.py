@@ -13,7 +13,14 @@ from attnkit.positions import Positions
 
 def reference_attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float | None = None,
                      positions: Positions | None = None) -> Tensor:
-    """Dense ``softmax(scale·q kᵀ masked) v``; rows with no allowed key are 0. Materialises ``(B, H, L, S)``."""
+    """Dense ``softmax(scale·q kᵀ masked) v``; rows with no allowed key are 0. Materialises ``(B, H, L, S)``.
+
+    float16 and bfloat16 inputs are computed in float32 (scores, an additive bias, softmax, the sum) and the
+    output is cast back to the input dtype.
+    """
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        return reference_attend(q.float(), k.float(), v.float(), mask, scale=scale, positions=positions).to(dtype)
     B, H, L, D = q.shape
     S = k.shape[-2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale

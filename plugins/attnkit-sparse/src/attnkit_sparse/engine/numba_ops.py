@@ -5,7 +5,9 @@ runs :func:`._numba_kernels.forward`; its registered autograd runs
 ``attnkit_sparse::numba_block_attention_backward`` (the two backward kernels,
 recomputing probabilities from the saved log-sum-exp), and fake
 implementations give ``torch.compile`` the output shapes, so a compiled model
-sees one operator. float32 and float64, CPU tensors.
+sees one operator. The kernels take float32 and float64 CPU tensors; :func:`attend`
+runs float16 and bfloat16 inputs on float32 copies and casts the output back (autograd
+through the casts gives the gradients in the input dtype; the log-sum-exp stays float32).
 
 Threads: numba's pool follows ``torch.get_num_threads()`` at every call (capped
 by numba's own maximum); its idle threads sleep (``OMP_WAIT_POLICY=PASSIVE``
@@ -163,15 +165,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
     """Block-sparse attention with the numba kernels (differentiable in q, k, v, and through the lse).
 
     Args:
-        q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``; float32/float64 CPU tensors.
+        q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``; CPU tensors, float32 or float64 as
+            they are, float16 or bfloat16 on float32 copies (the kernels have no half form).
         plan: the :class:`~attnkit_sparse.engine.plan.BlockPlan` (on CPU).
         scale: multiplier of ``q · k``.
 
     Returns:
-        ``(B, H, L, E)``; rows with no allowed key are 0. With ``return_lse`` also the log-sum-exp
-        ``(B, H, L)`` of the scaled scores per row (``+inf`` for a row with no allowed key).
+        ``(B, H, L, E)`` in the input dtype (its gradients too); rows with no allowed key are 0. With
+        ``return_lse`` also the log-sum-exp ``(B, H, L)`` of the scaled scores per row (``+inf`` for a row
+        with no allowed key; float32 for half inputs).
     """
     bq, bk = plan.block_size
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
     out, lse = numba_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
                                    plan.q_tile, plan.q_slot, plan.bank, plan.span, bq, bk, float(scale))
+    out = out.to(dtype)
     return (out, lse) if return_lse else out

@@ -7,6 +7,11 @@ the plan's bank, and a stable softmax runs over the gathered keys. Memory is
 proportional to the attended tiles: ``B·H·NQ·CK·BK·(D + E)`` for the gathered
 blocks and ``B·H·NQ·BQ·CK·BK`` for the scores, never ``(L, S)`` (unless the
 mask is dense). Autograd differentiates through the gathers.
+
+float16 and bfloat16 inputs are widened to float32 where the blocks are
+gathered: scores, softmax and the weighted sum of values run in float32, the
+output is cast back to the input dtype (its gradients arrive in the input
+dtype through the casts) and the log-sum-exp stays float32.
 """
 
 from __future__ import annotations
@@ -37,22 +42,26 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
         scale: multiplier of ``q · k``.
 
     Returns:
-        ``(B, H, L, E)``; rows with no allowed key are 0 (finite gradients). With ``return_lse`` also
-        the log-sum-exp ``(B, H, L)`` of the scaled scores per row (``+inf`` for a row with no key).
+        ``(B, H, L, E)`` in the input dtype; rows with no allowed key are 0 (finite gradients). With
+        ``return_lse`` also the log-sum-exp ``(B, H, L)`` of the scaled scores per row (``+inf`` for a row
+        with no key; float32 for half inputs, computed in float32 like the scores).
     """
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
     bq, bk = plan.block_size
     nq, nk = plan.num_blocks
     dev = q.device
-    qb = _blocks(q, nq, bq)                                          # (B, H, NQ, BQ, D)
+    dtype = q.dtype
+    # half inputs: float32 from the gather on (the gathered copies, the scores, the softmax, the sum)
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    qb = _blocks(q, nq, bq).to(wide)                                 # (B, H, NQ, BQ, D)
     kb, vb = _blocks(k, nk, bk), _blocks(v, nk, bk)                  # (B, H, NK, BK, *)
     cw = plan.kv_idx.shape[-1]
     idx = plan.kv_idx.long().expand(B, H, nq, cw)                    # (B, H, NQ, CK)
     tile = plan.kv_tile.long().expand(B, H, nq, cw)
     flat = idx.reshape(B, H, nq * cw, 1, 1)
-    kg = kb.gather(2, flat.expand(B, H, nq * cw, bk, D)).view(B, H, nq, cw, bk, D)
-    vg = vb.gather(2, flat.expand(B, H, nq * cw, bk, E)).view(B, H, nq, cw, bk, E)
+    kg = kb.gather(2, flat.expand(B, H, nq * cw, bk, D)).view(B, H, nq, cw, bk, D).to(wide)
+    vg = vb.gather(2, flat.expand(B, H, nq * cw, bk, E)).view(B, H, nq, cw, bk, E).to(wide)
     scores = torch.einsum("bhnqd,bhnckd->bhnqck", qb, kg) * scale     # (B, H, NQ, BQ, CK, BK)
     # element mask per tile: FULL -> all, PARTIAL -> bank entry, padding -> none; keys past S never
     P = plan.bank.shape[0]
@@ -69,7 +78,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
     den = p.sum(-1, keepdim=True)
     p = p / torch.where(den > 0, den, torch.ones_like(den))
     out = torch.einsum("bhnqj,bhnje->bhnqe", p, vg.flatten(3, 4))    # (B, H, NQ, BQ, E)
-    out = out.reshape(B, H, nq * bq, E)[:, :, :L]
+    out = out.reshape(B, H, nq * bq, E)[:, :, :L].to(dtype)
     if not return_lse:
         return out
     has = den > 0

@@ -20,6 +20,7 @@ from torch import Tensor
 from attnkit import Attention
 from attnkit.context import CallContext
 
+from .._half import is_half, wide
 from ..base import check_int
 from .hashing import buckets, n_buckets, real_lengths, rotations, sort_rounds, sort_rounds_inverse, unit
 
@@ -129,7 +130,9 @@ class LSHAttention(Attention):
                 f"seed={self.seed}")
 
     def rotations(self, L: int, D: int, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """``(n_hashes, D, n_buckets / 2)`` rotations for length ``L`` (cached per shape, dtype, device)."""
+        """``(n_hashes, D, n_buckets / 2)`` rotations for length ``L`` (cached per shape, dtype, device; float32
+        for a half ``dtype``: half inputs are hashed in float32)."""
+        dtype = wide(dtype)
         cols = max(1, n_buckets(L, self.bucket_size) // 2)
         key = (cols, D, dtype, str(device))
         if key not in self._rot:
@@ -221,6 +224,14 @@ class LSHAttention(Attention):
         return torch.where(alone[..., None], v, out)                    # no pair in any round: itself only
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
+        if is_half(q.dtype):
+            if ctx.backend != "triton":   # numba and torch compute in float32 anyway: hash, attend, combine there
+                return self._attend(q.float(), k.float(), v.float(), ctx).to(q.dtype)
+            # triton: hashes in float32 (buckets), half operands to the kernels, the rounds combined in float32
+            return self._attend_rounds(q, k, v, ctx).to(q.dtype)
+        return self._attend_rounds(q, k, v, ctx)
+
+    def _attend_rounds(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         from ..engine import attend_plan
 
         B, H, L, D = q.shape
@@ -250,8 +261,8 @@ class LSHAttention(Attention):
         w = torch.exp(lse_r - m)                                         # 0 for a round with no pair
         den = w.sum(2, keepdim=True)
         w = w / torch.where(den > 0, den, torch.ones_like(den))
-        out = (w[..., None] * out_r).sum(2)                              # (B, H, L, E)
+        out = (w[..., None] * out_r.to(w.dtype)).sum(2)                  # (B, H, L, E); float32 for half inputs
         alone = den[:, :, 0] == 0                                        # no pair in any round: itself only
         if kpm is not None:
             alone = alone & kpm[:, None, :]
-        return torch.where(alone[..., None], v, out)
+        return torch.where(alone[..., None], v.to(out.dtype), out)

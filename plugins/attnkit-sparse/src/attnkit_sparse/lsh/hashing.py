@@ -42,7 +42,12 @@ def rotations(seed: int, n_hashes: int, D: int, columns: int, *, dtype: torch.dt
 
 
 def unit(k: Tensor) -> Tensor:
-    """``k / max(‖k‖, 1e-12)`` along the last dim (zero vectors stay zero): the shared-QK keys."""
+    """``k / max(‖k‖, 1e-12)`` along the last dim (zero vectors stay zero): the shared-QK keys.
+
+    Half inputs are normalised in float32 (their squared norm can overflow float16) and the unit vectors
+    cast back to the input dtype."""
+    if k.dtype in (torch.float16, torch.bfloat16):
+        return torch.nn.functional.normalize(k.float(), dim=-1, eps=1e-12).to(k.dtype)
     return torch.nn.functional.normalize(k, dim=-1, eps=1e-12)
 
 
@@ -59,8 +64,11 @@ def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor
     Batch element ``b`` has ``n_buckets(lengths[b], bucket_size)`` buckets (its real length: padded keys
     count as absent) and uses the first half of that many columns of ``rot`` ``(n_hashes, D, C)``:
     ``argmax([xR; -xR])`` is the column of ``max(xR)`` when ``max(xR) >= -min(xR)``, else ``C + `` the
-    column of ``min(xR)`` (labels in ``[0, 2C)``; one bucket: all 0).
+    column of ``min(xR)`` (labels in ``[0, 2C)``; one bucket: all 0). Half ``x`` is hashed in float32
+    (``rot`` is float32 then: argmax ties and the projections are unreliable in half).
     """
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.detach().float()
     B, H, L, _ = x.shape
     C = rot.shape[-1]
     halves = [n_buckets(int(n), bucket_size) // 2 for n in lengths.tolist()]

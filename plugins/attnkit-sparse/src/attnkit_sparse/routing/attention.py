@@ -19,6 +19,7 @@ from attnkit import Attention
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
+from .._half import is_half, wide
 from ..base import check_int
 from .clusters import route, unit
 
@@ -51,6 +52,10 @@ class RoutingAttention(Attention):
     ``mean ‖x̂ - μ(x̂)‖²`` over the routed space (queries and keys, centroids
     held constant) is recorded as the auxiliary loss ``routing_commitment``
     (``attnkit.aux_losses(model)``).
+
+    Half precision: float16/bfloat16 inputs are routed in float32 (unit vectors, scores, top-k) and the
+    centroids stay a float32 buffer under ``module.to(torch.float16)`` / ``.half()`` / ``.bfloat16()``
+    (an EMA of decay 0.999 is lost in half: its steps round away); float64 still converts them.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` -> ``(B, H, L, E)`` (L = S).
 
@@ -101,6 +106,16 @@ class RoutingAttention(Attention):
         if head_dim is not None:
             self.centroids = self._initial(head_dim, torch.device("cpu"), torch.get_default_dtype())
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``module.to(...)``, ``.half()``, ``.cuda()``: the centroids follow the device, and any dtype but a half
+        one (a half cast leaves them float32: see the class docstring)."""
+        before = self.centroids
+        out = super()._apply(fn, recurse)
+        after = self.centroids
+        if before is not None and after is not None and is_half(after.dtype):
+            self._buffers["centroids"] = before.to(device=after.device, dtype=wide(before.dtype))
+        return out
+
     def _initial(self, D: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         hc = self.num_heads if self.num_heads is not None else 1
         g = torch.Generator().manual_seed(self.seed)
@@ -119,10 +134,10 @@ class RoutingAttention(Attention):
         """The centroids ``(H, num_clusters, D)`` for inputs like ``q`` (created at the first call if needed)."""
         H, D = q.shape[1], q.shape[-1]
         if self.centroids is None:
-            self.centroids = self._initial(D, q.device, q.dtype)
+            self.centroids = self._initial(D, q.device, wide(q.dtype))
         if self.centroids.shape[-1] != D:
             raise InvalidInputError(f"q: the centroids have head_dim {self.centroids.shape[-1]}, got D={D}")
-        return self.centroids.to(q.dtype).expand(H, -1, -1)
+        return self.centroids.to(wide(q.dtype)).expand(H, -1, -1)   # half inputs are routed in float32
 
     def _update(self, q: Tensor, k: Tensor, kpm: Tensor | None, near: tuple[Tensor, Tensor]) -> None:
         """EMA update (training) and the commitment loss, from the nearest centroids ``near`` ``(B, H, L)`` of the
@@ -169,6 +184,15 @@ class RoutingAttention(Attention):
             self.centroids.copy_(torch.where(counts > 0, new, old).to(self.centroids.dtype))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
+        if is_half(q.dtype):
+            if ctx.backend != "triton":   # numba and torch compute in float32 anyway: route, attend, combine there
+                return self._attend(q.float(), k.float(), v.float(), ctx).to(q.dtype)
+            # triton: routing and the centroids' update in float32, half operands to the kernels, the clusters
+            # combined in float32
+            return self._attend_clusters(q, k, v, ctx).to(q.dtype)
+        return self._attend_clusters(q, k, v, ctx)
+
+    def _attend_clusters(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         from ..engine import explicit_plan
 
         B, H, L, D = q.shape
@@ -190,7 +214,7 @@ class RoutingAttention(Attention):
         else:
             out = self._gather_attend_combine_torch(q, k, v, qi, qok, ki, plan, ctx.scale, ctx.backend)
         if self.training:
-            self._update(q, k, kpm, near)
+            self._update(q.to(wide(q.dtype)), k.to(wide(k.dtype)), kpm, near)
         return out.view(B, H, L, E)
 
     def _full_plan(self, C: int, W: int, device: torch.device) -> Any:
@@ -242,11 +266,12 @@ class RoutingAttention(Attention):
         # back to positions: the clusters that routed a query, combined by their log-sum-exp
         lse_s = torch.where(qok.reshape(B, H, C * W), lse_s, torch.full_like(lse_s, float("-inf")))
         dest = qf.view(B, H, C * W)                                       # flat rows of (B·H·L)
-        m = torch.full((B * H * L,), float("-inf"), dtype=q.dtype, device=q.device)
+        acc = lse_s.dtype                                                  # float32 for half inputs
+        m = torch.full((B * H * L,), float("-inf"), dtype=acc, device=q.device)
         m = m.scatter_reduce(0, dest.reshape(-1), lse_s.detach().reshape(-1), "amax")
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         w = torch.exp(lse_s.reshape(-1) - m[dest.reshape(-1)])            # 0 where unused or empty
-        num = torch.zeros(B * H * L, E, dtype=q.dtype, device=q.device).index_add(
-            0, dest.reshape(-1), w[:, None] * out_s.reshape(-1, E))
-        den = torch.zeros(B * H * L, dtype=q.dtype, device=q.device).index_add(0, dest.reshape(-1), w)
+        num = torch.zeros(B * H * L, E, dtype=acc, device=q.device).index_add(
+            0, dest.reshape(-1), w[:, None] * out_s.reshape(-1, E).to(acc))
+        den = torch.zeros(B * H * L, dtype=acc, device=q.device).index_add(0, dest.reshape(-1), w)
         return num / torch.where(den > 0, den, torch.ones_like(den))[:, None]

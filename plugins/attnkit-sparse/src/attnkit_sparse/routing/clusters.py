@@ -50,7 +50,7 @@ def route(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | No
     """The routed positions of each cluster.
 
     Args:
-        q, k: ``(B, H, L, D)``.
+        q, k: ``(B, H, L, D)`` (float16/bfloat16 are routed in float32).
         centroids: ``(H', C, D)`` unit vectors, ``H'`` 1 or H.
         key_padding_mask: ``(B, L)`` bool (True = real) or None.
         nearest: also return each query's and key's nearest centroid (the k-means assignment of the
@@ -69,7 +69,8 @@ def route(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | No
     out: list[Any] = []
     near = []
     for x in (q, k):
-        s = torch.einsum("bhld,hcd->bhcl", unit(x.detach()), centroids.to(x.dtype))   # (B, H, C, L)
+        xd = x.detach().float() if x.dtype in (torch.float16, torch.bfloat16) else x.detach()   # half: float32
+        s = torch.einsum("bhld,hcd->bhcl", unit(xd), centroids.to(xd.dtype))             # (B, H, C, L)
         if nearest:
             near.append(_nearest(s))
         if key_padding_mask is not None:

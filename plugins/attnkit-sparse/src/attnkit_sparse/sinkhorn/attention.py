@@ -12,6 +12,7 @@ from attnkit import Attention
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
+from .._half import is_half
 from ..base import check_int
 from .sorting import own_and_sorted, pad_blocks, sort_matrix
 
@@ -43,6 +44,11 @@ class SinkhornAttention(Attention):
     given) or ``(1, D, D)``: ``head_dim`` is required. It scores block
     summaries bilinearly, so any length works (the paper's feed-forward
     SortNet outputs a fixed number of blocks).
+
+    Half precision: float16/bfloat16 inputs get their sorting matrix (block summaries, the sorting
+    network's scores, Sinkhorn's iterations) and their mixed sorted blocks in float32; the weight is
+    used in float32 whatever its own dtype (``module.to(torch.bfloat16)`` stores it in bfloat16, like any
+    parameter) and its gradient arrives in its own dtype.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` -> ``(B, H, L, E)`` (L = S).
 
@@ -146,11 +152,21 @@ class SinkhornAttention(Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         from ..engine import attend_plan
 
+        dtype = q.dtype
+        if is_half(dtype) and ctx.backend != "triton":
+            # numba and torch compute in float32 anyway: sort, mix and attend there, cast the output back
+            return self._attend(q.float(), k.float(), v.float(), ctx).to(dtype)
         B, H, L, _ = q.shape
         b = min(self.block_size, L)
-        s = self.sort_matrix(k, causal=ctx.causal)
-        kx = own_and_sorted(k, s, b)                                            # (B, H, 2·NB·b, D)
-        vx = own_and_sorted(v, s, b)
+        if is_half(dtype):
+            # triton: the sorting matrix and the mixed blocks in float32, rounded to half for the kernels
+            kf, vf = k.float(), v.float()
+            s = self.sort_matrix(kf, causal=ctx.causal)
+            kx, vx = own_and_sorted(kf, s, b).to(dtype), own_and_sorted(vf, s, b).to(dtype)
+        else:
+            s = self.sort_matrix(k, causal=ctx.causal)
+            kx = own_and_sorted(k, s, b)                                        # (B, H, 2·NB·b, D)
+            vx = own_and_sorted(v, s, b)
         plan = self._plan(L, b, ctx.causal, q.device)
         out = attend_plan(pad_blocks(q, b), kx, vx, plan, scale=ctx.scale, backend=ctx.backend)
         return out[:, :, :L]
