@@ -23,12 +23,14 @@ What it measures (B=1, causal, D=64):
    ``linear-kernel`` (our triton op) vs ``fla-linear`` (``chunk_linear_attn(normalize=True, scale=1)``),
    both on phi = elu(x) + 1 (our ``linear``'s default map; fla's op applies no feature map itself), and
    ``delta-kernel`` (our triton delta rule) vs ``fla-delta`` (``chunk_delta_rule(scale=1)``), both on
-   l2-normalised q, k (M = D = 64) and beta = sigmoid(randn) in (0, 1). Note: ``performer`` in bfloat16
-   runs its log-space torch form, not the triton kernels (the bounded-exponent path exists for
-   float32/float64 only); every performer row records the path that ran. The modules declare
-   float32/float64 only (``capabilities.dtypes``) and refuse bfloat16 inputs: their bfloat16 rows
-   (timing and correctness) are recorded as skipped, and the bfloat16 figures of our kernels are the
-   kernel-level rows (``linear-kernel``, ``delta-kernel``: half inputs, float32 state).
+   l2-normalised q, k (M = D = 64) and beta = sigmoid(randn) in (0, 1). The module rows run in every
+   ``--dtypes`` entry: the modules declare float16/bfloat16 (``capabilities.dtypes``) and are called as an
+   autocast user would, float32 parameters with half inputs (features, states and normalisers in float32,
+   the triton kernels reading half features and values with float32 accumulators; output and gradients in
+   the input dtype). ``performer`` in bfloat16 runs the bounded-exponent path on the linear triton kernels
+   while every key exponent lies within +-60 (float16: +-9), else its log-space torch form (float32);
+   every performer row records the path that ran. A module that does not declare a dtype has its rows in
+   that dtype recorded as skipped (``module_dtypes``, ``skip_reason``).
    Once ``--budget`` seconds (counted from the start, correctness and compiles included) have passed,
    the remaining rows are recorded as skipped.
 
@@ -100,7 +102,10 @@ NOTES = {
     "fwd": "forward under torch.no_grad; fwdbwd: forward + torch.autograd.grad(sum(out * g)) w.r.t. inputs "
            "and parameters",
     "peak_mib": "torch.cuda.max_memory_allocated during one call minus memory_allocated before it",
-    "performer_path": "'triton' when the bounded-exponent path ran the linear kernels, 'log-space torch' otherwise",
+    "performer_path": "'bounded (triton)' when the bounded-exponent path ran the linear kernels, 'log-space torch' "
+                      "otherwise",
+    "modules_half": "module rows in bfloat16/float16: float32 parameters, half inputs (autocast-like); output and "
+                    "input gradients in the input dtype, parameter gradients float32",
 }
 
 
@@ -286,8 +291,7 @@ def skip_reason(method: str, L: int, dtype_name: str, args, fla: Any) -> str | N
     if method in MODULE_METHODS:
         dts = module_dtypes(MODULE_METHODS[method])
         if dts is not None and dtype_name not in dts:
-            return (f"the {MODULE_METHODS[method]!r} module declares dtypes {list(dts)} and refuses {dtype_name} "
-                    "inputs (its triton kernels take half inputs: see the *-kernel rows)")
+            return f"the {MODULE_METHODS[method]!r} module declares dtypes {list(dts)} and refuses {dtype_name} inputs"
     if method.startswith("fla") and fla is None:
         return "fla not importable"
     if method.endswith("-torch") and L > args.max_torch_len:

@@ -33,6 +33,26 @@ NAMESPACE = "attnkit_kernelized"
 Product = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
 
 
+#: the half-precision dtypes the modules take (computed in float32, the triton kernels reading half inputs)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def kernel_inputs(backend: str, phi_q: Tensor, phi_k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Features and values as ``backend``'s operator takes them on a half-precision module call.
+
+    The modules compute features in float32 for half inputs and leave ``v`` in its half dtype only when the
+    call runs on ``triton`` (see :meth:`KernelizedAttention._attend`): ``triton`` then gets the features in
+    ``v``'s dtype (half inputs, float32 accumulators and states; the gradients come back in float32 through the
+    casts); any other backend (also a ``torch.func`` fallback from triton) gets ``v`` upcast to float32. Inputs
+    that are not half pass unchanged.
+    """
+    if v.dtype in HALF_DTYPES:
+        if backend == "triton":
+            return phi_q.to(v.dtype), phi_k.to(v.dtype), v
+        v = v.float()
+    return phi_q, phi_k, v
+
+
 def acc_dtype(*tensors: Tensor) -> torch.dtype:
     """float64 when any of ``tensors`` is float64, else float32: the dtype kernels accumulate in and return
     numerators, denominators and states in (half-precision inputs keep float32 states)."""

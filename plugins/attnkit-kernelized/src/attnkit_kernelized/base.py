@@ -12,7 +12,7 @@ from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
 from ._busy import busy_threads
-from ._ops import backend_module, runnable_backend
+from ._ops import HALF_DTYPES, backend_module, kernel_inputs, runnable_backend
 from .linear.recurrent import linear_attention_step
 from .options import check_choice, check_int
 
@@ -46,6 +46,8 @@ class KernelizedAttention(Attention):
     segment_length: ClassVar[int] = 2048
     #: names of the state's tensors
     state_keys: ClassVar[tuple[str, ...]] = ("S", "z")
+    #: constant buffers (random projections) kept in float32 when the module is cast to float16/bfloat16
+    float32_buffers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, num_heads: int | None, head_dim: int | None, scale: float | None, backend: str,
                  chunk_size: int, needs_heads: bool = False, needs_head_dim: bool = True) -> None:
@@ -84,6 +86,7 @@ class KernelizedAttention(Attention):
         phi_q, phi_k = self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
         backend = runnable_backend(backend, phi_q, phi_k, v)
         S0, z0 = (None, None) if state is None else state
+        phi_q, phi_k, v = kernel_inputs(backend, phi_q, phi_k, v)
         out, S, z = backend_module("linear", backend).linear_attention(phi_q, phi_k, v, S0, z0, causal=True,
                                                                       chunk=self.chunk_size)
         return out, (S, z)
@@ -95,7 +98,27 @@ class KernelizedAttention(Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
         # a CPU call on a machine other processes keep busy runs torch on one thread (see ._busy)
         with busy_threads(q.device):
-            return self._attend_body(q, k, v, ctx)
+            if q.dtype not in HALF_DTYPES:
+                return self._attend_body(q, k, v, ctx)
+            # half precision: features, states and normalisers in float32, the output cast back to the input
+            # dtype. On triton v stays half: _ops.kernel_inputs hands the kernels half features and values
+            # (float32 accumulators and states); every other backend gets v in float32 there
+            res = self._attend_body(q.float(), k.float(), v if ctx.backend == "triton" else v.float(), ctx)
+            if isinstance(res, tuple):
+                return res[0].to(q.dtype), res[1]
+            return res.to(q.dtype)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``.to()``, ``.half()``, ``.cuda()``, ...) keeping :attr:`float32_buffers` in float32
+        where the cast would make them float16/bfloat16 (random projections lose their precision there;
+        parameters follow the cast, and are upcast per call with the inputs)."""
+        keep = {name: self._buffers[name] for name in self.float32_buffers if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, old in keep.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype in HALF_DTYPES:
+                self._buffers[name] = old.to(device=new.device, dtype=torch.float32)
+        return self
 
     def _attend_body(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
         self._before_forward()
@@ -110,6 +133,7 @@ class KernelizedAttention(Attention):
             # 9-36 ms at M=E=64): automatic dispatch takes them; a forced backend runs its own kernel
             chosen = ctx.backend if (self.backend != "auto" or ctx.backend != "numba") else "torch"
             backend = runnable_backend(chosen, phi_q, phi_k, v)
+            phi_q, phi_k, v = kernel_inputs(backend, phi_q, phi_k, v)
             out, _, _ = backend_module("linear", backend).linear_attention(phi_q, phi_k, v, causal=False,
                                                                           chunk=self.chunk_size)
             return out
@@ -142,6 +166,8 @@ class KernelizedAttention(Attention):
         would have had on one process, then runs its chunk from that state. The summaries cost
         one more pass over the chunk (linear attention's is two sums).
         """
+        if q.dtype in HALF_DTYPES:          # as _attend: float32 inside, the output in the input dtype
+            return self._context_parallel(q.float(), k.float(), v.float(), cp).to(q.dtype)
         self._before_forward()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         kpm = cp.key_padding_mask
@@ -190,7 +216,15 @@ class KernelizedAttention(Attention):
         return tuple(data[key] for key in self.state_keys)
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        """``step()``: the recurrent form (one position at a time) from the state, on any device."""
+        """``step()``: :meth:`_step_body`; half-precision inputs run it in float32 (the state stays float32),
+        the output in the input dtype."""
+        if q.dtype not in HALF_DTYPES:
+            return self._step_body(q, k, v, state)
+        out, state = self._step_body(q.float(), k.float(), v.float(), state)
+        return out.to(q.dtype), state
+
+    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+        """The recurrent form (one position at a time) from the state, on any device."""
         S, z = self._state_in(state, q, v) or self._zero_state(q, v)
         phi_q, phi_k = self.feature_pair(q, k, causal=True)
         out, S, z = linear_attention_step(phi_q, phi_k, v, S, z)

@@ -19,6 +19,10 @@ _KERNEL_TIME = "O(L·M·E) (M features, E value dim); causal chunked form O(L·(
 _KERNEL_MEMORY = ("causal: O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head; "
                   "non-causal: O(L·M) features; no L x S matrix")
 
+#: float16/bfloat16 inputs compute in float32 (features, states, normalisers; the triton kernels read half
+#: features and values with float32 accumulators and states) and return the output and gradients in the input dtype
+HALF_AND_FULL = ("float16", "bfloat16", "float32", "float64")
+
 LINEAR = AttentionSpec(
     name="linear",
     factory="attnkit_kernelized.linear.module:LinearAttention",
@@ -33,7 +37,7 @@ LINEAR = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
-        causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
+        causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
@@ -56,7 +60,7 @@ PERFORMER = AttentionSpec(
     error_bound=1.5,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
-        causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
+        causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
@@ -75,7 +79,7 @@ RFA = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
-        causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
+        causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
@@ -95,7 +99,7 @@ FAST_WEIGHT = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False,
-        causal_cross=False, streaming="exact", context_parallel=True, dtypes=("float32", "float64"),
+        causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=("triton", "numba", "torch"), time="O(L·M·E)",
         memory="O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head",
     ),

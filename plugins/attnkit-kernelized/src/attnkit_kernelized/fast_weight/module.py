@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from attnkit.errors import InvalidInputError
 
-from .._ops import backend_module, runnable_backend
+from .._ops import backend_module, kernel_inputs, runnable_backend
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
 from ..feature_maps import DETERMINISTIC_MAPS, deterministic_feature_map, feature_dim, sum_normalized
@@ -139,6 +139,7 @@ class FastWeightAttention(KernelizedAttention):
         beta = self.betas(k)
         backend = runnable_backend(backend, phi_q, phi_k, v, beta)
         S0 = None if state is None else state[0]
+        phi_q, phi_k, v = kernel_inputs(backend, phi_q, phi_k, v)     # beta stays float32
         out, S = backend_module("fast_weight", backend).delta_rule(phi_q, phi_k, v, beta, S0, chunk=self.chunk_size)
         return self._scale_out(out), (S,)
 
@@ -161,7 +162,7 @@ class FastWeightAttention(KernelizedAttention):
         (Da, Pa), (Db, Pb) = a, b
         return Pb @ Da + Db, Pb @ Pa
 
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         (S,) = self._state_in(state, q, v) or self._zero_state(q, v)
         phi_q, phi_k = self.feature_pair(q, k, causal=True)
         out, S = delta_rule_step(phi_q, phi_k, v, self.betas(k), S)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._ops import backend_module, runnable_backend
+from .._ops import HALF_DTYPES, backend_module, kernel_inputs, runnable_backend
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
 from ..feature_maps import draw_gaussian_features, favor_generalized, key_max
@@ -49,7 +49,9 @@ from .chunk import NO_KEY, log_space_causal
 
 #: the positive map's causal form runs on the linear kernels (no shift of the keys) when every key exponent
 #: lies within [-bound, bound] for the dtype (features between e^-bound and e^bound: far from under- and overflow)
-BOUNDED_EXPONENT = {torch.float32: 60.0, torch.float64: 600.0}
+#: (by the dtype the kernels read: float16 features on triton for float16 inputs, whose range is e^-9.7 to e^11;
+#: bfloat16 has float32's range)
+BOUNDED_EXPONENT = {torch.float16: 9.0, torch.bfloat16: 60.0, torch.float32: 60.0, torch.float64: 600.0}
 
 FEATURE_MAPS = ("positive", "trig", "generalized")
 
@@ -97,6 +99,7 @@ class PerformerAttention(KernelizedAttention):
                           "redraw_interval": {"minimum": 1}, "seed": {"minimum": 0}}
 
     capabilities = PERFORMER.capabilities  # the spec's one declaration; used when built without the registry
+    float32_buffers = ("features",)
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", num_features: int = 256,
@@ -214,7 +217,8 @@ class PerformerAttention(KernelizedAttention):
         lk, b = self.log_features(k)
         if self.feature_map == "trig":
             lq = torch.zeros_like(lk)           # the query factor exp(|q|^2/2) cancels
-        return log_space_causal(lq, lk, v, a, b, padded(kpm), state, chunk=chunk)
+        # v may be half here (a triton call on half inputs): the log-space form runs in float32
+        return log_space_causal(lq, lk, v.to(lq.dtype), a, b, padded(kpm), state, chunk=chunk)
 
     def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                         backend: str) -> tuple[Tensor, Any]:
@@ -236,7 +240,9 @@ class PerformerAttention(KernelizedAttention):
         is returned relative to the per-feature key maximum, as the log-space form keeps it. Both forms
         compute the same function; which one runs changes rounding only.
         """
-        bound = BOUNDED_EXPONENT.get(q.dtype)
+        chosen = runnable_backend(backend, q, k, v)
+        # the dtype the linear kernels read the features in: v's half dtype on triton (see _ops.kernel_inputs)
+        bound = BOUNDED_EXPONENT.get(v.dtype if chosen == "triton" and v.dtype in HALF_DTYPES else q.dtype)
         if bound is None:
             return None
         lq, _ = self.log_features(q)
@@ -266,7 +272,7 @@ class PerformerAttention(KernelizedAttention):
                                 torch.zeros_like(m0))                    # the state relative to exponent 0
             S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale
             ref = torch.maximum(hi, m0)
-        chosen = runnable_backend(backend, phi_q, phi_k, v)
+        phi_q, phi_k, v = kernel_inputs(chosen, phi_q, phi_k, v)
         out, S, z = backend_module("linear", chosen).linear_attention(phi_q, phi_k, v, S0, z0, causal=True,
                                                                      chunk=self.chunk_size)
         seen_end = ref > NO_KEY / 2                                      # a real key seen, in the past or here
@@ -286,9 +292,9 @@ class PerformerAttention(KernelizedAttention):
         ea, eb = torch.exp(ma - m), torch.exp(mb - m)   # NO_KEY (no key yet) against a real maximum: 0
         return Sa * ea.unsqueeze(-1) + Sb * eb.unsqueeze(-1), za * ea + zb * eb, m
 
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         if not self._log_space:
-            return super()._step(q, k, v, state)
+            return super()._step_body(q, k, v, state)
         st = self._state_in(state, q, v)
         out, st = self._log_space_causal(q, k, v, None, st, 1)      # chunk 1: the recurrent form
         return out, dict(zip(self.state_keys, st))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._ops import backend_module, runnable_backend
+from .._ops import backend_module, kernel_inputs, runnable_backend
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
 from ..feature_maps import draw_gaussian_features, favor_positive, random_fourier
@@ -89,6 +89,7 @@ class RandomFeatureAttention(KernelizedAttention):
                                         "exclusive_maximum": True}, "seed": {"minimum": 0}}
 
     capabilities = RFA.capabilities  # the spec's one declaration; used when built without the registry
+    float32_buffers = ("features", "log_sigma")   # log_sigma is a buffer only with learn_sigma=False
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", num_features: int = 64,
@@ -174,6 +175,7 @@ class RandomFeatureAttention(KernelizedAttention):
         phi_q, phi_k, log_g = self.gated_inputs(q, k, kpm)
         backend = runnable_backend(backend, phi_q, phi_k, v, log_g)
         S0, z0 = (None, None) if state is None else state
+        phi_q, phi_k, v = kernel_inputs(backend, phi_q, phi_k, v)     # the gate's log g stays float32
         out, S, z = backend_module("rfa", backend).gated_attention(phi_q, phi_k, v, log_g, S0, z0,
                                                                    chunk=self.chunk_size)
         return out, (S, z)
@@ -191,7 +193,7 @@ class RandomFeatureAttention(KernelizedAttention):
         decay = gb.exp()
         return decay[..., None, None] * Sa + Sb, decay[..., None] * za + zb, ga + gb
 
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         S, z = self._state_in(state, q, v) or self._zero_state(q, v)
         phi_q, phi_k, log_g = self.gated_inputs(q, k, None)
         out, S, z = gated_attention_step(phi_q, phi_k, v, log_g, S, z)
