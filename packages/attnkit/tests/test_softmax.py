@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import attnkit
+from attnkit.builtin import SOFTMAX
 from attnkit.reference import reference_attention
+from attnkit.softmax import SoftmaxAttention
 
 
 def rand(*shape, dtype=torch.float32, seed=0):
@@ -158,3 +160,30 @@ def test_env_backend_forces_and_bad_backend_is_refused(monkeypatch):
     assert attn.resolve_backend(q) == "sdpa"
     with pytest.raises(attnkit.InvalidInputError, match=r"offers backends \['sdpa', 'torch'\]"):
         attnkit.build("softmax", backend="triton")(q, k, v)
+
+
+class _Float64PrefersTorch(SoftmaxAttention):
+    """softmax with a dtype-dependent auto order: torch first for float64, the declared order otherwise."""
+
+    capabilities = SOFTMAX.capabilities                    # unregistered: the built-in's backends ("sdpa", "torch")
+
+    def backend_order(self, device, dtype):
+        return ("torch", "nonexistent") if dtype == torch.float64 else super().backend_order(device, dtype)
+
+
+def test_backend_order_depends_on_dtype_and_yields_to_forcing(monkeypatch):
+    attn = _Float64PrefersTorch()
+    assert attn.backend_order(torch.device("cpu"), torch.float32) == ("sdpa", "torch")
+    q32 = qkv()[0]
+    q64 = q32.double()
+    assert attn.resolve_backend(q32) == "sdpa"
+    assert attn.resolve_backend(q64) == "torch"            # the override, a name it does not offer ignored
+    assert attn._backend_while_compiling(q64.device, False, q64.dtype) == "torch"
+    assert attn._auto_order(q64.device, q64.dtype) == ("torch", "sdpa")   # unnamed offered backends follow
+    monkeypatch.setenv("ATTNKIT_BACKEND", "sdpa")          # the environment still forces
+    assert attn.resolve_backend(q64) == "sdpa"
+    monkeypatch.delenv("ATTNKIT_BACKEND")
+    forced = _Float64PrefersTorch(backend="sdpa")          # and so does backend=
+    assert forced.resolve_backend(q64) == "sdpa"
+    q, k, v = (t.double() for t in qkv())
+    torch.testing.assert_close(attn(q, k, v), forced(q, k, v))

@@ -195,7 +195,7 @@ class Attention(AuxLossMixin, nn.Module):
         if needs_grad is None:
             needs_grad = self._needs_grad(*tensors)
         if torch.compiler.is_compiling():
-            return self._backend_while_compiling(t0.device, needs_grad)
+            return self._backend_while_compiling(t0.device, needs_grad, t0.dtype)
         length = t0.shape[-2] if t0.dim() >= 2 else 0
         env = os.environ.get(_backends.ENV_BACKEND, "")
         key = (t0.device, t0.dtype, needs_grad, env, int(length).bit_length(), _tuning_generation())
@@ -206,7 +206,7 @@ class Attention(AuxLossMixin, nn.Module):
         caps = self.caps
         backend = _backends.select_backend(
             implementation=self.impl_name,
-            offered=caps.backends,
+            offered=self._auto_order(t0.device, t0.dtype),
             forward_only=caps.forward_only_backends,
             requested=self.backend,
             device=t0.device,
@@ -220,13 +220,30 @@ class Attention(AuxLossMixin, nn.Module):
         cache[key] = backend
         return backend
 
-    def _backend_while_compiling(self, device: torch.device, needs_grad: bool) -> str:
+    def backend_order(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        """The order in which ``backend="auto"`` tries the offered backends for inputs on ``device`` of ``dtype``.
+
+        The default is the declared order, ``caps.backends``. An implementation whose fastest backend depends
+        on the dtype (measured: a kernel that is fast in bfloat16 and slow in float32, say) overrides this and
+        returns the offered backends in another order; names it does not return keep their declared order after
+        the returned ones, and names it does not offer are ignored. A forced backend (``backend=`` or
+        ``ATTNKIT_BACKEND``) and a measured winner from ``attnkit tune`` both win over this order.
+        """
+        return tuple(self.caps.backends)
+
+    def _auto_order(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        offered = tuple(self.caps.backends)
+        first = [b for b in dict.fromkeys(self.backend_order(device, dtype)) if b in offered]
+        return (*first, *(b for b in offered if b not in first))
+
+    def _backend_while_compiling(self, device: torch.device, needs_grad: bool,
+                                 dtype: torch.dtype | None = None) -> str:
         """The static choice, in plain Python torch.compile can trace (no imports, no environment, no cache)."""
         caps = self.caps
         if self.backend != "auto":
             return self.backend
         runs_on = {"numba": "cpu", "triton": "cuda", "flex": "cuda"}
-        for name in caps.backends:
+        for name in (self._auto_order(device, dtype) if dtype is not None else caps.backends):
             if needs_grad and name in caps.forward_only_backends:
                 continue
             if runs_on.get(name, device.type) == device.type:

@@ -110,6 +110,19 @@ class SparsePatternAttention(Attention):
         state.pop("_causal", None)
         return state
 
+    def backend_order(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        """``auto``'s order: the declared one (triton, flex, numba, torch), except float32 on CUDA, which tries
+        ``flex`` before ``triton``.
+
+        Measured on an H100 (docs/benchmarks.md, "GPU, second session"): in bfloat16 the engine's triton
+        kernels beat the flex backend, but in float32 (IEEE products, no tensor cores) their backward was
+        4-7x slower than the flex backend's (local at 16K: 32.9 against 7.8 ms forward+backward).
+        """
+        order = tuple(self.caps.backends)
+        if device.type == "cuda" and dtype == torch.float32 and "flex" in order:
+            order = ("flex", *(b for b in order if b != "flex"))
+        return order
+
     # ------------------------------------------------------------- the pattern
     def _pattern(self, causal: bool) -> Mask | None:
         """The pattern's allowed (query, key) pairs as a mask (None: every pair, block-sparse's case)."""
