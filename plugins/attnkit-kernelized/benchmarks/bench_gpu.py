@@ -28,9 +28,9 @@ What it measures (B=1, causal, D=64):
    autocast user would, float32 parameters with half inputs (features, states and normalisers in float32,
    the triton kernels reading half features and values with float32 accumulators; output and gradients in
    the input dtype). ``performer`` in bfloat16 runs the bounded-exponent path on the linear triton kernels
-   while every key exponent lies within +-60 (float16: +-9), else its log-space torch form (float32);
-   every performer row records the path that ran. A module that does not declare a dtype has its rows in
-   that dtype recorded as skipped (``module_dtypes``, ``skip_reason``).
+   while every key exponent lies within +-60 (float16 inputs: float32 features), else its log-space torch
+   form (float32); every performer row records the path that ran. A module that does not declare a dtype
+   has its rows in that dtype recorded as skipped (``module_dtypes``, ``skip_reason``).
    Once ``--budget`` seconds (counted from the start, correctness and compiles included) have passed,
    the remaining rows are recorded as skipped.
 

@@ -197,21 +197,27 @@ def test_triton_module_half(name, opts, dtype, module_dtype, triton):
     assert out.dtype == dtype and all(t.dtype == torch.float32 for t in st.data.values())
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("triton", [pytest.param(True, marks=TRITON)], ids=["triton"])
-def test_triton_performer_half_paths(triton, monkeypatch):
-    """Which causal path performer runs on triton for float16: the bounded-exponent path on the linear kernels
-    (float16 features) while every key exponent lies within +-9 (float16's range), else the log-space torch form
-    in float32; both close to float64."""
+def test_triton_performer_half_paths(triton, dtype, monkeypatch):
+    """Which causal path performer runs on triton for half inputs: the bounded-exponent path on the linear kernels
+    (bfloat16 features; float32 features with float16 values for float16, whose range would hold exponents of
+    +-9 only) while every key exponent lies within +-60, else the log-space torch form in float32; both close
+    to float64."""
+    from attnkit_kernelized.linear import triton_ops
     from attnkit_kernelized.performer import module as pmod
 
-    calls = []
-    real = pmod.log_space_causal
+    calls, feature_dtypes = [], []
+    real, real_op = pmod.log_space_causal, triton_ops.linear_attention
     monkeypatch.setattr(pmod, "log_space_causal", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(triton_ops, "linear_attention",
+                        lambda phi_q, *a, **kw: feature_dtypes.append(phi_q.dtype) or real_op(phi_q, *a, **kw))
     attn = build("performer", torch.float32, backend="triton", chunk_size=4, num_features=16)
-    _check(attn, torch.float16, True, std=0.5)
-    assert not calls, "small exponents: the bounded path on the float16 kernels"
-    _check(attn, torch.float16, True, std=4.0)
-    assert calls, "large exponents: the log-space form"
+    _check(attn, dtype, True, std=4.0)
+    assert not calls, "exponents within +-60: the bounded path on the linear kernels"
+    assert set(feature_dtypes) == {torch.float32 if dtype == torch.float16 else dtype}
+    _check(attn, dtype, True, std=12.0)
+    assert calls, "exponents beyond +-60: the log-space form"
 
 
 @pytest.mark.parametrize("name,opts", [("performer", {"num_features": 8}), ("fast-weight", {})], ids=str)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._ops import HALF_DTYPES, backend_module, kernel_inputs, runnable_backend
+from .._ops import backend_module, kernel_inputs, runnable_backend
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
 from ..feature_maps import draw_gaussian_features, favor_generalized, key_max
@@ -49,9 +49,9 @@ from .chunk import NO_KEY, log_space_causal
 
 #: the positive map's causal form runs on the linear kernels (no shift of the keys) when every key exponent
 #: lies within [-bound, bound] for the dtype (features between e^-bound and e^bound: far from under- and overflow)
-#: (by the dtype the kernels read: float16 features on triton for float16 inputs, whose range is e^-9.7 to e^11;
-#: bfloat16 has float32's range)
-BOUNDED_EXPONENT = {torch.float16: 9.0, torch.bfloat16: 60.0, torch.float32: 60.0, torch.float64: 600.0}
+#: (by the dtype the kernels read the features in: bfloat16 on triton for bfloat16 inputs, which has float32's range;
+#: float16 inputs hand triton float32 features, see _bounded_causal)
+BOUNDED_EXPONENT = {torch.bfloat16: 60.0, torch.float32: 60.0, torch.float64: 600.0}
 
 FEATURE_MAPS = ("positive", "trig", "generalized")
 
@@ -241,8 +241,11 @@ class PerformerAttention(KernelizedAttention):
         compute the same function; which one runs changes rounding only.
         """
         chosen = runnable_backend(backend, q, k, v)
-        # the dtype the linear kernels read the features in: v's half dtype on triton (see _ops.kernel_inputs)
-        bound = BOUNDED_EXPONENT.get(v.dtype if chosen == "triton" and v.dtype in HALF_DTYPES else q.dtype)
+        # the dtype the linear kernels read the features in: bfloat16 on triton for bfloat16 inputs (v stays half
+        # there, see _ops.kernel_inputs); float16 features would only hold exponents within about +-9 (normal
+        # numbers span e^-9.7..e^11), so float16 inputs hand the kernels float32 features and float16 values
+        half_features = chosen == "triton" and v.dtype == torch.bfloat16
+        bound = BOUNDED_EXPONENT.get(v.dtype if half_features else q.dtype)
         if bound is None:
             return None
         lq, _ = self.log_features(q)
@@ -272,7 +275,8 @@ class PerformerAttention(KernelizedAttention):
                                 torch.zeros_like(m0))                    # the state relative to exponent 0
             S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale
             ref = torch.maximum(hi, m0)
-        phi_q, phi_k, v = kernel_inputs(chosen, phi_q, phi_k, v)
+        if not (chosen == "triton" and v.dtype == torch.float16):    # float16: float32 features (above)
+            phi_q, phi_k, v = kernel_inputs(chosen, phi_q, phi_k, v)
         out, S, z = backend_module("linear", chosen).linear_attention(phi_q, phi_k, v, S0, z0, causal=True,
                                                                      chunk=self.chunk_size)
         seen_end = ref > NO_KEY / 2                                      # a real key seen, in the past or here
