@@ -23,6 +23,13 @@ _KERNEL_MEMORY = ("causal: O(min(L, 2048)·M) features (one segment at a time) +
 #: features and values with float32 accumulators and states) and return the output and gradients in the input dtype
 HALF_AND_FULL = ("float16", "bfloat16", "float32", "float64")
 
+#: ``auto``'s order: numba on CPU; on CUDA the torch forms before the triton kernels. On an H100 the triton
+#: kernels, which walk each sequence in one program, measured 160x (linear) and 1,500x (delta rule) slower
+#: than flash-linear-attention and slower than SDPA (docs/benchmarks.md, "GPU"), while the torch forms are
+#: batched matrix products over all chunks (linear, performer, ungated rfa) or over chunks in a Python loop
+#: (fast-weight, gated rfa). ``backend="triton"`` still forces the kernels.
+BACKENDS = ("numba", "torch", "triton")
+
 LINEAR = AttentionSpec(
     name="linear",
     factory="attnkit_kernelized.linear.module:LinearAttention",
@@ -38,7 +45,7 @@ LINEAR = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
-        backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
+        backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
 
@@ -61,7 +68,7 @@ PERFORMER = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
-        backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
+        backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
 
@@ -80,7 +87,7 @@ RFA = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
-        backends=("triton", "numba", "torch"), time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
+        backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
     ),
 )
 
@@ -100,7 +107,7 @@ FAST_WEIGHT = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
-        backends=("triton", "numba", "torch"), time="O(L·M·E)",
+        backends=BACKENDS, time="O(L·M·E)",
         memory="O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head",
     ),
 )
