@@ -144,3 +144,20 @@ def test_attend_plan_refuses_triton_for_blocks_it_cannot_tile():
                       37, 37)
     with pytest.raises(InvalidInputError, match="powers of two >= 16"):
         attend_plan(*inputs(37, 37), p, backend="triton", return_lse=True)
+
+
+def test_a_reused_plan_converts_its_bank_once():
+    """The int8 bank the kernels read is made once per plan and passed as it is (no copy per call)."""
+    from attnkit_sparse.engine import triton_ops
+
+    p = plan(masks.causal() & masks.sliding_window(20), 1, 2, 70, 70, block_size=16)
+    bank8 = p.int8_bank()
+    assert bank8.dtype == torch.int8 and bank8 is p.int8_bank() and triton_ops._bank8(bank8) is bank8
+    assert p.bank.shape[0] > 0 and torch.equal(bank8.bool(), p.bank)
+    empty = plan(None, 1, 1, 32, 32, block_size=16)                  # no partial tile: one placeholder entry
+    assert empty.bank.shape[0] == 0 and empty.int8_bank().shape == (1, 16, 16)
+    q, k, v = (t.requires_grad_() for t in inputs(70, 70))
+    out = triton_ops.attend(q, k, v, p, 0.125)
+    ref = reference_attend(q, k, v, masks.causal() & masks.sliding_window(20), scale=0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    assert p.int8_bank() is bank8

@@ -106,6 +106,7 @@ class BlockPlan:
     tiles: int
     attended_pairs: int
     _numpy: dict[str, Any] | None = field(default=None, repr=False)
+    _int8_bank: Tensor | None = field(default=None, repr=False)
 
     @property
     def num_blocks(self) -> tuple[int, int]:
@@ -128,6 +129,16 @@ class BlockPlan:
             names = ("kv_count", "kv_idx", "kv_tile", "q_count", "q_idx", "q_tile", "q_slot", "bank", "span")
             self._numpy = {n: getattr(self, n).contiguous().numpy() for n in names}
         return self._numpy
+
+    def int8_bank(self) -> Tensor:
+        """The bank as contiguous int8 with at least one entry (what the triton kernels read; cached, so a
+        reused plan does not convert its bank on every call)."""
+        if self._int8_bank is None:
+            bank = self.bank
+            if bank.shape[0] == 0:
+                bank = torch.ones(1, *bank.shape[1:], dtype=torch.bool, device=bank.device)
+            self._int8_bank = bank.to(torch.int8).contiguous()
+        return self._int8_bank
 
     def __repr__(self) -> str:
         nq, nk = self.num_blocks

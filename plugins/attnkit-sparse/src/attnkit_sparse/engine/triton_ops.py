@@ -197,7 +197,10 @@ def _p2(n: int) -> int:
 
 
 def _bank8(bank: Tensor) -> Tensor:
-    """The bank as int8 (at least one entry, so the kernels always get a valid pointer)."""
+    """The bank as int8 (at least one entry, so the kernels always get a valid pointer); a bank that is already
+    that (:meth:`BlockPlan.int8_bank`, what :func:`attend` passes) is used as it is, with no copy."""
+    if bank.dtype == torch.int8 and bank.shape[0] > 0 and bank.is_contiguous():
+        return bank
     if bank.shape[0] == 0:
         bank = torch.ones(1, *bank.shape[1:], dtype=torch.bool, device=bank.device)
     return bank.to(torch.int8).contiguous()
@@ -223,16 +226,19 @@ def _forward_fake(q, k, v, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, ba
     return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=_acc(q))
 
 
-def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, g_lse: Tensor, kv_count: Tensor,
-              kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor, q_idx: Tensor, q_tile: Tensor, bank: Tensor,
-              bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tensor, g_lse: Tensor | None,
+              kv_count: Tensor, kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor, q_idx: Tensor, q_tile: Tensor,
+              bank: Tensor, bq: int, bk: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
     q, k, v, g = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous()
     # dS = P ∘ (dP − Δ) with Δ = rowsum(dO ∘ O) − d lse (∂lse/∂s = P); rows without a key (lse = +inf) have P = 0
+    # (g_lse None: the log-sum-exp was not used, Δ = rowsum(dO ∘ O); four fewer small kernels per call)
     acc = _acc(q)
-    g_lse = torch.where(torch.isfinite(lse), g_lse.to(acc), torch.zeros((), dtype=acc, device=lse.device))
-    delta = ((g.to(acc) * out.to(acc)).sum(-1) - g_lse).contiguous()
+    delta = (g.to(acc) * out.to(acc)).sum(-1)
+    if g_lse is not None:
+        delta = delta - torch.where(torch.isfinite(lse), g_lse.to(acc), torch.zeros((), dtype=acc, device=lse.device))
+    delta = delta.contiguous()
     bank8 = _bank8(bank)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     Bp, Hp, NQ = kv_count.shape
@@ -270,8 +276,6 @@ def _autograd(ctx, g_out, g_lse):
     q, k, v, out, lse, *index = ctx.saved_tensors
     if g_out is None:
         g_out = torch.zeros_like(out)
-    if g_lse is None:
-        g_lse = torch.zeros_like(lse)
     dq, dk, dv = triton_block_attention_backward(q, k, v, out, lse, g_out, g_lse, *index, ctx.bq, ctx.bk,
                                                  ctx.scale)
     return dq, dk, dv, *([None] * 10)
@@ -302,5 +306,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float,
         name, n = ("query", bq) if not tl_dot_blocks((bq, bq)) else ("key", bk)
         raise InvalidInputError(f"block_size ({name}): the triton backend takes powers of two >= 16, got {n}")
     out, lse = triton_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
-                                      plan.q_tile, plan.bank, bq, bk, float(scale))
+                                      plan.q_tile, plan.int8_bank(), bq, bk, float(scale))
     return (out, lse) if return_lse else out
