@@ -68,7 +68,7 @@ def _chunk_state_kernel(Y, W, DS, DZ, S_LEN, DX, DW, n_chunks,
                         BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
                         REVERSE: tl.constexpr, WITH_DEN: tl.constexpr, F64: tl.constexpr, LOWP: tl.constexpr):
     pid = tl.program_id(0)
-    n = pid // n_chunks
+    n = (pid // n_chunks).to(tl.int64)     # n * stride may pass 2**31 on long batches
     c = pid % n_chunks
     pid_k = tl.program_id(1)
     pid_w = tl.program_id(2)
@@ -110,7 +110,7 @@ def _chunk_out_kernel(X, Y, W, S0, Z0, CS, CZ, OUT, DEN, L, DX, DW, n_chunks,
     # INTRA (causal, reverse): X S_before + mask(X Y^T) W with S_before = S0 + CS[slot - 1] (0 at slot 0);
     # not INTRA (full): X S0 with S0 the state over every key (CS, CZ unused)
     pid = tl.program_id(0)
-    n = pid // n_chunks
+    n = (pid // n_chunks).to(tl.int64)     # n * stride may pass 2**31 on long batches
     c = pid % n_chunks
     pid_w = tl.program_id(1)
     acc_t = tl.float64 if F64 else tl.float32
