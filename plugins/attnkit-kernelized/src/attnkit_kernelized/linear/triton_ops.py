@@ -10,11 +10,13 @@ kernels): the sequence is cut into chunks of ``BLOCK_L`` positions and
 1. ``_chunk_state_kernel``, one program per (sequence and chunk, block of x's
    features, block of w's columns): the chunk's own state ``dS_c = Y_c^T W_c``
    (and ``dz_c = sum Y_c`` with the denominator) into a float32 (float64)
-   buffer ``(N, C, DX, DW)``, chunk c at slot c (``C - 1 - c`` in reverse mode,
-   so one forward prefix serves both directions);
-2. the prefix over the chunks, ``torch.cumsum`` over the slots in place (the
-   state before the chunk at slot s is ``S0 + cumsum[s - 1]``; the final state
-   ``S0 + cumsum[C - 1]``); in ``full`` mode the sum over every key's chunk;
+   buffer ``(N, C + 1, DX, DW)`` that holds ``S0`` at slot 0 and chunk c at
+   slot ``c + 1`` (``C - c`` in reverse mode, so one forward prefix serves both
+   directions);
+2. the prefix over the slots, ``torch.cumsum`` in place: slot s then holds
+   ``S0`` plus the chunks at slots before s, the state before the chunk at
+   slot ``s + 1``, and slot C the final state; in ``full`` mode the sum over
+   the slots is the state every query reads;
 3. ``_chunk_out_kernel``, one program per (sequence and chunk, block of w's
    columns): ``o_c = mask(X_c Y_c^T) W_c + X_c S_before(c)`` and the
    denominator, the features in blocks of ``BLOCK_K`` (in ``full`` mode only
@@ -92,23 +94,23 @@ def _chunk_state_kernel(Y, W, DS, DZ, S_LEN, DX, DW, n_chunks,
     else:
         y = y.to(acc_t)
         ds = tl.dot(tl.trans(y), w.to(acc_t), input_precision="ieee", out_dtype=acc_t)
-    tl.store(DS + n * stride_sn + slot * stride_sc + offs_k[:, None] * DW + offs_w[None, :],
+    tl.store(DS + n * stride_sn + (slot + 1) * stride_sc + offs_k[:, None] * DW + offs_w[None, :],
              ds.to(DS.dtype.element_ty), mask=mask_k[:, None] & mask_w[None, :])
     if WITH_DEN:
         if pid_w == 0:
             dz = tl.sum(y.to(acc_t), axis=0)
-            tl.store(DZ + n * stride_zn + slot * stride_zc + offs_k, dz.to(DZ.dtype.element_ty), mask=mask_k)
+            tl.store(DZ + n * stride_zn + (slot + 1) * stride_zc + offs_k, dz.to(DZ.dtype.element_ty), mask=mask_k)
 
 
 @triton.jit
-def _chunk_out_kernel(X, Y, W, S0, Z0, CS, CZ, OUT, DEN, L, DX, DW, n_chunks,
+def _chunk_out_kernel(X, Y, W, ST, ZT, OUT, DEN, L, DX, DW, n_chunks,
                       stride_xn, stride_xl, stride_wn, stride_wl, stride_on, stride_ol, stride_dn,
                       stride_sn, stride_sc, stride_zn, stride_zc,
                       BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
                       REVERSE: tl.constexpr, INTRA: tl.constexpr, WITH_DEN: tl.constexpr, F64: tl.constexpr,
                       LOWP: tl.constexpr):
-    # INTRA (causal, reverse): X S_before + mask(X Y^T) W with S_before = S0 + CS[slot - 1] (0 at slot 0);
-    # not INTRA (full): X S0 with S0 the state over every key (CS, CZ unused)
+    # INTRA (causal, reverse): X S_before + mask(X Y^T) W with S_before at ST[n, slot] (the prefix);
+    # not INTRA (full): X S with the state over every key (stride_sc = stride_zc = 0)
     pid = tl.program_id(0)
     n = (pid // n_chunks).to(tl.int64)     # n * stride may pass 2**31 on long batches
     c = pid % n_chunks
@@ -118,8 +120,6 @@ def _chunk_out_kernel(X, Y, W, S0, Z0, CS, CZ, OUT, DEN, L, DX, DW, n_chunks,
         slot = n_chunks - 1 - c
     else:
         slot = c
-    prev = tl.maximum(slot - 1, 0)
-    has_prev = slot > 0
     offs_l = tl.arange(0, BLOCK_L)
     t = c * BLOCK_L + offs_l
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -135,11 +135,8 @@ def _chunk_out_kernel(X, Y, W, S0, Z0, CS, CZ, OUT, DEN, L, DX, DW, n_chunks,
         x = tl.load(X + n * stride_xn + t[:, None] * stride_xl + offs_k[None, :], mask=xy_mask, other=0.0)
         s_off = offs_k[:, None] * DW + offs_w[None, :]
         s_mask = mask_k[:, None] & mask_w[None, :]
-        s = tl.load(S0 + n * DX * DW + s_off, mask=s_mask, other=0.0).to(acc_t)
+        s = tl.load(ST + n * stride_sn + slot * stride_sc + s_off, mask=s_mask, other=0.0)
         if INTRA:
-            # slot prev (= 0 for the first chunk) is always a valid address; its sum is added from the second on
-            cs = tl.load(CS + n * stride_sn + prev * stride_sc + s_off, mask=s_mask, other=0.0).to(acc_t)
-            s += tl.where(has_prev, cs, 0.0)
             y = tl.load(Y + n * stride_xn + t[:, None] * stride_xl + offs_k[None, :], mask=xy_mask, other=0.0)
             if LOWP:
                 A = tl.dot(x, tl.trans(y), acc=A, out_dtype=tl.float32)
@@ -151,10 +148,7 @@ def _chunk_out_kernel(X, Y, W, S0, Z0, CS, CZ, OUT, DEN, L, DX, DW, n_chunks,
             o = tl.dot(x.to(acc_t), s, acc=o, input_precision="ieee", out_dtype=acc_t)
         if WITH_DEN:
             if pid_w == 0:
-                z = tl.load(Z0 + n * DX + offs_k, mask=mask_k, other=0.0).to(acc_t)
-                if INTRA:
-                    cz = tl.load(CZ + n * stride_zn + prev * stride_zc + offs_k, mask=mask_k, other=0.0).to(acc_t)
-                    z += tl.where(has_prev, cz, 0.0)
+                z = tl.load(ZT + n * stride_zn + slot * stride_zc + offs_k, mask=mask_k, other=0.0)
                 d += tl.sum(x.to(acc_t) * z[None, :], axis=1)
     if INTRA:
         if REVERSE:
@@ -193,8 +187,20 @@ def _lowp(*tensors: Tensor) -> bool:
 
 
 _MODES = ("causal", "reverse", "full")
-#: positions per chunk, features per block of ``X`` / ``Y`` and columns per block of ``W``: at most 64
+#: positions per chunk: at most 64
 _MAX_TILE = 64
+#: ``(BLOCK_K, BLOCK_W, num_warps, num_stages)`` of the state kernel, then of the output kernel, by operand kind:
+#: the largest tiles (at most 64 x 64) for which ptxas (sm_90, triton 3.9, 64-position chunks) reported no register
+#: spills; chosen without a GPU, not timed. BLOCK_K, BLOCK_W shrink to the widths (not below 16).
+_TILES = {"half": ((64, 64, 4, 3), (64, 64, 8, 3)),
+          "float32": ((64, 32, 8, 3), (64, 32, 8, 3)),
+          "float64": ((64, 32, 8, 1), (32, 32, 8, 2))}
+
+
+def _meta(tiles: tuple[int, int, int, int], DX: int, DW: int, **consts) -> dict:
+    block_k, block_w, num_warps, num_stages = tiles
+    return dict(BLOCK_K=_block(DX, block_k), BLOCK_W=_block(DW, block_w), num_warps=num_warps,
+                num_stages=num_stages, **consts)
 
 
 def _chunks(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str, with_den: bool, acc: torch.dtype,
@@ -207,37 +213,41 @@ def _chunks(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str, 
     dev = x.device
     n_key = triton.cdiv(S, block_l)
     lowp = _lowp(x, y, w)
-    meta = dict(BLOCK_L=block_l, BLOCK_K=_block(DX, _MAX_TILE), BLOCK_W=_block(DW, _MAX_TILE), WITH_DEN=with_den,
-                F64=acc == torch.float64, LOWP=lowp, num_warps=4)
-    dS = torch.empty(N, n_key, DX, DW, dtype=acc, device=dev)
-    dz = torch.empty(N, n_key, DX, dtype=acc, device=dev) if with_den else torch.empty(1, 1, 1, dtype=acc,
-                                                                                       device=dev)
+    tiles_a, tiles_b = _TILES["half" if lowp else str(acc).removeprefix("torch.")]
+    consts = dict(BLOCK_L=block_l, WITH_DEN=with_den, F64=acc == torch.float64, LOWP=lowp,
+                  REVERSE=mode == "reverse")
+    # slot 0: the carried state; slots 1..n_key: the chunks' own states (written by the first kernel)
+    dS = torch.empty(N, n_key + 1, DX, DW, dtype=acc, device=dev)
+    dS[:, 0] = S0
+    dz = torch.empty(N, n_key + 1, DX, dtype=acc, device=dev)
+    dz[:, 0] = z0
     if N and n_key:
         launch(_chunk_state_kernel, lambda m: (N * n_key, triton.cdiv(max(DX, 1), m["BLOCK_K"]),
                                                triton.cdiv(max(DW, 1), m["BLOCK_W"])),
                (y, w, dS, dz, S, DX, DW, n_key, y.stride(0), y.stride(1), w.stride(0), w.stride(1), dS.stride(0),
-                dS.stride(1), dz.stride(0), dz.stride(1)), {**meta, "REVERSE": mode == "reverse"},
+                dS.stride(1), dz.stride(0), dz.stride(1)), _meta(tiles_a, DX, DW, **consts),
                shrink=("BLOCK_K", "BLOCK_W"))
-    S0a, z0a = S0.to(acc), z0.to(acc)
     if full:
-        SF = S0a + dS.sum(1)
-        zF = z0a + dz.sum(1) if with_den else z0a.clone()
-        state, zstate = SF, zF
+        SF = dS.sum(1)
+        zF = dz.sum(1) if with_den else z0.to(acc, copy=True)
+        state, zstate = SF.unsqueeze(1), zF.unsqueeze(1)              # every chunk reads slot 0 (stride 0)
+        s_stride, z_stride = 0, 0
     else:
-        dS.cumsum_(1)                                     # slot s: the chunks at slots 0..s
+        dS.cumsum_(1)                                     # slot s: S0 and the chunks at slots 1..s
+        SF = dS[:, -1].clone()
         if with_den:
             dz.cumsum_(1)
-        SF = S0a + dS[:, -1] if n_key else S0a.clone()
-        zF = z0a + dz[:, -1] if with_den and n_key else z0a.clone()
-        state, zstate = S0, z0
+        zF = dz[:, -1].clone() if with_den else z0.to(acc, copy=True)
+        state, zstate = dS, dz
+        s_stride, z_stride = dS.stride(1), dz.stride(1)
     n_query = triton.cdiv(L, block_l)
     if N and n_query:
         den_arg = den if with_den else torch.empty(1, 1, dtype=acc, device=dev)
         launch(_chunk_out_kernel, lambda m: (N * n_query, triton.cdiv(max(DW, 1), m["BLOCK_W"])),
-               (x, y, w, state.contiguous(), zstate.contiguous(), dS, dz, out, den_arg, L, DX, DW, n_query,
+               (x, y, w, state, zstate, out, den_arg, L, DX, DW, n_query,
                 x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), den_arg.stride(0),
-                dS.stride(0), dS.stride(1), dz.stride(0), dz.stride(1)),
-               {**meta, "REVERSE": mode == "reverse", "INTRA": not full}, shrink=("BLOCK_K", "BLOCK_W"))
+                state.stride(0), s_stride, zstate.stride(0), z_stride),
+               _meta(tiles_b, DX, DW, INTRA=not full, **consts), shrink=("BLOCK_K", "BLOCK_W"))
     return SF, zF
 
 
