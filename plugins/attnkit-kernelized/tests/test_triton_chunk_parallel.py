@@ -154,3 +154,32 @@ def test_out_of_shared_memory_halves_the_chunk_for_both_kernels(monkeypatch):
                     ("_chunk_out_kernel", 32)]
     for a, b in zip(got, _dense(x, y, w, S0, z0, "causal"), strict=True):
         torch.testing.assert_close(a, b, **F64)
+
+
+@pytest.mark.parametrize("dtypes,lowp,prec", [
+    ((torch.float16,) * 3, True, "ieee"),                            # half operands as they are (TF32 for A, S)
+    ((torch.float32, torch.float16, torch.float16), False, "tf32"),  # the backward's float32 gradient meets them
+    ((torch.float32,) * 3, False, "ieee"),
+    ((torch.float64, torch.float16, torch.float32), False, "ieee"),
+    ((torch.float16,) * 3 + (torch.float64,), False, "ieee"),       # a float64 state: float64 products
+])
+def test_operand_dtypes_pick_the_products(monkeypatch, dtypes, lowp, prec):
+    """Which products each mix of dtypes gets (both kernels), and mixed operands reach the kernels in one dtype;
+    the results agree with float64 on the same rounded inputs."""
+    ops = _ops()
+    seen = []
+    real = ops.launch
+
+    def spy(kernel, grid, args, meta, shrink=()):
+        seen.append((meta["LOWP"], meta["PREC"], {a.dtype for a in args[:2] if isinstance(a, torch.Tensor)}))
+        return real(kernel, grid, args, meta, shrink)
+
+    monkeypatch.setattr(ops, "launch", spy)
+    x, y, w, S0, z0 = _inputs(1, 21, 21, 6, 5, 4)
+    x, y, w = (t.to(d) for t, d in zip((x, y, w), dtypes[:3], strict=True))
+    S0, z0 = (t.to(dtypes[3] if len(dtypes) > 3 else torch.float32) for t in (S0, z0))
+    got = ops.triton_linear_product(x, y, w, S0, z0, "causal", 16, True, False)
+    assert len(seen) == 2 and all(s[:2] == (lowp, prec) and len(s[2]) == 1 for s in seen)
+    want = _dense(*(t.double() for t in (x, y, w, S0, z0)), "causal")
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=1e-4 * b.abs().max().item(), rtol=1e-4)

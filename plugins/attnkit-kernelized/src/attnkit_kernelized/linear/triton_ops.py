@@ -32,10 +32,13 @@ products with a computed float32 factor (``A W`` with the masked ``A``, and
 ``X S`` with the carried state) run as TF32 tensor-core products of float32
 operands (the half-precision operand widened exactly), so neither ``A`` nor
 the state is ever rounded to float16 (whose range the state overflows on
-long sums). bfloat16 on CPU (the triton interpreter multiplies bfloat16
-operands wrongly) and mixed dtypes are widened to float32. float32 inputs
-use IEEE (not TF32) products so results agree with the torch path at
-float32 tolerances; float64 stays float64. Outputs, denominators and states
+long sums). Mixed dtypes are widened to a common one before the kernels:
+when a half-precision operand meets a float32 one (the backward pass of
+half-precision inputs, whose gradients are float32) every product is TF32 on
+tensor cores; bfloat16 on CPU (the triton interpreter multiplies bfloat16
+operands wrongly) widens the same way. float32 inputs use IEEE (not TF32)
+products so results agree with the torch path at float32 tolerances; float64
+stays float64 (IEEE). Outputs, denominators and states
 are float32 for half-precision inputs (float64 for float64). The backward
 pass is three more products
 (:func:`attnkit_kernelized._ops.linear_attention_backward`).
@@ -68,7 +71,8 @@ from ..common import normalize as _normalize
 def _chunk_state_kernel(Y, W, DS, DZ, S_LEN, DX, DW, n_chunks,
                         stride_yn, stride_yl, stride_wn, stride_wl, stride_sn, stride_sc, stride_zn, stride_zc,
                         BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                        REVERSE: tl.constexpr, WITH_DEN: tl.constexpr, F64: tl.constexpr, LOWP: tl.constexpr):
+                        REVERSE: tl.constexpr, WITH_DEN: tl.constexpr, F64: tl.constexpr, LOWP: tl.constexpr,
+                        PREC: tl.constexpr):
     pid = tl.program_id(0)
     n = (pid // n_chunks).to(tl.int64)     # n * stride may pass 2**31 on long batches
     c = pid % n_chunks
@@ -93,7 +97,7 @@ def _chunk_state_kernel(Y, W, DS, DZ, S_LEN, DX, DW, n_chunks,
         ds = tl.dot(tl.trans(y), w, out_dtype=tl.float32)
     else:
         y = y.to(acc_t)
-        ds = tl.dot(tl.trans(y), w.to(acc_t), input_precision="ieee", out_dtype=acc_t)
+        ds = tl.dot(tl.trans(y), w.to(acc_t), input_precision=PREC, out_dtype=acc_t)
     tl.store(DS + n * stride_sn + (slot + 1) * stride_sc + offs_k[:, None] * DW + offs_w[None, :],
              ds.to(DS.dtype.element_ty), mask=mask_k[:, None] & mask_w[None, :])
     if WITH_DEN:
@@ -108,7 +112,7 @@ def _chunk_out_kernel(X, Y, W, ST, ZT, OUT, DEN, L, DX, DW, n_chunks,
                       stride_sn, stride_sc, stride_zn, stride_zc,
                       BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
                       REVERSE: tl.constexpr, INTRA: tl.constexpr, WITH_DEN: tl.constexpr, F64: tl.constexpr,
-                      LOWP: tl.constexpr):
+                      LOWP: tl.constexpr, PREC: tl.constexpr):
     # INTRA (causal, reverse): X S_before + mask(X Y^T) W with S_before at ST[n, slot] (the prefix);
     # not INTRA (full): X S with the state over every key (stride_sc = stride_zc = 0)
     pid = tl.program_id(0)
@@ -141,11 +145,11 @@ def _chunk_out_kernel(X, Y, W, ST, ZT, OUT, DEN, L, DX, DW, n_chunks,
             if LOWP:
                 A = tl.dot(x, tl.trans(y), acc=A, out_dtype=tl.float32)
             else:
-                A = tl.dot(x.to(acc_t), tl.trans(y.to(acc_t)), acc=A, input_precision="ieee", out_dtype=acc_t)
+                A = tl.dot(x.to(acc_t), tl.trans(y.to(acc_t)), acc=A, input_precision=PREC, out_dtype=acc_t)
         if LOWP:    # the float32 state stays float32: TF32 tensor cores (x widens exactly)
             o = tl.dot(x.to(tl.float32), s, acc=o, input_precision="tf32", out_dtype=tl.float32)
         else:
-            o = tl.dot(x.to(acc_t), s, acc=o, input_precision="ieee", out_dtype=acc_t)
+            o = tl.dot(x.to(acc_t), s, acc=o, input_precision=PREC, out_dtype=acc_t)
         if WITH_DEN:
             if pid_w == 0:
                 z = tl.load(ZT + n * stride_zn + slot * stride_zc + offs_k, mask=mask_k, other=0.0)
@@ -161,7 +165,7 @@ def _chunk_out_kernel(X, Y, W, ST, ZT, OUT, DEN, L, DX, DW, n_chunks,
         if LOWP:    # A stays float32 (never rounded to float16): TF32 tensor cores (w widens exactly)
             o = tl.dot(A, w.to(tl.float32), acc=o, input_precision="tf32", out_dtype=tl.float32)
         else:
-            o = tl.dot(A, w.to(acc_t), acc=o, input_precision="ieee", out_dtype=acc_t)
+            o = tl.dot(A, w.to(acc_t), acc=o, input_precision=PREC, out_dtype=acc_t)
         if WITH_DEN:
             d += tl.sum(A, axis=1)
     tl.store(OUT + n * stride_on + t[:, None] * stride_ol + offs_w[None, :], o.to(OUT.dtype.element_ty),
@@ -174,6 +178,9 @@ def _chunk_out_kernel(X, Y, W, ST, ZT, OUT, DEN, L, DX, DW, n_chunks,
 def _block(n: int, cap: int | None = None) -> int:
     b = max(16, triton.next_power_of_2(max(n, 1)))
     return min(b, cap) if cap else b
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _lowp(*tensors: Tensor) -> bool:
@@ -193,6 +200,7 @@ _MAX_TILE = 64
 #: the largest tiles (at most 64 x 64) for which ptxas (sm_90, triton 3.9, 64-position chunks) reported no register
 #: spills; chosen without a GPU, not timed. BLOCK_K, BLOCK_W shrink to the widths (not below 16).
 _TILES = {"half": ((64, 64, 4, 3), (64, 64, 8, 3)),
+          "tf32": ((64, 64, 4, 3), (64, 64, 8, 3)),
           "float32": ((64, 32, 8, 3), (64, 32, 8, 3)),
           "float64": ((64, 32, 8, 1), (32, 32, 8, 2))}
 
@@ -212,10 +220,18 @@ def _chunks(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str, 
     full = mode == "full"
     dev = x.device
     n_key = triton.cdiv(S, block_l)
-    lowp = _lowp(x, y, w)
-    tiles_a, tiles_b = _TILES["half" if lowp else str(acc).removeprefix("torch.")]
+    lowp = acc == torch.float32 and _lowp(x, y, w)       # a float64 state makes every product float64
+    if lowp:
+        kind = "half"
+    elif acc == torch.float32 and any(t.dtype in _HALF for t in (x, y, w)):
+        kind = "tf32"          # half-precision operands with float32 ones: TF32 products of the widened operands
+    else:
+        kind = str(acc).removeprefix("torch.")
+    if not lowp:               # one dtype in the kernels (mixed pointer dtypes spilled registers in ptxas)
+        x, y, w = (t.to(acc) for t in (x, y, w))
+    tiles_a, tiles_b = _TILES[kind]
     consts = dict(BLOCK_L=block_l, WITH_DEN=with_den, F64=acc == torch.float64, LOWP=lowp,
-                  REVERSE=mode == "reverse")
+                  REVERSE=mode == "reverse", PREC="tf32" if kind == "tf32" else "ieee")
     # slot 0: the carried state; slots 1..n_key: the chunks' own states (written by the first kernel)
     dS = torch.empty(N, n_key + 1, DX, DW, dtype=acc, device=dev)
     dS[:, 0] = S0
