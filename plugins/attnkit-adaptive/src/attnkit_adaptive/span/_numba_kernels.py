@@ -48,6 +48,14 @@ clamp passes its gradient at its bounds, as torch's does).
 polynomial after a Cody-Waite reduction, the power of two added through the
 exponent bits), so the loop vectorises: numba has no vector ``exp`` without
 Intel's SVML. Relative error ~1e-7 in float32, ~1e-15 in float64.
+
+Cold compile: the small helpers are inlined (``inline="always"``), and so are :func:`forward`'s two
+products (:func:`_mm4_inline`: called, its forward ran ~5 % slower); every other register-tiled product is
+called (:func:`_mm4_64` / :func:`_mm4_any`, :func:`_mm4t_64` / :func:`_mm4t_any`), compiled once per
+argument types and shared by every call site and kernel. Inlined at :func:`backward_fused`'s 7 product sites
+(two copies of the body each, one per width) they made it most of the plugin's cold compile: the test suite's
+kernels took 690 s to compile from cold on the shared 2-core VM, ~200 s called; the kernels' CPU time is
+unchanged within noise (1 thread, float32, span 64, L = 2K / 4K; docs/mechanisms/adaptive-span.md).
 """
 
 from __future__ import annotations
@@ -159,12 +167,38 @@ def _mm4_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, ne):  # pragma: no cover - c
                 for e in range(ne):
                     oa[e] += p0 * y[e]
 
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def _mm4_64(OUT, o0, n, A, a0, B, b0, t0, t1, e0):  # pragma: no cover - compiled
+    """:func:`_mm4_body` on 64 output columns, the width a compile-time constant."""
+    _mm4_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, 64)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def _mm4_any(OUT, o0, n, A, a0, B, b0, t0, t1, e0, ne):  # pragma: no cover - compiled
+    """:func:`_mm4_body` on ``ne`` output columns."""
+    _mm4_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, ne)
+
+
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _mm4(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover - compiled
     """``OUT[o0 + r, e] += sum_t A[a0 + r, t] · B[b0 + t, e]``: :func:`_mm4_body`. Output rows of 64 (the usual
     head size) take a copy of the body with the width a compile-time constant: LLVM then unrolls the row into
     whole vectors with no remainder or runtime checks (1.4-1.6x on 64-wide products in a micro-benchmark, one
-    core: 41-45 -> 59-74 GFLOP/s; splitting wider rows into constant 32- or 48-wide pieces did not pay)."""
+    core: 41-45 -> 59-74 GFLOP/s; splitting wider rows into constant 32- or 48-wide pieces did not pay).
+    The two copies are called, not inlined: each is compiled once per argument types and shared by every call
+    site and kernel (inlined at every site they made most of the kernels' cold compile time; see the module
+    docstring)."""
+    if e1 - e0 == 64:
+        _mm4_64(OUT, o0, n, A, a0, B, b0, t0, t1, e0)
+    else:
+        _mm4_any(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1 - e0)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _mm4_inline(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover - compiled
+    """:func:`_mm4` with both copies of the body inlined: for :func:`forward` only (its two products per
+    group run ~5 % faster inlined than called; two sites, so little compile time)."""
     if e1 - e0 == 64:
         _mm4_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, 64)
     else:
@@ -264,7 +298,7 @@ def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32, far, save, sbuf):  # p
                 nc = c1 - c0
                 r0, r1 = _round8(c0, c1, bk)
                 _zero(Sc, g, gn, r0, r1, zero)
-                _mm4(Sc, g, gn, qs, q0 + g, KT, 0, 0, D, r0, r1)
+                _mm4_inline(Sc, g, gn, qs, q0 + g, KT, 0, 0, D, r0, r1)
                 for r in range(g, g + gn):
                     i = q0 + r
                     srow = Sc[r, c0:c1]; mrow = Mw[r, c0:c1]
@@ -305,7 +339,7 @@ def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32, far, save, sbuf):  # p
             for g in range(0, qn, 4):
                 c0 = gc0[g // 4]; c1 = gc1[g // 4]
                 if c1 > c0:
-                    _mm4(acc, g, min(4, qn - g), Sc[:, c0:c1], g, vs[t0 + c0:t0 + c1], 0, 0, c1 - c0, 0, E)
+                    _mm4_inline(acc, g, min(4, qn - g), Sc[:, c0:c1], g, vs[t0 + c0:t0 + c1], 0, 0, c1 - c0, 0, E)
         for r in range(qn):
             o = out[n, q0 + r]
             if lsum[r] > zero or lsum[r] != lsum[r]:
@@ -572,16 +606,32 @@ def _mm4t_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, ne):  # pragma: no cover - 
                 for e in range(ne):
                     oa[e] += p0 * y[e]
 
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def _mm4t_64(OUT, o0, n, A, a0, B, b0, t0, t1, e0):  # pragma: no cover - compiled
+    """:func:`_mm4t_body` on 64 output columns, the width a compile-time constant."""
+    _mm4t_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, 64)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def _mm4t_any(OUT, o0, n, A, a0, B, b0, t0, t1, e0, ne):  # pragma: no cover - compiled
+    """:func:`_mm4t_body` on ``ne`` output columns."""
+    _mm4t_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, ne)
+
+
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _mm4t(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover - compiled
     """``OUT[o0 + r, e] += sum_t A[t, a0 + r] · B[b0 + t, e]``: :func:`_mm4t_body`. Output rows of 64 (the usual
     head size) take a copy of the body with the width a compile-time constant: LLVM then unrolls the row into
     whole vectors with no remainder or runtime checks (1.4-1.6x on 64-wide products in a micro-benchmark, one
-    core: 41-45 -> 59-74 GFLOP/s; splitting wider rows into constant 32- or 48-wide pieces did not pay)."""
+    core: 41-45 -> 59-74 GFLOP/s; splitting wider rows into constant 32- or 48-wide pieces did not pay).
+    The two copies are called, not inlined: each is compiled once per argument types and shared by every call
+    site and kernel (inlined at every site they made most of the kernels' cold compile time; see the module
+    docstring)."""
     if e1 - e0 == 64:
-        _mm4t_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, 64)
+        _mm4t_64(OUT, o0, n, A, a0, B, b0, t0, t1, e0)
     else:
-        _mm4t_body(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1 - e0)
+        _mm4t_any(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1 - e0)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
