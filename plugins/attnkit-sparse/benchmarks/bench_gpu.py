@@ -280,21 +280,32 @@ def engine(run: Run, device: torch.device, lengths: list[int], dtype: torch.dtyp
 
 # ----------------------------------------------------------------------------------------------- mechanisms
 def mechanisms(run: Run, device: torch.device, names: list[str], lengths: list[int], dtype: torch.dtype,
-               budget: float) -> None:
+               budget: float, backends: tuple[str, ...] = ("auto",)) -> None:
+    """Each mechanism once per backend in ``backends`` (``auto``: the module's own choice, recorded); a backend
+    the mechanism does not offer is recorded as skipped."""
     for L in lengths:
-        rows = [("sdpa", None)] + [(n, None) for n in names]
-        for name, _ in rows:
-            row: dict[str, Any] = {"mechanism": name, "L": L, "dtype": str(dtype).split(".")[-1]}
+        rows = [("sdpa", "auto")] + [(n, b) for n in names for b in backends]
+        for name, backend in rows:
+            label = name if backend == "auto" else f"{name}@{backend}"
+            row: dict[str, Any] = {"mechanism": label, "L": L, "dtype": str(dtype).split(".")[-1]}
             if time.time() - run.t0 > budget:
                 row["skipped"] = "time budget spent"
                 run.add("mechanisms", row)
                 continue
             try:
+                if name != "sdpa" and backend != "auto":
+                    offered = attnkit.get_spec(name).capabilities.backends
+                    if backend not in offered:
+                        row["skipped"] = f"{name!r} offers backends {list(offered)}"
+                        run.add("mechanisms", row)
+                        continue
                 if name == "sdpa":
                     fn = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
                 else:
                     torch.manual_seed(0)
                     opts: dict[str, Any] = {"num_heads": H, "head_dim": D}
+                    if backend != "auto":
+                        opts["backend"] = backend
                     if name == "linformer":
                         opts.update(proj_len=256, max_length=L)
                     if name == "axial":
@@ -303,6 +314,8 @@ def mechanisms(run: Run, device: torch.device, names: list[str], lengths: list[i
                     mod = attnkit.build(name, **opts).to(device=device, dtype=dtype).eval()   # the module path
                     caps = getattr(mod, "caps", None)
                     row["declares_dtype"] = str(dtype).split(".")[-1] in getattr(caps, "dtypes", ())
+                    probe = torch.empty(B, H, L, D, device=device, dtype=dtype)
+                    row["backend"] = mod.resolve_backend(probe, needs_grad=False)
                     shared_qk = getattr(caps, "shared_qk", False)
                     row["shared_qk"] = bool(shared_qk)
                     fn = ((lambda q, k, v, mod=mod: mod(q, q, v)) if shared_qk
@@ -344,15 +357,17 @@ def tables(data: dict[str, Any]) -> str:
         lines.append(f"| {r['pattern']} | {r['method']} | {r['L']} | {r['fwd_ms']:.3f} | "
                      f"{r.get('fwdbwd_ms', math.nan):.3f} | {_ratio(s, r, 'fwd_ms')} | {_ratio(s, r, 'fwdbwd_ms')} | "
                      f"{mib} | {'' if build is None else f'{build:.3f}'} |")
-    lines += ["", "## mechanisms (ms, median)", "| mechanism | L | fwd | fwd+bwd | sdpa/ours fwd | sdpa/ours f+b |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "## mechanisms (ms, median)",
+              "| mechanism | backend | L | fwd | fwd+bwd | sdpa/ours fwd | sdpa/ours f+b |",
+              "|---|---|---:|---:|---:|---:|---:|"]
     sd = {r["L"]: r for r in data["mechanisms"] if r["mechanism"] == "sdpa" and "fwd_ms" in r}
     for r in data["mechanisms"]:
         if "fwd_ms" not in r:
-            lines.append(f"| {r['mechanism']} | {r['L']} | {r.get('error', r.get('skipped', ''))[:90]} ||||")
+            lines.append(f"| {r['mechanism']} | | {r['L']} | {r.get('error', r.get('skipped', ''))[:90]} ||||")
             continue
         s = sd.get(r["L"], {})
-        lines.append(f"| {r['mechanism']} | {r['L']} | {r['fwd_ms']:.3f} | {r.get('fwdbwd_ms', math.nan):.3f} | "
+        lines.append(f"| {r['mechanism']} | {r.get('backend', '')} | {r['L']} | {r['fwd_ms']:.3f} | "
+                     f"{r.get('fwdbwd_ms', math.nan):.3f} | "
                      f"{_ratio(s, r, 'fwd_ms')} | {_ratio(s, r, 'fwdbwd_ms')} |")
     return "\n".join(lines)
 
@@ -371,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="dtype of the mechanisms section's modules and inputs (module.to(dtype)); default "
                         "bfloat16 on CUDA, float32 under --smoke")
     p.add_argument("--mech-lengths", type=int, nargs="+", default=[16384])
+    p.add_argument("--mech-backends", nargs="+", default=["auto"],
+                   help="run each mechanism once per backend named here ('auto': the module's choice; e.g. "
+                        "'auto triton' also forces the content-based mechanisms onto the triton kernels)")
     p.add_argument("--mechanisms", nargs="+", default=DEFAULT_MECHANISMS)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128], help="triton backend block sizes")
     p.add_argument("--sections", nargs="+", default=["check", "engine", "mechanisms"],
@@ -410,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                args.flex_block_sizes, args.only_methods)
     if "mechanisms" in args.sections:
         mechanisms(run, device, args.mechanisms if not args.smoke else args.mechanisms[:3], args.mech_lengths,
-                   getattr(torch, args.mech_dtype or ("float32" if args.smoke else "bfloat16")), args.budget)
+                   getattr(torch, args.mech_dtype or ("float32" if args.smoke else "bfloat16")), args.budget,
+                   tuple(args.mech_backends))
     md = tables(run.data)
     Path(args.out).with_suffix(".md").write_text(md + "\n")
     print(md, flush=True)
