@@ -174,3 +174,35 @@ def test_half_state_is_refused_for_another_dtype():
     _, st = attn(q, k, v, causal=True, return_state=True)
     with pytest.raises(attnkit.InvalidInputError, match="dtype"):
         attn(q.float(), k.float(), v.float(), causal=True, state=st)
+
+
+@pytest.mark.parametrize("name,opts", MECHANISMS, ids=str)
+def test_the_float32_path_runs(name, opts):
+    """The mechanism sees float32 q, k, v for half inputs (a spy on ``_attend`` and ``_step_body``); float32 and
+    float64 inputs pass through unchanged."""
+    attn = build(name, torch.bfloat16, **opts)
+    seen = []
+    real_attend, real_step = attn._attend, attn._step_body
+    attn._attend = lambda q, k, v, ctx: seen.append(q.dtype) or real_attend(q, k, v, ctx)
+    attn._step_body = lambda q, k, v, st: seen.append(q.dtype) or real_step(q, k, v, st)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        seen.clear()
+        q, k, v = (t.detach() for t in _inputs(dtype))
+        assert attn(q, k, v, causal=True).dtype == dtype
+        assert attn.step(q, k, v, attn.init_state(2, dtype=dtype))[0].dtype == dtype
+        inner = torch.float32 if dtype in HALF else dtype
+        assert seen == [inner, inner]
+
+
+@pytest.mark.parametrize("name,opts", MECHANISMS, ids=str)
+def test_float16_scores_beyond_its_range(name, opts):
+    """float16 inputs whose scores exceed float16's range (entries ~200: scaled scores up to ~1e5 > 65504): finite
+    and close to the float64 reference (in float16 the scores overflow to inf)."""
+    attn = build(name, torch.float32, **opts)
+    g = torch.Generator().manual_seed(5)
+    q, k = ((200 * torch.randn(2, 2, 7, 4, generator=g)).half() for _ in range(2))
+    v = torch.randn(2, 2, 7, 4, generator=g).half()
+    out = attn(q, k, v, causal=True)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    want, _, _ = _reference(attn, q, k, v)
+    torch.testing.assert_close(out.double(), want, **HALF_TOL[torch.float16])
