@@ -206,3 +206,27 @@ def test_float16_scores_beyond_its_range(name, opts):
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     want, _, _ = _reference(attn, q, k, v)
     torch.testing.assert_close(out.double(), want, **HALF_TOL[torch.float16])
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_gtrxl_block_in_half(dtype):
+    """A ``gtrxl`` block cast with ``.to(dtype)`` on half inputs: output and input gradient in the input dtype,
+    close to the float64 block with the same (rounded) weights; its transformer-xl memory stays float32."""
+    torch.manual_seed(0)
+    block = attnkit.build_block("gtrxl", dim=8, num_heads=2, attention="transformer-xl", mem_len=3).to(dtype)
+    ref = copy.deepcopy(block).double()
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    xh = x.to(dtype).requires_grad_()
+    out, st = block(xh, causal=True, return_state=True)
+    assert out.dtype == dtype
+    floats = [t for t in st.data.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    assert floats and all(t.dtype == torch.float32 for t in floats)
+    xr = xh.detach().double().requires_grad_()
+    want = ref(xr, causal=True)
+    tol = HALF_TOL[dtype]
+    # the block's own layers (norms, gates, projections) run in the half dtype: twice the kit's tolerance
+    torch.testing.assert_close(out.double(), want, atol=tol["atol"] * 2, rtol=tol["rtol"] * 2)
+    (g,) = torch.autograd.grad(out.float().sum(), xh)
+    (gw,) = torch.autograd.grad(want.sum(), xr)
+    assert g.dtype == dtype
+    torch.testing.assert_close(g.double(), gw, atol=tol["atol"] * 10, rtol=tol["rtol"] * 10)
