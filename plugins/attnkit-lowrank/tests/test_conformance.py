@@ -11,6 +11,19 @@ from __future__ import annotations
 
 from attnkit.testing import AttentionConformance
 
+#: linformer in half: the kit casts the module (``.to(dtype)``), so its learned projections E, F are rounded to the
+#: half dtype while the reference reads the float64 module's unrounded ones, and the values F V are sums of S
+#: values with random weights (not averages: entries up to ~3 at S = 67), so output rounding is larger in absolute
+#: terms too. Measured max |diff| at S = 67: float16 0.008-0.010, bfloat16 0.047-0.065 (a float32 module on the
+#: same inputs: 0.004 and 0.03, rounding of the output alone). These tolerances cover the rounded parameters;
+#: tests/test_half.py holds half modules to the reference on their own (rounded) parameters at the kit's defaults.
+LINFORMER_HALF_TOL = {"float16": 1.5e-2, "bfloat16": 5e-2}
+
+#: float16/bfloat16 run the float32 code on upcast inputs (common.Float32Inside), so a second configuration of a
+#: spec adds nothing in half that its float32 run and the spec's other class in half do not hold; the two slowest
+#: such classes test float32/float64 only (their half runs cost ~7 s of CI: 13.8 and 10.2 s against 8.6 and 8.2)
+FULL_ONLY = ("float32", "float64")
+
 
 class TestNystromConformance(AttentionConformance):
     name = "nystrom"
@@ -27,11 +40,13 @@ class TestNystromConvConformance(AttentionConformance):
 class TestLinformerConformance(AttentionConformance):
     name = "linformer"
     options = {"proj_len": 5, "max_length": 128}
+    atol = rtol = LINFORMER_HALF_TOL
 
 
 class TestLinformerPerHeadSharedConformance(AttentionConformance):
     name = "linformer"
     options = {"proj_len": 4, "max_length": 80, "per_head": True, "share_kv": True}
+    atol = rtol = LINFORMER_HALF_TOL
 
 
 class TestSoftConvConformance(AttentionConformance):
@@ -99,6 +114,7 @@ class TestSoftDefaultConformance(AttentionConformance):
 
 class TestClusteredDefaultConformance(AttentionConformance):
     name = "improved-clustered"      # 100 clusters and top-32 capped at L and S
+    dtypes_to_test = FULL_ONLY      # half: TestImprovedClusteredConformance
 
 
 class TestInformerCausalSmallFactorConformance(AttentionConformance):
@@ -116,6 +132,7 @@ class TestLunaConformance(AttentionConformance):
 class TestLunaPerHeadChunkedConformance(AttentionConformance):
     name = "luna"
     options = {"packed_len": 3, "per_head": True, "chunk_size": 2}   # several causal chunks per sequence
+    dtypes_to_test = FULL_ONLY      # half: TestLunaConformance
 
 
 class TestLunaPrefixSoftmaxConformance(AttentionConformance):

@@ -15,6 +15,10 @@ from attnkit import AttentionSpec, Capabilities, Paper
 
 ATTNKIT_API_VERSION = 1
 
+#: float16/bfloat16 inputs run the float32 code (q, k, v upcast at the module boundary, the output cast back:
+#: output and input gradients in the input dtype; states stay float32): see ``common.Float32Inside``
+HALF_AND_FULL = ("float16", "bfloat16", "float32", "float64")
+
 NYSTROM = AttentionSpec(
     name="nystrom",
     aliases=("nystromformer",),
@@ -32,7 +36,7 @@ NYSTROM = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
         time="O((L + S)·m·D + m^3·iterations)", memory="O((L + S)·m + m^2) per head; no L x S matrix",
     ),
@@ -53,7 +57,7 @@ LINFORMER = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=(), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O((L + S)·proj_len·D)", memory="O(L·proj_len) per head + proj_len x max_length parameters",
     ),
 )
@@ -74,7 +78,7 @@ SOFT = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
-        mask_kinds=(), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=(), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         shared_qk=True,      # the paper's shared Q/K projection: MultiHeadAttention passes k = q
         time="O(L·m·D + m^3·iterations), m = ceil(L / stride)",
         memory="O(L·m + m^2) per head; no L x L matrix",
@@ -97,7 +101,7 @@ MCA = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=("causal",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O(L·S/stride·D + S·D^2)", memory="O(L·S/stride) per head",
     ),
 )
@@ -119,7 +123,7 @@ INFORMER = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=("causal",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=("causal",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
         time="O(L·ln S·D + ln L·S·D); causal O(L·ln L·D + n·L·D), n ≈ u·(1 + ln(L/u)) active queries",
         memory="O(chunk·ln S·D + ln L·S) per head; causal O(n·L)",
@@ -142,7 +146,7 @@ CLUSTERED = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
         time="O(L·bits·(D + C·iterations) + C·S·D)", memory="O(L·C + C·S) per head",
     ),
@@ -163,7 +167,7 @@ IMPROVED_CLUSTERED = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
         time="O(L·bits·(D + C·iterations) + C·S·D + L·top_k·D)", memory="O(L·(C + top_k) + C·S) per head",
     ),
@@ -185,7 +189,7 @@ ISAB = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=("key_padding",), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O((L + S)·m·D)", memory="O((L + S)·m) per head",
     ),
 )
@@ -205,7 +209,7 @@ LUNA = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=("causal", "key_padding"), streaming="segment", dtypes=("float32", "float64"),
+        mask_kinds=("causal", "key_padding"), streaming="segment", dtypes=HALF_AND_FULL,
         backends=("torch",),
         time="O((L + S)·m·D); causal O(L·chunk·m·(D + E))", memory="O((L + S)·m) per head",
     ),
@@ -226,7 +230,7 @@ POOLINGFORMER = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
-        mask_kinds=("causal", "key_padding"), streaming=None, dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=("causal", "key_padding"), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O(L·(window + pool_window / pool_stride)·D)", memory="O(L·(window + pool_window / pool_stride))",
     ),
 )

@@ -11,9 +11,13 @@ from attnkit import AttentionSpec, BlockSpec, Capabilities, Paper
 
 ATTNKIT_API_VERSION = 1
 
+#: float16/bfloat16 inputs run the float32 code (q, k, v upcast at the module boundary, the output cast back:
+#: output and input gradients in the input dtype; states stay float32): see ``common.Float32Inside``
+HALF_AND_FULL = ("float16", "bfloat16", "float32", "float64")
+
 _MEMORY_CAPS = dict(
     causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=True,
-    streaming="segment", state_detached=False, positions=False, dtypes=("float32", "float64"),
+    streaming="segment", state_detached=False, positions=False, dtypes=HALF_AND_FULL,
 )
 
 TRANSFORMER_XL = AttentionSpec(

@@ -27,7 +27,7 @@ from torch import Tensor
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_int
+from ..common import Float32Inside, check_int
 from ..plugin import CLUSTERED, IMPROVED_CLUSTERED
 
 DEFAULT_CLUSTERS, DEFAULT_TOP_K = 100, 32        # the paper's
@@ -81,7 +81,7 @@ def masked_scores(s: Tensor, keep: Tensor | None) -> Tensor:
     return s if keep is None else s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min)
 
 
-class ClusteredAttention(attnkit.Attention):
+class ClusteredAttention(Float32Inside, attnkit.Attention):
     """Clustered attention: queries grouped by hashed K-means, each cluster's centroid attends for its members.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` ->

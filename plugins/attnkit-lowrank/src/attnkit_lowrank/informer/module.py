@@ -37,7 +37,7 @@ from torch import Tensor
 
 import attnkit
 
-from ..common import check_int
+from ..common import Float32Inside, check_int
 from ..plugin import INFORMER
 
 
@@ -84,7 +84,7 @@ def online_top(m: Tensor, u: int, chunk: int) -> Tensor:
     return torch.cat(out, -1)
 
 
-class InformerAttention(attnkit.Attention):
+class InformerAttention(Float32Inside, attnkit.Attention):
     """Informer's ProbSparse self-attention: the top-u queries attend, the rest output mean(V).
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` ->

@@ -23,11 +23,11 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_bool, check_int, softmax_attend
+from ..common import Float32Inside, check_bool, check_int, softmax_attend
 from ..plugin import ISAB
 
 
-class InducedAttention(attnkit.Attention):
+class InducedAttention(Float32Inside, attnkit.Attention):
     """Induced set attention: learned inducing points pack the keys, the queries attend to the pack.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` ->

@@ -20,11 +20,11 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_bool, check_int, softmax_attend
+from ..common import Float32Inside, check_bool, check_int, softmax_attend
 from ..plugin import LINFORMER
 
 
-class LinformerAttention(attnkit.Attention):
+class LinformerAttention(Float32Inside, attnkit.Attention):
     """Linformer attention: softmax over ``proj_len`` learned projections of the keys.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` ->

@@ -42,13 +42,13 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_bool, check_choice, check_int, softmax_attend
+from ..common import Float32Inside, check_bool, check_choice, check_int, softmax_attend
 from ..plugin import LUNA
 
 CAUSAL_FORMS = ("paper", "prefix-softmax")
 
 
-class LunaAttention(attnkit.Attention):
+class LunaAttention(Float32Inside, attnkit.Attention):
     """Luna: a packed sequence of m vectors packs the keys, the queries attend to the pack.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` ->
@@ -216,5 +216,5 @@ class LunaAttention(attnkit.Attention):
     def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> None:
         return None                      # None: start from the learned packed sequence
 
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
         return self._luna(q, k, v, self.get_scale(q), None, True, state, True)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_choice, check_int, softmax_attend
+from ..common import Float32Inside, check_choice, check_int, softmax_attend
 from ..plugin import MCA
 
 COMPRESSIONS = ("conv", "pool")
@@ -49,7 +49,7 @@ def visible(L: int, S: int, stride: int, device: torch.device) -> Tensor:
     return last[None, :] <= torch.arange(L, device=device)[:, None]
 
 
-class MemoryCompressedAttention(attnkit.Attention):
+class MemoryCompressedAttention(Float32Inside, attnkit.Attention):
     """Memory-compressed attention: softmax attention over strided-convolution summaries of the keys and values.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, S, D)``, v ``(B, H, S, E)`` ->

@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_int, chunk_rows, nystrom_pinv, segment_weights, softmax_attend
+from ..common import Float32Inside, check_int, chunk_rows, nystrom_pinv, segment_weights, softmax_attend
 from ..plugin import NYSTROM
 
 DEFAULT_LANDMARKS = 64        # the paper's
@@ -58,7 +58,7 @@ class _SameLength(attnkit.Limits):
         return None
 
 
-class NystromAttention(attnkit.Attention):
+class NystromAttention(Float32Inside, attnkit.Attention):
     """Nystromformer attention: the softmax matrix approximated through ``m`` landmarks.
 
     Shapes as in :func:`torch.nn.functional.scaled_dot_product_attention`:

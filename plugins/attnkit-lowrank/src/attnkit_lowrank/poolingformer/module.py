@@ -29,7 +29,7 @@ from torch import Tensor
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_int
+from ..common import Float32Inside, check_int
 from ..plugin import POOLINGFORMER
 
 
@@ -56,7 +56,7 @@ def _softmax_rows(s: Tensor, keep: Tensor, v: Tensor) -> Tensor:
     return (torch.softmax(s, -1) * keep) @ v
 
 
-class PoolingformerAttention(attnkit.Attention):
+class PoolingformerAttention(Float32Inside, attnkit.Attention):
     """Poolingformer: a sliding window plus a larger window of pooled keys and values, outputs summed.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` ->

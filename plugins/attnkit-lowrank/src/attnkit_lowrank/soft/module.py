@@ -31,7 +31,7 @@ from torch import Tensor, nn
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import check_choice, check_int, newton_pinv, newton_pinv_sym
+from ..common import Float32Inside, check_choice, check_int, newton_pinv, newton_pinv_sym
 from ..plugin import SOFT
 from .chunk import soft_kernel_product
 
@@ -56,7 +56,7 @@ def gaussian_kernel(x: Tensor, y: Tensor, scale: float) -> Tensor:
     return (xa @ ya.transpose(-1, -2)).exp_()
 
 
-class SoftAttention(attnkit.Attention):
+class SoftAttention(Float32Inside, attnkit.Attention):
     """SOFT: softmax-free Gaussian-kernel attention through bottleneck tokens, linear in L for a fixed m.
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` ->

@@ -39,12 +39,12 @@ from torch import Tensor, nn
 from attnkit import Attention
 from attnkit.errors import InvalidInputError
 
-from ..common import causal_keep, check_int_option, masked_softmax
+from ..common import Float32Inside, causal_keep, check_int_option, masked_softmax
 
 __all__ = ["MemoryTokenAttention"]
 
 
-class MemoryTokenAttention(Attention):
+class MemoryTokenAttention(Float32Inside, Attention):
     """Recurrent memory slots read and written through attention, carried across segments.
 
     Args:
@@ -118,9 +118,9 @@ class MemoryTokenAttention(Attention):
             params = (self.w_q.sum() + self.w_k.sum()).to(out.dtype)
             none = torch.zeros((), dtype=torch.bool, device=out.device)
             return out + torch.where(none, params, torch.zeros((), dtype=out.dtype, device=out.device)), None
-        qm = mk @ self.w_q[None]                                              # (B, H, N, D)
+        qm = mk @ self.w_q.to(mk.dtype)[None]                                 # (B, H, N, D)
         a = masked_softmax((qm @ K.transpose(-1, -2)) * scale, real_all.expand(B, 1, N, N + S))
-        nk, nv = (a @ K) @ self.w_k[None], a @ V
+        nk, nv = (a @ K) @ self.w_k.to(K.dtype)[None], a @ V
         since += 1
         if since > self.grad_segments:
             nk, nv, since = nk.detach(), nv.detach(), 0
@@ -133,5 +133,5 @@ class MemoryTokenAttention(Attention):
     def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> Any:
         return None  # the learned initial slots, expanded at the first segment
 
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         return self._compute(q, k, v, None, state, self.get_scale(q), True)

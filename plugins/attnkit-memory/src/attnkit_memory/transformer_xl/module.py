@@ -33,12 +33,12 @@ from attnkit import Attention
 from attnkit.attention import Limits
 from attnkit.errors import InvalidInputError, UnsupportedFeatureError
 
-from ..common import causal_keep, check_int_option, masked_softmax, rel_shift, sinusoid
+from ..common import Float32Inside, causal_keep, check_int_option, masked_softmax, rel_shift, sinusoid
 
 __all__ = ["TransformerXLAttention"]
 
 
-class TransformerXLAttention(Attention):
+class TransformerXLAttention(Float32Inside, Attention):
     """Transformer-XL attention: relative positions (four terms) over a segment memory of keys and values.
 
     Args:
@@ -132,7 +132,9 @@ class TransformerXLAttention(Attention):
             if hit is not None and hit[0] == key:
                 return hit[1]
         d = torch.arange(T - 1, -1, -1, device=device)
-        r = self.r_proj(sinusoid(d, self.rel_dim, dtype))                     # (T, H*D)
+        # W_r in the computing dtype (a bfloat16 module called on upcast inputs: float32; its gradient comes back
+        # in the parameter's dtype)
+        r = nn.functional.linear(sinusoid(d, self.rel_dim, dtype), w.to(dtype))  # (T, H*D)
         out = r.view(T, self.num_heads, self.head_dim).transpose(0, 1)
         if cacheable:
             self.__dict__["_rel_cache"] = (key, out)
@@ -141,8 +143,9 @@ class TransformerXLAttention(Attention):
     def scores(self, q: Tensor, K: Tensor) -> Tensor:
         """The four-term relative scores ``(B, H, L, T)`` (unscaled, unmasked; future entries arbitrary)."""
         T = K.shape[2]
-        ac = (q + self.u[None, :, None]) @ K.transpose(-1, -2)                 # content-content + u
-        bd = (q + self.v_bias[None, :, None]) @ self.rel_encodings(T, q.dtype, q.device).transpose(-1, -2)[None]
+        u, vb = self.u.to(q.dtype), self.v_bias.to(q.dtype)          # parameters in the computing dtype
+        ac = (q + u[None, :, None]) @ K.transpose(-1, -2)                    # content-content + u
+        bd = (q + vb[None, :, None]) @ self.rel_encodings(T, q.dtype, q.device).transpose(-1, -2)[None]
         return ac + rel_shift(bd)                                             # content-position + v, shifted
 
     # -------------------------------------------------------------- memory
@@ -205,11 +208,12 @@ class TransformerXLAttention(Attention):
         (no NaN) and a zero output afterwards.
         """
         T = K.shape[2]
-        bd = (q + self.v_bias[None, :, None]) @ self.rel_encodings(T, q.dtype, q.device).transpose(-1, -2)[None]
+        u, vb = self.u.to(q.dtype), self.v_bias.to(q.dtype)
+        bd = (q + vb[None, :, None]) @ self.rel_encodings(T, q.dtype, q.device).transpose(-1, -2)[None]
         any_kept = keep.any(dim=-1, keepdim=True)
         allowed = keep | ~any_kept
         bias = (rel_shift(bd) * scale).masked_fill(~allowed, float("-inf"))
-        out = torch.nn.functional.scaled_dot_product_attention(q + self.u[None, :, None], K, V, attn_mask=bias,
+        out = torch.nn.functional.scaled_dot_product_attention(q + u[None, :, None], K, V, attn_mask=bias,
                                                                scale=scale)
         return out.masked_fill(~any_kept, 0.0)
 
@@ -247,6 +251,6 @@ class TransformerXLAttention(Attention):
     def _init_state(self, batch: int, *, device: torch.device | None, dtype: torch.dtype | None) -> Any:
         return None  # an empty memory; tensors appear with the first segment
 
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
+    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
         return self._compute(q, k, v, None, state, self.get_scale(q), True, training_call=False,
                              backend=self.resolve_backend(q, k, v))
