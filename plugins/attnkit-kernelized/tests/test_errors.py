@@ -177,9 +177,9 @@ def test_backend_not_offered(name, backend):
     with pytest.raises(InvalidInputError) as exc:
         _build(name, backend=backend)
     msg = str(exc.value)
-    assert "backend" in msg and repr(backend) in msg and "'triton', 'numba', 'torch'" in msg
+    assert "backend" in msg and repr(backend) in msg and "'numba', 'torch', 'triton'" in msg
     cls = attnkit.get_spec(name).load_factory()
-    expected = rf"backend: expected one of \['auto', 'triton', 'numba', 'torch'\], got {backend!r}"
+    expected = rf"backend: expected one of \['auto', 'numba', 'torch', 'triton'\], got {backend!r}"
     with pytest.raises(InvalidInputError, match=expected):
         cls(num_heads=2, head_dim=8, backend=backend)
 
