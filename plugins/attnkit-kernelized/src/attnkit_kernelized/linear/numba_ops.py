@@ -360,14 +360,16 @@ def _full_rows(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _causal_team(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out,
                  z_out):  # pragma: no cover - compiled
-    for n in numba.prange(x.shape[0]):
-        _causal_rows(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, n, n + 1)
+    for n in numba.prange(x.shape[0]):   # prange's index is unsigned: int64 reuses the row kernel Python calls
+        i = np.int64(n)
+        _causal_rows(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, i, i + 1)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _full_team(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out):  # pragma: no cover - compiled
-    for n in numba.prange(x.shape[0]):
-        _full_rows(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, n, n + 1)
+    for n in numba.prange(x.shape[0]):   # int64, as above: one compile of the row kernel per dtype
+        i = np.int64(n)
+        _full_rows(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, i, i + 1)
 
 
 # ------------------------------------------------------------------ operators
