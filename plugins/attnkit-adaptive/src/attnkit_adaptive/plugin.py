@@ -10,6 +10,7 @@ import attnkit
 from attnkit import AttentionSpec, Capabilities, Paper
 
 from ._checks import MAX_SPAN_LIMIT
+from ._half import DTYPES  # float16/bfloat16 inputs compute in float32 inside (_half.py)
 
 ATTNKIT_API_VERSION = 1
 
@@ -19,7 +20,7 @@ _CORREIA = Paper("Correia, Niculae, Martins", 2019, "Adaptively Sparse Transform
 
 _SPAN_CAPS = Capabilities(
     causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
-    mask_kinds=("causal", "key_padding"), dtypes=("float32", "float64"), backends=("numba", "torch"),
+    mask_kinds=("causal", "key_padding"), dtypes=DTYPES, backends=("numba", "torch"),
     time="O(L·W·D): numba W = each query's span + ramp; torch W = the largest span + ramp rounded up to a block "
          "(+ one block)",
     memory="numba O(L·D) (tiles per thread, log-sum-exp saved); torch O(L·W) band scores; no L x L matrix",
@@ -67,7 +68,7 @@ ENTMAX = AttentionSpec(
                   "alpha -> 1",
     capabilities=Capabilities(
         causal=True, key_padding_mask=True, attn_mask=True, cross=True, causal_cross=True, positions=True,
-        dtypes=("float32", "float64"), backends=("torch",),
+        dtypes=DTYPES, backends=("torch",),
         time="O(L·S·(D + n_iter)) (bisection over the dense scores)", memory="O(L·S)",
     ),
 )
@@ -88,7 +89,7 @@ SPARSE_ADAPTIVE = AttentionSpec(
                   "edges instead of REINFORCE (docs/mechanisms/sparse-adaptive.md)",
     capabilities=Capabilities(
         causal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
-        mask_kinds=("causal", "key_padding"), dtypes=("float32", "float64"), backends=("torch",),
+        mask_kinds=("causal", "key_padding"), dtypes=DTYPES, backends=("torch",),
         time="O(L·S·r) predictor (r = predictor_dim) + O(L·num_edges·D) attention",
         memory="O(chunk_size·S) predictor scores + O(L·num_edges·D) gathered keys",
     ),

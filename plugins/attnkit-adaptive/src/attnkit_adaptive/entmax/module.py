@@ -12,6 +12,7 @@ from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
 from .._checks import positive_int, real
+from .._half import Float32Inside
 from .ops import MIN_ALPHA, bisection_iterations, entmax_bisect
 
 DTYPE_NAME = {torch.float32: "float32", torch.float64: "float64"}
@@ -19,7 +20,7 @@ DTYPE_NAME = {torch.float32: "float32", torch.float64: "float64"}
 __all__ = ["EntmaxAttention"]
 
 
-class EntmaxAttention(Attention):
+class EntmaxAttention(Float32Inside, Attention):
     """Adaptively sparse attention (Correia et al. 2019): ``entmax_alpha(q kᵀ · scale) v`` with alpha per head.
 
     ``alpha = 2`` is sparsemax, ``alpha -> 1`` softmax; weights below the

@@ -11,12 +11,13 @@ from attnkit import Attention
 from attnkit.context import CallContext
 
 from .._checks import positive_int
+from .._half import Float32Inside
 from .predictor import allowed_pairs, distance_bucket
 
 __all__ = ["SparseAdaptiveAttention"]
 
 
-class SparseAdaptiveAttention(Attention):
+class SparseAdaptiveAttention(Float32Inside, Attention):
     """Sparse Adaptive Connection (Li et al. 2020), simplified: each query attends the keys a learned predictor picks.
 
     The edge predictor scores every (query, key) pair of a head with a low-rank

@@ -13,6 +13,7 @@ from attnkit.attention import Limits
 from attnkit.context import CallContext
 
 from .._checks import MAX_SPAN_LIMIT, positive_int, real
+from .._half import Float32Inside
 from .band import span_band_attention
 
 __all__ = ["AdaptiveSpanAttention", "DynamicSpanAttention"]
@@ -22,7 +23,7 @@ __all__ = ["AdaptiveSpanAttention", "DynamicSpanAttention"]
 NUMBA_KEY_TILE = 128
 
 
-class _SpanAttention(Attention):
+class _SpanAttention(Float32Inside, Attention):
     """Shared by the span mechanisms: options, the band path, the span penalty."""
 
     refusal_reasons = {"noncausal": "the span mask looks back from each query (Sukhbaatar et al.'s causal "
@@ -47,6 +48,7 @@ class _SpanAttention(Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         z = self.spans_for(q)
         self.record_aux_loss("span_l1", z.mean())
+        z = z.to(q.dtype)   # a module cast to half holds half parameters; the kernels take one dtype
         if ctx.backend == "numba":
             from .numba_band import span_band_attention_numba  # numba is imported only when it runs
 
