@@ -16,24 +16,9 @@ back in bfloat16. Auxiliary losses are float32 for half inputs.
 
 from __future__ import annotations
 
-from typing import Any
+from attnkit.half import HALF_DTYPES, Float32Inside
 
-import torch
-from torch import Tensor
+__all__ = ["DTYPES", "HALF_DTYPES", "Float32Inside"]
 
-#: the half-precision dtypes the adaptive attentions take, computed in float32
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: the dtypes every adaptive attention declares
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-class Float32Inside:
-    """Mixin (before :class:`attnkit.Attention` in the bases): float16/bfloat16 inputs run the float32 code."""
-
-    def _run(self, q: Tensor, k: Tensor, v: Tensor, ctx: Any) -> Any:
-        if q.dtype not in HALF_DTYPES:
-            return super()._run(q, k, v, ctx)  # type: ignore[misc]
-        res = super()._run(q.float(), k.float(), v.float(), ctx)  # type: ignore[misc]
-        if isinstance(res, tuple):
-            return (res[0].to(q.dtype), *res[1:])
-        return res.to(q.dtype)

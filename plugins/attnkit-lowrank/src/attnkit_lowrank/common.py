@@ -16,46 +16,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnkit import InvalidInputError
-
-#: input dtypes the modules compute in float32 (see :class:`Float32Inside`)
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-class Float32Inside:
-    """Mixin (before :class:`attnkit.Attention` in the bases): float16/bfloat16 inputs run the float32 code.
-
-    These mechanisms take softmaxes over pooled or landmark scores, iterative
-    pseudo-inverses (Newton products, Cholesky, ``eigh``: not available or not
-    stable in half), cumulative normalisations and hashing: in float16 or
-    bfloat16 they would lose most of their digits or fail. So q, k and v are
-    upcast to float32 at the module boundary (after the core zeroed padded keys
-    and values), the float32 path runs unchanged, and the output is cast back
-    to the input dtype; autograd carries the input gradients back in the input
-    dtype. Parameters are cast to the computing dtype where they are used
-    (``.to(q.dtype)``): a float32 module called with half inputs keeps float32
-    parameters and float32 parameter gradients (as under autocast); a module
-    cast with ``.to(torch.bfloat16)`` holds bfloat16 parameters, upcast per call,
-    whose gradients come back in bfloat16. A streaming state is computed in
-    float32 and stays float32. A subclass with streaming writes ``_step_body``
-    (the ``_step`` of the contract) instead of ``_step``.
-    """
-
-    def _run(self, q: Tensor, k: Tensor, v: Tensor, ctx: Any) -> Any:
-        if q.dtype not in HALF_DTYPES:
-            return super()._run(q, k, v, ctx)  # type: ignore[misc]
-        res = super()._run(q.float(), k.float(), v.float(), ctx)  # type: ignore[misc]
-        if isinstance(res, tuple):
-            return res[0].to(q.dtype), res[1]
-        return res.to(q.dtype)
-
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        if q.dtype not in HALF_DTYPES:
-            return self._step_body(q, k, v, state)
-        out, state = self._step_body(q.float(), k.float(), v.float(), state)
-        return out.to(q.dtype), state
-
-    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        raise NotImplementedError(f"{type(self).__name__} declares streaming but has no _step_body")
+from attnkit.half import HALF_DTYPES, Float32Inside  # noqa: F401 - the core's mixin, used by the modules
 
 
 def check_int(name: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> int | None:

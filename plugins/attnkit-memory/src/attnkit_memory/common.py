@@ -9,49 +9,14 @@ sequence, and the relative distance to key ``j`` is ``d = T - L + i - j``
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from attnkit.errors import InvalidInputError
+from attnkit.half import HALF_DTYPES, Float32Inside  # re-exported: the core's mixin, used by the modules
 
 __all__ = ["sinusoid", "rel_shift", "masked_softmax", "causal_keep", "check_int_option", "Float32Inside",
            "HALF_DTYPES"]
-
-
-#: input dtypes the modules compute in float32 (see :class:`Float32Inside`)
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-class Float32Inside:
-    """Mixin (before :class:`attnkit.Attention` in the bases): float16/bfloat16 inputs run the float32 code.
-
-    q, k and v are upcast to float32 at the module boundary (after the core zeroed padded keys and values), the
-    float32 path runs unchanged (relative-position scores, masked softmaxes, compression, slot updates) and the
-    output is cast back to the input dtype; autograd returns the input gradients in the input dtype. The
-    segment state (memory keys/values, compressed memory, slots) is computed in float32 and stays float32.
-    Parameters are cast to the computing dtype where they are used: a float32 module called with half inputs
-    keeps float32 parameters and gradients (as under autocast); ``module.to(torch.bfloat16)`` holds bfloat16
-    parameters, upcast per call, with bfloat16 gradients. Subclasses write ``_step_body`` instead of ``_step``.
-    """
-
-    def _run(self, q: Tensor, k: Tensor, v: Tensor, ctx: Any) -> Any:
-        if q.dtype not in HALF_DTYPES:
-            return super()._run(q, k, v, ctx)  # type: ignore[misc]
-        res = super()._run(q.float(), k.float(), v.float(), ctx)  # type: ignore[misc]
-        if isinstance(res, tuple):
-            return res[0].to(q.dtype), res[1]
-        return res.to(q.dtype)
-
-    def _step(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        if q.dtype not in HALF_DTYPES:
-            return self._step_body(q, k, v, state)
-        out, state = self._step_body(q.float(), k.float(), v.float(), state)
-        return out.to(q.dtype), state
-
-    def _step_body(self, q: Tensor, k: Tensor, v: Tensor, state: Any) -> tuple[Tensor, Any]:
-        raise NotImplementedError(f"{type(self).__name__} declares streaming but has no _step_body")
 
 
 def check_int_option(name: str, value: object, lo: int, allow_none: bool = False) -> None:
