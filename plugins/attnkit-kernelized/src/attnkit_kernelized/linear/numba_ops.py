@@ -28,17 +28,19 @@ thread with the same loop either way (the two builds may round in the last bits
 differently; neither depends on the thread count or the order).
 
 The kernel walks each sequence in chunks of ``chunk`` positions, so a chunk's
-inputs stay in L1/L2 while they are reused. Per chunk: the inter-chunk part
-``out[t] = S^T x[t]`` from the state of the earlier chunks, the causal triangle
-``A[t, j] = x[t] . y[j]`` and ``out[t] += sum_j A[t, j] w[j]``, then the state
-update ``S^T += w^T y`` over the chunk. The state is kept transposed (E x M)
-so that every heavy loop is a dot product over a contiguous axis; each dot
-loop computes a 2 x 4 tile of results at once (8 vector accumulators sharing
-6 loads), which LLVM vectorises with ``reassoc`` fastmath. That keeps the
-kernel compute-bound instead of bound by the stores of a rank-1 update.
-Work O(L * (M * E + chunk * (M + E))), memory O(M * E + chunk * (M + E)) per
-sequence besides inputs and outputs. With ``normalize`` the division by the
-denominator is fused (0 where it is 0, NaN stays NaN).
+inputs stay in L1/L2 while they are reused. Every product is
+:func:`attnkit_kernelized._tiles.axpy_rows` (``OUT += C @ Y``, 4 output rows x 4
+terms per pass, vectorised along the contiguous row: no horizontal sums). Per
+chunk: the inter-chunk part ``out = x S`` from the state ``S`` (M x E) of the
+earlier chunks; the causal triangle ``A = x y^T`` four query rows at a time,
+over whole 16-column blocks up to the group's last row (so its rows vectorise),
+the group's diagonal block cut to its lower triangle, and ``out += A w``; then
+the state update ``S += y^T w`` over the chunk (``y^T`` is copied once per
+chunk). In reverse mode the chunk's rows are copied in reversed order, so the
+anti-causal triangle is the causal one. Work O(L * (M * E + chunk * (M + E))),
+memory O(M * E + chunk * (M + E)) per sequence besides inputs and outputs. With
+``normalize`` the division by the denominator is fused (0 where it is 0, NaN
+stays NaN).
 
 :func:`_full_rows` (the non-causal form, L != S allowed) accumulates the
 whole state with the same tiles, then ``out[t] = S^T x[t]``.
@@ -58,318 +60,192 @@ from torch import Tensor
 from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, check_float, dynamic, rows
 from .._ops import call_linear_attention, define, define_linear_attention
+from .._tiles import axpy_rows
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
-def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, n0,
+def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out, n0,
                  n1):  # pragma: no cover - compiled
     N, L, M = x.shape
     E = w.shape[2]
     n_chunks = (L + chunk - 1) // chunk
-    E4 = E - E % 4
+    zero = np.zeros(1, dtype=x.dtype)[0]           # a typed 0 (a literal 0.0 would be float64)
     for n in range(n0, n1):
-        xn = x[n]; yn = y[n]; wn = w[n]
-        # the results of the sequence go to arrays allocated here, copied out at its end: writes into the
-        # caller's arrays could alias the inputs for LLVM, which then vectorises the tiles less (2x slower)
-        on = np.empty((xn.shape[0], E), dtype=x.dtype)
-        dn = np.zeros(xn.shape[0] if with_den else 0, dtype=x.dtype)
-        zero = np.zeros(1, dtype=x.dtype)          # a typed 0 (a literal 0.0 would be float64)
-        ST = ST0[n].copy()                         # the state S^T = sum_j w_j y_j^T (E x M)
+        xn = x[n]; yn = y[n]; wn = w[n]; outn = out[n]
+        S = S0[n].copy()                           # the state S = S0 + sum_j y_j w_j^T (M x E)
         z = z0[n].copy()
-        yT = np.empty((M, chunk), dtype=x.dtype)
-        wT = np.empty((E, chunk), dtype=x.dtype)
+        # per-chunk buffers: results are written here and copied out at the chunk's end (writing straight into
+        # the caller's arrays lets LLVM assume they alias the inputs, which vectorises the tiles less)
+        xb = np.empty((chunk, M), dtype=x.dtype)   # reverse mode: the chunk's rows in reversed order
+        wb = np.empty((chunk, E), dtype=x.dtype)
+        yT = np.empty((M, chunk), dtype=x.dtype)   # the chunk's keys transposed (reversed in reverse mode)
         A = np.empty((chunk, chunk), dtype=x.dtype)
+        ob = np.empty((chunk, E), dtype=x.dtype)
+        db = np.empty(chunk, dtype=x.dtype)
         for ci in range(n_chunks):
             c = n_chunks - 1 - ci if reverse else ci
             c0 = c * chunk
             c1 = min(c0 + chunk, L)
             T = c1 - c0
-            xc = xn[c0:c1]; yc = yn[c0:c1]; wc = wn[c0:c1]; oc = on[c0:c1]
-            # ---- inter: out[t, e] = x_t . ST[e] (2 rows x 4 state rows share loads)
-            T2 = T - T % 2
-            for e in range(0, E4, 4):
-                s0 = ST[e]; s1 = ST[e + 1]; s2 = ST[e + 2]; s3 = ST[e + 3]
-                for t in range(0, T2, 2):
-                    xa = xc[t]; xb = xc[t + 1]
-                    a0 = zero[0]; a1 = zero[0]; a2 = zero[0]; a3 = zero[0]
-                    b0 = zero[0]; b1 = zero[0]; b2 = zero[0]; b3 = zero[0]
-                    for m in range(M):
-                        p = xa[m]; q = xb[m]
-                        v0 = s0[m]; v1 = s1[m]; v2 = s2[m]; v3 = s3[m]
-                        a0 += p * v0; a1 += p * v1; a2 += p * v2; a3 += p * v3
-                        b0 += q * v0; b1 += q * v1; b2 += q * v2; b3 += q * v3
-                    oc[t, e] = a0; oc[t, e + 1] = a1; oc[t, e + 2] = a2; oc[t, e + 3] = a3
-                    oc[t + 1, e] = b0; oc[t + 1, e + 1] = b1; oc[t + 1, e + 2] = b2; oc[t + 1, e + 3] = b3
-                for t in range(T2, T):
-                    xa = xc[t]
-                    a0 = zero[0]; a1 = zero[0]; a2 = zero[0]; a3 = zero[0]
-                    for m in range(M):
-                        p = xa[m]
-                        a0 += p * s0[m]; a1 += p * s1[m]; a2 += p * s2[m]; a3 += p * s3[m]
-                    oc[t, e] = a0; oc[t, e + 1] = a1; oc[t, e + 2] = a2; oc[t, e + 3] = a3
-            for e in range(E4, E):
-                s0 = ST[e]
+            if reverse:   # row t of the buffers is position c1 - 1 - t: the anti-causal triangle becomes causal
                 for t in range(T):
-                    xa = xc[t]
-                    a0 = zero[0]
+                    xs = xn[c1 - 1 - t]; xd = xb[t]
                     for m in range(M):
-                        a0 += xa[m] * s0[m]
-                    oc[t, e] = a0
-            # ---- intra: A[t, j] = x_t . y_j for the causal (or anti-causal) triangle
-            for t in range(0, T2, 2):
-                xa = xc[t]; xb = xc[t + 1]
-                if reverse:
-                    j0 = t; j1 = T
-                else:
-                    j0 = 0; j1 = t + 2
-                for j in range(j0, j1 - (j1 - j0) % 2, 2):
-                    ya = yc[j]; yb = yc[j + 1]
-                    a0 = zero[0]; a1 = zero[0]; b0 = zero[0]; b1 = zero[0]
-                    for m in range(M):
-                        p = xa[m]; q = xb[m]; u = ya[m]; r = yb[m]
-                        a0 += p * u; a1 += p * r; b0 += q * u; b1 += q * r
-                    A[t, j] = a0; A[t, j + 1] = a1; A[t + 1, j] = b0; A[t + 1, j + 1] = b1
-                if (j1 - j0) % 2:
-                    j = j1 - 1
-                    ya = yc[j]
-                    a0 = zero[0]; b0 = zero[0]
-                    for m in range(M):
-                        a0 += xa[m] * ya[m]; b0 += xb[m] * ya[m]
-                    A[t, j] = a0; A[t + 1, j] = b0
-            for t in range(T2, T):
-                xa = xc[t]
-                if reverse:
-                    j0 = t; j1 = T
-                else:
-                    j0 = 0; j1 = t + 1
-                for j in range(j0, j1):
-                    ya = yc[j]
-                    a0 = zero[0]
-                    for m in range(M):
-                        a0 += xa[m] * ya[m]
-                    A[t, j] = a0
-            # ---- out[t] += sum over the triangle of A[t, j] w_j (small: T*T*E/2)
-            for t in range(T):
-                if reverse:
-                    j0 = t; j1 = T
-                else:
-                    j0 = 0; j1 = t + 1
-                ot = oc[t]
-                for j in range(j0, j1):
-                    a = A[t, j]
-                    wj = wc[j]
+                        xd[m] = xs[m]
+                    ws = wn[c1 - 1 - t]; wd = wb[t]
                     for e in range(E):
-                        ot[e] += a * wj[e]
-            if with_den:
-                for t in range(T):
-                    if reverse:
-                        j0 = t; j1 = T
-                    else:
-                        j0 = 0; j1 = t + 1
-                    s = zero[0]
-                    for j in range(j0, j1):
-                        s += A[t, j]
-                    xa = xc[t]
+                        wd[e] = ws[e]
+                    ys = yn[c1 - 1 - t]
                     for m in range(M):
-                        s += xa[m] * z[m]
-                    dn[c0 + t] = s
-                    if normalize:  # out /= den, 0 where no key is visible
-                        ot = oc[t]
-                        if s == 0:
-                            for e in range(E):
-                                ot[e] = 0.0
-                        else:
-                            r = 1 / s
-                            for e in range(E):
-                                ot[e] *= r
-            # ---- state: ST[e, m] += sum_j w[j, e] y[j, m] (dots over the chunk's positions)
-            for j in range(T):
-                yj = yc[j]; wj = wc[j]
-                for m in range(M):
-                    yT[m, j] = yj[m]
+                        yT[m, t] = ys[m]
+                xc = xb[:T]; wc = wb[:T]
+            else:
+                xc = xn[c0:c1]; wc = wn[c0:c1]
+                for t in range(T):
+                    ys = yn[c0 + t]
+                    for m in range(M):
+                        yT[m, t] = ys[m]
+            oc = ob[:T]
+            for t in range(T):
+                o_ = oc[t]
                 for e in range(E):
-                    wT[e, j] = wj[e]
-            M2 = M - M % 2
-            for e in range(0, E4, 4):
-                w0 = wT[e]; w1 = wT[e + 1]; w2 = wT[e + 2]; w3 = wT[e + 3]
-                for m in range(0, M2, 2):
-                    ya = yT[m]; yb = yT[m + 1]
-                    a0 = zero[0]; a1 = zero[0]; a2 = zero[0]; a3 = zero[0]
-                    b0 = zero[0]; b1 = zero[0]; b2 = zero[0]; b3 = zero[0]
-                    for j in range(T):
-                        p = ya[j]; q = yb[j]
-                        v0 = w0[j]; v1 = w1[j]; v2 = w2[j]; v3 = w3[j]
-                        a0 += p * v0; a1 += p * v1; a2 += p * v2; a3 += p * v3
-                        b0 += q * v0; b1 += q * v1; b2 += q * v2; b3 += q * v3
-                    ST[e, m] += a0; ST[e + 1, m] += a1; ST[e + 2, m] += a2; ST[e + 3, m] += a3
-                    ST[e, m + 1] += b0; ST[e + 1, m + 1] += b1; ST[e + 2, m + 1] += b2; ST[e + 3, m + 1] += b3
-                for m in range(M2, M):
-                    ya = yT[m]
-                    a0 = zero[0]; a1 = zero[0]; a2 = zero[0]; a3 = zero[0]
-                    for j in range(T):
-                        p = ya[j]
-                        a0 += p * w0[j]; a1 += p * w1[j]; a2 += p * w2[j]; a3 += p * w3[j]
-                    ST[e, m] += a0; ST[e + 1, m] += a1; ST[e + 2, m] += a2; ST[e + 3, m] += a3
-            for e in range(E4, E):
-                w0 = wT[e]
-                for m in range(M):
-                    ya = yT[m]
-                    a0 = zero[0]
-                    for j in range(T):
-                        a0 += ya[j] * w0[j]
-                    ST[e, m] += a0
+                    o_[e] = zero
+            # ---- inter: out = x S, the state of the earlier chunks
+            axpy_rows(oc, xc, S, T, M, E)
+            # ---- intra, 4 query rows at a time: their scores A = x y^T over the keys up to the group's last row
+            # (in whole 16-column blocks, so the rows vectorise), the group's diagonal block cut to its lower
+            # triangle, then out += A w over the visible keys
+            for i in range(0, T, 4):
+                r = min(4, T - i)
+                n16 = min(T, (i + r + 15) // 16 * 16)
+                for t in range(r):
+                    a_ = A[i + t]
+                    for j in range(n16):
+                        a_[j] = zero
+                axpy_rows(A[i:], xc[i:], yT, r, M, n16)
+                for t in range(r):
+                    a_ = A[i + t]
+                    for j in range(i + t + 1, i + r):
+                        a_[j] = zero
+                axpy_rows(oc[i:], A[i:], wc, r, i + r, E)
+                if with_den:
+                    for t in range(r):
+                        a_ = A[i + t]
+                        s = zero
+                        for j in range(i + t + 1):
+                            s += a_[j]
+                        xa = xc[i + t]
+                        for m in range(M):
+                            s += xa[m] * z[m]
+                        db[i + t] = s
+                        if normalize:   # out /= den, 0 where no key is visible (NaN stays NaN)
+                            ot = oc[i + t]
+                            if s == 0:
+                                for e in range(E):
+                                    ot[e] = zero
+                            else:
+                                rr = 1 / s
+                                for e in range(E):
+                                    ot[e] *= rr
+            # ---- the chunk's results out (back in position order in reverse mode)
+            for t in range(T):
+                p = c1 - 1 - t if reverse else c0 + t
+                o_ = oc[t]; d_ = outn[p]
+                for e in range(E):
+                    d_[e] = o_[e]
+                if with_den:
+                    den[n, p] = db[t]
+            # ---- state: S += y^T w over the chunk (rows of y^T times the chunk's w), z += sum of y
+            axpy_rows(S, yT, wc, M, T, E)
             if with_den:
                 for m in range(M):
-                    ya = yT[m]
-                    s = zero[0]
-                    for j in range(T):
-                        s += ya[j]
+                    yr = yT[m]
+                    s = zero
+                    for t in range(T):
+                        s += yr[t]
                     z[m] += s
-        out[n] = on
-        if with_den:
-            den[n] = dn
-        ST_out[n] = ST
+        S_out[n] = S
         z_out[n] = z
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
-def _full_rows(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, n0,
+def _full_rows(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out, n0,
                n1):  # pragma: no cover - compiled
     N, L, M = x.shape
-    S = y.shape[1]
+    S_ = y.shape[1]
     E = w.shape[2]
-    E4 = E - E % 4
-    M2 = M - M % 2
+    zero = np.zeros(1, dtype=x.dtype)[0]           # a typed 0 (a literal 0.0 would be float64)
     for n in range(n0, n1):
-        xn = x[n]; yn = y[n]; wn = w[n]
-        # the results of the sequence go to arrays allocated here, copied out at its end: writes into the
-        # caller's arrays could alias the inputs for LLVM, which then vectorises the tiles less (2x slower)
-        on = np.empty((xn.shape[0], E), dtype=x.dtype)
-        dn = np.zeros(xn.shape[0] if with_den else 0, dtype=x.dtype)
-        zero = np.zeros(1, dtype=x.dtype)          # a typed 0 (a literal 0.0 would be float64)
-        ST = ST0[n].copy()                         # S^T = S0^T + sum_j w_j y_j^T (E x M)
+        xn = x[n]; yn = y[n]; wn = w[n]; outn = out[n]
+        S = S0[n].copy()                           # S = S0 + sum_j y_j w_j^T (M x E)
         z = z0[n].copy()
         yT = np.empty((M, chunk), dtype=x.dtype)
-        wT = np.empty((E, chunk), dtype=x.dtype)
-        # ---- state over every key, a chunk of keys at a time (dots over the chunk's positions)
-        for c0 in range(0, S, chunk):
-            c1 = min(c0 + chunk, S)
+        ob = np.empty((chunk, E), dtype=x.dtype)
+        # ---- the state over every key, a chunk of keys at a time
+        for c0 in range(0, S_, chunk):
+            c1 = min(c0 + chunk, S_)
             T = c1 - c0
-            yc = yn[c0:c1]; wc = wn[c0:c1]
-            for j in range(T):
-                yj = yc[j]; wj = wc[j]
+            for t in range(T):
+                ys = yn[c0 + t]
                 for m in range(M):
-                    yT[m, j] = yj[m]
-                for e in range(E):
-                    wT[e, j] = wj[e]
-            for e in range(0, E4, 4):
-                w0 = wT[e]; w1 = wT[e + 1]; w2 = wT[e + 2]; w3 = wT[e + 3]
-                for m in range(0, M2, 2):
-                    ya = yT[m]; yb = yT[m + 1]
-                    a0 = zero[0]; a1 = zero[0]; a2 = zero[0]; a3 = zero[0]
-                    b0 = zero[0]; b1 = zero[0]; b2 = zero[0]; b3 = zero[0]
-                    for j in range(T):
-                        p = ya[j]; q = yb[j]
-                        v0 = w0[j]; v1 = w1[j]; v2 = w2[j]; v3 = w3[j]
-                        a0 += p * v0; a1 += p * v1; a2 += p * v2; a3 += p * v3
-                        b0 += q * v0; b1 += q * v1; b2 += q * v2; b3 += q * v3
-                    ST[e, m] += a0; ST[e + 1, m] += a1; ST[e + 2, m] += a2; ST[e + 3, m] += a3
-                    ST[e, m + 1] += b0; ST[e + 1, m + 1] += b1; ST[e + 2, m + 1] += b2; ST[e + 3, m + 1] += b3
-                for m in range(M2, M):
-                    ya = yT[m]
-                    a0 = zero[0]; a1 = zero[0]; a2 = zero[0]; a3 = zero[0]
-                    for j in range(T):
-                        p = ya[j]
-                        a0 += p * w0[j]; a1 += p * w1[j]; a2 += p * w2[j]; a3 += p * w3[j]
-                    ST[e, m] += a0; ST[e + 1, m] += a1; ST[e + 2, m] += a2; ST[e + 3, m] += a3
-            for e in range(E4, E):
-                w0 = wT[e]
-                for m in range(M):
-                    ya = yT[m]
-                    a0 = zero[0]
-                    for j in range(T):
-                        a0 += ya[j] * w0[j]
-                    ST[e, m] += a0
+                    yT[m, t] = ys[m]
+            axpy_rows(S, yT, wn[c0:c1], M, T, E)
             if with_den:
                 for m in range(M):
-                    ya = yT[m]
-                    s = zero[0]
-                    for j in range(T):
-                        s += ya[j]
+                    yr = yT[m]
+                    s = zero
+                    for t in range(T):
+                        s += yr[t]
                     z[m] += s
-        # ---- out[t, e] = x_t . ST[e], a chunk of queries at a time (2 rows x 4 state rows share loads)
+        # ---- out = x S, a chunk of queries at a time (into a buffer, copied out: see _causal_rows)
         for c0 in range(0, L, chunk):
             c1 = min(c0 + chunk, L)
             T = c1 - c0
-            T2 = T - T % 2
-            xc = xn[c0:c1]; oc = on[c0:c1]
-            for e in range(0, E4, 4):
-                s0 = ST[e]; s1 = ST[e + 1]; s2 = ST[e + 2]; s3 = ST[e + 3]
-                for t in range(0, T2, 2):
-                    xa = xc[t]; xb = xc[t + 1]
-                    a0 = zero[0]; a1 = zero[0]; a2 = zero[0]; a3 = zero[0]
-                    b0 = zero[0]; b1 = zero[0]; b2 = zero[0]; b3 = zero[0]
-                    for m in range(M):
-                        p = xa[m]; q = xb[m]
-                        v0 = s0[m]; v1 = s1[m]; v2 = s2[m]; v3 = s3[m]
-                        a0 += p * v0; a1 += p * v1; a2 += p * v2; a3 += p * v3
-                        b0 += q * v0; b1 += q * v1; b2 += q * v2; b3 += q * v3
-                    oc[t, e] = a0; oc[t, e + 1] = a1; oc[t, e + 2] = a2; oc[t, e + 3] = a3
-                    oc[t + 1, e] = b0; oc[t + 1, e + 1] = b1; oc[t + 1, e + 2] = b2; oc[t + 1, e + 3] = b3
-                for t in range(T2, T):
+            xc = xn[c0:c1]; oc = ob[:T]
+            for t in range(T):
+                o_ = oc[t]
+                for e in range(E):
+                    o_[e] = zero
+            axpy_rows(oc, xc, S, T, M, E)
+            for t in range(T):
+                ot = oc[t]
+                if with_den:
                     xa = xc[t]
-                    a0 = zero[0]; a1 = zero[0]; a2 = zero[0]; a3 = zero[0]
-                    for m in range(M):
-                        p = xa[m]
-                        a0 += p * s0[m]; a1 += p * s1[m]; a2 += p * s2[m]; a3 += p * s3[m]
-                    oc[t, e] = a0; oc[t, e + 1] = a1; oc[t, e + 2] = a2; oc[t, e + 3] = a3
-            for e in range(E4, E):
-                s0 = ST[e]
-                for t in range(T):
-                    xa = xc[t]
-                    a0 = zero[0]
-                    for m in range(M):
-                        a0 += xa[m] * s0[m]
-                    oc[t, e] = a0
-            if with_den:
-                for t in range(T):
-                    xa = xc[t]
-                    s = zero[0]
+                    s = zero
                     for m in range(M):
                         s += xa[m] * z[m]
-                    dn[c0 + t] = s
+                    den[n, c0 + t] = s
                     if normalize:  # out /= den, 0 where no key is visible
-                        ot = oc[t]
                         if s == 0:
                             for e in range(E):
-                                ot[e] = 0.0
+                                ot[e] = zero
                         else:
-                            r = 1 / s
+                            rr = 1 / s
                             for e in range(E):
-                                ot[e] *= r
-        out[n] = on
-        if with_den:
-            den[n] = dn
-        ST_out[n] = ST
+                                ot[e] *= rr
+                d_ = outn[c0 + t]
+                for e in range(E):
+                    d_[e] = ot[e]
+        S_out[n] = S
         z_out[n] = z
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _causal_team(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out,
+def _causal_team(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den, S_out,
                  z_out):  # pragma: no cover - compiled
     for n in numba.prange(x.shape[0]):   # prange's index is unsigned: int64 reuses the row kernel Python calls
         i = np.int64(n)
-        _causal_rows(x, y, w, reverse, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, i, i + 1)
+        _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out, i, i + 1)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _full_team(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out):  # pragma: no cover - compiled
+def _full_team(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out):  # pragma: no cover - compiled
     for n in numba.prange(x.shape[0]):   # int64, as above: one compile of the row kernel per dtype
         i = np.int64(n)
-        _full_rows(x, y, w, chunk, with_den, normalize, ST0, z0, out, den, ST_out, z_out, i, i + 1)
+        _full_rows(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out, i, i + 1)
 
 
 # ------------------------------------------------------------------ operators
@@ -393,25 +269,25 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
     if any(t.device.type != "cpu" for t in (x, y, w, S0, z0)):
         raise ValueError(f"numba_linear_product: numba kernels take CPU tensors, got {x.device}")
     xa, ya, wa, z0a = arr(x), arr(y), arr(w), arr(z0)
-    ST0 = np.ascontiguousarray(arr(S0).transpose(0, 2, 1))
-    check_float(xa, ya, wa, ST0, z0a)
+    S0a = arr(S0)
+    check_float(xa, ya, wa, S0a, z0a)
     dt = xa.dtype
     out = np.empty((N, L, DW), dtype=dt)
     den = np.zeros((N, L if with_den else 0), dtype=dt)
-    ST = np.empty((N, DW, DX), dtype=dt)
+    S_ = np.empty((N, DX, DW), dtype=dt)
     z = np.empty((N, DX), dtype=dt)
     if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
         if mode == "full":
-            rows(_full_rows, N, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), ST0, z0a, out, den, ST, z)
+            rows(_full_rows, N, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), S0a, z0a, out, den, S_, z)
         else:
-            rows(_causal_rows, N, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), ST0,
-                 z0a, out, den, ST, z)
+            rows(_causal_rows, N, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), S0a,
+                 z0a, out, den, S_, z)
     elif mode == "full":                      # idle: numba's OpenMP team, one sequence per prange iteration
-        dynamic(_full_team, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), ST0, z0a, out, den, ST, z)
+        dynamic(_full_team, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), S0a, z0a, out, den, S_, z)
     else:
-        dynamic(_causal_team, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), ST0, z0a,
-                out, den, ST, z)
-    return (torch.from_numpy(out), torch.from_numpy(den), torch.from_numpy(ST).transpose(1, 2).contiguous(),
+        dynamic(_causal_team, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), S0a, z0a,
+                out, den, S_, z)
+    return (torch.from_numpy(out), torch.from_numpy(den), torch.from_numpy(S_),
             torch.from_numpy(z))
 
 
