@@ -248,13 +248,22 @@ class PerformerAttention(KernelizedAttention):
         bound = BOUNDED_EXPONENT.get(v.dtype if half_features else q.dtype)
         if bound is None:
             return None
-        lq, _ = self.log_features(q)
-        lk, _ = self.log_features(k)
         pad = padded(kpm)
+        if chosen == "numba" and q.dtype in (torch.float32, torch.float64):
+            # one numba pass per tensor after the projection instead of seven torch passes (.numba_features)
+            from .numba_features import positive_features
+
+            s = self.get_scale(q) ** 0.5
+            phi_q, phi_k, hi, lo = positive_features(q, k, self.features.to(q.dtype) * s, s * s, pad)
+        else:
+            lq, _ = self.log_features(q)
+            lk, _ = self.log_features(k)
+            with torch.no_grad():
+                lk_d = lk.detach()
+                hi = (lk_d if pad is None else lk_d.masked_fill(pad, -float("inf"))).amax(dim=2)   # (B, H, M)
+                lo = lk_d if pad is None else lk_d.masked_fill(pad, 0.0)
+            phi_q = phi_k = None
         with torch.no_grad():
-            lk_d = lk.detach()
-            hi = (lk_d if pad is None else lk_d.masked_fill(pad, -float("inf"))).amax(dim=2)   # (B, H, M)
-            lo = lk_d if pad is None else lk_d.masked_fill(pad, 0.0)
             fresh = state is None
             m0 = None if fresh else state[2].detach()
             ok = bool(lo.amin() >= -bound) if lo.numel() else True
@@ -264,8 +273,9 @@ class PerformerAttention(KernelizedAttention):
                 ok = bool(((m0.abs() <= bound) | ~seen).all())
         if not ok:
             return None
-        phi_q = torch.exp(lq - lq.detach().amax(-1, keepdim=True))
-        phi_k = zero_padded(torch.exp(lk), pad)
+        if phi_q is None:
+            phi_q = torch.exp(lq - lq.detach().amax(-1, keepdim=True))
+            phi_k = zero_padded(torch.exp(lk), pad)
         if fresh:
             S0 = z0 = None
             ref = hi

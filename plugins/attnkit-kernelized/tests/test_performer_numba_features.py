@@ -1,0 +1,125 @@
+"""The performer's fused numba feature kernels (performer/numba_features.py) against their torch expressions.
+
+Values and gradients in float64 (float32 within its rounding), with padded keys holding NaN/Inf, the
+per-feature maximum and per-sequence minimum of the key exponents, the vectorised exp on its own, and the
+module using them (numba backend) against the torch backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit_kernelized.common import padded
+from attnkit_kernelized.performer.numba_features import _constants, _exp_row, positive_features
+
+
+def _reference(q, k, w, scale, pad):
+    """The torch form: queries shifted by their (detached) largest projection, keys exp(W'k - scale|k|^2/2)."""
+    pq = q @ w.T
+    phi_q = torch.exp(pq - pq.detach().amax(-1, keepdim=True))
+    lk = k @ w.T - 0.5 * scale * (k * k).sum(-1, keepdim=True)
+    phi_k = torch.exp(lk)
+    hi_src, lo_src = lk.detach(), lk.detach()
+    if pad is not None:
+        phi_k = phi_k.masked_fill(pad, 0.0)
+        hi_src, lo_src = hi_src.masked_fill(pad, float("-inf")), lo_src.masked_fill(pad, float("inf"))
+    return phi_q, phi_k, hi_src.amax(dim=2), lo_src.amin(dim=(2, 3))
+
+
+def _inputs(dtype, L=37, pad_tail=5, poison=True):
+    g = torch.Generator().manual_seed(0)
+    B, H, D, M = 2, 3, 8, 24
+    q = torch.randn(B, H, L, D, generator=g, dtype=dtype)
+    k = torch.randn(B, H, L, D, generator=g, dtype=dtype)
+    w = torch.randn(M, D, generator=g, dtype=dtype) * 0.6
+    kpm = torch.ones(B, L, dtype=torch.bool)
+    kpm[1, L - pad_tail:] = False
+    if poison:   # padded keys hold anything: they must not reach a value or a gradient
+        k[1, :, L - 2] = float("nan")
+        k[1, :, L - 1] = float("inf")
+    return q.requires_grad_(), k.requires_grad_(), w, kpm
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_values_and_gradients_match_the_torch_expressions(dtype):
+    q, k, w, kpm = _inputs(dtype)
+    pad = padded(kpm)
+    scale = 0.36
+    got = positive_features(q, k, w, scale, pad)
+    # the reference cannot take the poisoned keys (NaN * 0 is NaN): it gets them zeroed, which changes no real key
+    k_ref = k.detach().masked_fill(pad, 0.0).requires_grad_()
+    ref = _reference(q, k_ref, w, scale, pad)
+    tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-6, rtol=2e-6)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    assert torch.isfinite(got[1]).all() and (got[1][1, :, -5:] == 0).all()
+    gq, gk = torch.randn_like(got[0]), torch.randn_like(got[1])
+    dq, dk = torch.autograd.grad((got[0] * gq).sum() + (got[1] * gk).sum(), (q, k))
+    rq, rk = torch.autograd.grad((ref[0] * gq).sum() + (ref[1] * gk).sum(), (q, k_ref))
+    gtol = dict(atol=1e-11, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(dq, rq, **gtol)
+    torch.testing.assert_close(dk, rk, **gtol)
+    assert torch.isfinite(dk).all() and (dk[1, :, -5:] == 0).all()
+
+
+def test_a_fully_padded_sequence_has_no_exponent_range_and_zero_features():
+    q, k, w, kpm = _inputs(torch.float64, poison=False)
+    kpm[0] = False
+    phi_q, phi_k, hi, lo = positive_features(q, k, w, 1.0, padded(kpm))
+    assert (phi_k[0] == 0).all() and torch.isneginf(hi[0]).all() and torch.isposinf(lo[0]).all()
+    assert torch.isfinite(hi[1]).all() and torch.isfinite(lo[1]).all()
+    assert ((phi_q > 0) & (phi_q <= 1)).all() and torch.allclose(phi_q.amax(-1), torch.ones(()).double())
+
+
+def test_refuses_what_it_cannot_run():
+    q, k, w, _ = _inputs(torch.float64, poison=False)
+    with pytest.raises(ValueError, match="float32 or float64 CPU"):
+        positive_features(q.half(), k.half(), w, 1.0, None)
+
+
+@pytest.mark.parametrize("dtype,lo,hi,rtol", [(np.float32, -80.0, 60.0, 3e-7), (np.float64, -700.0, 600.0, 1e-14)])
+def test_vectorised_exp_against_numpy(dtype, lo, hi, rtol):
+    import numba
+
+    @numba.njit
+    def exp_of(x, c, cst, is32):
+        nbuf = np.empty(x.shape[0], dtype=np.int32)
+        _exp_row(x, c, nbuf, cst, is32)
+
+    cst, is32 = _constants(np.dtype(dtype)), dtype == np.float32
+
+    def run(x, c):
+        exp_of(x, c, cst, is32)
+
+    x = np.linspace(lo, hi, 20001).astype(dtype)
+    got = x.copy()
+    run(got, dtype(1.5))
+    want = np.exp((x - dtype(1.5)).astype(np.float64))      # the argument rounded as the kernel rounds it
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=0)   # reassociated, float32 reached 4.1e-7
+    special = np.array([-1e4, -np.inf, np.nan, 0.0], dtype=dtype)
+    run(special, dtype(0.0))
+    assert special[0] == 0 and special[1] == 0 and np.isnan(special[2]) and special[3] == 1
+
+
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_the_module_on_numba_equals_the_torch_backend(with_padding):
+    torch.manual_seed(0)
+    kw = dict(num_heads=2, head_dim=8, num_features=16, seed=3)
+    fast = attnkit.build("performer", backend="numba", **kw).double()
+    slow = attnkit.build("performer", backend="torch", **kw).double()
+    q, k, v = (torch.randn(2, 2, 29, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    kpm = None
+    if with_padding:
+        kpm = torch.ones(2, 29, dtype=torch.bool)
+        kpm[0, -4:] = False
+    a = fast(q, k, v, causal=True, key_padding_mask=kpm)
+    b = slow(q, k, v, causal=True, key_padding_mask=kpm)
+    torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
+    g = torch.randn_like(a)
+    ga = torch.autograd.grad((a * g).sum(), (q, k, v))
+    gb = torch.autograd.grad((b * g).sum(), (q, k, v))
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-8)
