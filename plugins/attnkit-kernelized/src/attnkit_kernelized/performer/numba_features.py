@@ -7,8 +7,12 @@ tensors (the squared norms subtracted, a row maximum, a shift, ``exp`` for the
 queries; the shift, ``exp``, a maximum and a minimum over the keys), each a fresh
 tensor, plus their autograd nodes. At M = 256 they took about 2.5x the time of the
 linear-attention kernel they feed (measured, session 25 in docs/benchmarks.md).
-Here each tensor gets the matmul (torch) and then **one** pass of a numba kernel
-over its rows, in place, which the autograd functions below wrap:
+Here each tensor gets **one** numba pass over blocks of 16 rows: the projection
+``X W'^T`` of the block (:func:`attnkit_kernelized._tiles.axpy_rows`, into a buffer
+that stays in cache), the shift, the bounds and ``exp`` there, and one write of the
+features; the backward likewise forms ``g * phi`` a block at a time and multiplies it
+by ``W'`` in the same pass (no ``(B, H, L, M)`` temporary). The autograd functions
+below wrap them:
 
 * queries: ``phi_q[r] = exp(p[r] - max_m p[r, m])`` with ``p = q W'^T``
   (``W' = sqrt(scale) · W``). The squared-norm term ``|q'|^2/2`` is a per-row
@@ -38,6 +42,7 @@ from torch import Tensor
 
 from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, dynamic, rows
+from .._tiles import axpy_rows
 
 # the plugin's flags (reassoc lets the row maximum and the norms vectorise) for the row loops; the exp apart
 _FM = FASTMATH
@@ -102,130 +107,210 @@ def _exp_row(row, c, nbuf, cst, is32):  # pragma: no cover - compiled
             rl[j] = (rl[j] + (e << 52)) if e > _UNDER and e < _NAN else (0 if e <= _UNDER else 0x7FF8000000000000)
 
 
+_BLOCK = 16   # rows per projection block (a (16, M) buffer stays in L1/L2 while it is exponentiated)
+_ITEM = 64    # rows per parallel work item of the row-wise kernels
+
+
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _query_rows(P, cst, is32, r0, r1):  # pragma: no cover - compiled
-    """``P[r] = exp(P[r] - max P[r])`` for the rows ``r0 <= r < r1`` of ``P (R, M)``."""
-    M = P.shape[1]
+def _query_rows(X, WT, P, cst, is32, r0, r1):  # pragma: no cover - compiled
+    """``P[r] = exp(p - max p)`` with ``p = X[r] WT`` for the rows ``r0 <= r < r1`` (``X (R, D)``, ``WT (D, M)``,
+    ``P (R, M)``). Each block of rows is projected into a buffer of its own (:func:`axpy_rows`), exponentiated
+    there and copied out (writes into argument arrays vectorise less: LLVM must assume they alias the inputs)."""
+    D, M = WT.shape
+    zero = cst[_HALF] - cst[_HALF]
+    buf = np.empty((_BLOCK, M), dtype=P.dtype)
     nbuf = np.empty(M, dtype=np.int32)
-    for r in range(r0, r1):
-        row = P[r]
-        m = row[0]
-        for j in range(M):
-            m = row[j] if row[j] > m else m
-        _exp_row(row, m, nbuf, cst, is32)
+    for b0 in range(r0, r1, _BLOCK):
+        nb = min(_BLOCK, r1 - b0)
+        for i in range(nb):
+            row = buf[i]
+            for j in range(M):
+                row[j] = zero
+        axpy_rows(buf, X[b0:], WT, nb, D, M)
+        for i in range(nb):
+            row = buf[i]
+            m = row[0]
+            for j in range(M):
+                m = row[j] if row[j] > m else m
+            _exp_row(row, m, nbuf, cst, is32)
+            out = P[b0 + i]
+            for j in range(M):
+                out[j] = row[j]
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _key_rows(P, K, pad, s2h, cst, is32, hi, lo, n0, n1):  # pragma: no cover - compiled
-    """For the sequences ``n0 <= n < n1`` of ``P (N, L, M)``: ``P[n, l] = exp(P[n, l] - s2h |K[n, l]|^2)``
-    (0 where ``pad[n, l]``; ``pad`` may be ``(N, 0)``: nothing padded), ``hi[n, m]`` the largest exponent of
+def _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, n0, n1):  # pragma: no cover - compiled
+    """For the sequences ``n0 <= n < n1`` of ``X (N, L, D)``: ``P[n, t] = exp(X[n, t] WT - s2h |X[n, t]|^2)``
+    (0 where ``pad[n, t]``; ``pad`` may be ``(N, 0)``: nothing padded), ``hi[n, m]`` the largest exponent of
     feature m and ``lo[n]`` the smallest exponent over the real keys (-inf and +inf when there is none)."""
-    N, L, M = P.shape
-    D = K.shape[2]
+    N, L, D = X.shape
+    M = WT.shape[1]
     has_pad = pad.shape[1] > 0
-    nbuf = np.empty(M, dtype=np.int32)
     zero = cst[_HALF] - cst[_HALF]
     ninf = -np.inf * cst[_HALF] * 2   # typed -inf
+    buf = np.empty((_BLOCK, M), dtype=P.dtype)
+    nbuf = np.empty(M, dtype=np.int32)
     for n in range(n0, n1):
+        Xn = X[n]; Pn = P[n]
         h = hi[n]
         for j in range(M):
             h[j] = ninf
         low = -ninf
-        for t in range(L):
-            row = P[n, t]
-            if has_pad and pad[n, t]:
+        for b0 in range(0, L, _BLOCK):
+            nb = min(_BLOCK, L - b0)
+            for i in range(nb):
+                row = buf[i]
                 for j in range(M):
                     row[j] = zero
-                continue
-            kr = K[n, t]
-            sq = zero
-            for d in range(D):
-                sq += kr[d] * kr[d]
-            c = s2h * sq
-            rmin = row[0]
-            for j in range(M):
-                x = row[j]
-                rmin = x if x < rmin else rmin
-                xc = x - c
-                h[j] = xc if xc > h[j] else h[j]
-            low = min(low, rmin - c)
-            _exp_row(row, c, nbuf, cst, is32)
+            axpy_rows(buf, Xn[b0:], WT, nb, D, M)
+            for i in range(nb):
+                row = buf[i]
+                out = Pn[b0 + i]
+                if has_pad and pad[n, b0 + i]:
+                    for j in range(M):
+                        out[j] = zero
+                    continue
+                kr = Xn[b0 + i]
+                sq = zero
+                for d in range(D):
+                    sq += kr[d] * kr[d]
+                c = s2h * sq
+                rmin = row[0]
+                for j in range(M):
+                    x = row[j]
+                    rmin = x if x < rmin else rmin
+                    xc = x - c
+                    h[j] = xc if xc > h[j] else h[j]
+                low = min(low, rmin - c)
+                _exp_row(row, c, nbuf, cst, is32)
+                for j in range(M):
+                    out[j] = row[j]
         lo[n] = low
 
 
+@numba.njit(cache=True, fastmath=_FM, nogil=True)
+def _back_rows(G, PHI, W, X, pad, scale, DX, r0, r1):  # pragma: no cover - compiled
+    """``DX[r] = (G[r] * PHI[r]) W - scale · sum_m (G[r] * PHI[r])_m · X[r]`` for ``r0 <= r < r1``
+    (``G, PHI (R, M)``, ``W (M, D)``, ``X, DX (R, D)``; ``scale = 0``: the queries' form, X unused);
+    0 where ``pad[r]`` (``pad`` may be empty: nothing padded)."""
+    M, D = W.shape
+    has_pad = pad.shape[0] > 0
+    zero = W[0, 0] - W[0, 0]
+    gb = np.empty((_BLOCK, M), dtype=DX.dtype)
+    ob = np.empty((_BLOCK, D), dtype=DX.dtype)
+    for b0 in range(r0, r1, _BLOCK):
+        nb = min(_BLOCK, r1 - b0)
+        for i in range(nb):
+            g = G[b0 + i]; f = PHI[b0 + i]; row = gb[i]; o = ob[i]
+            for j in range(M):
+                row[j] = g[j] * f[j]
+            for d in range(D):
+                o[d] = zero
+        axpy_rows(ob, gb, W, nb, M, D)
+        for i in range(nb):
+            o = ob[i]; out = DX[b0 + i]
+            if has_pad and pad[b0 + i]:
+                for d in range(D):
+                    out[d] = zero
+                continue
+            if scale != 0:
+                row = gb[i]
+                s = zero
+                for j in range(M):
+                    s += row[j]
+                s = s * scale
+                x = X[b0 + i]
+                for d in range(D):
+                    out[d] = o[d] - s * x[d]
+            else:
+                for d in range(D):
+                    out[d] = o[d]
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _query_team(P, cst, is32, block):  # pragma: no cover - compiled
-    R = P.shape[0]
-    nb = (R + block - 1) // block
-    for b in numba.prange(nb):
+def _query_team(X, WT, P, cst, is32):  # pragma: no cover - compiled
+    R = X.shape[0]
+    for b in numba.prange((R + _ITEM - 1) // _ITEM):
         i = np.int64(b)
-        _query_rows(P, cst, is32, i * block, min(R, (i + 1) * block))
+        _query_rows(X, WT, P, cst, is32, i * _ITEM, min(R, (i + 1) * _ITEM))
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _key_team(P, K, pad, s2h, cst, is32, hi, lo):  # pragma: no cover - compiled
-    for n in numba.prange(P.shape[0]):
+def _key_team(X, WT, pad, s2h, cst, is32, P, hi, lo):  # pragma: no cover - compiled
+    for n in numba.prange(X.shape[0]):
         i = np.int64(n)
-        _key_rows(P, K, pad, s2h, cst, is32, hi, lo, i, i + 1)
+        _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, i, i + 1)
 
 
-_QUERY_BLOCK = 256   # query rows per parallel work item
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _back_team(G, PHI, W, X, pad, scale, DX):  # pragma: no cover - compiled
+    R = G.shape[0]
+    for b in numba.prange((R + _ITEM - 1) // _ITEM):
+        i = np.int64(b)
+        _back_rows(G, PHI, W, X, pad, scale, DX, i * _ITEM, min(R, (i + 1) * _ITEM))
 
 
-def _query_features_(P: np.ndarray) -> None:
-    R = P.shape[0]
-    cst = _constants(P.dtype)
-    is32 = P.dtype == np.float32
-    if kernel_thread_count() is not None:   # busy machine (see .._busy): blocks handed out by Python threads
-        rows(lambda r0, r1: _query_rows(P, cst, is32, r0, r1), R)
-    else:
-        dynamic(_query_team, P, cst, is32, _QUERY_BLOCK)
-
-
-def _key_features_(P: np.ndarray, K: np.ndarray, pad: np.ndarray, s2h: float) -> tuple[np.ndarray, np.ndarray]:
-    N, _, M = P.shape
-    cst = _constants(P.dtype)
-    is32 = P.dtype == np.float32
-    hi = np.empty((N, M), dtype=P.dtype)
-    lo = np.empty(N, dtype=P.dtype)
-    s2h_t = P.dtype.type(s2h)
+def _run_rows(kernel, team, R: int, *args) -> None:
+    """``team(*args)`` on numba's threads, or while the machine is busy (see .._busy) ``kernel(*args, r0, r1)``
+    over blocks of ``_ITEM`` rows handed out by Python threads."""
     if kernel_thread_count() is not None:
-        rows(_key_rows, N, P, K, pad, s2h_t, cst, is32, hi, lo)
+        blocks = -(-R // _ITEM)
+        rows(lambda b0, b1: kernel(*args, b0 * _ITEM, min(R, b1 * _ITEM)), blocks)
     else:
-        dynamic(_key_team, P, K, pad, s2h_t, cst, is32, hi, lo)
-    return hi, lo
+        dynamic(team, *args)
 
 
 class _QueryFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, w: Tensor) -> Tensor:
-        phi = torch.matmul(q, w.transpose(0, 1)).contiguous()       # a fresh (B, H, L, M) tensor, shifted in place
-        _query_features_(phi.numpy().reshape(-1, phi.shape[-1]))
+        B, H, L, D = q.shape
+        M = w.shape[0]
+        X = arr(q).reshape(B * H * L, D)
+        phi = torch.empty(B, H, L, M, dtype=q.dtype)
+        P = phi.numpy().reshape(B * H * L, M)
+        cst = _constants(X.dtype)
+        _run_rows(_query_rows, _query_team, X.shape[0], X, arr(w.t()), P, cst, X.dtype == np.float32)
         ctx.save_for_backward(phi, w)
         return phi
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None
         phi, w = ctx.saved_tensors
-        dq = torch.matmul(g * phi, w) if ctx.needs_input_grad[0] else None
+        B, H, L, M = phi.shape
+        D = w.shape[1]
+        dq = torch.empty(B, H, L, D, dtype=phi.dtype)
+        PHI = phi.numpy().reshape(-1, M)
+        no_pad = np.zeros(0, dtype=np.bool_)
+        _run_rows(_back_rows, _back_team, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
+                  np.zeros((1, D), dtype=PHI.dtype), no_pad, PHI.dtype.type(0), dq.numpy().reshape(-1, D))
         return dq, None
 
 
 class _KeyFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k: Tensor, w: Tensor, scale: float, pad: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        B, H, L, _ = k.shape
+        B, H, L, D = k.shape
         M = w.shape[0]
-        kc = k.contiguous()
-        phi = torch.matmul(kc, w.transpose(0, 1)).contiguous()
+        X = arr(k).reshape(B * H, L, D)
         padn = (np.zeros((B * H, 0), dtype=np.bool_) if pad is None
                 else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(B * H, L)))
-        hi, lo = _key_features_(phi.numpy().reshape(B * H, L, M), arr(kc).reshape(B * H, L, -1), padn, 0.5 * scale)
+        phi = torch.empty(B, H, L, M, dtype=k.dtype)
+        hi = np.empty((B * H, M), dtype=X.dtype)
+        lo = np.empty(B * H, dtype=X.dtype)
+        cst = _constants(X.dtype)
+        args = (X, arr(w.t()), padn, X.dtype.type(0.5 * scale), cst, X.dtype == np.float32,
+                phi.numpy().reshape(B * H, L, M), hi, lo)
+        if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
+            rows(_key_rows, B * H, *args)
+        else:
+            dynamic(_key_team, *args)
         hi_t, lo_t = torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H)
         ctx.mark_non_differentiable(hi_t, lo_t)
-        ctx.save_for_backward(phi, w, kc)
+        ctx.save_for_backward(phi, w, k)
         ctx.scale = scale
-        ctx.pad = pad
+        ctx.padn = padn.reshape(-1)
         return phi, hi_t, lo_t
 
     @staticmethod
@@ -233,10 +318,13 @@ class _KeyFeatures(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         phi, w, k = ctx.saved_tensors
-        G = g * phi                                                   # 0 at padded keys (phi is 0 there)
-        dk = torch.matmul(G, w) - (ctx.scale * G.sum(-1, keepdim=True)) * k
-        if ctx.pad is not None:                                       # whatever a padded key holds (NaN, Inf)
-            dk = dk.masked_fill(ctx.pad, 0.0)
+        B, H, L, M = phi.shape
+        D = w.shape[1]
+        dk = torch.empty(B, H, L, D, dtype=phi.dtype)
+        PHI = phi.numpy().reshape(-1, M)
+        # 0 at padded keys, whatever they hold (NaN, Inf): phi is 0 there and the row is skipped
+        _run_rows(_back_rows, _back_team, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
+                  arr(k).reshape(-1, D), ctx.padn, PHI.dtype.type(ctx.scale), dk.numpy().reshape(-1, D))
         return dk, None, None, None
 
 
