@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import attnkit
+from attnkit_kernelized._vexp import constants, exp_row
 from attnkit_kernelized.common import padded
-from attnkit_kernelized.performer.numba_features import _constants, _exp_row, positive_features
+from attnkit_kernelized.performer.numba_features import positive_features
 
 
 def _reference(q, k, w, scale, pad):
@@ -87,9 +88,9 @@ def test_vectorised_exp_against_numpy(dtype, lo, hi, rtol):
     @numba.njit
     def exp_of(x, c, cst, is32):
         nbuf = np.empty(x.shape[0], dtype=np.int32)
-        _exp_row(x, c, nbuf, cst, is32)
+        exp_row(x, c, nbuf, cst, is32)
 
-    cst, is32 = _constants(np.dtype(dtype)), dtype == np.float32
+    cst, is32 = constants(np.dtype(dtype)), dtype == np.float32
 
     def run(x, c):
         exp_of(x, c, cst, is32)

@@ -83,13 +83,18 @@ class KernelizedAttention(Attention):
     def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: tuple[Tensor, ...] | None,
                         backend: str) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Causal attention of one segment from ``state`` (None: zeros); ``(out, new_state)``."""
-        phi_q, phi_k = self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
+        phi_q, phi_k = self._segment_features(q, k, kpm, runnable_backend(backend, q, k, v))
         backend = runnable_backend(backend, phi_q, phi_k, v)
         S0, z0 = (None, None) if state is None else state
         phi_q, phi_k, v = kernel_inputs(backend, phi_q, phi_k, v)
         out, S, z = backend_module("linear", backend).linear_attention(phi_q, phi_k, v, S0, z0, causal=True,
                                                                       chunk=self.chunk_size)
         return out, (S, z)
+
+    def _segment_features(self, q: Tensor, k: Tensor, kpm: Tensor | None, backend: str) -> tuple[Tensor, Tensor]:
+        """The causal segment's features for ``backend``: :meth:`feature_pair` (a mechanism may compute the same
+        features another way for one backend, as ``linear`` does for numba)."""
+        return self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
 
     def _before_forward(self) -> None:
         """Called once per forward call (performer redraws its features here)."""

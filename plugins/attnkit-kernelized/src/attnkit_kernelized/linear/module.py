@@ -7,6 +7,7 @@ prefix sum whose running state ``(S, z)`` streams exactly.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from attnkit.errors import InvalidInputError
@@ -75,6 +76,19 @@ class LinearAttention(KernelizedAttention):
             s = self.scale ** 0.5
             q, k = q * s, k * s
         return self._phi(q), zero_padded(self._phi(k), padded(key_padding_mask))
+
+    def _segment_features(self, q: Tensor, k: Tensor, kpm: Tensor | None, backend: str) -> tuple[Tensor, Tensor]:
+        """On the numba backend the ``elu`` map runs as one numba pass per tensor (:mod:`.numba_elu`: torch's
+        ``F.elu(x) + 1`` is two passes and its backward a third); the same values, rounding aside."""
+        if (backend != "numba" or self.feature_map != "elu" or q.dtype not in (torch.float32, torch.float64)
+                or q.device.type != "cpu" or torch.compiler.is_compiling()):
+            return super()._segment_features(q, k, kpm, backend)
+        from .numba_elu import elu_plus_one
+
+        if self.scale is not None:
+            s = self.scale ** 0.5
+            q, k = q * s, k * s
+        return elu_plus_one(q), zero_padded(elu_plus_one(k), padded(kpm))
 
     def _cp_summary(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, backend: str
                     ) -> tuple[Tensor, ...]:

@@ -24,16 +24,11 @@ below wrap them:
   whether the bounded path may run at all. Backward:
   ``dk = G W' - (sum_m G) · scale · k`` with ``G = g * phi_k`` (0 at padded keys).
 
-``exp`` is a polynomial evaluated with an exact power-of-two scaling through an
-integer view, in loops LLVM vectorises (numba has no vector ``exp`` without Intel's
-SVML); relative error below 2.5e-7 in float32 and 1e-14 in float64, 0 below the
-underflow bound, NaN for NaN. It is meant for the bounded path's arguments
-(``|lk| <= 600`` in float64, ``<= 60`` in float32: no overflow).
+``exp`` is :func:`attnkit_kernelized._vexp.exp_row` (vectorised; the bounded path's arguments,
+``|lk| <= 600`` in float64 and ``<= 60`` in float32, cannot overflow it).
 """
 
 from __future__ import annotations
-
-import math
 
 import numba
 import numpy as np
@@ -43,69 +38,10 @@ from torch import Tensor
 from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, dynamic, rows
 from .._tiles import axpy_rows
+from .._vexp import HALF, constants, exp_row
 
-# the plugin's flags (reassoc lets the row maximum and the norms vectorise) for the row loops; the exp apart
+# the plugin's flags (reassoc lets the row maximum and the norms vectorise); the exp (.._vexp) is compiled apart
 _FM = FASTMATH
-_EXP_FM = {"contract", "nsz"}
-
-_LOG2E, _LN2_HI, _LN2_LO, _HALF, _LO, _POLY = range(6)
-#: exponent sentinels far outside every float's range: the argument underflowed (0) or was NaN
-_UNDER, _NAN = -(1 << 20), 1 << 20
-
-
-def _constants(dtype: np.dtype) -> np.ndarray:
-    """Typed constants (a literal would be float64 in numba): ``[log2(e), ln2 hi, ln2 lo, 0.5, lowest argument,
-    Taylor coefficients of exp, highest degree first (6 for float32, 12 for float64)]``."""
-    f32 = np.dtype(dtype) == np.float32
-    ln2 = (0.693359375, -2.12194440e-4) if f32 else (0.693145751953125, 1.42860682030941723212e-6)
-    deg = 6 if f32 else 12
-    head = [1.4426950408889634, ln2[0], ln2[1], 0.5, -87.0 if f32 else -708.0]
-    return np.array(head + [1.0 / math.factorial(i) for i in range(deg, -1, -1)], dtype=dtype)
-
-
-@numba.njit(cache=True, fastmath=_EXP_FM)
-def _exp_row(row, c, nbuf, cst, is32):  # pragma: no cover - compiled
-    """``row[j] = exp(row[j] - c)`` in place (``nbuf``: int32 scratch of ``row``'s length).
-
-    Compiled apart, without ``reassoc``: reassociation partly folds the two-constant (Cody-Waite)
-    reduction ``(x - n·ln2_hi) - n·ln2_lo``, and the float32 relative error grew with ``|x|`` to 4.1e-7
-    at x = -80 (2.3e-7 without it; measured against NumPy). Called per row; LLVM keeps the flags of
-    these instructions when it inlines them. An elementwise loop vectorises without ``reassoc``."""
-    log2e = cst[_LOG2E]; c1 = cst[_LN2_HI]; c2 = cst[_LN2_LO]; half = cst[_HALF]; lo = cst[_LO]
-    n = row.shape[0]
-    if is32:
-        a6 = cst[_POLY]; a5 = cst[_POLY + 1]; a4 = cst[_POLY + 2]; a3 = cst[_POLY + 3]; a2 = cst[_POLY + 4]
-        a1 = cst[_POLY + 5]; a0 = cst[_POLY + 6]
-        for j in range(n):
-            xj = row[j] - c
-            xc = xj if xj > lo else lo
-            nf = np.floor(half + xc * log2e)           # round(x log2 e)
-            r = (xc - nf * c1) - nf * c2
-            row[j] = (((((a6 * r + a5) * r + a4) * r + a3) * r + a2) * r + a1) * r + a0
-            e = np.int32(nf)
-            nbuf[j] = e if xj > lo else (_UNDER if xj <= lo else _NAN)   # below the bound: 0; NaN: NaN
-        ri = row.view(np.int32)
-        for j in range(n):
-            e = nbuf[j]
-            ri[j] = (ri[j] + (e << 23)) if e > _UNDER and e < _NAN else (0 if e <= _UNDER else 0x7FC00000)
-    else:
-        K = cst.shape[0]
-        for j in range(n):
-            xj = row[j] - c
-            xc = xj if xj > lo else lo
-            nf = np.floor(half + xc * log2e)
-            r = (xc - nf * c1) - nf * c2
-            p = cst[_POLY]
-            for i in range(_POLY + 1, K):
-                p = p * r + cst[i]
-            row[j] = p
-            e = np.int32(nf)
-            nbuf[j] = e if xj > lo else (_UNDER if xj <= lo else _NAN)
-        rl = row.view(np.int64)
-        for j in range(n):
-            e = np.int64(nbuf[j])
-            rl[j] = (rl[j] + (e << 52)) if e > _UNDER and e < _NAN else (0 if e <= _UNDER else 0x7FF8000000000000)
-
 
 _BLOCK = 16   # rows per projection block (a (16, M) buffer stays in L1/L2 while it is exponentiated)
 _ITEM = 64    # rows per parallel work item of the row-wise kernels
@@ -117,7 +53,7 @@ def _query_rows(X, WT, P, cst, is32, r0, r1):  # pragma: no cover - compiled
     ``P (R, M)``). Each block of rows is projected into a buffer of its own (:func:`axpy_rows`), exponentiated
     there and copied out (writes into argument arrays vectorise less: LLVM must assume they alias the inputs)."""
     D, M = WT.shape
-    zero = cst[_HALF] - cst[_HALF]
+    zero = cst[HALF] - cst[HALF]
     buf = np.empty((_BLOCK, M), dtype=P.dtype)
     nbuf = np.empty(M, dtype=np.int32)
     for b0 in range(r0, r1, _BLOCK):
@@ -132,7 +68,7 @@ def _query_rows(X, WT, P, cst, is32, r0, r1):  # pragma: no cover - compiled
             m = row[0]
             for j in range(M):
                 m = row[j] if row[j] > m else m
-            _exp_row(row, m, nbuf, cst, is32)
+            exp_row(row, m, nbuf, cst, is32)
             out = P[b0 + i]
             for j in range(M):
                 out[j] = row[j]
@@ -146,8 +82,8 @@ def _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, n0, n1):  # pragma: no cove
     N, L, D = X.shape
     M = WT.shape[1]
     has_pad = pad.shape[1] > 0
-    zero = cst[_HALF] - cst[_HALF]
-    ninf = -np.inf * cst[_HALF] * 2   # typed -inf
+    zero = cst[HALF] - cst[HALF]
+    ninf = -np.inf * cst[HALF] * 2   # typed -inf
     buf = np.empty((_BLOCK, M), dtype=P.dtype)
     nbuf = np.empty(M, dtype=np.int32)
     for n in range(n0, n1):
@@ -182,7 +118,7 @@ def _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, n0, n1):  # pragma: no cove
                     xc = x - c
                     h[j] = xc if xc > h[j] else h[j]
                 low = min(low, rmin - c)
-                _exp_row(row, c, nbuf, cst, is32)
+                exp_row(row, c, nbuf, cst, is32)
                 for j in range(M):
                     out[j] = row[j]
         lo[n] = low
@@ -268,7 +204,7 @@ class _QueryFeatures(torch.autograd.Function):
         X = arr(q).reshape(B * H * L, D)
         phi = torch.empty(B, H, L, M, dtype=q.dtype)
         P = phi.numpy().reshape(B * H * L, M)
-        cst = _constants(X.dtype)
+        cst = constants(X.dtype)
         _run_rows(_query_rows, _query_team, X.shape[0], X, arr(w.t()), P, cst, X.dtype == np.float32)
         ctx.save_for_backward(phi, w)
         return phi
@@ -299,7 +235,7 @@ class _KeyFeatures(torch.autograd.Function):
         phi = torch.empty(B, H, L, M, dtype=k.dtype)
         hi = np.empty((B * H, M), dtype=X.dtype)
         lo = np.empty(B * H, dtype=X.dtype)
-        cst = _constants(X.dtype)
+        cst = constants(X.dtype)
         args = (X, arr(w.t()), padn, X.dtype.type(0.5 * scale), cst, X.dtype == np.float32,
                 phi.numpy().reshape(B * H, L, M), hi, lo)
         if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads

@@ -1,0 +1,113 @@
+"""``elu(x) + 1`` (linear attention's default feature map) as one numba pass, for the numba backend.
+
+torch evaluates ``F.elu(x) + 1`` in two passes over ``(B, H, L, D)`` (elu, then the
+addition, each a fresh tensor) and its backward recomputes the exponential; here one
+pass writes ``phi = x + 1`` (``x > 0``) or ``exp(x)`` with the vectorised exp of
+:mod:`attnkit_kernelized._vexp`, and the backward is one pass of
+``g * min(phi, 1)`` (the derivative of ``elu(x) + 1`` is 1 for ``x > 0`` and
+``exp(x) = phi`` otherwise; both give 1 at 0). Only the numba backend uses it
+(:meth:`.module.LinearAttention._causal_segment`); the torch path and the plain
+reference keep torch's ``F.elu``, against which ``tests/test_linear_numba_elu.py``
+checks it.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._busy import kernel_thread_count
+from .._numba import FASTMATH, arr, dynamic, rows
+from .._vexp import HALF, constants, exp_row
+
+_ITEM = 4096   # elements per parallel work item
+_BUF = 512     # elements per exp buffer (in L1)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def _elu_rows(x, out, cst, is32, i0, i1):  # pragma: no cover - compiled
+    """``out[i] = x[i] + 1 if x[i] > 0 else exp(x[i])`` for ``i0 <= i < i1`` (flat arrays; NaN stays NaN)."""
+    one = cst[HALF] + cst[HALF]
+    zero = cst[HALF] - cst[HALF]
+    buf = np.empty(_BUF, dtype=x.dtype)
+    nbuf = np.empty(_BUF, dtype=np.int32)
+    for b0 in range(i0, i1, _BUF):
+        n = min(_BUF, i1 - b0)
+        xs = x[b0:b0 + n]
+        e = buf[:n]
+        for j in range(n):
+            v = xs[j]
+            e[j] = zero if v > zero else v      # exp of the rest only (no overflow for large x; NaN stays NaN)
+        exp_row(e, zero, nbuf[:n], cst, is32)
+        o = out[b0:b0 + n]
+        for j in range(n):
+            v = xs[j]
+            o[j] = v + one if v > zero else e[j]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def _elu_back_rows(g, phi, dx, i0, i1):  # pragma: no cover - compiled
+    """``dx[i] = g[i] * min(phi[i], 1)`` for ``i0 <= i < i1``."""
+    for i in range(i0, i1):
+        p = phi[i]
+        dx[i] = g[i] * p if p < 1 else g[i]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _elu_team(x, out, cst, is32):  # pragma: no cover - compiled
+    n = x.shape[0]
+    for b in numba.prange((n + _ITEM - 1) // _ITEM):
+        i = np.int64(b)
+        _elu_rows(x, out, cst, is32, i * _ITEM, min(n, (i + 1) * _ITEM))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _elu_back_team(g, phi, dx):  # pragma: no cover - compiled
+    n = g.shape[0]
+    for b in numba.prange((n + _ITEM - 1) // _ITEM):
+        i = np.int64(b)
+        _elu_back_rows(g, phi, dx, i * _ITEM, min(n, (i + 1) * _ITEM))
+
+
+def _run(kernel, team, n: int, *args) -> None:
+    """``team(*args)`` on numba's threads, or on a busy machine (see .._busy) ``kernel(*args, i0, i1)`` over
+    blocks of ``_ITEM`` elements handed out by Python threads."""
+    if kernel_thread_count() is not None:
+        rows(lambda b0, b1: kernel(*args, b0 * _ITEM, min(n, b1 * _ITEM)), -(-n // _ITEM))
+    else:
+        dynamic(team, *args)
+
+
+class _EluPlusOne(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        xa = arr(x).reshape(-1)
+        phi = torch.empty(x.shape, dtype=x.dtype)
+        if xa.size:
+            _run(_elu_rows, _elu_team, xa.size, xa, phi.numpy().reshape(-1), constants(xa.dtype),
+                 xa.dtype == np.float32)
+        ctx.save_for_backward(phi)
+        return phi
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        (phi,) = ctx.saved_tensors
+        dx = torch.empty(phi.shape, dtype=phi.dtype)
+        pa = phi.numpy().reshape(-1)
+        if pa.size:
+            _run(_elu_back_rows, _elu_back_team, pa.size, arr(g.to(phi.dtype)).reshape(-1), pa,
+                 dx.numpy().reshape(-1))
+        return dx
+
+
+def elu_plus_one(x: Tensor) -> Tensor:
+    """``elu(x) + 1`` of a float32/float64 CPU tensor ``x (...)``, differentiable; same shape, values > 0.
+
+    Raises:
+        ValueError: ``x`` not a float32/float64 CPU tensor.
+    """
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"elu_plus_one: x must be a float32 or float64 CPU tensor; got {x.dtype} on {x.device}")
+    return _EluPlusOne.apply(x)
