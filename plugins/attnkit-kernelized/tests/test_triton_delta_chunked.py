@@ -102,9 +102,11 @@ MUTANTS = [
      "dP = tl.where(offs_l[:, None] > offs_l[None, :], dP, 0.0)"),
     ("backward: Z with its diagonal", "Z = tl.where(offs_l[:, None] > offs_l[None, :], -Z, 0.0)",
      "Z = tl.where(offs_l[:, None] >= offs_l[None, :], -Z, 0.0)"),
-    ("serial: state stored after the chunk's update", "        S += tl.dot(tl.trans(k), u, input_precision=PREC, "
-     "out_dtype=acc_t)\n", "        S += tl.dot(tl.trans(k), u, input_precision=PREC, out_dtype=acc_t)\n"
-     "        tl.store(CK + (n * n_chunks + c) * M * E + s_ptrs, S.to(CK.dtype.element_ty), mask=s_mask)\n"),
+    ("serial: u from the state after the chunk", "u -= tl.dot(w, S, input_precision=PREC, out_dtype=acc_t)",
+     "u -= tl.dot(w, tl.load(CK + state + M * E + s_ptrs, mask=s_mask, other=0.0), input_precision=PREC, "
+     "out_dtype=acc_t)"),
+    ("backward: G of the state before the chunk, not after", "G = tl.load(DH + M * E + s_ptrs",
+     "G = tl.load(DH + s_ptrs"),
 ]
 _count = itertools.count()
 

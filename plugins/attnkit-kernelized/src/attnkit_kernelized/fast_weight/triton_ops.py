@@ -129,32 +129,42 @@ def _wy_kernel(K, V, BETA, TM, WB, UB, L, M, E, n_chunks, stride_kn, stride_kl, 
 
 
 @triton.jit
-def _state_kernel(K, WB, UB, S0, CK, UN, SF, L, M, E, n_chunks, stride_kn, stride_kl,
-                  BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, F64: tl.constexpr,
+def _state_kernel(K, WB, UB, CK, UN, L, M, E, n_chunks, stride_kn, stride_kl,
+                  BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, F64: tl.constexpr,
                   PREC: tl.constexpr):
-    # per (sequence, value block), chunks in order: store S, u = U - W S, S += K^T u
+    # per (sequence, value block), chunks in order: u = U - W S, then S <- S + K^T u from slot c to slot c + 1
+    # of CK (slot 0 holds S0); the state goes through global memory (L2) in (BLOCK_K, BLOCK_E) blocks, so the
+    # registers hold three tiles whatever the number of features
     n = tl.program_id(0).to(tl.int64)
     pid_e = tl.program_id(1)
     acc_t = tl.float64 if F64 else tl.float32
     offs_l = tl.arange(0, BLOCK_L)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    s_ptrs = offs_m[:, None] * E + offs_e[None, :]
-    s_mask = (offs_m < M)[:, None] & (offs_e < E)[None, :]
-    S = tl.load(S0 + n * M * E + s_ptrs, mask=s_mask, other=0.0).to(acc_t)
     for c in range(0, n_chunks):
         t = c * BLOCK_L + offs_l
         mask_t = t < L
-        m_mask = mask_t[:, None] & (offs_m < M)[None, :]
         e_mask = mask_t[:, None] & (offs_e < E)[None, :]
-        tl.store(CK + (n * n_chunks + c) * M * E + s_ptrs, S.to(CK.dtype.element_ty), mask=s_mask)
-        k = tl.load(K + n * stride_kn + t[:, None] * stride_kl + offs_m[None, :], mask=m_mask, other=0.0).to(acc_t)
-        w = tl.load(WB + n * L * M + t[:, None] * M + offs_m[None, :], mask=m_mask, other=0.0)
+        state = (n * (n_chunks + 1) + c) * M * E
         u = tl.load(UB + n * L * E + t[:, None] * E + offs_e[None, :], mask=e_mask, other=0.0)
-        u = u - tl.dot(w, S, input_precision=PREC, out_dtype=acc_t)
+        for kb in range(0, tl.cdiv(M, BLOCK_K)):
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            s_ptrs = offs_k[:, None] * E + offs_e[None, :]
+            s_mask = (offs_k < M)[:, None] & (offs_e < E)[None, :]
+            S = tl.load(CK + state + s_ptrs, mask=s_mask, other=0.0)
+            w = tl.load(WB + n * L * M + t[:, None] * M + offs_k[None, :], mask=mask_t[:, None] & (offs_k < M)[None, :],
+                        other=0.0)
+            u -= tl.dot(w, S, input_precision=PREC, out_dtype=acc_t)
         tl.store(UN + n * L * E + t[:, None] * E + offs_e[None, :], u.to(UN.dtype.element_ty), mask=e_mask)
-        S += tl.dot(tl.trans(k), u, input_precision=PREC, out_dtype=acc_t)
-    tl.store(SF + n * M * E + s_ptrs, S.to(SF.dtype.element_ty), mask=s_mask)
+        for kb in range(0, tl.cdiv(M, BLOCK_K)):
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            s_ptrs = offs_k[:, None] * E + offs_e[None, :]
+            s_mask = (offs_k < M)[:, None] & (offs_e < E)[None, :]
+            S = tl.load(CK + state + s_ptrs, mask=s_mask, other=0.0)
+            k = tl.load(K + n * stride_kn + t[:, None] * stride_kl + offs_k[None, :],
+                        mask=mask_t[:, None] & (offs_k < M)[None, :], other=0.0).to(acc_t)
+            S = tl.dot(tl.trans(k), u, acc=S, input_precision=PREC, out_dtype=acc_t)
+            tl.store(CK + state + M * E + s_ptrs, S.to(CK.dtype.element_ty), mask=s_mask)
+        tl.debug_barrier()     # slot c + 1, written by every thread of the program, is read by others next
 
 
 @triton.jit
@@ -185,42 +195,92 @@ def _bwd_local_kernel(Q, K, DO, DUL, L, M, E, n_chunks,
 
 
 @triton.jit
-def _bwd_state_kernel(Q, K, WB, DO, DUL, DSF, DH, DU, DS0, L, M, E, n_chunks,
-                      BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr):
-    # per (sequence, value block), chunks in reverse: store G, du = dU_loc + K G, G += Q^T dO - W^T du
+def _bwd_state_kernel(Q, K, WB, DO, DUL, DH, DU, L, M, E, n_chunks,
+                      BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr):
+    # per (sequence, value block), chunks in reverse, G (the gradient of the state before chunk s) at slot s of
+    # DH (slot n_chunks: the final state's): du = dU_loc + K G, then G <- G + Q^T dO - W^T du from slot c + 1 to
+    # slot c, in (BLOCK_K, BLOCK_E) blocks through global memory as in _state_kernel
     n = tl.program_id(0).to(tl.int64)
     pid_e = tl.program_id(1)
     acc_t = DH.dtype.element_ty
     offs_l = tl.arange(0, BLOCK_L)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    s_ptrs = offs_m[:, None] * E + offs_e[None, :]
-    s_mask = (offs_m < M)[:, None] & (offs_e < E)[None, :]
-    G = tl.load(DSF + n * M * E + s_ptrs, mask=s_mask, other=0.0)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
         t = c * BLOCK_L + offs_l
         mask_t = t < L
-        m_mask = mask_t[:, None] & (offs_m < M)[None, :]
         e_mask = mask_t[:, None] & (offs_e < E)[None, :]
-        tl.store(DH + (n * n_chunks + c) * M * E + s_ptrs, G, mask=s_mask)
-        m_ptrs = n * L * M + t[:, None] * M + offs_m[None, :]
         e_ptrs = n * L * E + t[:, None] * E + offs_e[None, :]
-        k = tl.load(K + m_ptrs, mask=m_mask, other=0.0)
-        du = tl.load(DUL + e_ptrs, mask=e_mask, other=0.0) + tl.dot(k, G, input_precision=PREC, out_dtype=acc_t)
+        after = (n * (n_chunks + 1) + c + 1) * M * E
+        du = tl.load(DUL + e_ptrs, mask=e_mask, other=0.0)
+        for kb in range(0, tl.cdiv(M, BLOCK_K)):
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            g_ptrs = offs_k[:, None] * E + offs_e[None, :]
+            g_mask = (offs_k < M)[:, None] & (offs_e < E)[None, :]
+            G = tl.load(DH + after + g_ptrs, mask=g_mask, other=0.0)
+            k = tl.load(K + n * L * M + t[:, None] * M + offs_k[None, :], mask=mask_t[:, None] & (offs_k < M)[None, :],
+                        other=0.0)
+            du = tl.dot(k, G, acc=du, input_precision=PREC, out_dtype=acc_t)
         tl.store(DU + e_ptrs, du, mask=e_mask)
-        q = tl.load(Q + m_ptrs, mask=m_mask, other=0.0)
-        w = tl.load(WB + m_ptrs, mask=m_mask, other=0.0)
         dO = tl.load(DO + e_ptrs, mask=e_mask, other=0.0)
-        G += (tl.dot(tl.trans(q), dO, input_precision=PREC, out_dtype=acc_t)
-              - tl.dot(tl.trans(w), du, input_precision=PREC, out_dtype=acc_t))
-    tl.store(DS0 + n * M * E + s_ptrs, G, mask=s_mask)
+        for kb in range(0, tl.cdiv(M, BLOCK_K)):
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            g_ptrs = offs_k[:, None] * E + offs_e[None, :]
+            g_mask = (offs_k < M)[:, None] & (offs_e < E)[None, :]
+            m_ptrs = n * L * M + t[:, None] * M + offs_k[None, :]
+            m_mask = mask_t[:, None] & (offs_k < M)[None, :]
+            G = tl.load(DH + after + g_ptrs, mask=g_mask, other=0.0)
+            q = tl.load(Q + m_ptrs, mask=m_mask, other=0.0)
+            w = tl.load(WB + m_ptrs, mask=m_mask, other=0.0)
+            G = tl.dot(tl.trans(q), dO, acc=G, input_precision=PREC, out_dtype=acc_t)
+            G -= tl.dot(tl.trans(w), du, input_precision=PREC, out_dtype=acc_t)
+            tl.store(DH + after - M * E + g_ptrs, G, mask=g_mask)
+        tl.debug_barrier()     # slot c, written by every thread of the program, is read by others next
 
 
 @triton.jit
-def _bwd_chunk_kernel(Q, K, V, BETA, TM, CK, UN, DO, DH, DU, DQ, DK, DV, DB, N, L, M, E, n_chunks,
+def _bwd_intra_kernel(V, BETA, TM, UN, DO, DU, DR, DPB, ZB, DV, DB, L, E, n_chunks,
+                      BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr):
+    # per (sequence, chunk), the value columns in blocks: dr = T^T du (stored), dV = diag(b) dr, the (C, C)
+    # sums dP = tril(dO u^T) and Z = tril(-dr u^T, -1) (stored), and d beta's rowsum(dr * V)
+    pid = tl.program_id(0)
+    n = (pid // n_chunks).to(tl.int64)
+    c = pid % n_chunks
+    acc_t = DR.dtype.element_ty
+    offs_l = tl.arange(0, BLOCK_L)
+    t = c * BLOCK_L + offs_l
+    mask_t = t < L
+    b = tl.load(BETA + n * L + t, mask=mask_t, other=0.0)
+    cc = (n * n_chunks + c) * BLOCK_L * BLOCK_L + offs_l[:, None] * BLOCK_L + offs_l[None, :]
+    Tm = tl.load(TM + cc)
+    dP = tl.zeros((BLOCK_L, BLOCK_L), dtype=acc_t)      # dO u^T
+    Z = tl.zeros((BLOCK_L, BLOCK_L), dtype=acc_t)       # dr u^T
+    db = tl.zeros((BLOCK_L,), dtype=acc_t)
+    for eb in range(0, tl.cdiv(E, BLOCK_E)):
+        offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_mask = mask_t[:, None] & (offs_e < E)[None, :]
+        e_ptrs = n * L * E + t[:, None] * E + offs_e[None, :]
+        u = tl.load(UN + e_ptrs, mask=e_mask, other=0.0)
+        du = tl.load(DU + e_ptrs, mask=e_mask, other=0.0)
+        dO = tl.load(DO + e_ptrs, mask=e_mask, other=0.0)
+        v = tl.load(V + e_ptrs, mask=e_mask, other=0.0)
+        dr = tl.dot(tl.trans(Tm), du, input_precision=PREC, out_dtype=acc_t)
+        dP = tl.dot(dO, tl.trans(u), acc=dP, input_precision=PREC, out_dtype=acc_t)
+        Z = tl.dot(dr, tl.trans(u), acc=Z, input_precision=PREC, out_dtype=acc_t)
+        db += tl.sum(dr * v, axis=1)
+        tl.store(DR + e_ptrs, dr, mask=e_mask)
+        tl.store(DV + e_ptrs, b[:, None] * dr, mask=e_mask)
+    dP = tl.where(offs_l[:, None] >= offs_l[None, :], dP, 0.0)
+    Z = tl.where(offs_l[:, None] > offs_l[None, :], -Z, 0.0)
+    tl.store(DPB + cc, dP)
+    tl.store(ZB + cc, Z)
+    tl.store(DB + n * L + t, db, mask=mask_t)
+
+
+@triton.jit
+def _bwd_chunk_kernel(Q, K, BETA, CK, UN, DO, DH, DR, DPB, ZB, DQ, DK, DB, N, L, M, E, n_chunks,
                       BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr):
-    # per (sequence and chunk, feature block): dQ, dK of the block, dV and d beta's partial sums
+    # per (sequence and chunk, feature block): dQ and dK of the block and its share of d beta
     pid = tl.program_id(0)
     n = (pid // n_chunks).to(tl.int64)
     c = pid % n_chunks
@@ -231,47 +291,38 @@ def _bwd_chunk_kernel(Q, K, V, BETA, TM, CK, UN, DO, DH, DU, DQ, DK, DV, DB, N, 
     mask_t = t < L
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_mask = mask_t[:, None] & (offs_k < M)[None, :]
-    b = tl.load(BETA + n * L + t, mask=mask_t, other=0.0)
-    Tm = tl.load(TM + (n * n_chunks + c) * BLOCK_L * BLOCK_L + offs_l[:, None] * BLOCK_L + offs_l[None, :])
-    state = (n * n_chunks + c) * M * E
-    dP = tl.zeros((BLOCK_L, BLOCK_L), dtype=acc_t)      # dO u^T
-    Z = tl.zeros((BLOCK_L, BLOCK_L), dtype=acc_t)       # dr u^T
+    state = (n * (n_chunks + 1) + c) * M * E          # slot c of CK: the state before the chunk
     dq = tl.zeros((BLOCK_L, BLOCK_K), dtype=acc_t)      # dO S^T
     dk = tl.zeros((BLOCK_L, BLOCK_K), dtype=acc_t)      # u G^T
     drS = tl.zeros((BLOCK_L, BLOCK_K), dtype=acc_t)     # dr S^T
-    db = tl.zeros((BLOCK_L,), dtype=acc_t)
     for eb in range(0, tl.cdiv(E, BLOCK_E)):
         offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
         e_mask = mask_t[:, None] & (offs_e < E)[None, :]
         e_ptrs = n * L * E + t[:, None] * E + offs_e[None, :]
         s_ptrs = state + offs_k[:, None] * E + offs_e[None, :]
         s_mask = (offs_k < M)[:, None] & (offs_e < E)[None, :]
-        u = tl.load(UN + e_ptrs, mask=e_mask, other=0.0)
-        du = tl.load(DU + e_ptrs, mask=e_mask, other=0.0)
-        dO = tl.load(DO + e_ptrs, mask=e_mask, other=0.0)
         S = tl.load(CK + s_ptrs, mask=s_mask, other=0.0)
-        G = tl.load(DH + s_ptrs, mask=s_mask, other=0.0)
-        dr = tl.dot(tl.trans(Tm), du, input_precision=PREC, out_dtype=acc_t)
-        dP = tl.dot(dO, tl.trans(u), acc=dP, input_precision=PREC, out_dtype=acc_t)
-        Z = tl.dot(dr, tl.trans(u), acc=Z, input_precision=PREC, out_dtype=acc_t)
+        G = tl.load(DH + M * E + s_ptrs, mask=s_mask, other=0.0)     # slot c + 1 of DH: after the chunk
+        dO = tl.load(DO + e_ptrs, mask=e_mask, other=0.0)
         dq = tl.dot(dO, tl.trans(S), acc=dq, input_precision=PREC, out_dtype=acc_t)
+        u = tl.load(UN + e_ptrs, mask=e_mask, other=0.0)
         dk = tl.dot(u, tl.trans(G), acc=dk, input_precision=PREC, out_dtype=acc_t)
+        dr = tl.load(DR + e_ptrs, mask=e_mask, other=0.0)
         drS = tl.dot(dr, tl.trans(S), acc=drS, input_precision=PREC, out_dtype=acc_t)
-        if pid_k == 0:      # the value-side gradients once per chunk
-            v = tl.load(V + e_ptrs, mask=e_mask, other=0.0)
-            db += tl.sum(dr * v, axis=1)
-            tl.store(DV + e_ptrs, b[:, None] * dr, mask=e_mask)
-    dP = tl.where(offs_l[:, None] >= offs_l[None, :], dP, 0.0)
-    Z = tl.where(offs_l[:, None] > offs_l[None, :], -Z, 0.0)
-    bZ = b[:, None] * Z
+    b = tl.load(BETA + n * L + t, mask=mask_t, other=0.0)
+    dk -= b[:, None] * drS
     q = tl.load(Q + n * L * M + t[:, None] * M + offs_k[None, :], mask=m_mask, other=0.0)
     k = tl.load(K + n * L * M + t[:, None] * M + offs_k[None, :], mask=m_mask, other=0.0)
+    db = -tl.sum(drS * k, axis=1)
+    cc = (n * n_chunks + c) * BLOCK_L * BLOCK_L + offs_l[:, None] * BLOCK_L + offs_l[None, :]
+    dP = tl.load(DPB + cc)
     dq = tl.dot(dP, k, acc=dq, input_precision=PREC, out_dtype=acc_t)
     dk = tl.dot(tl.trans(dP), q, acc=dk, input_precision=PREC, out_dtype=acc_t)
+    Z = tl.load(ZB + cc)
+    bZ = b[:, None] * Z
     dk = tl.dot(bZ + tl.trans(bZ), k, acc=dk, input_precision=PREC, out_dtype=acc_t)
-    dk -= b[:, None] * drS
     KK = tl.dot(k, tl.trans(k), input_precision=PREC, out_dtype=acc_t)     # this block's share of K K^T
-    db += tl.sum(Z * KK, axis=1) - tl.sum(drS * k, axis=1)
+    db += tl.sum(Z * KK, axis=1)
     m_ptrs = n * L * M + t[:, None] * M + offs_k[None, :]
     tl.store(DQ + m_ptrs, dq, mask=m_mask)
     tl.store(DK + m_ptrs, dk, mask=m_mask)
@@ -282,8 +333,9 @@ def _bwd_chunk_kernel(Q, K, V, BETA, TM, CK, UN, DO, DH, DU, DQ, DK, DV, DB, N, 
 _HALF = (torch.float16, torch.bfloat16)
 #: positions per chunk: 16 to 64 (``chunk`` rounded up to a power of two)
 _MAX_CHUNK = 64
-#: feature block of the parallel kernels and value block of all of them (shrunk to the widths, not below 16)
-_BLOCK_K, _BLOCK_E = 64, 64
+#: feature block of every kernel, value block of the parallel ones and of the two serial ones (shrunk to the
+#: widths, not below 16); the serial kernels' value block sets their parallelism: N · E / 32 programs
+_BLOCK_K, _BLOCK_E, _SERIAL_BLOCK_E = 64, 64, 32
 
 
 def _block(n: int, cap: int | None = None) -> int:
@@ -291,18 +343,12 @@ def _block(n: int, cap: int | None = None) -> int:
     return min(b, cap) if cap else b
 
 
-def _serial_block_e(block_m: int, E: int) -> int:
-    """Value columns per program of the serial kernels, which hold the whole ``(BLOCK_M, BLOCK_E)`` state:
-    64 up to 64 features, 32 up to 128, 16 beyond (the state tile at most 4,096 values)."""
-    return _block(E, max(16, min(64, 4096 // block_m)))
-
-
-def _plan(L: int, M: int, E: int, chunk: int) -> tuple[int, int, int]:
-    """``(BLOCK_L, BLOCK_M, n_chunks)``: chunk rounded up to a power of two in [16, 64]."""
+def _plan(L: int, chunk: int) -> tuple[int, int]:
+    """``(BLOCK_L, n_chunks)``: chunk rounded up to a power of two in [16, 64]."""
     if chunk < 1:
         raise ValueError(f"triton_delta_rule: chunk: expected an int >= 1, got {chunk}")
     block_l = _block(chunk, _MAX_CHUNK)
-    return block_l, _block(M), triton.cdiv(L, block_l)
+    return block_l, triton.cdiv(L, block_l)
 
 
 def _seq(x: Tensor) -> Tensor:
@@ -310,8 +356,8 @@ def _seq(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-def _warps(*tiles: int) -> int:
-    return 8 if max(tiles) >= 4096 else 4
+#: warps of every kernel
+_WARPS = 4
 
 
 def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
@@ -320,12 +366,12 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
     E = v.shape[-1]
     N = B * H
     acc = _acc_dtype(phi_q, phi_k, v, S0)
-    block_l, block_m, nc = _plan(L, M, E, chunk)
+    block_l, nc = _plan(L, chunk)
     lowp = acc == torch.float32 and _lowp(phi_q, phi_k, v)
     half = acc == torch.float32 and any(t.dtype in _HALF for t in (phi_q, phi_k, v))
     kind = "half" if lowp else "tf32" if half else str(acc).removeprefix("torch.")
     prec = "tf32" if half else "ieee"
-    q, k, w, b, S0n = (_seq(t) for t in (phi_q, phi_k, v, beta.to(acc), S0.to(acc)))
+    q, k, w, b = (_seq(t) for t in (phi_q, phi_k, v, beta.to(acc)))
     if not lowp:               # one dtype in the kernels (mixed pointer dtypes spilled registers in ptxas)
         q, k, w = (t.to(acc) for t in (q, k, w))
     dev = v.device
@@ -333,26 +379,25 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
     wb = torch.empty(N, L, M, dtype=acc, device=dev)
     ub = torch.empty(N, L, E, dtype=acc, device=dev)
     un = torch.empty(N, L, E, dtype=acc, device=dev)
-    ck = torch.empty(N, nc, M, E, dtype=acc, device=dev)
-    SF = torch.empty(N, M, E, dtype=acc, device=dev)
+    ck = torch.empty(N, nc + 1, M, E, dtype=acc, device=dev)    # slot c: the state before chunk c; slot nc: final
+    ck[:, 0] = S0.reshape(N, M, E)
     out = torch.empty(N, L, E, dtype=v.dtype, device=dev)
     f64 = acc == torch.float64
+    bk, be = _block(M, _BLOCK_K), _block(E, _BLOCK_E)
     if N and nc:
-        bk, be = _block(M, _BLOCK_K), _block(E, _BLOCK_E)
         launch(_wy_kernel, lambda m: (N * nc,), (
             k, w, b, tm, wb, ub, L, M, E, nc, k.stride(0), k.stride(1), w.stride(0), w.stride(1)),
-            dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, F64=f64, LOWP=lowp, PREC=prec,
-                 num_warps=_warps(block_l * bk, block_l * be)))
-    if N and E:
-        bse = _serial_block_e(block_m, E)
+            dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, F64=f64, LOWP=lowp, PREC=prec, num_warps=_WARPS))
+    if N and nc and E and M:
+        bse = _block(E, _SERIAL_BLOCK_E)
         launch(_state_kernel, lambda m: (N, triton.cdiv(E, bse)), (
-            k, wb, ub, S0n, ck, un, SF, L, M, E, nc, k.stride(0), k.stride(1)),
-            dict(BLOCK_L=block_l, BLOCK_M=block_m, BLOCK_E=bse, F64=f64, PREC=prec,
-                 num_warps=_warps(block_m * bse, block_l * block_m)))
-    else:
-        SF.copy_(S0n)
+            k, wb, ub, ck, un, L, M, E, nc, k.stride(0), k.stride(1)),
+            dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=bse, F64=f64, PREC=prec, num_warps=_WARPS))
+    elif N and nc:             # no features: the state (empty) stays; u = U
+        ck[:, 1:] = ck[:, :1]
+        un.copy_(ub)
     if N and nc and E:
-        # the linear kernels' output step: o_c = Q_c S_c + tril(Q_c K_c^T) u_c, states at ck[:, c] (slot c)
+        # the linear kernels' output step: o_c = Q_c S_c + tril(Q_c K_c^T) u_c, the states at ck[:, c] (slot c)
         dummy = torch.empty(1, 1, dtype=acc, device=dev)
         consts = dict(BLOCK_L=block_l, WITH_DEN=False, F64=f64, LOWP=lowp, REVERSE=False, INTRA=True,
                       PREC="tf32" if kind == "tf32" else "ieee")
@@ -360,19 +405,18 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
             q, k, un, ck, dummy, out, dummy, L, M, E, nc, q.stride(0), q.stride(1), un.stride(0), un.stride(1),
             out.stride(0), out.stride(1), 0, ck.stride(0), ck.stride(1), 0, 0),
             _meta(_TILES[kind][1], M, E, **consts), shrink=("BLOCK_K", "BLOCK_W"))
-    shape = (B, H)
-    return (out.view(B, H, L, E), SF.view(*shape, M, E), ck.view(*shape, nc, M, E), tm.view(*shape, nc, block_l,
-            block_l), wb.view(*shape, L, M), un.view(*shape, L, E))
+    return (out.view(B, H, L, E), ck[:, nc].reshape(B, H, M, E).clone(), ck.view(B, H, nc + 1, M, E),
+            tm.view(B, H, nc, block_l, block_l), wb.view(B, H, L, M), un.view(B, H, L, E))
 
 
 def _forward_fake(phi_q, phi_k, v, beta, S0, chunk):
     B, H, L, M = phi_q.shape
     E = v.shape[-1]
     acc = _acc_dtype(phi_q, phi_k, v, S0)
-    block_l, _, nc = _plan(L, M, E, chunk)
-    return (v.new_empty(B, H, L, E), S0.new_empty(B, H, M, E, dtype=acc), v.new_empty(B, H, nc, M, E, dtype=acc),
-            v.new_empty(B, H, nc, block_l, block_l, dtype=acc), v.new_empty(B, H, L, M, dtype=acc),
-            v.new_empty(B, H, L, E, dtype=acc))
+    block_l, nc = _plan(L, chunk)
+    return (v.new_empty(B, H, L, E), S0.new_empty(B, H, M, E, dtype=acc),
+            v.new_empty(B, H, nc + 1, M, E, dtype=acc), v.new_empty(B, H, nc, block_l, block_l, dtype=acc),
+            v.new_empty(B, H, L, M, dtype=acc), v.new_empty(B, H, L, E, dtype=acc))
 
 
 def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: Tensor, tm: Tensor, wb: Tensor,
@@ -381,38 +425,45 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
     E = v.shape[-1]
     N = B * H
     acc = ckpt.dtype
-    block_l, block_m, nc = _plan(L, M, E, chunk)
+    block_l, nc = _plan(L, chunk)
     half = acc == torch.float32 and any(t.dtype in _HALF for t in (phi_q, phi_k, v, dout))
     prec = "tf32" if half else "ieee"
     # every operand in the accumulation dtype (the gradients are float32 for half inputs)
-    q, k, w, b, ck, T, W, U, do, dSn = (_seq(t.to(acc)) for t in (phi_q, phi_k, v, beta, ckpt, tm, wb, un, dout, dS))
+    q, k, w, b, ck, T, W, U, do = (_seq(t.to(acc)) for t in (phi_q, phi_k, v, beta, ckpt, tm, wb, un, dout))
     dev = v.device
     dul = torch.empty(N, L, E, dtype=acc, device=dev)
     du = torch.empty(N, L, E, dtype=acc, device=dev)
-    dh = torch.empty(N, nc, M, E, dtype=acc, device=dev)
-    dS0 = torch.empty(N, M, E, dtype=acc, device=dev)
+    dh = torch.empty(N, nc + 1, M, E, dtype=acc, device=dev)  # slot s: the gradient of the state before chunk s
+    dh[:, nc] = dS.reshape(N, M, E)
     bk, be = _block(M, _BLOCK_K), _block(E, _BLOCK_E)
     nk = triton.cdiv(max(M, 1), bk)
     dq = torch.zeros(N, L, M, dtype=acc, device=dev)
     dk = torch.zeros(N, L, M, dtype=acc, device=dev)
     dv = torch.zeros(N, L, E, dtype=acc, device=dev)
-    db = torch.zeros(nk, N, L, dtype=acc, device=dev)
+    db = torch.zeros(nk + 1, N, L, dtype=acc, device=dev)      # per feature block; the last: rowsum(dr * V)
     if N and nc and E:
         launch(_bwd_local_kernel, lambda m: (N * nc, triton.cdiv(E, be)), (q, k, do, dul, L, M, E, nc),
-               dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=_warps(block_l * bk)))
-    if N and E:
-        bse = _serial_block_e(block_m, E)
-        launch(_bwd_state_kernel, lambda m: (N, triton.cdiv(E, bse)), (q, k, W, do, dul, dSn, dh, du, dS0, L, M, E, nc),
-               dict(BLOCK_L=block_l, BLOCK_M=block_m, BLOCK_E=bse, PREC=prec,
-                    num_warps=_warps(block_m * bse, block_l * block_m)))
-    else:
-        dS0.copy_(dSn)
-    if N and nc and M:
-        launch(_bwd_chunk_kernel, lambda m: (N * nc, nk), (
-            q, k, w, b, T, ck, U, do, dh, du, dq, dk, dv, db, N, L, M, E, nc),
-            dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=_warps(block_l * bk)))
+               dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=_WARPS))
+    if N and nc and E and M:
+        bse = _block(E, _SERIAL_BLOCK_E)
+        launch(_bwd_state_kernel, lambda m: (N, triton.cdiv(E, bse)), (q, k, W, do, dul, dh, du, L, M, E, nc),
+               dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=bse, PREC=prec, num_warps=_WARPS))
+    elif N and nc:
+        dh[:, :nc] = dh[:, nc:]
+        du.copy_(dul)
+    if N and nc:
+        dr = torch.zeros(N, L, E, dtype=acc, device=dev)
+        dpb = torch.empty(N, nc, block_l, block_l, dtype=acc, device=dev)
+        zb = torch.empty(N, nc, block_l, block_l, dtype=acc, device=dev)
+        launch(_bwd_intra_kernel, lambda m: (N * nc,), (w, b, T, U, do, du, dr, dpb, zb, dv, db[nk], L, E, nc),
+               dict(BLOCK_L=block_l, BLOCK_E=be, PREC=prec, num_warps=_WARPS))
+        if M:
+            launch(_bwd_chunk_kernel, lambda m: (N * nc, nk), (
+                q, k, b, ck, U, do, dh, dr, dpb, zb, dq, dk, db, N, L, M, E, nc),
+                dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=_WARPS))
     return (dq.view(B, H, L, M).to(phi_q.dtype), dk.view(B, H, L, M).to(phi_k.dtype),
-            dv.view(B, H, L, E).to(v.dtype), db.sum(0).view(B, H, L).to(beta.dtype), dS0.view(B, H, M, E).to(dS.dtype))
+            dv.view(B, H, L, E).to(v.dtype), db.sum(0).view(B, H, L).to(beta.dtype),
+            dh[:, 0].reshape(B, H, M, E).to(dS.dtype, copy=True))
 
 
 def _backward_fake(phi_q, phi_k, v, beta, ckpt, tm, wb, un, dout, dS, chunk):
