@@ -40,37 +40,44 @@ def _inputs(L, dtype=torch.float64, M=8, E=4, B=1, H=2):
     return q, k, v, beta.to(dtype).requires_grad_(), S0
 
 
-@pytest.mark.parametrize("block", [16, 32, 64])
-def test_in_kernel_solve_is_the_inverse(block):
+@pytest.mark.parametrize("block,dtype", [(16, torch.float64), (32, torch.float64), (64, torch.float16)], ids=str)
+def test_in_kernel_solve_is_the_inverse(block, dtype):
     """The stored ``T`` of every chunk (forward substitution in registers) equals torch's inverse of
     ``I + tril(diag(beta) K K^T, -1)``; rows past the end of the last chunk hold the identity (beta = 0 there).
-    Keys of norm ~1 and beta near 1 make every subdiagonal entry count."""
+    Keys of norm ~1 and beta near 1 make every subdiagonal entry count. 64-position chunks run only for half
+    inputs (float32 and float64 stop at 32, ``_TILES``): float16 there, ``T`` in float32 against the float64
+    inverse of the rounded inputs."""
     L = block + block // 2 + 3
     q, k, v, beta, S0 = (t.detach() for t in _inputs(L, M=4, H=1))
-    k = k / k.norm(dim=-1, keepdim=True)
-    beta = 0.5 + 0.5 * beta
+    k = (k / k.norm(dim=-1, keepdim=True)).to(dtype)
+    q, v, S0 = q.to(dtype), v.to(dtype), S0.float() if dtype == torch.float16 else S0
+    beta = (0.5 + 0.5 * beta).to(dtype)
     T = _ops().triton_delta_rule(q, k, v, beta, S0, block)[3]                            # (B, H, nc, C, C)
     nc = T.shape[2]
     assert T.shape[-1] == block and nc == -(-L // block)
+    k, beta = k.double(), beta.double()
     kp = torch.nn.functional.pad(k, (0, 0, 0, nc * block - L)).unflatten(2, (nc, block))
     bp = torch.nn.functional.pad(beta, (0, nc * block - L)).unflatten(2, (nc, block))
     A = torch.eye(block, dtype=k.dtype) + (bp[..., None] * (kp @ kp.transpose(-1, -2))).tril(-1)
-    torch.testing.assert_close(T, torch.linalg.inv(A), atol=1e-12, rtol=1e-10)
+    tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(T.double(), torch.linalg.inv(A), **tol)
     assert (A - torch.eye(block, dtype=k.dtype)).abs().max() > 0.4        # a solve that did something
 
 
 def test_chunk_sizes_agree():
-    """Chunks of 16, 32 and 64 positions over 40 (3, 2 and 1 chunks, the last one partial): the same outputs,
-    states and gradients as the torch form (float64)."""
+    """Chunks of 16, 32 and 64 positions over 40 (3, 2 and 2 chunks, the last one partial: float64 chunks stop at
+    32): the same outputs, states and gradients as the torch form (float64)."""
     ins = _inputs(40)
     for block in (16, 32, 64):
         agree(_ops().delta_rule(*ins, chunk=block), delta_chunk.delta_rule(*ins, chunk=7), ins, torch.float64)
+    T = _ops().triton_delta_rule(*(t.detach() for t in ins), 64)[3]
+    assert T.shape[-1] == 32
 
 
 @pytest.mark.parametrize("M,E", [(70, 5), (6, 66), (65, 65)])
 def test_several_feature_and_value_blocks(M, E):
-    """More than 64 features (two feature blocks in the parallel kernels: ``d beta`` summed over them) and more
-    than 64 value columns (two value blocks everywhere); 17 positions in two chunks of 16."""
+    """More features and value columns than one block holds (blocks of 32: three feature blocks, ``d beta``
+    summed over them, and three value blocks, the serial kernels' programs included); 17 positions, two chunks."""
     ins = _inputs(17, M=M, E=E, H=1)
     agree(_ops().delta_rule(*ins, chunk=16), delta_chunk.delta_rule(*ins, chunk=5), ins, torch.float64)
 

@@ -68,7 +68,8 @@ from .._ops import acc_dtype as _acc_dtype
 from .._ops import define
 from .._triton_fit import launch
 from ..common import DEFAULT_CHUNK
-from ..linear.triton_ops import _TILES, _chunk_out_kernel, _lowp, _meta
+from ..linear.triton_ops import _TILES as _LINEAR_TILES
+from ..linear.triton_ops import _chunk_out_kernel, _lowp, _meta
 
 
 @triton.jit
@@ -331,11 +332,13 @@ def _bwd_chunk_kernel(Q, K, BETA, CK, UN, DO, DH, DR, DPB, ZB, DQ, DK, DB, N, L,
 
 # ------------------------------------------------------------------ launch helpers
 _HALF = (torch.float16, torch.bfloat16)
-#: positions per chunk: 16 to 64 (``chunk`` rounded up to a power of two)
-_MAX_CHUNK = 64
-#: feature block of every kernel, value block of the parallel ones and of the two serial ones (shrunk to the
-#: widths, not below 16); the serial kernels' value block sets their parallelism: N · E / 32 programs
-_BLOCK_K, _BLOCK_E, _SERIAL_BLOCK_E = 64, 64, 32
+#: by operand kind: ``(largest chunk, feature block, value block, warps)`` of the six kernels (blocks shrink to
+#: the widths, not below 16; the serial kernels' value block sets their parallelism, N · E / 32 programs). The
+#: largest for which ptxas (sm_90, triton 3.9) reported no register spills in any of the six, compiled without a
+#: GPU and not timed: 64-position chunks spill on IEEE float32 products (the solve and the C x C gradient sums),
+#: so float32 chunks stop at 32; float64 takes float32's, unchecked. ``chunk`` rounds up to a power of two >= 16
+#: and down to the largest chunk; the backward reads the chunk from the forward's ``T``.
+_TILES = {"half": (64, 32, 32, 8), "tf32": (64, 32, 32, 8), "float32": (32, 32, 32, 8), "float64": (32, 32, 32, 8)}
 
 
 def _block(n: int, cap: int | None = None) -> int:
@@ -343,11 +346,19 @@ def _block(n: int, cap: int | None = None) -> int:
     return min(b, cap) if cap else b
 
 
-def _plan(L: int, chunk: int) -> tuple[int, int]:
-    """``(BLOCK_L, n_chunks)``: chunk rounded up to a power of two in [16, 64]."""
+def _kind(phi_q: Tensor, phi_k: Tensor, v: Tensor, acc: torch.dtype) -> tuple[str, bool]:
+    """``(kind, lowp)``: the operand kind of :data:`_TILES` and whether ``q``, ``k``, ``v`` reach the kernels in
+    half precision as they are (float16, or bfloat16 on CUDA; the interpreter multiplies bfloat16 wrongly)."""
+    lowp = acc == torch.float32 and _lowp(phi_q, phi_k, v)
+    half = acc == torch.float32 and any(t.dtype in _HALF for t in (phi_q, phi_k, v))
+    return ("half" if lowp else "tf32" if half else str(acc).removeprefix("torch.")), lowp
+
+
+def _plan(L: int, chunk: int, kind: str) -> tuple[int, int]:
+    """``(BLOCK_L, n_chunks)``: chunk rounded up to a power of two >= 16, at most the kind's largest chunk."""
     if chunk < 1:
         raise ValueError(f"triton_delta_rule: chunk: expected an int >= 1, got {chunk}")
-    block_l = _block(chunk, _MAX_CHUNK)
+    block_l = _block(chunk, _TILES[kind][0])
     return block_l, triton.cdiv(L, block_l)
 
 
@@ -356,21 +367,16 @@ def _seq(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-#: warps of every kernel
-_WARPS = 4
-
-
 def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
              chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, H, L, M = phi_q.shape
     E = v.shape[-1]
     N = B * H
     acc = _acc_dtype(phi_q, phi_k, v, S0)
-    block_l, nc = _plan(L, chunk)
-    lowp = acc == torch.float32 and _lowp(phi_q, phi_k, v)
-    half = acc == torch.float32 and any(t.dtype in _HALF for t in (phi_q, phi_k, v))
-    kind = "half" if lowp else "tf32" if half else str(acc).removeprefix("torch.")
-    prec = "tf32" if half else "ieee"
+    kind, lowp = _kind(phi_q, phi_k, v, acc)
+    block_l, nc = _plan(L, chunk, kind)
+    _, block_k, block_e, warps = _TILES[kind]
+    prec = "tf32" if kind in ("half", "tf32") else "ieee"
     q, k, w, b = (_seq(t) for t in (phi_q, phi_k, v, beta.to(acc)))
     if not lowp:               # one dtype in the kernels (mixed pointer dtypes spilled registers in ptxas)
         q, k, w = (t.to(acc) for t in (q, k, w))
@@ -383,16 +389,15 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
     ck[:, 0] = S0.reshape(N, M, E)
     out = torch.empty(N, L, E, dtype=v.dtype, device=dev)
     f64 = acc == torch.float64
-    bk, be = _block(M, _BLOCK_K), _block(E, _BLOCK_E)
+    bk, be = _block(M, block_k), _block(E, block_e)
     if N and nc:
         launch(_wy_kernel, lambda m: (N * nc,), (
             k, w, b, tm, wb, ub, L, M, E, nc, k.stride(0), k.stride(1), w.stride(0), w.stride(1)),
-            dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, F64=f64, LOWP=lowp, PREC=prec, num_warps=_WARPS))
+            dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, F64=f64, LOWP=lowp, PREC=prec, num_warps=warps))
     if N and nc and E and M:
-        bse = _block(E, _SERIAL_BLOCK_E)
-        launch(_state_kernel, lambda m: (N, triton.cdiv(E, bse)), (
+        launch(_state_kernel, lambda m: (N, triton.cdiv(E, be)), (
             k, wb, ub, ck, un, L, M, E, nc, k.stride(0), k.stride(1)),
-            dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=bse, F64=f64, PREC=prec, num_warps=_WARPS))
+            dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, F64=f64, PREC=prec, num_warps=warps))
     elif N and nc:             # no features: the state (empty) stays; u = U
         ck[:, 1:] = ck[:, :1]
         un.copy_(ub)
@@ -404,7 +409,7 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
         launch(_chunk_out_kernel, lambda m: (N * nc, triton.cdiv(E, m["BLOCK_W"])), (
             q, k, un, ck, dummy, out, dummy, L, M, E, nc, q.stride(0), q.stride(1), un.stride(0), un.stride(1),
             out.stride(0), out.stride(1), 0, ck.stride(0), ck.stride(1), 0, 0),
-            _meta(_TILES[kind][1], M, E, **consts), shrink=("BLOCK_K", "BLOCK_W"))
+            _meta(_LINEAR_TILES[kind][1], M, E, **consts), shrink=("BLOCK_K", "BLOCK_W"))
     return (out.view(B, H, L, E), ck[:, nc].reshape(B, H, M, E).clone(), ck.view(B, H, nc + 1, M, E),
             tm.view(B, H, nc, block_l, block_l), wb.view(B, H, L, M), un.view(B, H, L, E))
 
@@ -413,7 +418,7 @@ def _forward_fake(phi_q, phi_k, v, beta, S0, chunk):
     B, H, L, M = phi_q.shape
     E = v.shape[-1]
     acc = _acc_dtype(phi_q, phi_k, v, S0)
-    block_l, nc = _plan(L, chunk)
+    block_l, nc = _plan(L, chunk, _kind(phi_q, phi_k, v, acc)[0])
     return (v.new_empty(B, H, L, E), S0.new_empty(B, H, M, E, dtype=acc),
             v.new_empty(B, H, nc + 1, M, E, dtype=acc), v.new_empty(B, H, nc, block_l, block_l, dtype=acc),
             v.new_empty(B, H, L, M, dtype=acc), v.new_empty(B, H, L, E, dtype=acc))
@@ -425,8 +430,10 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
     E = v.shape[-1]
     N = B * H
     acc = ckpt.dtype
-    block_l, nc = _plan(L, chunk)
+    nc, block_l = tm.shape[2], tm.shape[-1]          # the forward's chunks
     half = acc == torch.float32 and any(t.dtype in _HALF for t in (phi_q, phi_k, v, dout))
+    kind = "tf32" if half else str(acc).removeprefix("torch.")     # every operand widened to acc below
+    _, block_k, block_e, warps = _TILES[kind]
     prec = "tf32" if half else "ieee"
     # every operand in the accumulation dtype (the gradients are float32 for half inputs)
     q, k, w, b, ck, T, W, U, do = (_seq(t.to(acc)) for t in (phi_q, phi_k, v, beta, ckpt, tm, wb, un, dout))
@@ -435,7 +442,7 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
     du = torch.empty(N, L, E, dtype=acc, device=dev)
     dh = torch.empty(N, nc + 1, M, E, dtype=acc, device=dev)  # slot s: the gradient of the state before chunk s
     dh[:, nc] = dS.reshape(N, M, E)
-    bk, be = _block(M, _BLOCK_K), _block(E, _BLOCK_E)
+    bk, be = _block(M, block_k), _block(E, block_e)
     nk = triton.cdiv(max(M, 1), bk)
     dq = torch.zeros(N, L, M, dtype=acc, device=dev)
     dk = torch.zeros(N, L, M, dtype=acc, device=dev)
@@ -443,11 +450,10 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
     db = torch.zeros(nk + 1, N, L, dtype=acc, device=dev)      # per feature block; the last: rowsum(dr * V)
     if N and nc and E:
         launch(_bwd_local_kernel, lambda m: (N * nc, triton.cdiv(E, be)), (q, k, do, dul, L, M, E, nc),
-               dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=_WARPS))
+               dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=warps))
     if N and nc and E and M:
-        bse = _block(E, _SERIAL_BLOCK_E)
-        launch(_bwd_state_kernel, lambda m: (N, triton.cdiv(E, bse)), (q, k, W, do, dul, dh, du, L, M, E, nc),
-               dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=bse, PREC=prec, num_warps=_WARPS))
+        launch(_bwd_state_kernel, lambda m: (N, triton.cdiv(E, be)), (q, k, W, do, dul, dh, du, L, M, E, nc),
+               dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=warps))
     elif N and nc:
         dh[:, :nc] = dh[:, nc:]
         du.copy_(dul)
@@ -456,11 +462,11 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
         dpb = torch.empty(N, nc, block_l, block_l, dtype=acc, device=dev)
         zb = torch.empty(N, nc, block_l, block_l, dtype=acc, device=dev)
         launch(_bwd_intra_kernel, lambda m: (N * nc,), (w, b, T, U, do, du, dr, dpb, zb, dv, db[nk], L, E, nc),
-               dict(BLOCK_L=block_l, BLOCK_E=be, PREC=prec, num_warps=_WARPS))
+               dict(BLOCK_L=block_l, BLOCK_E=be, PREC=prec, num_warps=warps))
         if M:
             launch(_bwd_chunk_kernel, lambda m: (N * nc, nk), (
                 q, k, b, ck, U, do, dh, dr, dpb, zb, dq, dk, db, N, L, M, E, nc),
-                dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=_WARPS))
+                dict(BLOCK_L=block_l, BLOCK_K=bk, BLOCK_E=be, PREC=prec, num_warps=warps))
     return (dq.view(B, H, L, M).to(phi_q.dtype), dk.view(B, H, L, M).to(phi_k.dtype),
             dv.view(B, H, L, E).to(v.dtype), db.sum(0).view(B, H, L).to(beta.dtype),
             dh[:, 0].reshape(B, H, M, E).to(dS.dtype, copy=True))
@@ -507,7 +513,8 @@ def delta_rule(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor
         phi_q, phi_k: ``(B, H, L, M)``; v: ``(B, H, L, E)``; beta: ``(B, H, L)``; CUDA tensors (or CPU tensors
             under ``TRITON_INTERPRET=1``), float16/bfloat16/float32/float64.
         S0: the state ``(B, H, M, E)`` carried in (None: zeros).
-        chunk: positions per chunk (rounded up to a power of two in [16, 64]).
+        chunk: positions per chunk, rounded up to a power of two >= 16 and down to at most 64 (half inputs) or
+            32 (float32, float64; :data:`_TILES`). The result does not depend on it beyond rounding.
 
     Returns:
         ``(out (B, H, L, E), S (B, H, M, E))``: ``out`` in the dtype of ``v``; the state accumulated and returned
