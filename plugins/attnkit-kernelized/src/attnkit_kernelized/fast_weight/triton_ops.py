@@ -336,7 +336,8 @@ _HALF = (torch.float16, torch.bfloat16)
 #: the widths, not below 16; the serial kernels' value block sets their parallelism, N · E / 32 programs). The
 #: largest for which ptxas (sm_90, triton 3.9) reported no register spills in any of the six, compiled without a
 #: GPU and not timed: 64-position chunks spill on IEEE float32 products (the solve and the C x C gradient sums),
-#: so float32 chunks stop at 32; float64 takes float32's, unchecked. ``chunk`` rounds up to a power of two >= 16
+#: so float32 chunks stop at 32; float64 takes float32's (48 bytes of spill in _bwd_chunk_kernel at 32, none at 16:
+#: kept at 32 so that the float64 tests run 32-position chunks). ``chunk`` rounds up to a power of two >= 16
 #: and down to the largest chunk; the backward reads the chunk from the forward's ``T``.
 _TILES = {"half": (64, 32, 32, 8), "tf32": (64, 32, 32, 8), "float32": (32, 32, 32, 8), "float64": (32, 32, 32, 8)}
 
