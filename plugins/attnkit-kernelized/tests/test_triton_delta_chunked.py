@@ -144,3 +144,20 @@ def test_a_broken_kernel_fails_the_comparison(tmp_path, what, old, new):
     broken = _mutant(tmp_path, old, new)
     with pytest.raises(AssertionError):
         agree(broken.delta_rule(*ins, chunk=16), delta_chunk.delta_rule(*ins, chunk=16), ins, torch.float64)
+
+
+def test_float16_at_64_position_chunks():
+    """Half inputs run 64-position chunks (``_TILES``): float16 over 70 positions (a full chunk and 6) against the
+    torch form in float64 on the same rounded inputs. The state is float32 and agrees to float32 accuracy; the
+    output to its own float16 rounding; the gradients (float32 inside, float16 out) to the same."""
+    ins = [t.detach().to(torch.float16).requires_grad_() for t in _inputs(70, M=8, E=4)]
+    out, S = _ops().delta_rule(*ins, chunk=64)
+    assert out.dtype == torch.float16 and S.dtype == torch.float32
+    assert _ops().triton_delta_rule(*(t.detach() for t in ins[:4]), S.detach(), 64)[3].shape[-1] == 64
+    ins64 = [t.detach().double().requires_grad_() for t in ins]
+    want, S64 = delta_chunk.delta_rule(*ins64, chunk=64)
+    torch.testing.assert_close(S.double(), S64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+    for a, b in zip(grads([out.float(), S], ins), grads([want, S64], ins64), strict=True):
+        assert a.dtype == torch.float16 and torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b, atol=1e-2 * b.abs().max().item(), rtol=1e-2)
