@@ -15,32 +15,38 @@ Forward, three kernels; only the second walks the chunks in order:
    update per row, ``O(C^3)`` per chunk), then ``W`` and ``U`` block by block.
    Stores ``T`` ``(N, chunks, C, C)``, ``W`` ``(N, L, M)``, ``U`` ``(N, L, E)``.
 2. ``_state_kernel``, one program per (sequence, block of value columns; the
-   columns never mix): the state ``(M, BLOCK_E)`` in registers, two products
-   per chunk (``u = U - W S``, ``S += K^T u``); stores every chunk's starting
-   state ``(N, chunks, M, E)`` and ``u`` ``(N, L, E)``.
+   columns never mix), the chunks in order, two products per chunk
+   (``u = U - W S``, ``S += K^T u``). The states live in ``CK`` ``(N, chunks + 1, M, E)``
+   (slot ``c``: the state before chunk ``c``; slot 0 ``S0``, the last the final
+   state), read and written in ``(BLOCK_K, BLOCK_E)`` blocks through global memory
+   (not a full ``(M, BLOCK_E)`` register tile, which spilled), a barrier between chunks;
+   stores ``u`` ``(N, L, E)``.
 3. the output ``out = Q S_c + tril(Q K^T) u``, every (sequence, chunk) at once:
    the linear kernels' ``_chunk_out_kernel`` (:mod:`..linear.triton_ops`) with
-   the stored states as its prefix states and ``u`` as its values.
+   the slots of ``CK`` as its prefix states and ``u`` as its values.
 
-Backward, three kernels; only the second walks the chunks (in reverse):
+Backward, four kernels; only the second walks the chunks (in reverse):
 
 1. ``_bwd_local_kernel``, per (sequence and chunk, value block): ``dU_loc = tril(Q K^T)^T dO``;
-2. ``_bwd_state_kernel``, per (sequence, value block): ``G`` (the gradient of the
-   state after the chunk) in registers; stores it per chunk, ``du = dU_loc + K G``,
-   then ``G <- G + Q^T dO - W^T du``; the last ``G`` is the gradient of ``S0``;
-3. ``_bwd_chunk_kernel``, per (sequence and chunk, feature block), the value
-   columns in blocks inside: ``dr = T^T du``, ``dP = tril(dO u^T)``,
-   ``Z = tril(-dr u^T, -1)`` and::
+2. ``_bwd_state_kernel``, per (sequence, value block): ``G`` (slot ``s`` of ``DH``: the
+   gradient of the state before chunk ``s``; the last slot the final state's),
+   ``du = dU_loc + K G_{c+1}``, ``G_c = G_{c+1} + Q^T dO - W^T du`` through global
+   memory as in the forward; slot 0 is the gradient of ``S0``;
+3. ``_bwd_intra_kernel``, per (sequence, chunk): ``dr = T^T du``, ``dV = diag(beta) dr``,
+   the ``(C, C)`` sums ``dP = tril(dO u^T)`` and ``Z = tril(-dr u^T, -1)`` (stored) and
+   ``rowsum(dr * V)``;
+4. ``_bwd_chunk_kernel``, per (sequence and chunk, feature block), the value
+   columns in blocks inside::
 
        dQ = dP K + dO S^T
        dK = dP^T Q + u G^T + (diag(beta) Z + (diag(beta) Z)^T) K - diag(beta) dr S^T
-       dV = diag(beta) dr;  d beta = rowsum(Z * K K^T) + rowsum(dr * V) - rowsum((dr S^T) * K)
+       d beta = rowsum(Z * K K^T) + rowsum(dr * V) - rowsum((dr S^T) * K)
 
    (``d beta`` summed over the feature blocks afterwards).
 
 The forward keeps ``T``, ``W``, ``u`` and the chunk states for the backward
-(``N·L·(C + M + E) + N·(L/C)·M·E`` values in the accumulation dtype) instead of
-recomputing them.
+(``N·L·(C + M + E) + N·(L/C + 1)·M·E`` values in the accumulation dtype) instead of
+recomputing them. Tiles per operand kind: :data:`_TILES` (chosen with ptxas for sm_90, untimed).
 
 Precision: every state, ``T``, ``W``, ``U``, ``u`` and gradient is float32 for
 half-precision inputs (float64 for float64). Forward with float16 inputs
