@@ -70,8 +70,10 @@ class FastWeightAttention(KernelizedAttention):
             keeps the update stable).
         beta: None (default) learns ``beta_t = sigmoid(w_h . k_t + b_h)``, the
             paper's; a float in (0, 1] fixes beta for every position.
-        chunk_size: positions per chunk of the torch form (and checkpoint
-            interval of the numba backward); on CPU the torch form measured fastest at 32.
+        chunk_size: positions per chunk of the torch form and of the triton
+            kernels (there rounded to a power of two in [16, 64] for half inputs,
+            [16, 32] otherwise), and checkpoint interval of the numba backward; on
+            CPU the torch form measured fastest at 32.
 
     Raises:
         InvalidInputError: an option of the wrong type or out of range (named in the message).
