@@ -18,6 +18,8 @@ from torch.autograd.function import once_differentiable
 from attnkit import InvalidInputError
 from attnkit.half import HALF_DTYPES, Float32Inside  # noqa: F401 - the core's mixin, used by the modules
 
+from .kept import KeptBuffer
+
 
 def check_int(name: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> int | None:
     """``value`` as an int >= ``minimum`` (or None when allowed); else InvalidInputError naming ``name``."""
@@ -279,17 +281,45 @@ def _chunks(x: Tensor, rows: int) -> list[Tensor]:
     return list(x.split(rows, dim=-2))
 
 
-def _attend_chunks(q: Tensor, kt: Tensor, v: Tensor, rows: int, keep: bool) -> tuple[Tensor, list[Tensor]]:
-    """``softmax(q kt) v`` chunk by chunk into a :func:`heads_inner` output; the probability blocks if ``keep``."""
+class Scratch:
+    """Flat memory that the chunks of one call reuse: ``scratch(shape)`` is a contiguous ``shape`` view of it.
+
+    A fresh block per chunk (the allocator's, then freed) cost 5-10% of a chunk's product and softmax.
+    """
+
+    __slots__ = ("buf",)
+
+    def __init__(self, numel: int, like: Tensor, dtype: torch.dtype) -> None:
+        self.buf = like.new_empty(numel, dtype=dtype)
+
+    def __call__(self, shape: tuple[int, ...]) -> Tensor:
+        return self.buf[:math.prod(shape)].view(shape)
+
+
+def _attend_chunks(q: Tensor, kt: Tensor, v: Tensor, rows: int,
+                   keep: bool) -> tuple[Tensor, tuple[list[Tensor], KeptBuffer | None]]:
+    """``softmax(q kt) v`` chunk by chunk into a :func:`heads_inner` output; with ``keep`` also the probability
+    blocks, in a :class:`~attnkit_lowrank.kept.KeptBuffer` (returned with them: they live as long as it)."""
     batch = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2], v.shape[:-2])
-    out = heads_inner(batch, q.shape[-2], v.shape[-1], q, torch.promote_types(q.dtype, v.dtype))
+    L, m = q.shape[-2], kt.shape[-1]
+    out = heads_inner(batch, L, v.shape[-1], q, torch.promote_types(q.dtype, v.dtype))
+    s_dtype = torch.promote_types(q.dtype, kt.dtype)
+    block = math.prod(batch) * min(rows, L) * m
+    scores = Scratch(block, q, s_dtype)
     ps = []
+    if keep:
+        # the blocks the backward reads go into a pooled buffer (reused from call to call: no fresh pages)
+        kept, probs = KeptBuffer(math.prod(batch) * L * m, s_dtype, q.device), None
+    else:
+        kept, probs = None, Scratch(block, q, s_dtype)
     for qc, oc in zip(_chunks(q, rows), _chunks(out, rows)):
-        p = torch.softmax(qc @ kt, -1)
-        torch.matmul(p, v, out=oc)
+        shape = (*batch, qc.shape[-2], m)
+        s = torch.matmul(qc, kt, out=scores(shape))
+        p = torch.ops.aten._softmax.out(s, -1, False, out=kept.next(shape) if keep else probs(shape))
         if keep:
             ps.append(p)
-    return out, ps
+        torch.matmul(p, v, out=oc)
+    return out, (ps, kept)
 
 
 class _SoftmaxAttend(torch.autograd.Function):
@@ -307,9 +337,9 @@ class _SoftmaxAttend(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, kt: Tensor, v: Tensor, rows: int) -> Tensor:
-        out, ps = _attend_chunks(q, kt, v, rows, keep=True)
+        out, (ps, kept) = _attend_chunks(q, kt, v, rows, keep=True)
         ctx.save_for_backward(q, kt, v, out)
-        ctx.ps, ctx.rows = ps, rows
+        ctx.ps, ctx.kept, ctx.rows = ps, kept, rows
         return out
 
     @staticmethod
@@ -322,6 +352,7 @@ class _SoftmaxAttend(torch.autograd.Function):
         dkt = dv = None
         dq = grad_like(q, out.shape[:-2], out.dtype) if need_q else None
         dqs = _chunks(dq, rows) if need_q else [None] * len(ps)
+        scratch = Scratch(ps[0].numel(), ps[0], ps[0].dtype) if ps else None
         for p, qc, dc, oc, dqc in zip(ps, _chunks(q, rows), _chunks(d_out, rows), _chunks(out, rows), dqs):
             if 0 in dc.stride():
                 dc = dc.contiguous()            # an expanded gradient (e.g. of .sum()): stride 0
@@ -330,7 +361,7 @@ class _SoftmaxAttend(torch.autograd.Function):
                 dv = dvc if dv is None else dv.add_(dvc)
             if not (need_q or need_kt):
                 continue
-            ds = (dc @ v_t).sub_((dc * oc).sum(-1, keepdim=True)).mul_(p)
+            ds = torch.matmul(dc, v_t, out=scratch(p.shape)).sub_((dc * oc).sum(-1, keepdim=True)).mul_(p)
             if need_q:
                 torch.matmul(ds, k, out=dqc)
             if need_kt:

@@ -25,7 +25,16 @@ from torch.autograd.function import once_differentiable
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import Float32Inside, check_int, chunk_rows, grad_like, nystrom_pinv, segment_weights, softmax_attend
+from ..common import (
+    Float32Inside,
+    Scratch,
+    check_int,
+    chunk_rows,
+    grad_like,
+    nystrom_pinv,
+    segment_weights,
+    softmax_attend,
+)
 from ..plugin import NYSTROM
 
 DEFAULT_LANDMARKS = 64        # the paper's
@@ -158,12 +167,20 @@ def _key_chunks(k: Tensor, v: Tensor, keep: Tensor | None, cols: int):
     return zip(k.split(cols, dim=2), v.split(cols, dim=2), keeps)
 
 
-def _scores(q_l: Tensor, kc: Tensor, keepc: Tensor | None) -> Tensor:
-    """``q_l kcᵀ`` ``(B, H, m, cols)``, padded keys at the dtype's minimum."""
-    s = q_l @ kc.transpose(-1, -2)
+def _scores(q_l: Tensor, kc: Tensor, keepc: Tensor | None, scratch: Scratch) -> Tensor:
+    """``q_l kcᵀ`` ``(B, H, m, cols)`` into ``scratch``, padded keys at the dtype's minimum."""
+    batch = torch.broadcast_shapes(q_l.shape[:-2], kc.shape[:-2])
+    s = torch.matmul(q_l, kc.transpose(-1, -2), out=scratch((*batch, q_l.shape[-2], kc.shape[-2])))
     if keepc is not None:
         s.masked_fill_(~keepc[:, None, None, :], torch.finfo(s.dtype).min)
     return s
+
+
+def _block_scratch(q_l: Tensor, k: Tensor, cols: int) -> Scratch:
+    """Scratch for one ``(B, H, m, cols)`` block, reused by every key chunk."""
+    batch = torch.broadcast_shapes(q_l.shape[:-2], k.shape[:-2])
+    return Scratch(math.prod(batch) * q_l.shape[-2] * min(cols, k.shape[-2]), q_l,
+                   torch.promote_types(q_l.dtype, k.dtype))
 
 
 def _keys_attend_streamed(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None,
@@ -175,8 +192,9 @@ def _keys_attend_streamed(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None
     recomputed weights ``exp(s - row_max) / row_sum``).
     """
     m_run = l_run = acc = None
+    scratch = _block_scratch(q_l, k, cols)
     for kc, vc, keepc in _key_chunks(k, v, keep, cols):
-        s = _scores(q_l, kc, keepc)
+        s = _scores(q_l, kc, keepc, scratch)
         m_new = s.amax(-1, keepdim=True)
         if m_run is not None:
             m_new = torch.maximum(m_run, m_new)
@@ -231,13 +249,14 @@ class _KeysAttend(torch.autograd.Function):
         n = -(-k.shape[2] // cols)
         dks = dk.split(cols, dim=2) if need_k else [None] * n
         dvs = dv.split(cols, dim=2) if need_v else [None] * n
+        scratch_p, scratch_s = _block_scratch(q_l, k, cols), _block_scratch(q_l, k, cols)
         for (kc, vc, keepc), dkc, dvc in zip(_key_chunks(k, v, keep, cols), dks, dvs):
-            p = _scores(q_l, kc, keepc).sub_(m_run).exp_().mul_(inv)
+            p = _scores(q_l, kc, keepc, scratch_p).sub_(m_run).exp_().mul_(inv)
             if need_v:
                 torch.matmul(p.transpose(-1, -2), dgv, out=dvc)
             if not (need_q or need_k):
                 continue
-            ds = (dgv @ vc.transpose(-1, -2)).sub_(r).mul_(p)
+            ds = torch.matmul(dgv, vc.transpose(-1, -2), out=scratch_s(p.shape)).sub_(r).mul_(p)
             if dead is not None:
                 ds[dead] = 0
             if need_q:
