@@ -54,3 +54,18 @@ def test_gradcheck():
     kt = torch.randn(1, 2, 3, 5, generator=g, dtype=F64, requires_grad=True)
     v = torch.randn(1, 2, 5, 2, generator=g, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(softmax_attend, (q, kt, v))
+
+
+def test_layouts():
+    """The output is laid out as (B, L, H, E) (the head merge after it is a view); dq as q."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 150, 3 * 4, generator=g, dtype=F64, requires_grad=True)
+    q = x.view(2, 150, 3, 4).transpose(1, 2)
+    kt = torch.randn(2, 3, 4, 5, generator=g, dtype=F64, requires_grad=True)
+    v = torch.randn(2, 3, 5, 6, generator=g, dtype=F64, requires_grad=True)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            out = softmax_attend(q, kt, v)
+        assert out.shape == (2, 3, 150, 6) and out.transpose(1, 2).is_contiguous()
+    dq, = torch.autograd.grad(softmax_attend(q, kt, v).sum(), q)
+    assert dq.stride() == q.stride()

@@ -18,6 +18,8 @@ from torch.autograd.function import once_differentiable
 from attnkit import InvalidInputError
 from attnkit.half import HALF_DTYPES, Float32Inside  # noqa: F401 - the core's mixin, used by the modules
 
+from .kept import KeptBuffer
+
 
 def check_int(name: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> int | None:
     """``value`` as an int >= ``minimum`` (or None when allowed); else InvalidInputError naming ``name``."""
@@ -249,6 +251,77 @@ def chunk_rows(L: int, m: int) -> int:
     return max(64, min(L, CHUNK_ELEMENTS // max(m, 1)))
 
 
+def heads_inner(batch: tuple[int, ...], rows: int, cols: int, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """An empty ``(*batch, rows, cols)`` tensor; for ``batch = (B, H)`` laid out in memory as ``(B, rows, H, cols)``.
+
+    What a multi-head layer does next with an attention output ``(B, H, L, E)`` is the
+    head merge ``o.transpose(1, 2).reshape(B, L, H·E)``: a view of this layout, a copy of
+    a contiguous one (32 MiB per call at L = 16K, H·E = 512). Chunks of rows are written
+    into it with ``torch.matmul(..., out=chunk)`` (a row-major block with leading
+    dimension H·cols: no copy).
+    """
+    if len(batch) != 2:
+        return like.new_empty((*batch, rows, cols), dtype=dtype)
+    B, H = batch
+    return like.new_empty((B, rows, H, cols), dtype=dtype).transpose(1, 2)
+
+
+def grad_like(x: Tensor, batch: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """An empty gradient buffer ``(*batch, *x.shape[-2:])`` in ``x``'s memory layout when ``x`` has that shape.
+
+    ``x`` a head view ``(B, H, L, D)`` of a ``(B, L, H·D)`` tensor: its gradient in the
+    same layout makes the view's backward (the head split's) a view, not a copy.
+    """
+    if tuple(x.shape[:-2]) == tuple(batch):
+        return torch.empty_like(x, dtype=dtype)          # preserve_format: x's strides where x is dense
+    return heads_inner(batch, x.shape[-2], x.shape[-1], x, dtype)
+
+
+def _chunks(x: Tensor, rows: int) -> list[Tensor]:
+    return list(x.split(rows, dim=-2))
+
+
+class Scratch:
+    """Flat memory that the chunks of one call reuse: ``scratch(shape)`` is a contiguous ``shape`` view of it.
+
+    A fresh block per chunk (the allocator's, then freed) cost 5-10% of a chunk's product and softmax.
+    """
+
+    __slots__ = ("buf",)
+
+    def __init__(self, numel: int, like: Tensor, dtype: torch.dtype) -> None:
+        self.buf = like.new_empty(numel, dtype=dtype)
+
+    def __call__(self, shape: tuple[int, ...]) -> Tensor:
+        return self.buf[:math.prod(shape)].view(shape)
+
+
+def _attend_chunks(q: Tensor, kt: Tensor, v: Tensor, rows: int,
+                   keep: bool) -> tuple[Tensor, tuple[list[Tensor], KeptBuffer | None]]:
+    """``softmax(q kt) v`` chunk by chunk into a :func:`heads_inner` output; with ``keep`` also the probability
+    blocks, in a :class:`~attnkit_lowrank.kept.KeptBuffer` (returned with them: they live as long as it)."""
+    batch = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2], v.shape[:-2])
+    L, m = q.shape[-2], kt.shape[-1]
+    out = heads_inner(batch, L, v.shape[-1], q, torch.promote_types(q.dtype, v.dtype))
+    s_dtype = torch.promote_types(q.dtype, kt.dtype)
+    block = math.prod(batch) * min(rows, L) * m
+    scores = Scratch(block, q, s_dtype)
+    ps = []
+    if keep:
+        # the blocks the backward reads go into a pooled buffer (reused from call to call: no fresh pages)
+        kept, probs = KeptBuffer(math.prod(batch) * L * m, s_dtype, q.device), None
+    else:
+        kept, probs = None, Scratch(block, q, s_dtype)
+    for qc, oc in zip(_chunks(q, rows), _chunks(out, rows)):
+        shape = (*batch, qc.shape[-2], m)
+        s = torch.matmul(qc, kt, out=scores(shape))
+        p = torch.ops.aten._softmax.out(s, -1, False, out=kept.next(shape) if keep else probs(shape))
+        if keep:
+            ps.append(p)
+        torch.matmul(p, v, out=oc)
+    return out, (ps, kept)
+
+
 class _SoftmaxAttend(torch.autograd.Function):
     """``softmax(q @ kt) @ v`` in query chunks of ``rows`` rows, with its backward written out per chunk.
 
@@ -256,15 +329,17 @@ class _SoftmaxAttend(torch.autograd.Function):
     gradients of ``kt`` and ``v`` one node at a time and, for head views of a (B, L, H·D) tensor, took a
     per-head fallback (select, clone, mm) in the products' backward. Here, per chunk of ``dO``:
     ``dS = P ∘ (dO vᵀ - rowsum(dO ∘ O))`` in place (``rowsum(P ∘ dP)`` read off the output: an
-    (chunk, E) pass, not (chunk, m)), ``dq_c = dS ktᵀ``, ``dkt += q_cᵀ dS``, ``dv += P_cᵀ dO_c``.
+    (chunk, E) pass, not (chunk, m)), ``dq_c = dS ktᵀ`` written straight into a ``dq`` laid out as ``q``
+    (:func:`grad_like`: no concatenation, and the head split's backward is a view), ``dkt += q_cᵀ dS``,
+    ``dv += P_cᵀ dO_c``. An output gradient with zero strides (an expanded one, e.g. of ``.sum()``) is made
+    contiguous chunk by chunk, in cache.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, kt: Tensor, v: Tensor, rows: int) -> Tensor:
-        ps = [torch.softmax(qc @ kt, -1) for qc in q.split(rows, dim=2)]
-        out = torch.cat([p @ v for p in ps], 2) if len(ps) > 1 else ps[0] @ v
+        out, (ps, kept) = _attend_chunks(q, kt, v, rows, keep=True)
         ctx.save_for_backward(q, kt, v, out)
-        ctx.ps, ctx.rows = ps, rows
+        ctx.ps, ctx.kept, ctx.rows = ps, kept, rows
         return out
 
     @staticmethod
@@ -272,46 +347,51 @@ class _SoftmaxAttend(torch.autograd.Function):
     def backward(ctx, d_out: Tensor):
         q, kt, v, out = ctx.saved_tensors
         ps, rows = ctx.ps, ctx.rows
-        if 0 in d_out.stride():
-            d_out = d_out.contiguous()          # an expanded gradient (e.g. of .sum()): stride 0
         need_q, need_kt, need_v = ctx.needs_input_grad[:3]
         v_t, k = v.transpose(-1, -2), kt.transpose(-1, -2)
         dkt = dv = None
-        dq = []
-        for p, qc, dc, oc in zip(ps, q.split(rows, dim=2), d_out.split(rows, dim=2), out.split(rows, dim=2)):
+        dq = grad_like(q, out.shape[:-2], out.dtype) if need_q else None
+        dqs = _chunks(dq, rows) if need_q else [None] * len(ps)
+        scratch = Scratch(ps[0].numel(), ps[0], ps[0].dtype) if ps else None
+        for p, qc, dc, oc, dqc in zip(ps, _chunks(q, rows), _chunks(d_out, rows), _chunks(out, rows), dqs):
+            if 0 in dc.stride():
+                dc = dc.contiguous()            # an expanded gradient (e.g. of .sum()): stride 0
             if need_v:
                 dvc = p.transpose(-1, -2) @ dc
                 dv = dvc if dv is None else dv.add_(dvc)
             if not (need_q or need_kt):
                 continue
-            ds = (dc @ v_t).sub_((dc * oc).sum(-1, keepdim=True)).mul_(p)
+            ds = torch.matmul(dc, v_t, out=scratch(p.shape)).sub_((dc * oc).sum(-1, keepdim=True)).mul_(p)
             if need_q:
-                dq.append(ds @ k)
+                torch.matmul(ds, k, out=dqc)
             if need_kt:
                 dktc = qc.transpose(-1, -2) @ ds
                 dkt = dktc if dkt is None else dkt.add_(dktc)
-        dq_all = (torch.cat(dq, 2) if len(dq) > 1 else dq[0]) if need_q else None
+        if dq is not None and dq.shape != q.shape:
+            dq = dq.sum_to_size(q.shape)
         if dkt is not None and dkt.shape != kt.shape:
             dkt = dkt.sum_to_size(kt.shape)
         if dv is not None and dv.shape != v.shape:
             dv = dv.sum_to_size(v.shape)
-        return dq_all, dkt, dv, None
+        return dq, dkt, dv, None
 
 
 def softmax_attend(q: Tensor, kt: Tensor, v: Tensor) -> Tensor:
-    """``softmax(q @ kt) @ v`` for ``q`` ``(B, H, L, D)``, ``kt`` ``(..., D, m)``, ``v`` ``(..., m, E)``.
+    """``softmax(q @ kt) @ v``: q ``(B, H, L, D)``, kt ``(..., D, m)``, v ``(..., m, E)`` -> ``(B, H, L, E)``.
 
     Query chunks of ``chunk_rows(L, m)`` rows: each ``(chunk, m)`` score block is
     computed, normalised and used while it is still in cache (the whole
     ``(L, m)`` block written and read three times ran at half the speed: 16K
-    queries x 256 columns x 8 heads, one thread, 338 -> 164 ms). Same values;
-    the backward is :class:`_SoftmaxAttend`'s, per chunk (first order).
+    queries x 256 columns x 8 heads, one thread, 338 -> 164 ms), and its product
+    with ``v`` written in place into the output, which is laid out as
+    ``(B, L, H, E)`` (:func:`heads_inner`: the head merge that follows is a view).
+    Same values; the backward is :class:`_SoftmaxAttend`'s, per chunk (first order).
     """
-    L, m = q.shape[2], kt.shape[-1]
-    c = chunk_rows(L, m)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kt, v)) and L:
-        return _SoftmaxAttend.apply(q, kt, v, c)
-    if c >= L:
+    L, m = q.shape[-2], kt.shape[-1]
+    if not L:
         return torch.softmax(q @ kt, -1) @ v
+    c = chunk_rows(L, m)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kt, v)):
+        return _SoftmaxAttend.apply(q, kt, v, c)
     # no backward: each block is dropped once used (the function above keeps them all for its backward)
-    return torch.cat([torch.softmax(qc @ kt, -1) @ v for qc in q.split(c, dim=2)], 2)
+    return _attend_chunks(q, kt, v, c, keep=False)[0]

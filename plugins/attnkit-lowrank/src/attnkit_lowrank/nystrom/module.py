@@ -25,7 +25,16 @@ from torch.autograd.function import once_differentiable
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import Float32Inside, check_int, chunk_rows, nystrom_pinv, segment_weights, softmax_attend
+from ..common import (
+    Float32Inside,
+    Scratch,
+    check_int,
+    chunk_rows,
+    grad_like,
+    nystrom_pinv,
+    segment_weights,
+    softmax_attend,
+)
 from ..plugin import NYSTROM
 
 DEFAULT_LANDMARKS = 64        # the paper's
@@ -152,55 +161,40 @@ class NystromAttention(Float32Inside, attnkit.Attention):
         return out
 
 
-class _KeysAttend(torch.autograd.Function):
-    """``softmax(q_l k^T, padded keys at the dtype's minimum) v`` for few query rows ``q_l`` and all S keys.
-
-    Autograd over the plain expression made five ``(m, S)`` tensors per call (scores, the masked copy, the
-    softmax, its gradient, the softmax backward's result: 32 MiB each at S = 16K, m = 64, H = 8, fresh
-    pages every time); here two: the scores, normalised in place and kept, and ``dP``, turned into ``dS`` in
-    place, with ``rowsum(P ∘ dP)`` taken as ``rowsum(dGV ∘ GV)`` (an ``(m, E)`` product, not an (m, S) pass).
-    """
-
-    @staticmethod
-    def forward(ctx, q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
-        p = q_l @ k.transpose(-1, -2)
-        if keep is not None:
-            p.masked_fill_(~keep[:, None, None, :], torch.finfo(p.dtype).min)
-        p.sub_(p.amax(-1, keepdim=True)).exp_()
-        p.div_(p.sum(-1, keepdim=True))
-        gv = p @ v
-        ctx.save_for_backward(q_l, k, v, p, gv)
-        ctx.keep = keep
-        return gv
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dgv: Tensor):
-        q_l, k, v, p, gv = ctx.saved_tensors
-        ds = dgv @ v.transpose(-1, -2)                                  # dP
-        ds.sub_((dgv * gv).sum(-1, keepdim=True)).mul_(p)               # dS = P ∘ (dP - rowsum(P ∘ dP))
-        if ctx.keep is not None:
-            # masked_fill passes no gradient to the filled scores; P is exactly 0 there except in a row of only
-            # padded keys (uniform weights), whose scores get none either
-            dead = ~ctx.keep.any(-1)
-            if dead.any():
-                ds[dead] = 0
-        dq_l = ds @ k if ctx.needs_input_grad[0] else None
-        dk = ds.transpose(-1, -2) @ q_l if ctx.needs_input_grad[1] else None
-        dv = p.transpose(-1, -2) @ dgv if ctx.needs_input_grad[2] else None
-        return dq_l, dk, dv, None
-
-
-def _keys_attend_streamed(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, cols: int) -> Tensor:
-    """The same without a backward: key chunks of ``cols`` with a running max and sum (online softmax), so
-    the ``(m, S)`` score block is never allocated whole (a fresh 32 MiB per call at 16K, m = 64, H = 8)."""
-    low = torch.finfo(q_l.dtype).min
-    m_run = l_run = acc = None
+def _key_chunks(k: Tensor, v: Tensor, keep: Tensor | None, cols: int):
+    """(k, v, keep) chunks of ``cols`` keys along S."""
     keeps = keep.split(cols, dim=1) if keep is not None else [None] * -(-k.shape[2] // cols)
-    for kc, vc, keepc in zip(k.split(cols, dim=2), v.split(cols, dim=2), keeps):
-        s = q_l @ kc.transpose(-1, -2)
-        if keepc is not None:
-            s.masked_fill_(~keepc[:, None, None, :], low)
+    return zip(k.split(cols, dim=2), v.split(cols, dim=2), keeps)
+
+
+def _scores(q_l: Tensor, kc: Tensor, keepc: Tensor | None, scratch: Scratch) -> Tensor:
+    """``q_l kcᵀ`` ``(B, H, m, cols)`` into ``scratch``, padded keys at the dtype's minimum."""
+    batch = torch.broadcast_shapes(q_l.shape[:-2], kc.shape[:-2])
+    s = torch.matmul(q_l, kc.transpose(-1, -2), out=scratch((*batch, q_l.shape[-2], kc.shape[-2])))
+    if keepc is not None:
+        s.masked_fill_(~keepc[:, None, None, :], torch.finfo(s.dtype).min)
+    return s
+
+
+def _block_scratch(q_l: Tensor, k: Tensor, cols: int) -> Scratch:
+    """Scratch for one ``(B, H, m, cols)`` block, reused by every key chunk."""
+    batch = torch.broadcast_shapes(q_l.shape[:-2], k.shape[:-2])
+    return Scratch(math.prod(batch) * q_l.shape[-2] * min(cols, k.shape[-2]), q_l,
+                   torch.promote_types(q_l.dtype, k.dtype))
+
+
+def _keys_attend_streamed(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None,
+                          cols: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``softmax(q_l kᵀ) v`` over key chunks of ``cols`` with a running max and sum (online softmax), so the
+    ``(m, S)`` score block is never allocated whole (a fresh 32 MiB per call at 16K, m = 64, H = 8).
+
+    Returns ``(gv, row_max, 1 / row_sum)`` (the last two ``(B, H, m, 1)``, for the backward's
+    recomputed weights ``exp(s - row_max) / row_sum``).
+    """
+    m_run = l_run = acc = None
+    scratch = _block_scratch(q_l, k, cols)
+    for kc, vc, keepc in _key_chunks(k, v, keep, cols):
+        s = _scores(q_l, kc, keepc, scratch)
         m_new = s.amax(-1, keepdim=True)
         if m_run is not None:
             m_new = torch.maximum(m_run, m_new)
@@ -212,20 +206,82 @@ def _keys_attend_streamed(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None
             l_run = l_run.mul_(alpha).add_(s.sum(-1, keepdim=True))
             acc = acc.mul_(alpha).add_(s @ vc)
         m_run = m_new
-    return acc / l_run
+    inv = l_run.reciprocal_()
+    return acc.mul_(inv), m_run, inv
+
+
+class _KeysAttend(torch.autograd.Function):
+    """``softmax(q_l kᵀ, padded keys at the dtype's minimum) v`` for few query rows ``q_l`` and all S keys.
+
+    Forward: :func:`_keys_attend_streamed` (key chunks, online softmax), keeping only the row max and the
+    inverse row sum. Backward, per key chunk (in cache): the weights ``P_c`` recomputed from the scores,
+    ``dS_c = P_c ∘ (dGV V_cᵀ - rowsum(dGV ∘ GV))`` in place (``rowsum(P ∘ dP)`` read off the output),
+    ``dq_l += dS_c K_c``, and ``dK_c = dS_cᵀ q_l``, ``dV_c = P_cᵀ dGV`` written straight into gradients laid
+    out as ``k`` and ``v`` (:func:`~attnkit_lowrank.common.grad_like`). Autograd over the plain expression
+    made five ``(m, S)`` tensors per call (32 MiB each at S = 16K, m = 64, H = 8, fresh pages every time) and
+    per-head gradients that the head split then copied; recomputing the scores (one (m, D) x (D, S) product
+    per head) costs less than writing and reading them back.
+    """
+
+    @staticmethod
+    def forward(ctx, q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, cols: int) -> Tensor:
+        gv, m_run, inv = _keys_attend_streamed(q_l, k, v, keep, cols)
+        ctx.save_for_backward(q_l, k, v, gv, m_run, inv)
+        ctx.keep, ctx.cols = keep, cols
+        return gv
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dgv: Tensor):
+        q_l, k, v, gv, m_run, inv = ctx.saved_tensors
+        keep, cols = ctx.keep, ctx.cols
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dgv = dgv.contiguous()
+        r = (dgv * gv).sum(-1, keepdim=True)                            # rowsum(P ∘ dP)
+        # masked_fill passes no gradient to the filled scores; P is exactly 0 there except in a row of only
+        # padded keys (uniform weights), whose scores get none either
+        dead = ~keep.any(-1) if keep is not None else None
+        dead = dead if dead is not None and bool(dead.any()) else None
+        batch = gv.shape[:-2]
+        dk = grad_like(k, batch, gv.dtype) if need_k else None
+        dv = grad_like(v, batch, gv.dtype) if need_v else None
+        dq_l = None
+        n = -(-k.shape[2] // cols)
+        dks = dk.split(cols, dim=2) if need_k else [None] * n
+        dvs = dv.split(cols, dim=2) if need_v else [None] * n
+        scratch_p, scratch_s = _block_scratch(q_l, k, cols), _block_scratch(q_l, k, cols)
+        for (kc, vc, keepc), dkc, dvc in zip(_key_chunks(k, v, keep, cols), dks, dvs):
+            p = _scores(q_l, kc, keepc, scratch_p).sub_(m_run).exp_().mul_(inv)
+            if need_v:
+                torch.matmul(p.transpose(-1, -2), dgv, out=dvc)
+            if not (need_q or need_k):
+                continue
+            ds = torch.matmul(dgv, vc.transpose(-1, -2), out=scratch_s(p.shape)).sub_(r).mul_(p)
+            if dead is not None:
+                ds[dead] = 0
+            if need_q:
+                dqc = ds @ kc
+                dq_l = dqc if dq_l is None else dq_l.add_(dqc)
+            if need_k:
+                torch.matmul(ds.transpose(-1, -2), q_l, out=dkc)
+        if dk is not None and dk.shape != k.shape:
+            dk = dk.sum_to_size(k.shape)
+        if dv is not None and dv.shape != v.shape:
+            dv = dv.sum_to_size(v.shape)
+        if dq_l is not None and dq_l.shape != q_l.shape:
+            dq_l = dq_l.sum_to_size(q_l.shape)
+        return dq_l, dk, dv, None, None
 
 
 def keys_attend(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
     """``softmax(q_l @ k^T) @ v`` (``q_l`` ``(B, H, m, D)`` already scaled), padded keys (``keep`` False) excluded;
     a row of only padded keys weighs them all equally, as ``masked_fill`` + ``softmax`` does (the caller
-    zeroes such rows). Differentiable once, in q_l, k and v; without a backward to come, streamed over key
-    chunks (:func:`_keys_attend_streamed`)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_l, k, v)):
-        return _KeysAttend.apply(q_l, k, v, keep)
+    zeroes such rows). Streamed over key chunks of ``chunk_rows(S, m)`` (online softmax); differentiable
+    once, in q_l, k and v (:class:`_KeysAttend`)."""
     cols = chunk_rows(k.shape[2], q_l.shape[2])
-    if cols >= k.shape[2]:
-        return _KeysAttend.apply(q_l, k, v, keep)
-    return _keys_attend_streamed(q_l, k, v, keep, cols)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_l, k, v)):
+        return _KeysAttend.apply(q_l, k, v, keep, cols)
+    return _keys_attend_streamed(q_l, k, v, keep, cols)[0]
 
 
 def depthwise_conv(v: Tensor, weight: Tensor) -> Tensor:
