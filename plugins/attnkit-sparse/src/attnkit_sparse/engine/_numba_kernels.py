@@ -524,7 +524,8 @@ def _backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, b
     ST = np.empty((bk, bq), dtype=qs.dtype)     # scores / probabilities, key-major (keys x queries)
     dPT = np.empty((bk, bq), dtype=qs.dtype)
     nbuf = np.empty(bq, dtype=np.int32)
-    dqa = np.empty((bq, D), dtype=qs.dtype)
+    dqaT = np.empty((D, bq), dtype=qs.dtype)     # a tile's dQ transposed (a row per feature, along the queries)
+    KT = np.empty((D, bk), dtype=qs.dtype)       # the key block transposed (once per key block)
     for i in range(L):
         r = dqs[i]
         for d in range(D):
@@ -541,6 +542,7 @@ def _backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, b
             b = dva[j]
             for e in range(E):
                 b[e] = zero
+        _transpose(ks, k0, kn, KT)
         for c in range(qc[kb]):
             qb = qi[kb, c]; t = qt[kb, c]
             q0 = qb * bq
@@ -569,17 +571,15 @@ def _backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, b
                 for i in range(qn):
                     dPT[j, i] = ST[j, i] * (dPT[j, i] - dl[i]) * sc
             _axpy(dka, kn, dPT, qs, q0, qn)
-            for i in range(qn):
-                a = dqa[i]
-                for d in range(D):
-                    a[d] = zero
-            for g in range(0, qn, 4):
-                _axpy_t(dqa, g, min(4, qn - g), dPT, ks, k0, 0, kn)
+            for d in range(D):                    # dQᵀ = Kᵀ dSᵀ: axpy rows along the queries, dS read key-major
+                a = dqaT[d]
+                for i in range(bq):
+                    a[i] = zero
+            _axpy_off(dqaT, D, KT, 0, dPT, kn)
             for i in range(qn):
                 ri = dqs[q0 + i]
-                ai = dqa[i]
                 for d in range(D):
-                    ri[d] += ai[d]
+                    ri[d] += dqaT[d, i]
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
