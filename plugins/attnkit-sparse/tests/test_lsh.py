@@ -129,7 +129,7 @@ def test_engine_runs_only_the_chunk_tiles(monkeypatch):
 
     monkeypatch.setattr(engine, "attend_plan", spy)
     B, H, L, R, cs = 1, 2, 64, 3, 8
-    attn = attnkit.build("lsh", bucket_size=cs, n_hashes=R)
+    attn = attnkit.build("lsh", bucket_size=cs, n_hashes=R, backend="torch")   # numba: the fused path, no plan
     q = rand((B, H, L, 4), 1)
     nq = L // cs
     attn(q, q, q, causal=True)                            # causal: each head and round has its own masks

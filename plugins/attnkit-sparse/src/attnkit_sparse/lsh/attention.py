@@ -201,22 +201,13 @@ class LSHAttention(Attention):
             self._rot[key] = band_plan(bank, L)
         return self._rot[key]
 
-    def _attend_numba(self, q: Tensor, k: Tensor, v: Tensor, perm: Tensor, inv: Tensor, plan: Any,
-                      kpm: Tensor | None, scale: float) -> Tensor:
-        """The CPU path: sorted gathers and the rounds' combination as numba kernels (:mod:`.rounds`)."""
-        from ..engine import attend_plan
-        from .rounds import combine_rounds, gather_rounds
+    def _attend_numba(self, q: Tensor, k: Tensor, v: Tensor, perm: Tensor, kpm: Tensor | None, causal: bool,
+                      cs: int, scale: float) -> Tensor:
+        """The CPU path: every round at once in the fused kernels of :mod:`.fused` (rows read through ``perm``,
+        the rounds merged by their log-sum-exp at each position; no sorted copies, no plan)."""
+        from .fused import attend_rounds
 
-        B, H, L, D = q.shape
-        E = v.shape[-1]
-        R = perm.shape[2]
-        p, inv = perm.reshape(B * H, R, L), inv.reshape(B * H, R, L)
-        qs = gather_rounds(q.reshape(B * H, L, D), p, inv).view(B, H * R, L, D)
-        ks = gather_rounds(unit(k).reshape(B * H, L, D), p, inv).view(B, H * R, L, D)
-        vs = gather_rounds(v.reshape(B * H, L, E), p, inv).view(B, H * R, L, E)
-        out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=scale, backend="numba", return_lse=True)
-        out, alone = combine_rounds(out_s.view(B * H, R, L, E), lse_s.view(B * H, R, L), p, inv)
-        out, alone = out.view(B, H, L, E), alone.view(B, H, L)
+        out, alone = attend_rounds(q, unit(k), v, perm, kpm, causal=causal, chunk=cs, scale=scale)
         if kpm is not None:
             alone = alone & kpm[:, None, :]
         if not bool(alone.any()):
@@ -239,13 +230,14 @@ class LSHAttention(Attention):
         R, cs = self.n_hashes, min(self.bucket_size, L)
         kpm = ctx.key_padding_mask
         kpm = None if kpm is None else kpm.to(q.device)
+        if ctx.backend == "numba":
+            perm = self.sorted_rounds(k, kpm)                            # (B, H, R, L)
+            return self._attend_numba(q, k, v, perm, kpm, ctx.causal, cs, ctx.scale)
         perm, inv = self.sorted_rounds_inverse(k, kpm)                   # (B, H, R, L)
         if kpm is None and not ctx.causal:   # the masks are "not itself" only: one bank for every head and round
             plan = self._shared_plan(L, cs, q.device)
         else:
             plan = self._plan(perm, kpm, cs, ctx.causal, numba_masks=ctx.backend == "numba")
-        if ctx.backend == "numba":
-            return self._attend_numba(q, k, v, perm, inv, plan, kpm, ctx.scale)
         # the sorted sequences, one per round, as heads of the engine: rows of (B·H·L, D) picked by index
         flat = (perm + (torch.arange(B * H, device=q.device) * L).view(B, H, 1, 1)).reshape(-1)
         qs = q.reshape(B * H * L, D).index_select(0, flat).view(B, H * R, L, D)
