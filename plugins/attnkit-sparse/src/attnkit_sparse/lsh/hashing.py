@@ -92,7 +92,7 @@ def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor
 def _labels(x: Tensor, rot: Tensor, C: int) -> Tensor:
     """int64 ``(b, H, R, L)`` labels of ``x`` ``(b, H, L, D)`` with ``rot`` ``(R, D, half)`` (``half >= 1``).
 
-    CPU with numba: :func:`.rounds.labels` (slabs of rows, one product and one reduction pass each).
+    CPU with numba: :func:`.rounds.labels` (a block of rows rotated and reduced in cache, per round).
     Otherwise the rows' projections ``(b·H·L, R, half)`` by one product, reduced along their contiguous
     last dim.
     """
