@@ -270,6 +270,8 @@ def test_numba_hash_labels_equal_the_torch_argmax_in_slabs(dtype):
     x = rand((B, H, L, D), 6).to(dtype)
     x[0, 1, 4] = 0.0                                    # all projections 0: label 0 (the first maximum)
     rot = rotations(1, R, D, half, dtype=dtype, device=torch.device("cpu"))
+    rot[0, :, 3] = rot[0, :, 1]                         # exact ties: the first maximum / minimum wins
+    rot[1, :, 4] = rot[1, :, 2]
     out = labels(x, rot, half, torch.empty(B, H, R, L, dtype=torch.long), rows_per_item=7)   # 43 items
     proj = torch.einsum("bhld,rdn->bhrln", x, rot)
     want = torch.cat([proj, -proj], -1).argmax(-1)
