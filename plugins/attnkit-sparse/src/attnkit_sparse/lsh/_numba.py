@@ -18,9 +18,11 @@ HASH_BLOCK = 16
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
 def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
-    """:func:`hash_labels` of rows ``g0 .. g1`` of ``x`` ``(BH·L, D)`` rotated by ``rot`` ``(R, D, half)`` here, a block
-    of :data:`HASH_BLOCK` rows and one round at a time (the projections never leave the cache), into ``out``
-    int64 ``(BH, R, L)``. Serial (``nogil``): the caller hands blocks of rows to threads."""
+    """``argmax([p; -p])`` of the rotations p of rows ``g0 .. g1`` of ``x`` ``(BH·L, D)`` by ``rot`` ``(R, D, half)``,
+    computed here a block of :data:`HASH_BLOCK` rows and one round at a time (the projections never leave
+    the cache), into ``out`` int64 ``(BH, R, L)``: the column of the first maximum when ``max(p) >= -min(p)``,
+    else ``C +`` the column of the first minimum (one pass per row). Serial (``nogil``): the caller hands
+    blocks of rows to threads."""
     D = x.shape[1]
     R, _, half = rot.shape
     P = np.empty((HASH_BLOCK, half), dtype=x.dtype)
