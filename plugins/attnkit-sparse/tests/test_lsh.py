@@ -129,7 +129,7 @@ def test_engine_runs_only_the_chunk_tiles(monkeypatch):
 
     monkeypatch.setattr(engine, "attend_plan", spy)
     B, H, L, R, cs = 1, 2, 64, 3, 8
-    attn = attnkit.build("lsh", bucket_size=cs, n_hashes=R)
+    attn = attnkit.build("lsh", bucket_size=cs, n_hashes=R, backend="torch")   # numba: the fused path, no plan
     q = rand((B, H, L, 4), 1)
     nq = L // cs
     attn(q, q, q, causal=True)                            # causal: each head and round has its own masks
@@ -161,28 +161,6 @@ def test_shared_plan_equals_every_rounds_own_masks(L):
     assert torch.equal(want, got.expand_as(want))
     assert shared.attended_pairs == int(want[0, 0, 0].sum()) > 0
     assert attn._shared_plan(L, cs, torch.device("cpu")) is shared  # cached
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_numba_chunk_masks_equal_the_torch_ones(causal):
-    import numpy as np
-
-    from attnkit_sparse.engine.plan import _spans
-    from attnkit_sparse.lsh._numba import chunk_masks
-    from attnkit_sparse.lsh.attention import _chunks, chunk_masks_torch
-    B, H, L, cs = 2, 2, 29, 4
-    attn = attnkit.build("lsh", bucket_size=cs, n_hashes=2)
-    kpm = torch.ones(B, L, dtype=torch.bool)
-    kpm[1, [2, 7, 28]] = False
-    perm = attn.sorted_rounds(rand((B, H, L, 4), 1), kpm)
-    want = chunk_masks_torch(perm, kpm, cs, causal)
-    pos = _chunks(perm, cs, -1).reshape(B * H * 2, -1)
-    real = kpm.gather(1, pos.clamp(min=0).view(B, -1)).view(pos.shape)
-    bank, span, pairs = chunk_masks(np.ascontiguousarray(pos.numpy()), np.ascontiguousarray(real.numpy()), cs, causal)
-    bank = torch.from_numpy(bank)
-    assert torch.equal(bank, want.reshape(bank.shape))
-    assert torch.equal(torch.from_numpy(span).reshape(-1, cs, 2), _spans(bank.reshape(-1, cs, cs)))
-    assert int(pairs.sum()) == int(want.sum()) > 0
 
 
 def test_multi_head_attention_builds_no_key_projection():
@@ -283,56 +261,18 @@ def _perms(N, R, L, seed):
     return torch.stack([torch.stack([torch.randperm(L, generator=g) for _ in range(R)]) for _ in range(N)])
 
 
-def test_numba_gather_and_combine_match_torch_with_gradients():
-    """The numba CPU path's sorted gathers and round combination (:mod:`attnkit_sparse.lsh.rounds`) against the
-    plain torch formulas, outputs and gradients, with rounds that have no pair (``-inf``) and a position with no
-    pair in any round (output 0, ``alone``)."""
-    from attnkit_sparse.lsh.rounds import combine_rounds, gather_rounds, inverse
-    N, R, L, E = 3, 4, 37, 5
-    perm = _perms(N, R, L, 0)
-    inv = inverse(perm)
-    assert torch.equal(inv, perm.argsort(-1))
-    x = rand((N, L, E), 1).requires_grad_()
-    xs = gather_rounds(x, perm, inv)
-    want = torch.stack([torch.stack([x[n, perm[n, r]] for r in range(R)]) for n in range(N)])
-    torch.testing.assert_close(xs, want, **TOL)
-    w = rand(xs.shape, 2)
-    torch.testing.assert_close(torch.autograd.grad((xs * w).sum(), x)[0],
-                               torch.autograd.grad((want * w).sum(), x)[0], **TOL)
-
-    out_s = rand((N, R, L, E), 3).requires_grad_()
-    lse_s = rand((N, R, L), 4)
-    lse_s[0, 1, 5] = float("-inf")                      # one round without a pair
-    for r in range(R):                                   # position 7 of sequence 2: no pair in any round
-        lse_s[2, r, inv[2, r, 7]] = float("-inf")
-    lse_s.requires_grad_()
-    out, alone = combine_rounds(out_s, lse_s, perm, inv)
-    # torch: unsort, softmax over the rounds, weighted sum
-    o_r = torch.stack([torch.stack([out_s[n, r, inv[n, r]] for r in range(R)]) for n in range(N)])
-    l_r = torch.stack([torch.stack([lse_s[n, r, inv[n, r]] for r in range(R)]) for n in range(N)])
-    none = torch.isinf(l_r).all(1)
-    wts = torch.softmax(l_r.masked_fill(none[:, None], 0.0), 1).masked_fill(none[:, None], 0.0)
-    ref = (wts[..., None] * o_r).sum(1)
-    assert alone.dtype == torch.bool and alone.sum() == 1 and bool(alone[2, 7])
-    assert torch.equal(out[2, 7], torch.zeros(E, dtype=out.dtype))
-    torch.testing.assert_close(out, ref, **TOL)
-    gw = rand(out.shape, 5)
-    for a, b in zip(torch.autograd.grad((out * gw).sum(), (out_s, lse_s)),
-                    torch.autograd.grad((ref * gw).sum(), (out_s, lse_s))):
-        assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b, **TOL)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_numba_hash_labels_equal_the_torch_argmax_in_slabs(dtype):
-    """The numba labels (projected a slab of rows at a time) equal ``argmax([xR; -xR])``, zero rows included."""
+    """The numba labels (a block of rows at a time, 7 rows an item) equal ``argmax([xR; -xR])``, zero rows included."""
     from attnkit_sparse.lsh.hashing import rotations
     from attnkit_sparse.lsh.rounds import labels
     B, H, L, D, R, half = 2, 3, 50, 8, 3, 5
     x = rand((B, H, L, D), 6).to(dtype)
     x[0, 1, 4] = 0.0                                    # all projections 0: label 0 (the first maximum)
     rot = rotations(1, R, D, half, dtype=dtype, device=torch.device("cpu"))
-    out = labels(x, rot, half, torch.empty(B, H, R, L, dtype=torch.long), max_floats=7 * R * half)   # 43 slabs
+    rot[0, :, 3] = rot[0, :, 1]                         # exact ties: the first maximum / minimum wins
+    rot[1, :, 4] = rot[1, :, 2]
+    out = labels(x, rot, half, torch.empty(B, H, R, L, dtype=torch.long), rows_per_item=7)   # 43 items
     proj = torch.einsum("bhld,rdn->bhrln", x, rot)
     want = torch.cat([proj, -proj], -1).argmax(-1)
     assert torch.equal(out, want)

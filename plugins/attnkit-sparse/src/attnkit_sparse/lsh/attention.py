@@ -1,12 +1,14 @@
-"""``lsh`` (alias ``reformer``): Reformer's shared-QK LSH attention on the block-sparse engine.
+"""``lsh`` (alias ``reformer``): Reformer's shared-QK LSH attention.
 
-Per round: hash, sort by ``(bucket, position)``, gather the sorted queries,
-unit keys and values, and run the engine on an explicit plan of the sorted
-sequence — query chunk ``c`` visits key chunks ``c - 1`` and ``c``, each tile
-with its element mask (not itself, causal by original positions, key
-padding) — so the cost is proportional to the attended pairs
-(``L · 2·bucket_size`` per round). The rounds are combined by their
-log-sum-exp and unsorted; see :mod:`.hashing` and the reference in
+Per round: hash, sort by ``(bucket, position)`` and cut the sorted sequence into
+chunks — query chunk ``c`` sees key chunks ``c - 1`` and ``c`` with the element
+masks (not itself, causal by original positions, key padding) — so the cost is
+proportional to the attended pairs (``L · 2·bucket_size`` per round); the rounds
+are combined by their log-sum-exp. On CPU (``numba``) every round runs in the
+fused kernels of :mod:`.fused`, which read the rows through the permutation
+and merge the rounds at each position; ``torch`` and ``triton`` gather the
+sorted rows and run the block-sparse engine on an explicit plan of the sorted
+sequence, then unsort and combine. See :mod:`.hashing` and the reference in
 :mod:`.naive`.
 """
 
@@ -60,7 +62,7 @@ def chunk_masks_torch(perm: Tensor, kpm: Tensor | None, cs: int, causal: bool) -
 
 
 class LSHAttention(Attention):
-    """Reformer's LSH attention (Kitaev, Kaiser, Levskaya 2020), shared-QK, on the block-sparse engine.
+    """Reformer's LSH attention (Kitaev, Kaiser, Levskaya 2020), shared-QK; CPU: fused kernels, else the engine.
 
     Keys are the unit vectors ``k̂_j = k_j / ‖k_j‖`` and positions are hashed by
     their key, ``h(k_j) = argmax([k_j R; -k_j R])`` with random rotations ``R``
@@ -159,23 +161,12 @@ class LSHAttention(Attention):
         lengths = real_lengths(B, L, key_padding_mask, k.device)
         return sort_rounds(buckets(k, rot, self.bucket_size, lengths), key_padding_mask)
 
-    def _plan(self, perm: Tensor, kpm: Tensor | None, cs: int, causal: bool, *, numba_masks: bool) -> Any:
-        """The engine's plan of the sorted rounds: chunk ``c`` x chunks ``(c - 1, c)`` with their element masks."""
+    def _plan(self, perm: Tensor, kpm: Tensor | None, cs: int, causal: bool) -> Any:
+        """The engine's plan of the sorted rounds (torch and triton backends): chunk ``c`` x chunks ``(c - 1, c)``
+        with their element masks."""
         from ..engine import band_plan
 
         B, H, R, L = perm.shape
-        if numba_masks:
-            import numpy as np
-
-            from ._numba import chunk_masks
-            pos = _chunks(perm, cs, -1).reshape(B * H * R, -1)
-            real = torch.ones_like(pos, dtype=torch.bool) if kpm is None else \
-                kpm.gather(1, pos.clamp(min=0).view(B, -1)).view(pos.shape)
-            bank, span, pairs = chunk_masks(np.ascontiguousarray(pos.numpy()), np.ascontiguousarray(real.numpy()),
-                                            cs, bool(causal))
-            nq = pos.shape[-1] // cs
-            return band_plan(torch.from_numpy(bank).view(B, H * R, nq, 2, cs, cs), L,
-                             span=torch.from_numpy(span), pairs=int(pairs.sum()))
         bank = chunk_masks_torch(perm, kpm, cs, causal)
         return band_plan(bank.view(B, H * R, *bank.shape[3:]), L)
 
@@ -201,22 +192,13 @@ class LSHAttention(Attention):
             self._rot[key] = band_plan(bank, L)
         return self._rot[key]
 
-    def _attend_numba(self, q: Tensor, k: Tensor, v: Tensor, perm: Tensor, inv: Tensor, plan: Any,
-                      kpm: Tensor | None, scale: float) -> Tensor:
-        """The CPU path: sorted gathers and the rounds' combination as numba kernels (:mod:`.rounds`)."""
-        from ..engine import attend_plan
-        from .rounds import combine_rounds, gather_rounds
+    def _attend_numba(self, q: Tensor, k: Tensor, v: Tensor, perm: Tensor, kpm: Tensor | None, causal: bool,
+                      cs: int, scale: float) -> Tensor:
+        """The CPU path: every round at once in the fused kernels of :mod:`.fused` (rows read through ``perm``,
+        the rounds merged by their log-sum-exp at each position; no sorted copies, no plan)."""
+        from .fused import attend_rounds
 
-        B, H, L, D = q.shape
-        E = v.shape[-1]
-        R = perm.shape[2]
-        p, inv = perm.reshape(B * H, R, L), inv.reshape(B * H, R, L)
-        qs = gather_rounds(q.reshape(B * H, L, D), p, inv).view(B, H * R, L, D)
-        ks = gather_rounds(unit(k).reshape(B * H, L, D), p, inv).view(B, H * R, L, D)
-        vs = gather_rounds(v.reshape(B * H, L, E), p, inv).view(B, H * R, L, E)
-        out_s, lse_s = attend_plan(qs, ks, vs, plan, scale=scale, backend="numba", return_lse=True)
-        out, alone = combine_rounds(out_s.view(B * H, R, L, E), lse_s.view(B * H, R, L), p, inv)
-        out, alone = out.view(B, H, L, E), alone.view(B, H, L)
+        out, alone = attend_rounds(q, unit(k), v, perm, kpm, causal=causal, chunk=cs, scale=scale)
         if kpm is not None:
             alone = alone & kpm[:, None, :]
         if not bool(alone.any()):
@@ -239,13 +221,14 @@ class LSHAttention(Attention):
         R, cs = self.n_hashes, min(self.bucket_size, L)
         kpm = ctx.key_padding_mask
         kpm = None if kpm is None else kpm.to(q.device)
+        if ctx.backend == "numba":
+            perm = self.sorted_rounds(k, kpm)                            # (B, H, R, L)
+            return self._attend_numba(q, k, v, perm, kpm, ctx.causal, cs, ctx.scale)
         perm, inv = self.sorted_rounds_inverse(k, kpm)                   # (B, H, R, L)
         if kpm is None and not ctx.causal:   # the masks are "not itself" only: one bank for every head and round
             plan = self._shared_plan(L, cs, q.device)
         else:
-            plan = self._plan(perm, kpm, cs, ctx.causal, numba_masks=ctx.backend == "numba")
-        if ctx.backend == "numba":
-            return self._attend_numba(q, k, v, perm, inv, plan, kpm, ctx.scale)
+            plan = self._plan(perm, kpm, cs, ctx.causal)
         # the sorted sequences, one per round, as heads of the engine: rows of (B·H·L, D) picked by index
         flat = (perm + (torch.arange(B * H, device=q.device) * L).view(B, H, 1, 1)).reshape(-1)
         qs = q.reshape(B * H * L, D).index_select(0, flat).view(B, H * R, L, D)

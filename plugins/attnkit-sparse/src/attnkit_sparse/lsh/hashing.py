@@ -72,10 +72,12 @@ def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor
     B, H, L, _ = x.shape
     C = rot.shape[-1]
     halves = [n_buckets(int(n), bucket_size) // 2 for n in lengths.tolist()]
-    out = torch.zeros(B, H, rot.shape[0], L, dtype=torch.long, device=x.device)
     groups: dict[int, list[int]] = {}
     for b, half in enumerate(halves):
         groups.setdefault(half, []).append(b)
+    if len(groups) == 1 and halves[0] > 0:   # one bucket count for the whole batch (no padding): no zero fill
+        return _labels(x.detach(), rot[..., :halves[0]], C)
+    out = torch.zeros(B, H, rot.shape[0], L, dtype=torch.long, device=x.device)
     for half, rows in groups.items():
         if half == 0:
             continue
@@ -92,7 +94,7 @@ def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor
 def _labels(x: Tensor, rot: Tensor, C: int) -> Tensor:
     """int64 ``(b, H, R, L)`` labels of ``x`` ``(b, H, L, D)`` with ``rot`` ``(R, D, half)`` (``half >= 1``).
 
-    CPU with numba: :func:`.rounds.labels` (slabs of rows, one product and one reduction pass each).
+    CPU with numba: :func:`.rounds.labels` (a block of rows rotated and reduced in cache, per round).
     Otherwise the rows' projections ``(b·H·L, R, half)`` by one product, reduced along their contiguous
     last dim.
     """
