@@ -250,7 +250,8 @@ class PerformerAttention(KernelizedAttention):
             return None
         pad = padded(kpm)
         if chosen == "numba" and q.dtype in (torch.float32, torch.float64):
-            # one numba pass per tensor after the projection instead of seven torch passes (.numba_features)
+            # projection, shift, bounds and exp in one numba pass per tensor, instead of a matmul and seven torch
+            # passes (.numba_features)
             from .numba_features import positive_features
 
             s = self.get_scale(q) ** 0.5
