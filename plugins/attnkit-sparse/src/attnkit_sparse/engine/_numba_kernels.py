@@ -135,46 +135,10 @@ def _dots(X, x0, xn, YT, OUT, zero):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _axpy(OUT, on, C, Y, y0, yn):  # pragma: no cover - compiled
-    """``OUT[i] += sum_{j < yn} C[i, j] · Y[y0 + j]`` for ``i < on``: 4 rows x 4 terms per pass over a row,
-    so each load of ``Y`` feeds four rows and each row is loaded and stored once per four terms."""
-    E = Y.shape[1]
-    on4 = on - on % 4
-    yn4 = yn - yn % 4
-    for i in range(0, on4, 4):
-        oa = OUT[i]; ob = OUT[i + 1]; oc = OUT[i + 2]; od = OUT[i + 3]
-        ca = C[i]; cb = C[i + 1]; cc = C[i + 2]; cd = C[i + 3]
-        for j in range(0, yn4, 4):
-            y0_ = Y[y0 + j]; y1 = Y[y0 + j + 1]; y2 = Y[y0 + j + 2]; y3 = Y[y0 + j + 3]
-            p0 = ca[j]; p1 = ca[j + 1]; p2 = ca[j + 2]; p3 = ca[j + 3]
-            r0 = cb[j]; r1 = cb[j + 1]; r2 = cb[j + 2]; r3 = cb[j + 3]
-            s0 = cc[j]; s1 = cc[j + 1]; s2 = cc[j + 2]; s3 = cc[j + 3]
-            t0 = cd[j]; t1 = cd[j + 1]; t2 = cd[j + 2]; t3 = cd[j + 3]
-            for e in range(E):
-                u0 = y0_[e]; u1 = y1[e]; u2 = y2[e]; u3 = y3[e]
-                oa[e] += p0 * u0 + p1 * u1 + p2 * u2 + p3 * u3
-                ob[e] += r0 * u0 + r1 * u1 + r2 * u2 + r3 * u3
-                oc[e] += s0 * u0 + s1 * u1 + s2 * u2 + s3 * u3
-                od[e] += t0 * u0 + t1 * u1 + t2 * u2 + t3 * u3
-        for j in range(yn4, yn):
-            yj = Y[y0 + j]
-            p0 = ca[j]; r0 = cb[j]; s0 = cc[j]; t0 = cd[j]
-            for e in range(E):
-                u = yj[e]
-                oa[e] += p0 * u; ob[e] += r0 * u; oc[e] += s0 * u; od[e] += t0 * u
-    for i in range(on4, on):
-        oa = OUT[i]; ca = C[i]
-        for j in range(yn):
-            yj = Y[y0 + j]
-            p0 = ca[j]
-            for e in range(E):
-                oa[e] += p0 * yj[e]
-
-
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _axpy_off(OUT, on, C, c0, Y, yn):  # pragma: no cover - compiled
-    """``OUT[i] += sum_{j < yn} C[i, c0 + j] · Y[j]`` for ``i < on``: :func:`_axpy`'s 4 rows x 4 terms per pass, the
-    coefficients read from column ``c0`` on (``Y``'s rows are the terms, from its first row)."""
+def _axpy_at(OUT, on, C, c0, Y, y0, yn):  # pragma: no cover - compiled
+    """``OUT[i] += sum_{j < yn} C[i, c0 + j] · Y[y0 + j]`` for ``i < on``: 4 rows x 4 terms per pass over a row,
+    so each load of ``Y`` feeds four rows and each row is loaded and stored once per four terms. The
+    offsets only pick rows and scalar coefficients; the vectorised loop over a row always starts at 0."""
     E = Y.shape[1]
     on4 = on - on % 4
     yn4 = yn - yn % 4
@@ -183,7 +147,7 @@ def _axpy_off(OUT, on, C, c0, Y, yn):  # pragma: no cover - compiled
         ca = C[i]; cb = C[i + 1]; cc = C[i + 2]; cd = C[i + 3]
         for j in range(0, yn4, 4):
             k = c0 + j
-            y0_ = Y[j]; y1 = Y[j + 1]; y2 = Y[j + 2]; y3 = Y[j + 3]
+            y0_ = Y[y0 + j]; y1 = Y[y0 + j + 1]; y2 = Y[y0 + j + 2]; y3 = Y[y0 + j + 3]
             p0 = ca[k]; p1 = ca[k + 1]; p2 = ca[k + 2]; p3 = ca[k + 3]
             r0 = cb[k]; r1 = cb[k + 1]; r2 = cb[k + 2]; r3 = cb[k + 3]
             s0 = cc[k]; s1 = cc[k + 1]; s2 = cc[k + 2]; s3 = cc[k + 3]
@@ -195,7 +159,7 @@ def _axpy_off(OUT, on, C, c0, Y, yn):  # pragma: no cover - compiled
                 oc[e] += s0 * u0 + s1 * u1 + s2 * u2 + s3 * u3
                 od[e] += t0 * u0 + t1 * u1 + t2 * u2 + t3 * u3
         for j in range(yn4, yn):
-            yj = Y[j]
+            yj = Y[y0 + j]
             k = c0 + j
             p0 = ca[k]; r0 = cb[k]; s0 = cc[k]; t0 = cd[k]
             for e in range(E):
@@ -204,10 +168,23 @@ def _axpy_off(OUT, on, C, c0, Y, yn):  # pragma: no cover - compiled
     for i in range(on4, on):
         oa = OUT[i]; ca = C[i]
         for j in range(yn):
-            yj = Y[j]
+            yj = Y[y0 + j]
             p0 = ca[c0 + j]
             for e in range(E):
                 oa[e] += p0 * yj[e]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _axpy(OUT, on, C, Y, y0, yn):  # pragma: no cover - compiled
+    """``OUT[i] += sum_{j < yn} C[i, j] · Y[y0 + j]`` for ``i < on`` (:func:`_axpy_at`)."""
+    _axpy_at(OUT, on, C, 0, Y, y0, yn)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _axpy_off(OUT, on, C, c0, Y, yn):  # pragma: no cover - compiled
+    """``OUT[i] += sum_{j < yn} C[i, c0 + j] · Y[j]`` for ``i < on`` (:func:`_axpy_at`): the coefficients read
+    from column ``c0`` on, the terms from ``Y``'s first row."""
+    _axpy_at(OUT, on, C, c0, Y, 0, yn)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
