@@ -47,22 +47,29 @@ _BLOCK = 16   # rows per projection block (a (16, M) buffer stays in L1/L2 while
 _ITEM = 64    # rows per parallel work item of the row-wise kernels
 
 
+@numba.njit(cache=True, fastmath=_FM, inline="always")
+def _project(buf, X, WT, nb, zero):  # pragma: no cover - compiled
+    """``buf[:nb] = X[:nb] WT`` (``X (>= nb, D)``, ``WT (D, M)``, ``buf (>= nb, M)``) through :func:`axpy_rows`."""
+    D, M = WT.shape
+    for i in range(nb):
+        row = buf[i]
+        for j in range(M):
+            row[j] = zero
+    axpy_rows(buf, X, WT, nb, D, M)
+
+
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
 def _query_rows(X, WT, P, cst, is32, r0, r1):  # pragma: no cover - compiled
     """``P[r] = exp(p - max p)`` with ``p = X[r] WT`` for the rows ``r0 <= r < r1`` (``X (R, D)``, ``WT (D, M)``,
     ``P (R, M)``). Each block of rows is projected into a buffer of its own (:func:`axpy_rows`), exponentiated
     there and copied out (writes into argument arrays vectorise less: LLVM must assume they alias the inputs)."""
-    D, M = WT.shape
+    M = WT.shape[1]
     zero = cst[HALF] - cst[HALF]
     buf = np.empty((_BLOCK, M), dtype=P.dtype)
     nbuf = np.empty(M, dtype=np.int32)
     for b0 in range(r0, r1, _BLOCK):
         nb = min(_BLOCK, r1 - b0)
-        for i in range(nb):
-            row = buf[i]
-            for j in range(M):
-                row[j] = zero
-        axpy_rows(buf, X[b0:], WT, nb, D, M)
+        _project(buf, X[b0:], WT, nb, zero)
         for i in range(nb):
             row = buf[i]
             m = row[0]
@@ -94,11 +101,7 @@ def _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, n0, n1):  # pragma: no cove
         low = -ninf
         for b0 in range(0, L, _BLOCK):
             nb = min(_BLOCK, L - b0)
-            for i in range(nb):
-                row = buf[i]
-                for j in range(M):
-                    row[j] = zero
-            axpy_rows(buf, Xn[b0:], WT, nb, D, M)
+            _project(buf, Xn[b0:], WT, nb, zero)
             for i in range(nb):
                 row = buf[i]
                 out = Pn[b0 + i]
