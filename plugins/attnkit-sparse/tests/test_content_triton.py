@@ -67,3 +67,27 @@ def test_triton_backend_matches_torch_backend(name, causal, monkeypatch):
     torch.testing.assert_close(outs[0], outs[1], **TOL)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("causal, padding", [(False, False), (True, True)])
+def test_routing_cluster_width_not_a_power_of_two(causal, padding):
+    """70 tokens in 4 clusters route 18 rows each: the triton path widens every cluster to 32 slots (the unused ones
+    masked as queries and keys) instead of refusing the block size, and still equals the torch backend."""
+    tri, ref = _pair("routing", dict(num_clusters=4, num_heads=2, head_dim=8))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 70, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    kpm = None
+    if padding:
+        kpm = torch.ones(2, 70, dtype=torch.bool)
+        kpm[0, :3] = False                                         # position 0, where the unused slots point
+        k, v = (t.masked_fill(~kpm[:, None, :, None], float("nan")) for t in (k, v))
+    outs, grads = [], []
+    for mod in (tri, ref):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = mod(*leaves, causal=causal, key_padding_mask=kpm)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.sum(), leaves))
+    assert torch.isfinite(outs[0]).all()
+    torch.testing.assert_close(outs[0], outs[1], **TOL)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), **TOL)

@@ -201,7 +201,15 @@ class RoutingAttention(Attention):
         kpm = None if kpm is None else kpm.to(q.device)
         qi, qok, ki, kok, near = route(q, k, self.centroids_for(q), kpm, nearest=True)   # (B, H, C, W)
         C, W = qi.shape[2], qi.shape[3]
-        if kpm is None and not ctx.causal:   # every slot used, no element mask: one all-true bank for all heads
+        if ctx.backend == "triton" and (W < 16 or W & (W - 1)):
+            # the triton kernels take blocks of a power of two >= 16 rows: each cluster gets unused slots (index 0,
+            # masked out as query and as key) up to that size, which the bank below excludes
+            qi, qok, ki, kok = _pad_slots(qi, qok, ki, kok, max(16, 1 << (W - 1).bit_length()))
+            W = qi.shape[3]
+            padded = True
+        else:
+            padded = False
+        if kpm is None and not ctx.causal and not padded:   # every slot used, no element mask: one all-true bank for all heads
             plan = self._full_plan(C, W, q.device)
         else:
             bank = qok[..., :, None] & kok[..., None, :]
@@ -275,3 +283,10 @@ class RoutingAttention(Attention):
             0, dest.reshape(-1), w[:, None] * out_s.reshape(-1, E).to(acc))
         den = torch.zeros(B * H * L, dtype=acc, device=q.device).index_add(0, dest.reshape(-1), w)
         return num / torch.where(den > 0, den, torch.ones_like(den))[:, None]
+
+
+def _pad_slots(qi: Tensor, qok: Tensor, ki: Tensor, kok: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each cluster's ``(B, H, C, W)`` slots widened to ``width`` with unused slots (position 0, not ok)."""
+    pad = width - qi.shape[-1]
+    grow = (lambda t: torch.nn.functional.pad(t, (0, pad)))
+    return grow(qi), grow(qok), grow(ki), grow(kok)
