@@ -209,7 +209,7 @@ class RoutingAttention(Attention):
             padded = True
         else:
             padded = False
-        if kpm is None and not ctx.causal and not padded:   # every slot used, no element mask: one all-true bank for all heads
+        if kpm is None and not ctx.causal and not padded:   # every slot used: one all-true bank for all heads
             plan = self._full_plan(C, W, q.device)
         else:
             bank = qok[..., :, None] & kok[..., None, :]
