@@ -170,6 +170,26 @@ def test_state_in_forward_trains_segment_by_segment():
     torch.testing.assert_close(torch.cat(outs, 2), full.detach())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_state_made_for_cuda_takes_inputs_on_cuda_0():
+    """init_state(device="cuda") names no index while tensors on the GPU carry one (cuda:0): the state resolves it,
+    so stepping with inputs on that GPU is not refused as another device (found on an H100, session 26)."""
+    attn = attnkit.build("softmax")
+    st = attn.init_state(1, device="cuda", dtype=torch.float32)
+    assert st.device.index is not None
+    q = torch.randn(1, 2, 1, 4, device="cuda")
+    out, st = attn.step(q, q, q, st)
+    assert out.device == q.device and st.position == 1
+
+
+def test_state_device_without_an_index_is_the_tensor_device():
+    from attnkit.state import _resolved
+
+    assert _resolved(None) is None
+    assert _resolved("cpu") == torch.empty(0).device
+    assert _resolved(torch.device("meta")) == torch.empty(0, device="meta").device
+
+
 def test_states_are_validated_never_cast():
     attn = attnkit.build("softmax")
     q, k, v = qkv()

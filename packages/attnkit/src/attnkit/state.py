@@ -50,7 +50,7 @@ class AttentionState:
         self.owner = owner
         self.batch = batch
         self.dtype = dtype
-        self.device = device
+        self.device = _resolved(device)
         self.position = position
         self.data = data
 
@@ -90,3 +90,14 @@ class AttentionState:
         dt = str(self.dtype).removeprefix("torch.") if self.dtype else "any dtype"
         return (f"AttentionState({self.owner[0]!r}, batch={self.batch}, position={self.position}, "
                 f"{dt}, device={self.device or 'any'})")
+
+
+def _resolved(device: torch.device | str | None) -> torch.device | None:
+    """``device`` with its index filled in (``"cuda"`` -> ``cuda:0`` on the current GPU), so that a state made
+    with ``device="cuda"`` matches tensors on ``cuda:0``: a tensor's device always carries its index."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        device = torch.empty(0, device=device).device
+    return device
