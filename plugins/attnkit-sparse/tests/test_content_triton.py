@@ -69,16 +69,25 @@ def test_triton_backend_matches_torch_backend(name, causal, monkeypatch):
         torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.parametrize("L, clusters", [(70, 4), (300, 2)])
 @pytest.mark.parametrize("causal, padding", [(False, False), (True, True)])
-def test_routing_cluster_width_not_a_power_of_two(causal, padding):
+def test_routing_cluster_widths_on_triton(L, clusters, causal, padding, monkeypatch):
     """70 tokens in 4 clusters route 18 rows each: the triton path widens every cluster to 32 slots (the unused ones
-    masked as queries and keys) instead of refusing the block size, and still equals the torch backend."""
-    tri, ref = _pair("routing", dict(num_clusters=4, num_heads=2, head_dim=8))
+    masked as queries and keys) instead of refusing the block size. 300 tokens in 2 clusters route 150 rows, widened
+    to 256 and cut into 64 x 64 blocks (a 1,024-row cluster as one block never finished compiling on an H100).
+    Both equal the torch backend."""
+    from attnkit_sparse.engine import triton_ops
+
+    blocks = []
+    real = triton_ops.attend
+    monkeypatch.setattr(triton_ops, "attend", lambda q, k, v, plan, *a, **kw: blocks.append(plan.block_size[0])
+                        or real(q, k, v, plan, *a, **kw))
+    tri, ref = _pair("routing", dict(num_clusters=clusters, num_heads=2, head_dim=8))
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, 2, 70, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, L, 8, generator=g, dtype=torch.float64) for _ in range(3))
     kpm = None
     if padding:
-        kpm = torch.ones(2, 70, dtype=torch.bool)
+        kpm = torch.ones(2, L, dtype=torch.bool)
         kpm[0, :3] = False                                         # position 0, where the unused slots point
         k, v = (t.masked_fill(~kpm[:, None, :, None], float("nan")) for t in (k, v))
     outs, grads = [], []
@@ -87,6 +96,7 @@ def test_routing_cluster_width_not_a_power_of_two(causal, padding):
         out = mod(*leaves, causal=causal, key_padding_mask=kpm)
         outs.append(out)
         grads.append(torch.autograd.grad(out.sum(), leaves))
+    assert blocks and max(blocks) <= 64 and min(blocks) >= 16
     assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[0], outs[1], **TOL)
     for a, b in zip(*grads):

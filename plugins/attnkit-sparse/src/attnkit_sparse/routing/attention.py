@@ -193,8 +193,6 @@ class RoutingAttention(Attention):
         return self._attend_clusters(q, k, v, ctx)
 
     def _attend_clusters(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
-        from ..engine import explicit_plan
-
         B, H, L, D = q.shape
         E = v.shape[-1]
         kpm = ctx.key_padding_mask
@@ -209,14 +207,16 @@ class RoutingAttention(Attention):
             padded = True
         else:
             padded = False
+        # triton tiles a cluster wider than 64 rows (16K tokens in 16 clusters: 1,024) into 64 x 64 blocks: one
+        # 1,024-row block would be one kernel tile, which the compiler cannot build in reasonable time
+        tile = min(W, _TRITON_TILE) if ctx.backend == "triton" else W
         if kpm is None and not ctx.causal and not padded:   # every slot used: one all-true bank for all heads
-            plan = self._full_plan(C, W, q.device)
+            plan = self._full_plan(C, W, tile, q.device)
         else:
             bank = qok[..., :, None] & kok[..., None, :]
             if ctx.causal:
                 bank = bank & (ki[..., None, :] <= qi[..., :, None])
-            kv_idx = torch.arange(C, device=q.device).view(1, 1, C, 1).expand(B, H, C, 1)
-            plan = explicit_plan(kv_idx, bank.view(B, H, C, 1, W, W), C * W, C * W)
+            plan = _cluster_plan(bank, tile)
         if ctx.backend == "numba":
             out = self._gather_attend_combine_numba(q, k, v, qi, qok, ki, plan, ctx.scale)
         else:
@@ -225,19 +225,15 @@ class RoutingAttention(Attention):
             self._update(q.to(wide(q.dtype)), k.to(wide(k.dtype)), kpm, near)
         return out.view(B, H, L, E)
 
-    def _full_plan(self, C: int, W: int, device: torch.device) -> Any:
+    def _full_plan(self, C: int, W: int, tile: int, device: torch.device) -> Any:
         """The block-diagonal plan of ``C`` clusters of ``W`` rows with no element mask (index dims ``(1, 1)``),
         cached: without causal or key padding every routed slot is used and every pair of a cluster attended."""
-        from ..engine import explicit_plan
-
-        key = (C, W, str(device))
+        key = (C, W, tile, str(device))
         cache = self.__dict__.setdefault("_plans", {})
         if key not in cache:
             if len(cache) > 8:
                 cache.clear()
-            kv_idx = torch.arange(C, device=device).view(1, 1, C, 1)
-            cache[key] = explicit_plan(kv_idx, torch.ones(1, 1, C, 1, W, W, dtype=torch.bool, device=device),
-                                       C * W, C * W)
+            cache[key] = _cluster_plan(torch.ones(1, 1, C, W, W, dtype=torch.bool, device=device), tile)
         return cache[key]
 
     def _gather_attend_combine_numba(self, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor,
@@ -283,6 +279,25 @@ class RoutingAttention(Attention):
             0, dest.reshape(-1), w[:, None] * out_s.reshape(-1, E).to(acc))
         den = torch.zeros(B * H * L, dtype=acc, device=q.device).index_add(0, dest.reshape(-1), w)
         return num / torch.where(den > 0, den, torch.ones_like(den))[:, None]
+
+
+#: the largest block the triton kernels get from routing (a cluster wider than this is tiled)
+_TRITON_TILE = 64
+
+
+def _cluster_plan(bank: Tensor, tile: int) -> Any:
+    """The block-diagonal plan of ``C`` clusters from their element masks ``bank`` ``(B', H', C, W, W)`` (query
+    slot x key slot), each cluster cut into ``(W / tile)**2`` blocks of ``tile x tile``: query block ``i`` of
+    cluster ``c`` visits the cluster's key blocks ``c·n .. c·n + n - 1`` (``n = W / tile``)."""
+    from ..engine import explicit_plan
+
+    bp, hp, C, W, _ = bank.shape
+    n = W // tile
+    blocks = (bank.view(bp, hp, C, n, tile, n, tile).permute(0, 1, 2, 3, 5, 4, 6)
+              .reshape(bp, hp, C * n, n, tile, tile))
+    first = torch.arange(C, device=bank.device).repeat_interleave(n) * n          # (C·n,): the cluster's first block
+    kv_idx = (first[:, None] + torch.arange(n, device=bank.device)).expand(bp, hp, C * n, n)
+    return explicit_plan(kv_idx, blocks, C * W, C * W)
 
 
 def _pad_slots(qi: Tensor, qok: Tensor, ki: Tensor, kok: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
