@@ -64,6 +64,23 @@ def check_positions(name: str, value: Any) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def content_backend_order(backends: tuple[str, ...], device: torch.device, dtype: torch.dtype,
+                          block: int | None) -> tuple[str, ...]:
+    """``auto``'s order for the content-based modules (lsh, routing, sinkhorn): ``triton`` first for float16 and
+    bfloat16 inputs on CUDA when the attention block (``block``: lsh's bucket, sinkhorn's block; None for routing,
+    which tiles its clusters itself) is a power of two from 16 to 128; the declared order (numba, torch, triton)
+    otherwise.
+
+    Measured on an H100 in bfloat16 at L = 16,384 (docs/benchmarks.md, "GPU run 4"): triton against torch 1.8x /
+    2.0x (lsh), 2.0x / 2.9x (routing), 1.2x / 1.2x (sinkhorn), forward / forward+backward. float32 stays on torch:
+    the engine's triton backward is slow there (IEEE products) and the content-based triton path is untimed in it.
+    """
+    fits = block is None or (16 <= block <= 128 and block & (block - 1) == 0)
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and fits and "triton" in backends:
+        return ("triton", *(b for b in backends if b != "triton"))
+    return tuple(backends)
+
+
 def check_grid(name: str, value: Any) -> tuple[int, int] | int | None:
     """None, an int (columns per row) or a pair (rows, cols) of ints >= 1."""
     if value is None:

@@ -23,7 +23,7 @@ from attnkit import Attention
 from attnkit.context import CallContext
 
 from .._half import is_half, wide
-from ..base import check_int
+from ..base import check_int, content_backend_order
 from .hashing import buckets, n_buckets, real_lengths, rotations, sort_rounds, sort_rounds_inverse, unit
 
 __all__ = ["LSHAttention"]
@@ -98,7 +98,8 @@ class LSHAttention(Attention):
         head_dim: head dimension D; when given, inputs with another D are refused.
         scale: multiplier of q·k̂; None means 1/sqrt(D).
         backend: "auto", "numba" (CPU kernels), "torch" (any device) or "triton" (CUDA kernels
-            for the attention inside the reordered blocks; block sizes powers of two >= 16; forced only).
+            for the attention inside the reordered blocks; block sizes powers of two >= 16). ``auto`` picks
+            triton on CUDA for float16/bfloat16 inputs (measured faster than torch there), torch for float32.
 
     Raises:
         InvalidInputError: an option out of range (named), or inputs the base class refuses.
@@ -204,6 +205,10 @@ class LSHAttention(Attention):
         if not bool(alone.any()):
             return out
         return torch.where(alone[..., None], v, out)                    # no pair in any round: itself only
+
+    def backend_order(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        """``auto``: triton first for half inputs on CUDA (measured), see :func:`..base.content_backend_order`."""
+        return content_backend_order(tuple(self.caps.backends), device, dtype, self.bucket_size)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         if is_half(q.dtype):

@@ -20,7 +20,7 @@ from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
 from .._half import is_half, wide
-from ..base import check_int
+from ..base import check_int, content_backend_order
 from .clusters import route, unit
 
 __all__ = ["RoutingAttention"]
@@ -73,7 +73,8 @@ class RoutingAttention(Attention):
         head_dim: head dimension D; when given, the centroids are created at build.
         scale: multiplier of q·k; None means 1/sqrt(D).
         backend: "auto", "numba" (CPU kernels), "torch" (any device) or "triton" (CUDA kernels
-            for the attention inside the reordered blocks; block sizes powers of two >= 16; forced only).
+            for the attention inside the reordered blocks; block sizes powers of two >= 16). ``auto`` picks
+            triton on CUDA for float16/bfloat16 inputs (measured faster than torch there), torch for float32.
 
     Raises:
         InvalidInputError: an option out of range (named); inputs whose D differs from the centroids'.
@@ -182,6 +183,10 @@ class RoutingAttention(Attention):
             mean = sums / counts.clamp(min=1)
             new = unit(self.decay * old + (1 - self.decay) * mean)
             self.centroids.copy_(torch.where(counts > 0, new, old).to(self.centroids.dtype))
+
+    def backend_order(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        """``auto``: triton first for half inputs on CUDA (measured), see :func:`..base.content_backend_order`."""
+        return content_backend_order(tuple(self.caps.backends), device, dtype, None)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         if is_half(q.dtype):
