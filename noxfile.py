@@ -24,7 +24,10 @@ nox.options.error_on_missing_interpreters = False
 
 
 def install(session: nox.Session, *args: str) -> None:
-    session.install(*CONSTRAINTS, *args)
+    """pip install through the constraints. ``--no-compile``: pip byte-compiles every installed module (torch's
+    thousands) by default, half of each session's ~50 s install on the 2-core CI machine; Python compiles the
+    modules a session imports when it imports them."""
+    session.install("--no-compile", *CONSTRAINTS, *args)
 
 
 def pytest(session: nox.Session, *args: str) -> None:
@@ -66,16 +69,17 @@ def plugin(session: nox.Session, name: str) -> None:
     session.env["ATTNKIT_STRICT_PLUGINS"] = "1"
     pytest(session, str(path / "tests"), "-m", "not triton")
     siblings = nox_siblings(path)
-    if siblings:  # again with the sibling plugins whose optional fast paths this plugin uses
+    if siblings:  # the tests marked `siblings` again, with the sibling plugins whose optional paths they use
         install(session, *[a for s in siblings for a in ("-e", str(ROOT / "plugins" / s))])
-        pytest(session, str(path / "tests"), "-m", "not triton")
+        pytest(session, str(path / "tests"), "-m", "siblings and not triton")
 
 
 def nox_siblings(path: Path) -> list[str]:
     """``[tool.attnkit.nox] siblings`` of a plugin's pyproject: plugins of this repository it can use.
 
     A plugin must pass with only the core installed; its optional paths through a sibling plugin
-    (an extra, not a dependency: the siblings are not on the package index) are tested in a second run.
+    (an extra, not a dependency: the siblings are not on the package index) are tested in a second run of
+    the tests it marks ``siblings`` (a marker its pytest configuration declares).
     """
     try:
         import tomllib

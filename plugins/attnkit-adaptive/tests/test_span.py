@@ -141,6 +141,7 @@ def test_float32_band_matches_float64_reference(qkv):
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.siblings
 def test_engine_window_agrees_with_hard_span():
     """Cross-check with the sparse engine: an integer span z and R -> 0 is a hard causal window of z + 1 keys."""
     pytest.importorskip("attnkit_sparse")
