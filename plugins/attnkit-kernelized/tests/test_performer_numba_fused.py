@@ -143,3 +143,24 @@ def test_scaled_inputs_without_autograd_fall_back_and_keep_every_row(factor):
     assert torch.isfinite(a).all() and (a.abs().amax(-1) > 0).all()
     torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(a.double(), ref, atol=1e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 37, 256])
+def test_lane_maxima_equal_the_sequential_loop(n):
+    import numba
+    import numpy as np
+
+    from attnkit_kernelized.performer.numba_fused import _LANES, _row_max, _row_min
+
+    @numba.njit
+    def both(row):
+        lanes = np.empty(_LANES, dtype=row.dtype)
+        return _row_max(row, lanes), _row_min(row, lanes)
+
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    assert both(x) == (x.max(), x.min())
+    if n > 1:
+        x[n // 2] = np.nan             # ignored, as by the sequential loop: a NaN only at row[0] wins
+        assert both(x) == (np.nanmax(x), np.nanmin(x))
+    x[0] = np.nan
+    assert all(np.isnan(both(x)))
