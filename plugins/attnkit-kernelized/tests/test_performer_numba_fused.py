@@ -164,3 +164,20 @@ def test_lane_maxima_equal_the_sequential_loop(n):
         assert both(x) == (np.nanmax(x), np.nanmin(x))
     x[0] = np.nan
     assert all(np.isnan(both(x)))
+
+
+def test_a_sequence_stops_at_the_first_block_beyond_the_bound_and_shows_it():
+    q, k, v, w, _, _, _ = _inputs(torch.float64, 70, with_state=False)
+    k = k.clone()
+    k[0, 1, 40] *= 30.0                      # one key far out, in the second block of 32
+    full = fused_causal(q, k, v, w, 0.36, None, None, None, 32)
+    bound = float(full[3][0, 1].amax().abs().max(full[4][0, 1].abs())) / 2
+    out, S, z, hi, lo = fused_causal(q, k, v, w, 0.36, None, None, None, 32, bound)
+    assert hi[0, 1].amax() > bound or lo[0, 1] < -bound     # the caller sees the violation
+    others = torch.ones(2, 3, dtype=torch.bool)
+    others[0, 1] = False
+    within = (full[3].amax(-1) <= bound) & (full[4] >= -bound)
+    keep = others & within                   # sequences within the bound ran to the end: unchanged
+    assert keep.sum() >= 4
+    for a, b in zip((out, S, z, hi, lo), full, strict=True):
+        torch.testing.assert_close(a[keep], b[keep], atol=0, rtol=0)

@@ -264,7 +264,7 @@ class PerformerAttention(KernelizedAttention):
             S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale     # the state relative to exponent 0
         s = self.get_scale(q) ** 0.5
         out, S, z, hi, lo = fused_causal(q, k, v, self.features.to(q.dtype) * s, s * s, padded(kpm), S0, z0,
-                                         self.chunk_size)
+                                         self.chunk_size, bound)
         if not (bool(lo.amin() >= -bound) and bool(hi.amax() <= bound)):
             return None
         ref = hi if m0 is None else torch.maximum(hi, m0)

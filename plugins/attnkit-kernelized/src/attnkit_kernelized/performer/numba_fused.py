@@ -86,12 +86,14 @@ def _row_min(row, lanes):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, S0, z0, out, S_out, z_out, hi, lo, n0,
+def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, n0,
                 n1):  # pragma: no cover - compiled
     """Sequences ``n0 <= n < n1`` of ``Q, K (N, L, D)``, ``V (N, L, E)``: ``out[n]`` the normalised causal linear
     attention of ``phi_q = exp(Q WT - rowmax)``, ``phi_k = exp(K WT - s2h |K|^2)`` (0 where ``pad[n, t]``; ``pad``
     may be ``(N, 0)``) and V from the state ``(S0[n], z0[n])``; the final state into ``S_out[n], z_out[n]``, the
-    largest key exponent per feature into ``hi[n]`` and the smallest into ``lo[n]`` (-inf / +inf: no real key)."""
+    largest key exponent per feature into ``hi[n]`` and the smallest into ``lo[n]`` (-inf / +inf: no real key).
+    A sequence stops at the first block whose key exponents leave ``[-bound, bound]``: its ``hi``/``lo`` then
+    show it, and the caller discards the result."""
     N, L, D = Q.shape
     M = WT.shape[1]
     E = V.shape[2]
@@ -140,6 +142,8 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, S0, z0, out, S_out, z_o
                         h[j] = xc if xc > hj else hj
                     low = min(low, _row_min(row, lanes) - c)
                     exp_row(row, c, nbuf, cst, is32)
+            if low < -bound or _row_max(h, lanes) > bound:
+                break               # the caller discards the result (hi, lo show why)
             for j in range(M):      # transposed (gathering along a column ran 2x faster than scattering rows)
                 d_ = yT[j]
                 for t in range(T):
@@ -198,15 +202,15 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, S0, z0, out, S_out, z_o
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _fused_team(Q, K, V, WT, pad, s2h, cst, is32, chunk, S0, z0, out, S_out, z_out, hi,
+def _fused_team(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi,
                 lo):  # pragma: no cover - compiled
     for n in numba.prange(Q.shape[0]):   # int64: one compile of the row kernel per dtype
         i = np.int64(n)
-        _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, S0, z0, out, S_out, z_out, hi, lo, i, i + 1)
+        _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, i, i + 1)
 
 
 def fused_causal(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None,
-                 S0: Tensor | None, z0: Tensor | None, chunk: int
+                 S0: Tensor | None, z0: Tensor | None, chunk: int, bound: float = float("inf")
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Causal performer attention on positive features, no autograd (the numba backend's bounded path).
 
@@ -217,6 +221,8 @@ def fused_causal(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: 
         pad: ``(B, 1, L, 1)`` bool, True at padded keys, or None.
         S0, z0: the state ``(B, H, M, E)``, ``(B, H, M)`` relative to exponent 0 (None: zeros).
         chunk: positions per block (at most :data:`~attnkit_kernelized.linear.numba_ops.MAX_BLOCK`).
+        bound: a sequence stops at the first block with a key exponent beyond ``[-bound, bound]`` (its output and
+            state are then incomplete, and ``hi``/``lo`` show the violation).
 
     Returns:
         ``(out (B, H, L, E), S (B, H, M, E), z (B, H, M), hi (B, H, M), lo (B, H))`` with ``phi_k = exp(lk)``
@@ -244,8 +250,8 @@ def fused_causal(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: 
         hi = np.empty((N, M), dtype=npdt)
         lo = np.empty(N, dtype=npdt)
         args = (X, Kx, V, arr(w.detach().to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt),
-                npdt == np.float32, max(1, min(int(chunk), MAX_BLOCK)), S0a, z0a, out.numpy().reshape(N, L, E),
-                S, z, hi, lo)
+                npdt == np.float32, max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a,
+                out.numpy().reshape(N, L, E), S, z, hi, lo)
         if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
             rows(_fused_rows, N, *args)
         else:
