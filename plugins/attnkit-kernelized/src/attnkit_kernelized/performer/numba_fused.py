@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, dynamic, rows
+from .._ops import define
 from .._tiles import axpy_rows
 from .._vexp import HALF, constants, exp_row
 from ..linear.numba_ops import MAX_BLOCK
@@ -209,6 +210,47 @@ def _fused_team(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
         _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, i, i + 1)
 
 
+def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
+           z0: Tensor | None, chunk: int, bound: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    B, H, L, D = q.shape
+    M, E, N = w.shape[0], v.shape[-1], B * H
+    dt = q.dtype
+    if (q.device.type != "cpu" or dt not in (torch.float32, torch.float64) or k.dtype != dt or v.dtype != dt
+            or k.shape != q.shape or v.shape[:3] != q.shape[:3]):
+        raise ValueError(f"fused_causal: q, k, v must be float32 or float64 CPU tensors of one dtype and length; "
+                         f"got {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
+    X, Kx, V = (arr(t).reshape(N, L, t.shape[-1]) for t in (q, k, v))
+    padn = (np.zeros((N, 0), dtype=np.bool_) if pad is None
+            else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(N, L)))
+    npdt = X.dtype
+    S0a = np.zeros((N, M, E), dtype=npdt) if S0 is None else arr(S0.to(dt)).reshape(N, M, E)
+    z0a = np.zeros((N, M), dtype=npdt) if z0 is None else arr(z0.to(dt)).reshape(N, M)
+    out = torch.empty(B, H, L, E, dtype=dt)
+    S = np.empty((N, M, E), dtype=npdt)
+    z = np.empty((N, M), dtype=npdt)
+    hi = np.empty((N, M), dtype=npdt)
+    lo = np.empty(N, dtype=npdt)
+    args = (X, Kx, V, arr(w.to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt), npdt == np.float32,
+            max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a, out.numpy().reshape(N, L, E), S, z, hi, lo)
+    if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
+        rows(_fused_rows, N, *args)
+    else:
+        dynamic(_fused_team, *args)
+    return (out, torch.from_numpy(S).view(B, H, M, E), torch.from_numpy(z).view(B, H, M),
+            torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H))
+
+
+def _fused_fake(q, k, v, w, scale, pad, S0, z0, chunk, bound):
+    B, H, L, _ = q.shape
+    M, E = w.shape[0], v.shape[-1]
+    return (q.new_empty(B, H, L, E), q.new_empty(B, H, M, E), q.new_empty(B, H, M), q.new_empty(B, H, M),
+            q.new_empty(B, H))
+
+
+#: ``attnkit_kernelized::numba_performer_fused_causal`` (no autograd: the module calls it only without one)
+numba_performer_fused_causal = define("numba_performer_fused_causal", _fused, _fused_fake)
+
+
 def fused_causal(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None,
                  S0: Tensor | None, z0: Tensor | None, chunk: int, bound: float = float("inf")
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -229,32 +271,11 @@ def fused_causal(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: 
         unshifted: valid only when ``hi`` and ``lo`` lie within the caller's bound (else features may have
         under- or overflowed and the caller must discard the result); ``hi``/``lo`` as in
         :func:`.numba_features.positive_features`.
+
+    Raises:
+        ValueError: inputs that are not float32/float64 CPU tensors of one dtype and length.
     """
-    B, H, L, D = q.shape
-    M, E, N = w.shape[0], v.shape[-1], B * H
-    dt = q.dtype
-    if (q.device.type != "cpu" or dt not in (torch.float32, torch.float64) or k.dtype != dt or v.dtype != dt
-            or k.shape != q.shape or v.shape[:3] != q.shape[:3]):
-        raise ValueError(f"fused_causal: q, k, v must be float32 or float64 CPU tensors of one dtype and length; "
-                         f"got {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
     with torch.no_grad():
-        X, Kx, V = (arr(t).reshape(N, L, t.shape[-1]) for t in (q, k, v))
-        padn = (np.zeros((N, 0), dtype=np.bool_) if pad is None
-                else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(N, L)))
-        npdt = X.dtype
-        S0a = np.zeros((N, M, E), dtype=npdt) if S0 is None else arr(S0.to(dt)).reshape(N, M, E)
-        z0a = np.zeros((N, M), dtype=npdt) if z0 is None else arr(z0.to(dt)).reshape(N, M)
-        out = torch.empty(B, H, L, E, dtype=dt)
-        S = np.empty((N, M, E), dtype=npdt)
-        z = np.empty((N, M), dtype=npdt)
-        hi = np.empty((N, M), dtype=npdt)
-        lo = np.empty(N, dtype=npdt)
-        args = (X, Kx, V, arr(w.detach().to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt),
-                npdt == np.float32, max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a,
-                out.numpy().reshape(N, L, E), S, z, hi, lo)
-        if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
-            rows(_fused_rows, N, *args)
-        else:
-            dynamic(_fused_team, *args)
-    return (out, torch.from_numpy(S).view(B, H, M, E), torch.from_numpy(z).view(B, H, M),
-            torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H))
+        return numba_performer_fused_causal(q.detach(), k.detach(), v.detach(), w.detach(), float(scale), pad,
+                                            None if S0 is None else S0.detach(),
+                                            None if z0 is None else z0.detach(), int(chunk), float(bound))
