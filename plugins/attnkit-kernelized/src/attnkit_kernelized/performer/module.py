@@ -230,6 +230,50 @@ class PerformerAttention(KernelizedAttention):
                 return out
         return self._log_space_causal(q, k, v, kpm, state, self.chunk_size)
 
+    def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                  backend: str) -> tuple[Tensor, Any]:
+        out = self._fused_causal(q, k, v, kpm, state, backend)
+        return out if out is not None else super()._segments(q, k, v, kpm, state, backend)
+
+    def _fused_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                      backend: str) -> tuple[Tensor, Any] | None:
+        """The positive map's causal form without autograd on the numba backend: the whole sequence in one
+        kernel call that forms the features block by block and never writes them (:mod:`.numba_fused`), or None
+        (the segments of :meth:`_causal_segment`). Taken when no input (state included) needs a gradient; its
+        result is discarded for the segments when a key exponent (or the state's reference) lies beyond
+        :data:`BOUNDED_EXPONENT`, as :meth:`_bounded_causal` decides per segment."""
+        if (self.feature_map != "positive" or torch.compiler.is_compiling() or q.shape[2] == 0
+                or q.dtype not in (torch.float32, torch.float64)):
+            return None
+        tensors = (q, k, v) if state is None else (q, k, v, *state)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None
+        if runnable_backend(backend, q, k, v) != "numba":
+            return None
+        from .numba_fused import fused_causal
+
+        bound = BOUNDED_EXPONENT[q.dtype]
+        fresh = state is None
+        S0 = z0 = m0 = None
+        if not fresh:
+            S0r, z0r, m0 = (t.detach() for t in state)
+            seen = m0 > NO_KEY / 2
+            if not bool(((m0.abs() <= bound) | ~seen).all()):
+                return None
+            scale = torch.where(seen, torch.exp(torch.where(seen, m0, torch.zeros_like(m0))), torch.zeros_like(m0))
+            S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale     # the state relative to exponent 0
+        s = self.get_scale(q) ** 0.5
+        out, S, z, hi, lo = fused_causal(q, k, v, self.features.to(q.dtype) * s, s * s, padded(kpm), S0, z0,
+                                         self.chunk_size, bound)
+        if not (bool(lo.amin() >= -bound) and bool(hi.amax() <= bound)):
+            return None
+        ref = hi if m0 is None else torch.maximum(hi, m0)
+        seen_end = ref > NO_KEY / 2
+        ref = torch.where(seen_end, ref, torch.full_like(ref, NO_KEY))
+        back = torch.where(seen_end, torch.exp(-torch.where(seen_end, ref, torch.zeros_like(ref))),
+                           torch.zeros_like(ref))
+        return out, (S * back.unsqueeze(-1), z * back, ref)
+
     def _bounded_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                         backend: str) -> tuple[Tensor, Any] | None:
         """The positive map's causal form on the linear kernels when every key exponent (and the state's

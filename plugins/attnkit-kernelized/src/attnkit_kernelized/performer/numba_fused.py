@@ -1,0 +1,281 @@
+# ruff: noqa: E702  -- the kernel reads best one short statement group per line
+"""The performer's causal forward without autograd in one numba kernel: features and product fused.
+
+:mod:`.numba_features` writes the positive features ``phi_q``, ``phi_k`` (each
+``(B, H, L, M)``, 4x the size of q at M = 4D) and the linear product
+(:mod:`attnkit_kernelized.linear.numba_ops`) reads them back: at L = 8,192, M = 256 that
+is 128 MiB of fresh pages written and read per call, where the page faults alone cost
+about as much as the exponentials. When no gradient is needed the features are never
+kept, so here each sequence is walked once in blocks of ``chunk`` positions, and per
+block:
+
+* the block's query and key projections ``X W'^T`` go into buffers that stay in cache
+  (:func:`attnkit_kernelized._tiles.axpy_rows`), are shifted as in :mod:`.numba_features`
+  (queries: their row maximum; keys: ``|k'|^2/2``, 0 at padded keys, whatever they hold)
+  and exponentiated there (:func:`attnkit_kernelized._vexp.exp_row`); the key pass also
+  updates each feature's largest exponent and the sequence's smallest (the bounds the
+  caller checks afterwards: beyond them the result is discarded for the log-space form);
+* the causal product of :func:`attnkit_kernelized.linear.numba_ops._causal_rows`
+  (forward mode, normalised): ``out = x S`` from the earlier blocks' state, the causal
+  triangle, ``S += y^T v``, ``z += sum y``.
+
+The same arithmetic as the unfused path (features, then the product in blocks of
+``min(chunk, MAX_BLOCK)``), in one pass; ``tests/test_performer_numba_fused.py`` holds it
+to the unfused kernels and the torch expressions in float64.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._busy import kernel_thread_count
+from .._numba import FASTMATH, arr, dynamic, rows
+from .._ops import define
+from .._tiles import axpy_rows
+from .._vexp import HALF, constants, exp_row
+from ..linear.numba_ops import MAX_BLOCK
+from .numba_features import _project
+
+_FM = FASTMATH
+_LANES = 16
+
+
+@numba.njit(cache=True, fastmath=_FM, inline="always")
+def _row_max(row, lanes):  # pragma: no cover - compiled
+    """``max(row)`` through ``lanes`` (16) running maxima: a ``select`` reduction vectorises only with ``nnan``,
+    which the kernels do not assume. NaN as the sequential loop gives it (a NaN at ``row[0]`` only)."""
+    n = row.shape[0]
+    x0 = row[0]
+    for i in range(_LANES):
+        lanes[i] = x0
+    nl = n - n % _LANES
+    for b in range(0, nl, _LANES):
+        seg = row[b:]
+        for i in range(_LANES):
+            x = seg[i]; a = lanes[i]
+            lanes[i] = x if x > a else a
+    m = x0
+    for i in range(_LANES):
+        m = lanes[i] if lanes[i] > m else m
+    for j in range(nl, n):
+        m = row[j] if row[j] > m else m
+    return m
+
+
+@numba.njit(cache=True, fastmath=_FM, inline="always")
+def _row_min(row, lanes):  # pragma: no cover - compiled
+    """``min(row)``, as :func:`_row_max`."""
+    n = row.shape[0]
+    x0 = row[0]
+    for i in range(_LANES):
+        lanes[i] = x0
+    nl = n - n % _LANES
+    for b in range(0, nl, _LANES):
+        seg = row[b:]
+        for i in range(_LANES):
+            x = seg[i]; a = lanes[i]
+            lanes[i] = x if x < a else a
+    m = x0
+    for i in range(_LANES):
+        m = lanes[i] if lanes[i] < m else m
+    for j in range(nl, n):
+        m = row[j] if row[j] < m else m
+    return m
+
+
+@numba.njit(cache=True, fastmath=_FM, nogil=True)
+def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, n0,
+                n1):  # pragma: no cover - compiled
+    """Sequences ``n0 <= n < n1`` of ``Q, K (N, L, D)``, ``V (N, L, E)``: ``out[n]`` the normalised causal linear
+    attention of ``phi_q = exp(Q WT - rowmax)``, ``phi_k = exp(K WT - s2h |K|^2)`` (0 where ``pad[n, t]``; ``pad``
+    may be ``(N, 0)``) and V from the state ``(S0[n], z0[n])``; the final state into ``S_out[n], z_out[n]``, the
+    largest key exponent per feature into ``hi[n]`` and the smallest into ``lo[n]`` (-inf / +inf: no real key).
+    A sequence stops at the first block whose key exponents leave ``[-bound, bound]``: its ``hi``/``lo`` then
+    show it, and the caller discards the result."""
+    N, L, D = Q.shape
+    M = WT.shape[1]
+    E = V.shape[2]
+    has_pad = pad.shape[1] > 0
+    zero = cst[HALF] - cst[HALF]
+    ninf = -np.inf * cst[HALF] * 2   # typed -inf
+    xb = np.empty((chunk, M), dtype=Q.dtype)   # the block's query features
+    yb = np.empty((chunk, M), dtype=Q.dtype)   # the block's key features
+    yT = np.empty((M, chunk), dtype=Q.dtype)   # ... transposed
+    A = np.empty((chunk, chunk), dtype=Q.dtype)
+    ob = np.empty((chunk, E), dtype=Q.dtype)
+    nbuf = np.empty(M, dtype=np.int32)
+    lanes = np.empty(_LANES, dtype=Q.dtype)
+    hb = np.empty(M, dtype=Q.dtype)      # hi[n] (a local buffer: updates of an argument array vectorise less)
+    for n in range(n0, n1):
+        qn = Q[n]; kn = K[n]; vn = V[n]; outn = out[n]
+        S = S0[n].copy()
+        z = z0[n].copy()
+        h = hb
+        for j in range(M):
+            h[j] = ninf
+        low = -ninf
+        for c0 in range(0, L, chunk):
+            c1 = min(c0 + chunk, L)
+            T = c1 - c0
+            # ---- features of the block: queries shifted by their row maximum, keys by |k'|^2/2
+            _project(xb, qn[c0:], WT, T, zero)
+            for t in range(T):
+                row = xb[t]
+                exp_row(row, _row_max(row, lanes), nbuf, cst, is32)
+            _project(yb, kn[c0:], WT, T, zero)
+            for t in range(T):
+                row = yb[t]
+                if has_pad and pad[n, c0 + t]:
+                    for j in range(M):
+                        row[j] = zero
+                else:
+                    kr = kn[c0 + t]
+                    sq = zero
+                    for d in range(D):
+                        sq += kr[d] * kr[d]
+                    c = s2h * sq
+                    for j in range(M):
+                        xc = row[j] - c
+                        hj = h[j]
+                        h[j] = xc if xc > hj else hj
+                    low = min(low, _row_min(row, lanes) - c)
+                    exp_row(row, c, nbuf, cst, is32)
+            if low < -bound or _row_max(h, lanes) > bound:
+                break               # the caller discards the result (hi, lo show why)
+            for j in range(M):      # transposed (gathering along a column ran 2x faster than scattering rows)
+                d_ = yT[j]
+                for t in range(T):
+                    d_[t] = yb[t, j]
+            xc = xb[:T]; wc = vn[c0:c1]; oc = ob[:T]
+            for t in range(T):
+                o_ = oc[t]
+                for e in range(E):
+                    o_[e] = zero
+            # ---- the product (as linear.numba_ops._causal_rows, forward, normalised)
+            axpy_rows(oc, xc, S, T, M, E)
+            for i in range(0, T, 4):
+                r = min(4, T - i)
+                n16 = min(T, (i + r + 15) // 16 * 16)
+                for t in range(r):
+                    a_ = A[i + t]
+                    for j in range(n16):
+                        a_[j] = zero
+                axpy_rows(A[i:], xc[i:], yT, r, M, n16)
+                for t in range(r):
+                    a_ = A[i + t]
+                    for j in range(i + t + 1, i + r):
+                        a_[j] = zero
+                axpy_rows(oc[i:], A[i:], wc, r, i + r, E)
+                for t in range(r):
+                    a_ = A[i + t]
+                    s = zero
+                    for j in range(i + t + 1):
+                        s += a_[j]
+                    xa = xc[i + t]
+                    for m in range(M):
+                        s += xa[m] * z[m]
+                    ot = oc[i + t]
+                    if s == 0:     # no key visible: 0 (NaN stays NaN)
+                        for e in range(E):
+                            ot[e] = zero
+                    else:
+                        rr = 1 / s
+                        for e in range(E):
+                            ot[e] *= rr
+            for t in range(T):
+                o_ = oc[t]; d_ = outn[c0 + t]
+                for e in range(E):
+                    d_[e] = o_[e]
+            axpy_rows(S, yT, wc, M, T, E)
+            for m in range(M):
+                yr = yT[m]
+                s = zero
+                for t in range(T):
+                    s += yr[t]
+                z[m] += s
+        S_out[n] = S
+        z_out[n] = z
+        lo[n] = low
+        hi[n] = hb
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _fused_team(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi,
+                lo):  # pragma: no cover - compiled
+    for n in numba.prange(Q.shape[0]):   # int64: one compile of the row kernel per dtype
+        i = np.int64(n)
+        _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, i, i + 1)
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
+           z0: Tensor | None, chunk: int, bound: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    B, H, L, D = q.shape
+    M, E, N = w.shape[0], v.shape[-1], B * H
+    dt = q.dtype
+    if (q.device.type != "cpu" or dt not in (torch.float32, torch.float64) or k.dtype != dt or v.dtype != dt
+            or k.shape != q.shape or v.shape[:3] != q.shape[:3]):
+        raise ValueError(f"fused_causal: q, k, v must be float32 or float64 CPU tensors of one dtype and length; "
+                         f"got {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
+    X, Kx, V = (arr(t).reshape(N, L, t.shape[-1]) for t in (q, k, v))
+    padn = (np.zeros((N, 0), dtype=np.bool_) if pad is None
+            else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(N, L)))
+    npdt = X.dtype
+    S0a = np.zeros((N, M, E), dtype=npdt) if S0 is None else arr(S0.to(dt)).reshape(N, M, E)
+    z0a = np.zeros((N, M), dtype=npdt) if z0 is None else arr(z0.to(dt)).reshape(N, M)
+    out = torch.empty(B, H, L, E, dtype=dt)
+    S = np.empty((N, M, E), dtype=npdt)
+    z = np.empty((N, M), dtype=npdt)
+    hi = np.empty((N, M), dtype=npdt)
+    lo = np.empty(N, dtype=npdt)
+    args = (X, Kx, V, arr(w.to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt), npdt == np.float32,
+            max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a, out.numpy().reshape(N, L, E), S, z, hi, lo)
+    if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
+        rows(_fused_rows, N, *args)
+    else:
+        dynamic(_fused_team, *args)
+    return (out, torch.from_numpy(S).view(B, H, M, E), torch.from_numpy(z).view(B, H, M),
+            torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H))
+
+
+def _fused_fake(q, k, v, w, scale, pad, S0, z0, chunk, bound):
+    B, H, L, _ = q.shape
+    M, E = w.shape[0], v.shape[-1]
+    return (q.new_empty(B, H, L, E), q.new_empty(B, H, M, E), q.new_empty(B, H, M), q.new_empty(B, H, M),
+            q.new_empty(B, H))
+
+
+#: ``attnkit_kernelized::numba_performer_fused_causal`` (no autograd: the module calls it only without one)
+numba_performer_fused_causal = define("numba_performer_fused_causal", _fused, _fused_fake)
+
+
+def fused_causal(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None,
+                 S0: Tensor | None, z0: Tensor | None, chunk: int, bound: float = float("inf")
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Causal performer attention on positive features, no autograd (the numba backend's bounded path).
+
+    Args:
+        q, k: ``(B, H, L, D)``; v: ``(B, H, L, E)``; float32 or float64 CPU tensors of one dtype.
+        w: ``(M, D)``, the random projection times ``sqrt(scale)``.
+        scale: the attention scale (``|k'|^2/2 = scale · |k|^2 / 2``).
+        pad: ``(B, 1, L, 1)`` bool, True at padded keys, or None.
+        S0, z0: the state ``(B, H, M, E)``, ``(B, H, M)`` relative to exponent 0 (None: zeros).
+        chunk: positions per block (at most :data:`~attnkit_kernelized.linear.numba_ops.MAX_BLOCK`).
+        bound: a sequence stops at the first block with a key exponent beyond ``[-bound, bound]`` (its output and
+            state are then incomplete, and ``hi``/``lo`` show the violation).
+
+    Returns:
+        ``(out (B, H, L, E), S (B, H, M, E), z (B, H, M), hi (B, H, M), lo (B, H))`` with ``phi_k = exp(lk)``
+        unshifted: valid only when ``hi`` and ``lo`` lie within the caller's bound (else features may have
+        under- or overflowed and the caller must discard the result); ``hi``/``lo`` as in
+        :func:`.numba_features.positive_features`.
+
+    Raises:
+        ValueError: inputs that are not float32/float64 CPU tensors of one dtype and length.
+    """
+    with torch.no_grad():
+        return numba_performer_fused_causal(q.detach(), k.detach(), v.detach(), w.detach(), float(scale), pad,
+                                            None if S0 is None else S0.detach(),
+                                            None if z0 is None else z0.detach(), int(chunk), float(bound))
