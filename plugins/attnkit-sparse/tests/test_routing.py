@@ -264,3 +264,57 @@ def test_nearest_cluster_is_the_first_argmax():
     assert torch.equal(got, s.argmax(2))
     assert int(got[0, 0, 3]) == 0 and int(got[1, 2, 9]) == 0
     assert torch.equal(_nearest(s.float()), s.float().argmax(2))
+
+
+def _top_w_torch(s, inv, real, H, widths, W):
+    """The plain torch expression of :func:`top_w_ascending`: masked scaled scores, ``topk``, ascending positions."""
+    N, C, L = s.shape
+    B = N // H
+    x = s * inv[:, None, :]
+    keep = real.repeat(B // real.shape[0], 1).repeat_interleave(H, 0)[:, None, :] & ~torch.isnan(x)
+    x = torch.where(keep, x, torch.full_like(x, float("-inf")))
+    w = widths.repeat_interleave(H).view(N, 1, 1)
+    val, idx = x.topk(W, -1)
+    ok = (torch.arange(W) < w) & (val > float("-inf"))
+    idx = torch.where(ok, idx, torch.full_like(idx, L)).sort(-1).values
+    ok = idx < L
+    return torch.where(ok, idx, torch.zeros_like(idx)), ok, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("L", [37, 5000])        # 5000: the sampled-threshold path; 37: the whole-row partition
+def test_top_w_kernel_equals_topk_with_padding_nan_and_ties(dtype, L):
+    """The routing kernel's top-w per cluster, ascending, against ``topk`` + ``sort``: padded positions and NaN
+    never routed, a batch element with fewer real positions than its width, unused slots position 0 and not ok;
+    with ties (integer scores), the routed values are the top-w values and ties go to the lowest positions."""
+    from attnkit_sparse.routing._numba import top_w_ascending
+    H, C, W = 2, 3, 16
+    s = torch.randn(2 * H, C, L, dtype=torch.float64, generator=torch.Generator().manual_seed(L)).to(dtype)
+    s[0, 1, 5] = float("nan")
+    inv = torch.rand(2 * H, L, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dtype) + 0.5
+    real = torch.ones(2, L, dtype=torch.bool)
+    real[1, L // 2:] = False
+    real[1, :3] = False
+    widths = torch.tensor([W, 5])
+    idx, ok = top_w_ascending(s.numpy(), inv.numpy(), real.numpy(), H, widths.numpy(), W)
+    want_i, want_ok, _ = _top_w_torch(s, inv, real, H, widths, W)
+    assert torch.equal(torch.from_numpy(ok), want_ok)
+    assert torch.equal(torch.from_numpy(idx), want_i)
+    # ties: integer scores, so the w-th value is shared by many positions
+    t = torch.randint(0, 6, (2 * H, C, L), generator=torch.Generator().manual_seed(3)).to(dtype)
+    one = torch.ones(2 * H, L, dtype=dtype)
+    idx, ok = top_w_ascending(t.numpy(), one.numpy(), real.numpy(), H, widths.numpy(), W)
+    idx, ok = torch.from_numpy(idx), torch.from_numpy(ok)
+    _, want_ok, x = _top_w_torch(t, one, real, H, widths, W)
+    assert torch.equal(ok, want_ok)
+    for n in range(2 * H):
+        for c in range(C):
+            sel = idx[n, c][ok[n, c]]
+            assert torch.all(sel[1:] > sel[:-1])                                # ascending, distinct
+            got_v = x[n, c, sel].sort(descending=True).values
+            want_v = x[n, c].topk(int(ok[n, c].sum())).values
+            assert torch.equal(got_v, want_v)                                  # a top-w set
+            thr = got_v[-1]
+            ties = (x[n, c] == thr).nonzero().flatten()
+            taken = sel[x[n, c, sel] == thr]
+            assert torch.equal(taken, ties[:len(taken)])                       # ties: the lowest positions

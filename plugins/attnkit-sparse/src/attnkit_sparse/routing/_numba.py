@@ -144,3 +144,105 @@ def argmax_clusters(s):  # pragma: no cover - compiled
                     best[j] = row[j]
                     arg[j] = c
     return out
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc):  # pragma: no cover - compiled
+    """Write, in ascending position order, the positions of ``vals`` above ``t`` and the first ``w − g`` equal to
+    it (``g`` of them lie above ``t``), over the candidates ``cand[:nc]`` (ascending) or, with ``nc < 0``,
+    over every position; returns how many were written."""
+    ties = w - g
+    m = 0
+    if nc >= 0:
+        for c in range(nc):
+            p = cand[c]
+            x = vals[p]
+            if x > t or (x == t and ties > 0):
+                if x == t:
+                    ties -= 1
+                out_i[m] = p
+                out_ok[m] = True
+                m += 1
+    else:
+        for p in range(L):
+            x = vals[p]
+            if x > t or (x == t and ties > 0):
+                if x == t:
+                    ties -= 1
+                out_i[m] = p
+                out_ok[m] = True
+                m += 1
+    return m
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
+    """Each cluster's routed positions: for row ``(n, c)`` of the scores ``s`` ``(N, C, L)``, the values
+    ``s[n, c, l]·inv[n, l]`` (``-inf`` where ``real[b, l]`` is False or the value is NaN; ``b = n // H`` modulo
+    ``real``'s rows), the positions of its ``w = min(widths[b], finite values)`` largest, ascending (ties at
+    the w-th value: the lowest positions), into int64 ``idx`` ``(N, C, W)`` and bool ``ok`` (``False`` and
+    position 0 in the unused slots).
+
+    A threshold from a sample of the row (every ``L // 512``-th value) picks about ``2w`` candidates in one
+    pass; the exact ``w``-th value is selected among them (``np.partition``). When the sample's guess does not
+    give between ``w`` and ``8w + 64`` candidates, the whole row is partitioned instead."""
+    N, C, L = s.shape
+    idx = np.zeros((N, C, W), dtype=np.int64)
+    ok = np.zeros((N, C, W), dtype=np.bool_)
+    Rb = real.shape[0]
+    st = max(1, L // 512)
+    ms = (L + st - 1) // st
+    cap = 8 * W + 64
+    for it in numba.prange(N * C):
+        n = it // C
+        c = it % C
+        b = n // H
+        w0 = widths[b % widths.shape[0]]
+        rl = real[b % Rb]
+        row = s[n, c]
+        iv = inv[n]
+        ninf = -np.inf
+        vals = np.empty(L, dtype=s.dtype)
+        nf = 0
+        for p in range(L):
+            x = row[p] * iv[p]
+            ok_ = rl[p] and x == x and x > ninf
+            vals[p] = x if ok_ else ninf
+            nf += 1 if ok_ else 0
+        w = min(w0, nf, W)
+        if w <= 0:
+            continue
+        out_i = idx[n, c]
+        out_ok = ok[n, c]
+        k = (2 * w + st - 1) // st + 1          # sample rank of the guess: about 2w values above it
+        cand = np.empty(cap, dtype=np.int64)
+        nc = -1
+        if k < ms and L > 4 * cap:
+            smp = np.empty(ms, dtype=s.dtype)
+            for j in range(ms):
+                smp[j] = vals[j * st]
+            guess = np.partition(smp, ms - k)[ms - k]
+            if guess > ninf:
+                cnt = 0
+                for p in range(L):
+                    if vals[p] >= guess:
+                        if cnt < cap:
+                            cand[cnt] = p
+                        cnt += 1
+                if w <= cnt <= cap:
+                    nc = cnt
+        if nc >= 0:
+            cv = np.empty(nc, dtype=s.dtype)
+            for j in range(nc):
+                cv[j] = vals[cand[j]]
+            t = np.partition(cv, nc - w)[nc - w]
+            g = 0
+            for j in range(nc):
+                g += 1 if cv[j] > t else 0
+        else:
+            t = np.partition(vals.copy(), L - w)[L - w]
+            g = 0
+            for p in range(L):
+                g += 1 if vals[p] > t else 0
+        _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc)
+    return idx, ok
