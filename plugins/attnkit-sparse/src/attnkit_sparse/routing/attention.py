@@ -22,6 +22,7 @@ from attnkit.errors import InvalidInputError
 from .._half import is_half, wide
 from ..base import check_int, content_backend_order
 from .clusters import route, unit
+from .fused import attend_clusters, use_fused
 
 __all__ = ["RoutingAttention"]
 
@@ -215,14 +216,18 @@ class RoutingAttention(Attention):
         # triton tiles a cluster wider than 64 rows (16K tokens in 16 clusters: 1,024) into 64 x 64 blocks: one
         # 1,024-row block would be one kernel tile, which the compiler cannot build in reasonable time
         tile = min(W, _TRITON_TILE) if ctx.backend == "triton" else W
-        if kpm is None and not ctx.causal and not padded:   # every slot used: one all-true bank for all heads
+        if ctx.backend == "numba" and use_fused(B * H):
+            plan = None                                     # the fused kernels read the clusters directly
+        elif kpm is None and not ctx.causal and not padded:   # every slot used: one all-true bank for all heads
             plan = self._full_plan(C, W, tile, q.device)
         else:
             bank = qok[..., :, None] & kok[..., None, :]
             if ctx.causal:
                 bank = bank & (ki[..., None, :] <= qi[..., :, None])
             plan = _cluster_plan(bank, tile)
-        if ctx.backend == "numba":
+        if ctx.backend == "numba" and use_fused(B * H):
+            out = attend_clusters(q, k, v, qi, qok, ki, kok, causal=ctx.causal, scale=ctx.scale)
+        elif ctx.backend == "numba":
             out = self._gather_attend_combine_numba(q, k, v, qi, qok, ki, plan, ctx.scale)
         else:
             out = self._gather_attend_combine_torch(q, k, v, qi, qok, ki, plan, ctx.scale, ctx.backend)
