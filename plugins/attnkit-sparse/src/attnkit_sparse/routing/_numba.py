@@ -185,7 +185,8 @@ def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
 
     A threshold from a sample of the row (every ``L // 512``-th value) picks about ``2w`` candidates in one
     pass; the exact ``w``-th value is selected among them (``np.partition``). When the sample's guess does not
-    give between ``w`` and ``8w + 64`` candidates, the whole row is partitioned instead."""
+    give between ``w`` and ``8w + 64`` candidates, the whole row is partitioned instead. Work items of up to 8
+    rows of one sequence share their scratch buffers."""
     N, C, L = s.shape
     idx = np.zeros((N, C, W), dtype=np.int64)
     ok = np.zeros((N, C, W), dtype=np.bool_)
@@ -193,56 +194,59 @@ def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
     st = max(1, L // 512)
     ms = (L + st - 1) // st
     cap = 8 * W + 64
-    for it in numba.prange(N * C):
-        n = it // C
-        c = it % C
+    per = 8
+    nci = (C + per - 1) // per
+    for it in numba.prange(N * nci):
+        n = it // nci
         b = n // H
-        w0 = widths[b % widths.shape[0]]
+        w0 = min(widths[b % widths.shape[0]], W)
         rl = real[b % Rb]
-        row = s[n, c]
         iv = inv[n]
         ninf = -np.inf
         vals = np.empty(L, dtype=s.dtype)
-        nf = 0
-        for p in range(L):
-            x = row[p] * iv[p]
-            ok_ = rl[p] and x == x and x > ninf
-            vals[p] = x if ok_ else ninf
-            nf += 1 if ok_ else 0
-        w = min(w0, nf, W)
-        if w <= 0:
-            continue
-        out_i = idx[n, c]
-        out_ok = ok[n, c]
-        k = (2 * w + st - 1) // st + 1          # sample rank of the guess: about 2w values above it
+        smp = np.empty(ms, dtype=s.dtype)
         cand = np.empty(cap, dtype=np.int64)
-        nc = -1
-        if k < ms and L > 4 * cap:
-            smp = np.empty(ms, dtype=s.dtype)
-            for j in range(ms):
-                smp[j] = vals[j * st]
-            guess = np.partition(smp, ms - k)[ms - k]
-            if guess > ninf:
-                cnt = 0
-                for p in range(L):
-                    if vals[p] >= guess:
-                        if cnt < cap:
-                            cand[cnt] = p
-                        cnt += 1
-                if w <= cnt <= cap:
-                    nc = cnt
-        if nc >= 0:
-            cv = np.empty(nc, dtype=s.dtype)
-            for j in range(nc):
-                cv[j] = vals[cand[j]]
-            t = np.partition(cv, nc - w)[nc - w]
-            g = 0
-            for j in range(nc):
-                g += 1 if cv[j] > t else 0
-        else:
-            t = np.partition(vals.copy(), L - w)[L - w]
-            g = 0
+        cv = np.empty(cap, dtype=s.dtype)
+        for c in range((it % nci) * per, min(C, (it % nci + 1) * per)):
+            row = s[n, c]
             for p in range(L):
-                g += 1 if vals[p] > t else 0
-        _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc)
+                x = row[p] * iv[p]
+                vals[p] = x if (rl[p] and x == x) else ninf
+            w = w0
+            if w <= 0:
+                continue
+            k = (2 * w + st - 1) // st + 1          # sample rank of the guess: about 2w values above it
+            nc = -1
+            if k < ms and L > 4 * cap:
+                for j in range(ms):
+                    smp[j] = vals[j * st]
+                guess = np.partition(smp, ms - k)[ms - k]
+                if guess > ninf:
+                    cnt = 0
+                    for p in range(L):
+                        if vals[p] >= guess:
+                            if cnt < cap:
+                                cand[cnt] = p
+                            cnt += 1
+                    if w <= cnt <= cap:
+                        nc = cnt
+            if nc >= 0:
+                for j in range(nc):
+                    cv[j] = vals[cand[j]]
+                t = np.partition(cv[:nc], nc - w)[nc - w]
+                g = 0
+                for j in range(nc):
+                    g += 1 if cv[j] > t else 0
+            else:
+                nf = 0
+                for p in range(L):
+                    nf += 1 if vals[p] > ninf else 0
+                w = min(w, nf)
+                if w <= 0:
+                    continue
+                t = np.partition(vals.copy(), L - w)[L - w]
+                g = 0
+                for p in range(L):
+                    g += 1 if vals[p] > t else 0
+            _take_ascending(vals, L, t, w, g, idx[n, c], ok[n, c], cand, nc)
     return idx, ok

@@ -79,7 +79,7 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
         if nearest:
             near.append(_nearest(s))
         idx, ok = run_parallel(top_w_ascending, s.contiguous().view(B * H, C, L).numpy(),
-                               inv.contiguous().view(B * H, L).numpy(), real, H, wd, W, items=B * H * C)
+                               inv.contiguous().view(B * H, L).numpy(), real, H, wd, W, items=B * H * -(-C // 8))
         out += [torch.from_numpy(idx).view(B, H, C, W), torch.from_numpy(ok).view(B, H, C, W)]
     if nearest:
         return out[0], out[1], out[2], out[3], (near[0], near[1])
