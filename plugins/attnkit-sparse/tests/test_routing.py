@@ -332,3 +332,32 @@ def test_top_w_kernel_equals_topk_with_padding_nan_and_ties(dtype, L):
             ties = (x[n, c] == thr).nonzero().flatten()
             taken = sel[x[n, c, sel] == thr]
             assert torch.equal(taken, ties[:len(taken)])                       # ties: the lowest positions
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_numba_commitment_equals_the_index_add_form_with_gradients(padded):
+    """The CPU commitment term (:func:`attnkit_sparse.routing.gather.commitment`: sums, counts, value and gradient)
+    against the ``index_add`` form the module runs on other devices, float64, with a zero row (norm below the
+    floor) and padded positions."""
+    from attnkit_sparse.routing.attention import RoutingAttention
+    from attnkit_sparse.routing.gather import commitment
+    B, H, L, D, C = 2, 3, 11, 6, 4
+    q, k = rand((B, H, L, D), 1), rand((B, H, L, D), 2)
+    q[1, 2, 3] = 0.0
+    mu = torch.nn.functional.normalize(rand((H, C, D), 3), dim=-1)
+    g = torch.Generator().manual_seed(4)
+    near = (torch.randint(0, C, (B, H, L), generator=g), torch.randint(0, C, (B, H, L), generator=g))
+    kpm = None
+    if padded:
+        kpm = torch.ones(B, L, dtype=torch.bool)
+        kpm[0, -4:] = False
+        kpm[1, 0] = False
+    a = [t.clone().requires_grad_() for t in (q, k)]
+    b = [t.clone().requires_grad_() for t in (q, k)]
+    got = commitment(a[0], a[1], near, kpm, mu)
+    want = RoutingAttention._commitment_torch(b[0], b[1], kpm, near, mu)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12)
+    for x, y in zip(torch.autograd.grad(got[0] * 0.7, a), torch.autograd.grad(want[0] * 0.7, b)):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)

@@ -250,3 +250,73 @@ def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
                     g += 1 if vals[p] > t else 0
             _take_ascending(vals, L, t, w, g, idx[n, c], ok[n, c], cand, nc)
     return idx, ok
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
+def commit_sums(x, near, real, H, C, eps):  # pragma: no cover - compiled
+    """Per sequence ``n`` of ``x`` ``(N, L, D)``: the sums ``(N, C, D)`` of the unit rows ``x̂ = x / max(‖x‖, eps)``
+    by nearest cluster ``near`` ``(N, L)``, their counts ``(N, C)`` and ``Σ ‖x̂‖²`` ``(N,)``, over the real
+    positions (``real[b, l]``, ``b = n // H`` modulo its rows)."""
+    N, L, D = x.shape
+    Rb = real.shape[0]
+    sums = np.zeros((N, C, D), dtype=x.dtype)
+    counts = np.zeros((N, C), dtype=x.dtype)
+    sq = np.zeros(N, dtype=x.dtype)
+    for n in numba.prange(N):
+        rl = real[(n // H) % Rb]
+        acc = 0.0
+        for p in range(L):
+            if not rl[p]:
+                continue
+            xr = x[n, p]
+            n2 = 0.0
+            for d in range(D):
+                n2 += xr[d] * xr[d]
+            nrm = math.sqrt(n2)
+            inv = 1.0 / (nrm if nrm > eps else eps)
+            c = near[n, p]
+            s = sums[n, c]
+            for d in range(D):
+                s[d] += xr[d] * inv
+            counts[n, c] += 1.0
+            acc += n2 * inv * inv
+        sq[n] = acc
+    return sums, counts, sq
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
+def commit_grad(x, near, real, H, mu, coef, eps):  # pragma: no cover - compiled
+    """The gradient in ``x`` ``(N, L, D)`` of ``coef·Σ_l ‖x̂_l − μ_c(l)‖²`` (centroids ``mu`` ``(H, C, D)`` constant,
+    head ``n % H``): ``2·coef·(x̂ − μ)`` through ``x̂ = x / max(‖x‖, eps)``; 0 at padded positions."""
+    N, L, D = x.shape
+    Rb = real.shape[0]
+    out = np.empty_like(x)
+    for n in numba.prange(N):
+        rl = real[(n // H) % Rb]
+        mh = mu[n % H]
+        for p in range(L):
+            o = out[n, p]
+            if not rl[p]:
+                for d in range(D):
+                    o[d] = 0.0
+                continue
+            xr = x[n, p]
+            n2 = 0.0
+            for d in range(D):
+                n2 += xr[d] * xr[d]
+            nrm = math.sqrt(n2)
+            inv = 1.0 / (nrm if nrm > eps else eps)
+            m = mh[near[n, p]]
+            dot = 0.0
+            for d in range(D):
+                u = xr[d] * inv
+                g = 2.0 * coef * (u - m[d])
+                o[d] = g
+                dot += u * g
+            if nrm > eps:
+                for d in range(D):
+                    o[d] = (o[d] - xr[d] * inv * dot) * inv
+            else:
+                for d in range(D):
+                    o[d] = o[d] * inv
+    return out
