@@ -228,7 +228,7 @@ class RoutingAttention(Attention):
         # triton tiles a cluster wider than 64 rows (16K tokens in 16 clusters: 1,024) into 64 x 64 blocks: one
         # 1,024-row block would be one kernel tile, which the compiler cannot build in reasonable time
         tile = min(W, _TRITON_TILE) if ctx.backend == "triton" else W
-        if ctx.backend == "numba" and use_fused(B * H):
+        if ctx.backend == "numba" and use_fused(B * H, W):
             plan = None                                     # the fused kernels read the clusters directly
         elif kpm is None and not ctx.causal and not padded:   # every slot used: one all-true bank for all heads
             plan = self._full_plan(C, W, tile, q.device)
@@ -237,7 +237,7 @@ class RoutingAttention(Attention):
             if ctx.causal:
                 bank = bank & (ki[..., None, :] <= qi[..., :, None])
             plan = _cluster_plan(bank, tile)
-        if ctx.backend == "numba" and use_fused(B * H):
+        if ctx.backend == "numba" and use_fused(B * H, W):
             out = attend_clusters(q, k, v, qi, qok, ki, kok, causal=ctx.causal, scale=ctx.scale)
         elif ctx.backend == "numba":
             out = self._gather_attend_combine_numba(q, k, v, qi, qok, ki, plan, ctx.scale)

@@ -5,7 +5,8 @@ the kernels of :mod:`._fused`, one work item per sequence (``N = B·H``; items h
 by :func:`attnkit.numba_pool.run_items`): no routed copies of q, k, v (nor their gradients' scatter), no engine
 plan, no per-cluster outputs and no separate combination (nor its backward). The backward recomputes the
 probabilities from the union's log-sum-exp. Used when the sequences spread evenly over the threads
-(:func:`use_fused`); otherwise the gathers, the engine and the combination run (:mod:`.gather`).
+and the clusters are at most :data:`MAX_WIDTH` wide (:func:`use_fused`); otherwise the gathers, the engine and
+the combination run (:mod:`.gather`).
 
 float32 and float64 CPU tensors.
 """
@@ -25,12 +26,18 @@ __all__ = ["attend_clusters", "use_fused", "FUSED"]
 FUSED: str | bool = "auto"
 
 
-def use_fused(N: int) -> bool:
+#: the widest cluster the fused kernels take under "auto" (their per-thread score tiles are W x W: 16 MiB in
+#: float32 at 2,048); wider ones (few clusters over a long sequence) run on the engine
+MAX_WIDTH = 2048
+
+
+def use_fused(N: int, W: int) -> bool:
+    """Whether ``N = B·H`` sequences with clusters of ``W`` slots run on the fused kernels (:data:`FUSED`)."""
     if FUSED != "auto":
         return bool(FUSED)
     from attnkit.numba_pool import kernel_threads
     t = kernel_threads()
-    return N % t == 0 or N >= 4 * t
+    return (N % t == 0 or N >= 4 * t) and W <= MAX_WIDTH
 
 
 def _np(x: Tensor) -> Any:
