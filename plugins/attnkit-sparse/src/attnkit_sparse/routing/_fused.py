@@ -144,10 +144,10 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def backward_seq(q, k, v, g, qi, ki, nq, nk, lse, delta, causal, cst, is32, n,
+def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
                  dq, dk, dv):  # pragma: no cover - compiled
     """The gradients of :func:`forward_seq` for sequence ``n`` into ``dq``, ``dk``, ``dv`` ``(N, L, ·)`` (its rows
-    zeroed first)."""
+    zeroed first), with ``Δ = g·out`` per position computed in the same first pass."""
     N, L, D = q.shape
     E = v.shape[2]
     C, W = qi.shape[1], qi.shape[2]
@@ -170,16 +170,20 @@ def backward_seq(q, k, v, g, qi, ki, nq, nk, lse, delta, causal, cst, is32, n,
     lrow = np.empty(W, dtype=dt)
     drow = np.empty(W, dtype=dt)
     nbuf = np.empty(W, dtype=np.int32)
-    qs = q[n]; ks = k[n]; vs = v[n]; gs = g[n]
+    qs = q[n]; ks = k[n]; vs = v[n]; gs = g[n]; os_ = out[n]
     dqn = dq[n]; dkn = dk[n]; dvn = dv[n]
+    dl = np.empty(L, dtype=dt)
     for p in range(L):
         a = dqn[p]; b = dkn[p]
         for d in range(D):
             a[d] = zero
             b[d] = zero
-        c_ = dvn[p]
+        c_ = dvn[p]; gp = gs[p]; op = os_[p]
+        acc = zero
         for e in range(E):
             c_[e] = zero
+            acc += gp[e] * op[e]
+        dl[p] = acc
     for c in range(C):
         qn = nq[n, c]
         kn = nk[n, c]
@@ -198,7 +202,7 @@ def backward_seq(q, k, v, g, qi, ki, nq, nk, lse, delta, causal, cst, is32, n,
                 GT[e, i] = gr[e]
                 gb[e] = gr[e]
             lrow[i] = lse[n, p]
-            drow[i] = delta[n, p]
+            drow[i] = dl[p]
         for i in range(qn, W):
             for d in range(D):
                 QT[d, i] = zero

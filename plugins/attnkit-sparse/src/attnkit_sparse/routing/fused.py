@@ -76,15 +76,13 @@ class _Fused(torch.autograd.Function):
         q, k, v, qi, ki, nq, nk, out, lse = ctx.saved_tensors
         N, L, D = q.shape
         E = v.shape[-1]
-        g = g.contiguous()
-        delta = (g * out).sum(-1)                                        # Δ_i = dO_i · O_i
         qa, ka, va, ga = _np(q), _np(k), _np(v), _np(g)
-        qia, kia, nqa, nka, la, da = _np(qi), _np(ki), _np(nq), _np(nk), _np(lse), _np(delta)
+        qia, kia, nqa, nka, la, oa = _np(qi), _np(ki), _np(nq), _np(nk), _np(lse), _np(out)
         cst = constants(qa.dtype, ctx.scale)
         is32 = qa.dtype == np.float32
         dq, dk = np.empty((N, L, D), dtype=qa.dtype), np.empty((N, L, D), dtype=qa.dtype)
         dv = np.empty((N, L, E), dtype=qa.dtype)
-        _items(lambda n: backward_seq(qa, ka, va, ga, qia, kia, nqa, nka, la, da, bool(ctx.causal), cst, is32, n,
+        _items(lambda n: backward_seq(qa, ka, va, ga, oa, qia, kia, nqa, nka, la, bool(ctx.causal), cst, is32, n,
                                       dq, dk, dv), N)
         return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, None, None
 
