@@ -20,11 +20,23 @@ def _build(**kw):
     return attnkit.build("routing", num_heads=2, head_dim=8, **kw).double().eval()
 
 
+@pytest.fixture(params=["fused", "engine"])
+def numba_path(request, monkeypatch):
+    """The numba backend's two paths: the fused kernels (:mod:`attnkit_sparse.routing.fused`) and the gathers,
+    engine and combination (:mod:`attnkit_sparse.routing.gather`)."""
+    import attnkit_sparse.routing.fused as fused
+    monkeypatch.setattr(fused, "FUSED", request.param == "fused")
+    return request.param
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_backends_match_reference_outputs_and_gradients(backend, causal, padded):
-    B, H, L, D, E = 2, 2, 37, 8, 5
+@pytest.mark.parametrize("B", [2, 3])
+def test_backends_match_reference_outputs_and_gradients(backend, causal, padded, B, numba_path):
+    if backend == "torch" and numba_path == "engine":
+        pytest.skip("one run of the torch backend is enough")
+    H, L, D, E = 2, 37, 8, 5
     attn = _build(num_clusters=4, seed=3, backend=backend)
     q, k, v = rand((B, H, L, D), 1), rand((B, H, L, D), 2), rand((B, H, L, E), 3)
     kpm = None
@@ -32,6 +44,8 @@ def test_backends_match_reference_outputs_and_gradients(backend, causal, padded)
         kpm = torch.ones(B, L, dtype=torch.bool)
         kpm[0, -8:] = False
         kpm[1, [0, 9]] = False
+        if B > 2:
+            kpm[2, 20:] = False                          # a shorter batch element: narrower clusters
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     poisoned = list(leaves)
     if kpm is not None:
@@ -49,7 +63,7 @@ def test_backends_match_reference_outputs_and_gradients(backend, causal, padded)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_one_cluster_is_exact_attention(backend, causal):
+def test_one_cluster_is_exact_attention(backend, causal, numba_path):
     q, k, v = rand((2, 2, 19, 8), 1), rand((2, 2, 19, 8), 2), rand((2, 2, 19, 5), 3)
     attn = _build(num_clusters=1, backend=backend)
     kpm = torch.ones(2, 19, dtype=torch.bool)
@@ -264,3 +278,86 @@ def test_nearest_cluster_is_the_first_argmax():
     assert torch.equal(got, s.argmax(2))
     assert int(got[0, 0, 3]) == 0 and int(got[1, 2, 9]) == 0
     assert torch.equal(_nearest(s.float()), s.float().argmax(2))
+
+
+def _top_w_torch(s, inv, real, H, widths, W):
+    """The plain torch expression of :func:`top_w_ascending`: masked scaled scores, ``topk``, ascending positions."""
+    N, C, L = s.shape
+    B = N // H
+    x = s * inv[:, None, :]
+    keep = real.repeat(B // real.shape[0], 1).repeat_interleave(H, 0)[:, None, :] & ~torch.isnan(x)
+    x = torch.where(keep, x, torch.full_like(x, float("-inf")))
+    w = widths.repeat_interleave(H).view(N, 1, 1)
+    val, idx = x.topk(W, -1)
+    ok = (torch.arange(W) < w) & (val > float("-inf"))
+    idx = torch.where(ok, idx, torch.full_like(idx, L)).sort(-1).values
+    ok = idx < L
+    return torch.where(ok, idx, torch.zeros_like(idx)), ok, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("L", [37, 5000])        # 5000: the sampled-threshold path; 37: the whole-row partition
+def test_top_w_kernel_equals_topk_with_padding_nan_and_ties(dtype, L):
+    """The routing kernel's top-w per cluster, ascending, against ``topk`` + ``sort``: padded positions and NaN
+    never routed, a batch element with fewer real positions than its width, unused slots position 0 and not ok;
+    with ties (integer scores), the routed values are the top-w values and ties go to the lowest positions."""
+    from attnkit_sparse.routing._numba import top_w_ascending
+    H, C, W = 2, 3, 16
+    s = torch.randn(2 * H, C, L, dtype=torch.float64, generator=torch.Generator().manual_seed(L)).to(dtype)
+    s[0, 1, 5] = float("nan")
+    inv = torch.rand(2 * H, L, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dtype) + 0.5
+    real = torch.ones(2, L, dtype=torch.bool)
+    real[1, L // 2:] = False
+    real[1, :3] = False
+    widths = torch.tensor([W, 5])
+    idx, ok = top_w_ascending(s.numpy(), inv.numpy(), real.numpy(), H, widths.numpy(), W)
+    want_i, want_ok, _ = _top_w_torch(s, inv, real, H, widths, W)
+    assert torch.equal(torch.from_numpy(ok), want_ok)
+    assert torch.equal(torch.from_numpy(idx), want_i)
+    # ties: integer scores, so the w-th value is shared by many positions
+    t = torch.randint(0, 6, (2 * H, C, L), generator=torch.Generator().manual_seed(3)).to(dtype)
+    one = torch.ones(2 * H, L, dtype=dtype)
+    idx, ok = top_w_ascending(t.numpy(), one.numpy(), real.numpy(), H, widths.numpy(), W)
+    idx, ok = torch.from_numpy(idx), torch.from_numpy(ok)
+    _, want_ok, x = _top_w_torch(t, one, real, H, widths, W)
+    assert torch.equal(ok, want_ok)
+    for n in range(2 * H):
+        for c in range(C):
+            sel = idx[n, c][ok[n, c]]
+            assert torch.all(sel[1:] > sel[:-1])                                # ascending, distinct
+            got_v = x[n, c, sel].sort(descending=True).values
+            want_v = x[n, c].topk(int(ok[n, c].sum())).values
+            assert torch.equal(got_v, want_v)                                  # a top-w set
+            thr = got_v[-1]
+            ties = (x[n, c] == thr).nonzero().flatten()
+            taken = sel[x[n, c, sel] == thr]
+            assert torch.equal(taken, ties[:len(taken)])                       # ties: the lowest positions
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_numba_commitment_equals_the_index_add_form_with_gradients(padded):
+    """The CPU commitment term (:func:`attnkit_sparse.routing.gather.commitment`: sums, counts, value and gradient)
+    against the ``index_add`` form the module runs on other devices, float64, with a zero row (norm below the
+    floor) and padded positions."""
+    from attnkit_sparse.routing.attention import RoutingAttention
+    from attnkit_sparse.routing.gather import commitment
+    B, H, L, D, C = 2, 3, 11, 6, 4
+    q, k = rand((B, H, L, D), 1), rand((B, H, L, D), 2)
+    q[1, 2, 3] = 0.0
+    mu = torch.nn.functional.normalize(rand((H, C, D), 3), dim=-1)
+    g = torch.Generator().manual_seed(4)
+    near = (torch.randint(0, C, (B, H, L), generator=g), torch.randint(0, C, (B, H, L), generator=g))
+    kpm = None
+    if padded:
+        kpm = torch.ones(B, L, dtype=torch.bool)
+        kpm[0, -4:] = False
+        kpm[1, 0] = False
+    a = [t.clone().requires_grad_() for t in (q, k)]
+    b = [t.clone().requires_grad_() for t in (q, k)]
+    got = commitment(a[0], a[1], near, kpm, mu)
+    want = RoutingAttention._commitment_torch(b[0], b[1], kpm, near, mu)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12)
+    for x, y in zip(torch.autograd.grad(got[0] * 0.7, a), torch.autograd.grad(want[0] * 0.7, b)):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)

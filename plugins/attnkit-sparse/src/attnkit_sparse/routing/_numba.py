@@ -144,3 +144,179 @@ def argmax_clusters(s):  # pragma: no cover - compiled
                     best[j] = row[j]
                     arg[j] = c
     return out
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc):  # pragma: no cover - compiled
+    """Write, in ascending position order, the positions of ``vals`` above ``t`` and the first ``w − g`` equal to
+    it (``g`` of them lie above ``t``), over the candidates ``cand[:nc]`` (ascending) or, with ``nc < 0``,
+    over every position; returns how many were written."""
+    ties = w - g
+    m = 0
+    if nc >= 0:
+        for c in range(nc):
+            p = cand[c]
+            x = vals[p]
+            if x > t or (x == t and ties > 0):
+                if x == t:
+                    ties -= 1
+                out_i[m] = p
+                out_ok[m] = True
+                m += 1
+    else:
+        for p in range(L):
+            x = vals[p]
+            if x > t or (x == t and ties > 0):
+                if x == t:
+                    ties -= 1
+                out_i[m] = p
+                out_ok[m] = True
+                m += 1
+    return m
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
+    """Each cluster's routed positions: for row ``(n, c)`` of the scores ``s`` ``(N, C, L)``, the values
+    ``s[n, c, l]·inv[n, l]`` (``-inf`` where ``real[b, l]`` is False or the value is NaN; ``b = n // H`` modulo
+    ``real``'s rows), the positions of its ``w = min(widths[b], finite values)`` largest, ascending (ties at
+    the w-th value: the lowest positions), into int64 ``idx`` ``(N, C, W)`` and bool ``ok`` (``False`` and
+    position 0 in the unused slots).
+
+    A threshold from a sample of the row (every ``L // 512``-th value) picks about ``2w`` candidates in one
+    pass; the exact ``w``-th value is selected among them (``np.partition``). When the sample's guess does not
+    give between ``w`` and ``8w + 64`` candidates, the whole row is partitioned instead. Work items of up to 8
+    rows of one sequence share their scratch buffers."""
+    N, C, L = s.shape
+    idx = np.zeros((N, C, W), dtype=np.int64)
+    ok = np.zeros((N, C, W), dtype=np.bool_)
+    Rb = real.shape[0]
+    st = max(1, L // 512)
+    ms = (L + st - 1) // st
+    cap = 8 * W + 64
+    per = 8
+    nci = (C + per - 1) // per
+    for it in numba.prange(N * nci):
+        n = it // nci
+        b = n // H
+        w0 = min(widths[b % widths.shape[0]], W)
+        rl = real[b % Rb]
+        iv = inv[n]
+        ninf = -np.inf
+        vals = np.empty(L, dtype=s.dtype)
+        smp = np.empty(ms, dtype=s.dtype)
+        cand = np.empty(cap, dtype=np.int64)
+        cv = np.empty(cap, dtype=s.dtype)
+        for c in range((it % nci) * per, min(C, (it % nci + 1) * per)):
+            row = s[n, c]
+            for p in range(L):
+                x = row[p] * iv[p]
+                vals[p] = x if (rl[p] and x == x) else ninf
+            w = w0
+            if w <= 0:
+                continue
+            k = (2 * w + st - 1) // st + 1          # sample rank of the guess: about 2w values above it
+            nc = -1
+            if k < ms and L > 4 * cap:
+                for j in range(ms):
+                    smp[j] = vals[j * st]
+                guess = np.partition(smp, ms - k)[ms - k]
+                if guess > ninf:
+                    cnt = 0
+                    for p in range(L):
+                        if vals[p] >= guess:
+                            if cnt < cap:
+                                cand[cnt] = p
+                            cnt += 1
+                    if w <= cnt <= cap:
+                        nc = cnt
+            if nc >= 0:
+                for j in range(nc):
+                    cv[j] = vals[cand[j]]
+                t = np.partition(cv[:nc], nc - w)[nc - w]
+                g = 0
+                for j in range(nc):
+                    g += 1 if cv[j] > t else 0
+            else:
+                nf = 0
+                for p in range(L):
+                    nf += 1 if vals[p] > ninf else 0
+                w = min(w, nf)
+                if w <= 0:
+                    continue
+                t = np.partition(vals.copy(), L - w)[L - w]
+                g = 0
+                for p in range(L):
+                    g += 1 if vals[p] > t else 0
+            _take_ascending(vals, L, t, w, g, idx[n, c], ok[n, c], cand, nc)
+    return idx, ok
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
+def commit_sums(x, near, real, H, C, eps):  # pragma: no cover - compiled
+    """Per sequence ``n`` of ``x`` ``(N, L, D)``: the sums ``(N, C, D)`` of the unit rows ``x̂ = x / max(‖x‖, eps)``
+    by nearest cluster ``near`` ``(N, L)``, their counts ``(N, C)`` and ``Σ ‖x̂‖²`` ``(N,)``, over the real
+    positions (``real[b, l]``, ``b = n // H`` modulo its rows)."""
+    N, L, D = x.shape
+    Rb = real.shape[0]
+    sums = np.zeros((N, C, D), dtype=x.dtype)
+    counts = np.zeros((N, C), dtype=x.dtype)
+    sq = np.zeros(N, dtype=x.dtype)
+    for n in numba.prange(N):
+        rl = real[(n // H) % Rb]
+        acc = 0.0
+        for p in range(L):
+            if not rl[p]:
+                continue
+            xr = x[n, p]
+            n2 = 0.0
+            for d in range(D):
+                n2 += xr[d] * xr[d]
+            nrm = math.sqrt(n2)
+            inv = 1.0 / (nrm if nrm > eps else eps)
+            c = near[n, p]
+            s = sums[n, c]
+            for d in range(D):
+                s[d] += xr[d] * inv
+            counts[n, c] += 1.0
+            acc += n2 * inv * inv
+        sq[n] = acc
+    return sums, counts, sq
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
+def commit_grad(x, near, real, H, mu, coef, eps):  # pragma: no cover - compiled
+    """The gradient in ``x`` ``(N, L, D)`` of ``coef·Σ_l ‖x̂_l − μ_c(l)‖²`` (centroids ``mu`` ``(H, C, D)`` constant,
+    head ``n % H``): ``2·coef·(x̂ − μ)`` through ``x̂ = x / max(‖x‖, eps)``; 0 at padded positions."""
+    N, L, D = x.shape
+    Rb = real.shape[0]
+    out = np.empty_like(x)
+    for n in numba.prange(N):
+        rl = real[(n // H) % Rb]
+        mh = mu[n % H]
+        for p in range(L):
+            o = out[n, p]
+            if not rl[p]:
+                for d in range(D):
+                    o[d] = 0.0
+                continue
+            xr = x[n, p]
+            n2 = 0.0
+            for d in range(D):
+                n2 += xr[d] * xr[d]
+            nrm = math.sqrt(n2)
+            inv = 1.0 / (nrm if nrm > eps else eps)
+            m = mh[near[n, p]]
+            dot = 0.0
+            for d in range(D):
+                u = xr[d] * inv
+                g = 2.0 * coef * (u - m[d])
+                o[d] = g
+                dot += u * g
+            if nrm > eps:
+                for d in range(D):
+                    o[d] = (o[d] - xr[d] * inv * dot) * inv
+            else:
+                for d in range(D):
+                    o[d] = o[d] * inv
+    return out

@@ -22,6 +22,7 @@ from attnkit.errors import InvalidInputError
 from .._half import is_half, wide
 from ..base import check_int, content_backend_order
 from .clusters import route, unit
+from .fused import attend_clusters, use_fused
 
 __all__ = ["RoutingAttention"]
 
@@ -144,12 +145,37 @@ class RoutingAttention(Attention):
         """EMA update (training) and the commitment loss, from the nearest centroids ``near`` ``(B, H, L)`` of the
         queries and keys (read off the routing scores).
 
-        One ``index_add`` per side sums the unit vectors of each (head, cluster), ``S_c``; it gives the EMA's
+        One pass per side sums the unit vectors of each (head, cluster), ``S_c``; it gives the EMA's
         means (detached) and the commitment term without gathering a centroid per token:
         ``Σ_i ‖x̂_i − μ_c(i)‖² = Σ_i ‖x̂_i‖² − 2 Σ_c μ_c·S_c + Σ_c n_c ‖μ_c‖²`` (centroids held constant, so its
-        gradient is ``2 (x̂_i − μ_c(i))``, through the sums' ``index_add``).
+        gradient is ``2 (x̂_i − μ_c(i))``). On CPU a numba kernel per side with its own backward
+        (:func:`.gather.commitment`); elsewhere ``index_add`` under autograd (:meth:`_commitment_torch`).
         """
         mu = self.centroids_for(q).detach().clone()   # (H, C, D); a copy: the loss keeps it, the EMA updates in place
+        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and _numba_ok():
+            from .gather import commitment
+            loss, sums, counts = commitment(q, k, near, kpm, mu)     # one numba pass per side, its own backward
+        else:
+            loss, sums, counts = self._commitment_torch(q, k, kpm, near, mu)
+        total = counts.sum()
+        self.record_aux_loss("routing_commitment", loss / total.clamp(min=1))
+        with torch.no_grad():
+            sums = sums.detach()
+            if self.sync_centroids and dist.is_available() and dist.is_initialized():
+                both = torch.cat([sums, counts], -1)
+                dist.all_reduce(both)                                       # the global batch's sums and counts
+                sums, counts = both[..., :-1], both[..., -1:]
+            if self.centroids.shape[0] == 1:
+                sums, counts = sums.sum(0, keepdim=True), counts.sum(0, keepdim=True)
+            old = self.centroids.to(q.dtype)
+            mean = sums / counts.clamp(min=1)
+            new = unit(self.decay * old + (1 - self.decay) * mean)
+            self.centroids.copy_(torch.where(counts > 0, new, old).to(self.centroids.dtype))
+
+    @staticmethod
+    def _commitment_torch(q: Tensor, k: Tensor, kpm: Tensor | None, near: tuple[Tensor, Tensor], mu: Tensor
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(Σ_i ‖x̂_i − μ_c(i)‖², sums (H, C, D), counts (H, C, 1))`` by ``index_add`` (any device)."""
         B, H, L, D = q.shape
         C = mu.shape[1]
         hc = (torch.arange(H, device=q.device) * C).view(1, H, 1)
@@ -168,21 +194,8 @@ class RoutingAttention(Attention):
             n2 = (x * x).sum(-1)
             sq = sq + (n2 if kpm is None else torch.where(kpm[:, None, :], n2, torch.zeros_like(n2))).sum()
         sums, counts = sums[:H * C].view(H, C, D), counts[:H * C].view(H, C, 1)
-        total = counts.sum()
         loss = sq - 2 * (mu * sums).sum() + (counts * (mu * mu).sum(-1, keepdim=True)).sum()
-        self.record_aux_loss("routing_commitment", loss / total.clamp(min=1))
-        with torch.no_grad():
-            sums = sums.detach()
-            if self.sync_centroids and dist.is_available() and dist.is_initialized():
-                both = torch.cat([sums, counts], -1)
-                dist.all_reduce(both)                                       # the global batch's sums and counts
-                sums, counts = both[..., :-1], both[..., -1:]
-            if self.centroids.shape[0] == 1:
-                sums, counts = sums.sum(0, keepdim=True), counts.sum(0, keepdim=True)
-            old = self.centroids.to(q.dtype)
-            mean = sums / counts.clamp(min=1)
-            new = unit(self.decay * old + (1 - self.decay) * mean)
-            self.centroids.copy_(torch.where(counts > 0, new, old).to(self.centroids.dtype))
+        return loss, sums, counts
 
     def backend_order(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
         """``auto``: triton first for half inputs on CUDA (measured), see :func:`..base.content_backend_order`."""
@@ -215,14 +228,18 @@ class RoutingAttention(Attention):
         # triton tiles a cluster wider than 64 rows (16K tokens in 16 clusters: 1,024) into 64 x 64 blocks: one
         # 1,024-row block would be one kernel tile, which the compiler cannot build in reasonable time
         tile = min(W, _TRITON_TILE) if ctx.backend == "triton" else W
-        if kpm is None and not ctx.causal and not padded:   # every slot used: one all-true bank for all heads
+        if ctx.backend == "numba" and use_fused(B * H, W):
+            plan = None                                     # the fused kernels read the clusters directly
+        elif kpm is None and not ctx.causal and not padded:   # every slot used: one all-true bank for all heads
             plan = self._full_plan(C, W, tile, q.device)
         else:
             bank = qok[..., :, None] & kok[..., None, :]
             if ctx.causal:
                 bank = bank & (ki[..., None, :] <= qi[..., :, None])
             plan = _cluster_plan(bank, tile)
-        if ctx.backend == "numba":
+        if ctx.backend == "numba" and use_fused(B * H, W):
+            out = attend_clusters(q, k, v, qi, qok, ki, kok, causal=ctx.causal, scale=ctx.scale)
+        elif ctx.backend == "numba":
             out = self._gather_attend_combine_numba(q, k, v, qi, qok, ki, plan, ctx.scale)
         else:
             out = self._gather_attend_combine_torch(q, k, v, qi, qok, ki, plan, ctx.scale, ctx.backend)
@@ -284,6 +301,11 @@ class RoutingAttention(Attention):
             0, dest.reshape(-1), w[:, None] * out_s.reshape(-1, E).to(acc))
         den = torch.zeros(B * H * L, dtype=acc, device=q.device).index_add(0, dest.reshape(-1), w)
         return num / torch.where(den > 0, den, torch.ones_like(den))[:, None]
+
+
+def _numba_ok() -> bool:
+    from ..engine import why_unavailable
+    return why_unavailable("numba", "cpu") is None
 
 
 #: the largest block the triton kernels get from routing (a cluster wider than this is tiled)

@@ -12,8 +12,10 @@ attends the keys of every cluster that routed it.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -45,6 +47,60 @@ def _nearest(s: Tensor) -> Tensor:
     return s.argmax(2)
 
 
+def _numba_ok(x: Tensor) -> bool:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return False
+    from ..engine import why_unavailable
+    return why_unavailable("numba", "cpu") is None
+
+
+_BUFFERS = threading.local()
+
+
+def _scores_buffer(B: int, H: int, C: int, L: int, dtype: torch.dtype) -> Tensor:
+    """A ``(B, H, C, L)`` scores buffer reused by this thread's calls (64 MiB at 16K tokens, 128 clusters, 8 heads:
+    a fresh one each call page-faulted it in again), released when a call needs another shape."""
+    key = (B, H, C, L, dtype)
+    if getattr(_BUFFERS, "key", None) != key:
+        _BUFFERS.key, _BUFFERS.buf = None, None
+        _BUFFERS.buf = torch.empty(B, H, C, L, dtype=dtype)
+        _BUFFERS.key = key
+    return _BUFFERS.buf
+
+
+def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None, widths: Tensor, W: int,
+                 nearest: bool) -> tuple[Any, ...]:
+    """:func:`route` on CPU (float32, float64): the scores ``μ_c·x`` of the raw rows (one product, no unit copy of
+    q and k), each scaled by ``1/max(‖x‖, 1e-12)`` inside the kernel that picks each cluster's ``w`` largest in
+    ascending position order (:func:`._numba.top_w_ascending`: a sampled threshold, one pass, no sort, no
+    ``topk`` over the whole row)."""
+    from attnkit.numba_pool import run_parallel, start_pool
+
+    from ._numba import top_w_ascending
+    B, H, L, D = q.shape
+    C = centroids.shape[1]
+    start_pool()
+    if key_padding_mask is None:
+        real = np.ones((1, L), dtype=np.bool_)
+    else:
+        real = key_padding_mask.to(torch.bool).contiguous().numpy()
+    wd = widths.to(torch.int64).contiguous().numpy()
+    out: list[Any] = []
+    near = []
+    for x in (q, k):
+        xd = x.detach()
+        inv = torch.linalg.vector_norm(xd, dim=-1).clamp_(min=1e-12).reciprocal_()       # (B, H, L)
+        s = torch.matmul(centroids.to(xd.dtype), xd.transpose(-1, -2), out=_scores_buffer(B, H, C, L, xd.dtype))
+        if nearest:
+            near.append(_nearest(s))
+        idx, ok = run_parallel(top_w_ascending, s.contiguous().view(B * H, C, L).numpy(),
+                               inv.contiguous().view(B * H, L).numpy(), real, H, wd, W, items=B * H * -(-C // 8))
+        out += [torch.from_numpy(idx).view(B, H, C, W), torch.from_numpy(ok).view(B, H, C, W)]
+    if nearest:
+        return out[0], out[1], out[2], out[3], (near[0], near[1])
+    return out[0], out[1], out[2], out[3]
+
+
 def route(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None, *,
           nearest: bool = False) -> tuple[Any, ...]:
     """The routed positions of each cluster.
@@ -68,6 +124,8 @@ def route(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | No
     W = min(int(widths.max()), L)
     out: list[Any] = []
     near = []
+    if _numba_ok(q):
+        return _route_numba(q, k, centroids, key_padding_mask, widths, W, nearest)
     for x in (q, k):
         xd = x.detach().float() if x.dtype in (torch.float16, torch.bfloat16) else x.detach()   # half: float32
         s = torch.einsum("bhld,hcd->bhcl", unit(xd), centroids.to(xd.dtype))             # (B, H, C, L)

@@ -70,3 +70,56 @@ def combine_routed(out_s: Tensor, lse_s: Tensor, idx: Tensor, L: int) -> Tensor:
     """``(N, L, E)``: each position's routed rows ``out_s`` ``(N, M, E)`` combined by their log-sum-exp ``lse_s``
     ``(N, M)`` (``-inf``: the row counts for nothing); 0 where no row counts. Differentiable in both."""
     return _Combine.apply(out_s, lse_s, idx, L)
+
+
+class _Commitment(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, near_q: Tensor, near_k: Tensor, real: Any, mu: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        from ._numba import commit_sums
+        B, H, L, D = q.shape
+        C = mu.shape[1]
+        S = torch.zeros(H, C, D, dtype=q.dtype)
+        n = torch.zeros(H, C, dtype=q.dtype)
+        sq = torch.zeros((), dtype=q.dtype)
+        for x, nr in ((q, near_q), (k, near_k)):
+            s, c, t = _run(commit_sums, B * H, _np(x).reshape(B * H, L, D), _np(nr).reshape(B * H, L), real, H, C,
+                           _EPS)
+            S += torch.from_numpy(s).view(B, H, C, D).sum(0)
+            n += torch.from_numpy(c).view(B, H, C).sum(0)
+            sq += torch.from_numpy(t).sum()
+        raw = sq - 2 * (mu * S).sum() + (n * (mu * mu).sum(-1)).sum()
+        ctx.save_for_backward(q, k, near_q, near_k, mu)
+        ctx.real = real
+        ctx.mark_non_differentiable(S, n)
+        return raw, S, n[..., None]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor, _gs: Any, _gn: Any) -> tuple[Any, ...]:
+        from ._numba import commit_grad
+        q, k, near_q, near_k, mu = ctx.saved_tensors
+        B, H, L, D = q.shape
+        coef = float(g)
+        mua = _np(mu)
+        grads = []
+        for x, nr in ((q, near_q), (k, near_k)):
+            grads.append(torch.from_numpy(_run(commit_grad, B * H, _np(x).reshape(B * H, L, D),
+                                               _np(nr).reshape(B * H, L), ctx.real, H, mua, coef, _EPS))
+                         .view(B, H, L, D))
+        return grads[0], grads[1], None, None, None, None
+
+
+#: ``F.normalize``'s default floor of the norm, as :func:`.clusters.unit` uses it
+_EPS = 1e-12
+
+
+def commitment(q: Tensor, k: Tensor, near: tuple[Tensor, Tensor], kpm: Tensor | None, mu: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(raw, sums, counts)``: ``raw = Σ_i ‖x̂_i − μ_c(i)‖²`` over the real queries and keys (differentiable in ``q``
+    and ``k``, centroids ``mu`` ``(H, C, D)`` constant), and each (head, cluster)'s sum ``(H, C, D)`` and count
+    ``(H, C, 1)`` of unit vectors (not differentiable), for ``q``, ``k`` ``(B, H, L, D)`` float32/float64 CPU and
+    the nearest clusters ``near`` ``(B, H, L)``; one numba pass per side forward, one backward (instead of unit
+    copies, ``index_add`` and their autograd)."""
+    import numpy as np
+    real = np.ones((1, q.shape[2]), dtype=np.bool_) if kpm is None else _np(kpm.to(torch.bool))
+    return _Commitment.apply(q, k, near[0], near[1], real, mu.contiguous())

@@ -1,0 +1,112 @@
+"""The fused CPU (numba) attention of ``routing``: clusters read through their routed positions, merged in place.
+
+:func:`attend_clusters` takes q, k, v in their original order with each cluster's routed positions and runs
+the kernels of :mod:`._fused`, one work item per sequence (``N = B·H``; items handed to threads one at a time
+by :func:`attnkit.numba_pool.run_items`): no routed copies of q, k, v (nor their gradients' scatter), no engine
+plan, no per-cluster outputs and no separate combination (nor its backward). The backward recomputes the
+probabilities from the union's log-sum-exp. Used when the sequences spread evenly over the threads
+and the clusters are at most :data:`MAX_WIDTH` wide (:func:`use_fused`); otherwise the gathers, the engine and
+the combination run (:mod:`.gather`).
+
+float32 and float64 CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["attend_clusters", "use_fused", "FUSED"]
+
+#: "auto" (fused when the ``B·H`` sequences spread evenly over the threads: ``N % threads == 0`` or
+#: ``N >= 4·threads``), True (always) or False (never: gathers, engine, combination)
+FUSED: str | bool = "auto"
+
+
+#: the widest cluster the fused kernels take under "auto" (their per-thread score tiles are W x W: 16 MiB in
+#: float32 at 2,048); wider ones (few clusters over a long sequence) run on the engine
+MAX_WIDTH = 2048
+
+
+def use_fused(N: int, W: int) -> bool:
+    """Whether ``N = B·H`` sequences with clusters of ``W`` slots run on the fused kernels (:data:`FUSED`)."""
+    if FUSED != "auto":
+        return bool(FUSED)
+    from attnkit.numba_pool import kernel_threads
+    t = kernel_threads()
+    return (N % t == 0 or N >= 4 * t) and W <= MAX_WIDTH
+
+
+def _np(x: Tensor) -> Any:
+    return x.detach().contiguous().numpy()
+
+
+def _items(work: Any, N: int) -> None:
+    from attnkit.numba_pool import kernel_threads, run_items, start_pool
+    start_pool()
+    run_items(work, N, threads=kernel_threads())
+
+
+class _Fused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, ki: Tensor, nq: Tensor, nk: Tensor,
+                causal: bool, scale: float) -> Tensor:
+        from ..engine._numba_kernels import constants
+        from ._fused import forward_seq
+        N, L, _ = q.shape
+        qa, ka, va = _np(q), _np(k), _np(v)
+        qia, kia, nqa, nka = _np(qi), _np(ki), _np(nq), _np(nk)
+        cst = constants(qa.dtype, scale)
+        is32 = qa.dtype == np.float32
+        out = np.empty((N, L, va.shape[-1]), dtype=qa.dtype)
+        m, l_, lse = (np.empty((N, L), dtype=qa.dtype) for _ in range(3))
+        _items(lambda n: forward_seq(qa, ka, va, qia, kia, nqa, nka, bool(causal), cst, is32, n, out, m, l_, lse), N)
+        out_t = torch.from_numpy(out)
+        ctx.save_for_backward(q, k, v, qi, ki, nq, nk, out_t, torch.from_numpy(lse))
+        ctx.causal, ctx.scale = causal, scale
+        return out_t
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        from ..engine._numba_kernels import constants
+        from ._fused import backward_seq
+        q, k, v, qi, ki, nq, nk, out, lse = ctx.saved_tensors
+        N, L, D = q.shape
+        E = v.shape[-1]
+        qa, ka, va, ga = _np(q), _np(k), _np(v), _np(g)
+        qia, kia, nqa, nka, la, oa = _np(qi), _np(ki), _np(nq), _np(nk), _np(lse), _np(out)
+        cst = constants(qa.dtype, ctx.scale)
+        is32 = qa.dtype == np.float32
+        dq, dk = np.empty((N, L, D), dtype=qa.dtype), np.empty((N, L, D), dtype=qa.dtype)
+        dv = np.empty((N, L, E), dtype=qa.dtype)
+        _items(lambda n: backward_seq(qa, ka, va, ga, oa, qia, kia, nqa, nka, la, bool(ctx.causal), cst, is32, n,
+                                      dq, dk, dv), N)
+        return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, None, None
+
+
+def attend_clusters(q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor, kok: Tensor, *,
+                    causal: bool, scale: float) -> Tensor:
+    """``routing``'s attention over all its clusters at once, differentiable in ``q``, ``k`` and ``v``.
+
+    Args:
+        q, k: ``(B, H, L, D)``; v: ``(B, H, L, E)``; float32 or float64 CPU.
+        qi, ki: int64 ``(B, H, C, W)``: each cluster's routed query and key positions, the used ones first.
+        qok, kok: bool ``(B, H, C, W)``: which slots are used (a prefix of each cluster's slots).
+        causal: keys only at original positions ``<=`` the query's.
+        scale: multiplier of ``q · k``.
+
+    Returns:
+        ``(B, H, L, E)``: each position's softmax over the keys of every cluster that routed it (a key counted
+        once per cluster); 0 where no cluster gave it a key.
+    """
+    B, H, L, D = q.shape
+    E = v.shape[-1]
+    C, W = qi.shape[2], qi.shape[3]
+    N = B * H
+    nq, nk = qok.reshape(N, C, W).sum(-1), kok.reshape(N, C, W).sum(-1)
+    out = _Fused.apply(q.reshape(N, L, D), k.reshape(N, L, D), v.reshape(N, L, E), qi.reshape(N, C, W),
+                       ki.reshape(N, C, W), nq, nk, bool(causal), float(scale))
+    return out.view(B, H, L, E)
