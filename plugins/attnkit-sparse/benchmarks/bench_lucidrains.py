@@ -107,6 +107,10 @@ def once(fn: Callable[..., torch.Tensor], module: torch.nn.Module | None, L: int
     if backward:
         out = fn(q, k, v)
         out.backward(torch.ones_like(out))
+        if module is not None and hasattr(module, "record_aux_loss"):
+            # routing's commitment term: neither side backpropagates its auxiliary loss here, and an uncollected
+            # one accumulates across calls (holding every step's graph), so it is dropped after each step
+            attnkit.clear_aux_losses(module)
     else:
         with torch.no_grad():
             fn(q, k, v)
