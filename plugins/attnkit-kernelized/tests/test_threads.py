@@ -105,3 +105,20 @@ def test_the_wait_policy_is_set_for_numba_only():
     env["OMP_WAIT_POLICY"] = "ACTIVE"                                  # a user's own choice is kept
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[0] == "ACTIVE"
+
+
+def test_the_first_numba_use_keeps_torch_thread_count():
+    """Launching numba's OpenMP pool (the first import of a numba kernel module) used to reset torch's thread count
+    to the core count: ``torch.set_num_threads(1)`` set before it must still hold after a kernel call."""
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "import attnkit\n"
+        "m = attnkit.build('linear', backend='numba')\n"
+        "q = torch.randn(1, 2, 40, 8)\n"
+        "with torch.no_grad():\n"
+        "    m(q, q, q, causal=True)\n"
+        "m(q, q, q.requires_grad_(), causal=True).sum().backward()\n"
+        "print(torch.get_num_threads())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "1"

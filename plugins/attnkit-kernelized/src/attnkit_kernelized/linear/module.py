@@ -7,13 +7,14 @@ prefix sum whose running state ``(S, z)`` streams exactly.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from attnkit.errors import InvalidInputError
 
+from .._ops import runnable_backend
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
 from ..feature_maps import DETERMINISTIC_MAPS, deterministic_feature_map, feature_dim
@@ -96,6 +97,31 @@ class LinearAttention(KernelizedAttention):
             s = self.scale ** 0.5
             q, k = q * s, k * s
         return elu_plus_one(q), zero_padded(elu_plus_one(k), padded(kpm))
+
+    def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                  backend: str) -> tuple[Tensor, Any]:
+        out = self._fused_causal(q, k, v, kpm, state, backend)
+        return out if out is not None else super()._segments(q, k, v, kpm, state, backend)
+
+    def _fused_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                      backend: str) -> tuple[Tensor, Any] | None:
+        """The ``elu`` map's causal form without autograd on the numba backend: the whole sequence in one kernel
+        call that forms each block's features in cache and never writes them (:mod:`.numba_fused`), or None (the
+        unfused path). Taken when no input (state included) needs a gradient."""
+        if (self.feature_map != "elu" or torch.compiler.is_compiling() or q.device.type != "cpu"
+                or q.dtype not in (torch.float32, torch.float64) or q.shape[2] == 0):
+            return None
+        tensors = (q, k, v) if state is None else (q, k, v, *state)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None
+        if runnable_backend(backend, q, k, v) != "numba":
+            return None
+        from .numba_fused import fused_causal
+
+        S0, z0 = (None, None) if state is None else state
+        scale = 1.0 if self.scale is None else self.scale ** 0.5
+        out, S, z = fused_causal(q, k, v, scale, padded(kpm), S0, z0, self.chunk_size)
+        return out, (S, z)
 
     def _cp_summary(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, backend: str
                     ) -> tuple[Tensor, ...]:

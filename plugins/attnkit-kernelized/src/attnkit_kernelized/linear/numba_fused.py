@@ -1,0 +1,212 @@
+# ruff: noqa: E702  -- the kernel reads best one short statement group per line
+"""``linear``'s causal forward without autograd in one numba kernel: ``elu(x) + 1`` and the product fused.
+
+The unfused numba path writes ``phi_q = elu(q) + 1`` and ``phi_k`` (:mod:`.numba_elu`, each the size of
+q: 16 MiB of fresh pages at L = 8,192, H = 8, D = 64, float32) and the product
+(:func:`.numba_ops._causal_rows`) reads them back. When no gradient is needed the features are never
+kept, so here each sequence is walked once in blocks of ``chunk`` positions, and per block:
+
+* the block's query and key features ``elu(s x) + 1`` (``s`` the square root of the attention scale, 1
+  without one) go into buffers that stay in cache, the exponential of the non-positive part by
+  :func:`attnkit_kernelized._vexp.exp_row`, as :mod:`.numba_elu` computes it (the same values); a padded key's
+  row is 0, whatever it holds;
+* the causal product of :func:`.numba_ops._causal_rows` (forward mode, normalised, 0 where the
+  denominator is 0): ``out = x S`` from the earlier blocks' state, the causal triangle, ``S += y^T v``,
+  ``z += sum y``.
+
+The same arithmetic as the unfused path, in one pass; ``tests/test_linear_numba_fused.py`` holds it to the
+torch expressions and the unfused path in float64.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._busy import kernel_thread_count
+from .._numba import FASTMATH, arr, dynamic, rows
+from .._ops import define
+from .._tiles import axpy_rows
+from .._vexp import HALF, constants, exp_row
+from .numba_ops import MAX_BLOCK
+
+_FM = FASTMATH
+
+
+@numba.njit(cache=True, fastmath=_FM, inline="always")
+def _elu_block(dst, src, scale, n, e, nbuf, one, zero, cst, is32):  # pragma: no cover - compiled
+    """``dst[j] = elu(scale * src[j]) + 1`` for ``j < n`` (flat: a block's rows in one pass; ``e``, ``nbuf``:
+    scratch of at least ``n``). One exp_row over the whole block: with one per row of D (64) the whole kernel
+    took 40.8 against 35.2 ms (L = 8,192, H = 8, one thread, CPU time; session 27)."""
+    for j in range(n):
+        v = src[j] * scale
+        dst[j] = v
+        e[j] = zero if v > zero else v       # exp of the rest only (no overflow for large x; NaN stays NaN)
+    exp_row(e[:n], zero, nbuf, cst, is32)
+    for j in range(n):
+        v = dst[j]
+        dst[j] = v + one if v > zero else e[j]
+
+
+@numba.njit(cache=True, fastmath=_FM, nogil=True)
+def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out, n0,
+                n1):  # pragma: no cover - compiled
+    """Sequences ``n0 <= n < n1`` of ``Q, K (N, L, D)``, ``V (N, L, E)``: ``out[n]`` the normalised causal linear
+    attention of ``phi = elu(scale x) + 1`` (key rows 0 where ``pad[n, t]``; ``pad`` may be ``(N, 0)``) and V
+    from the state ``(S0[n], z0[n])``; the final state into ``S_out[n], z_out[n]``."""
+    N, L, M = Q.shape
+    E = V.shape[2]
+    has_pad = pad.shape[1] > 0
+    zero = cst[HALF] - cst[HALF]
+    one = cst[HALF] + cst[HALF]
+    xf = np.empty(chunk * M, dtype=Q.dtype)    # the block's query features (flat, and as rows: xb)
+    yf = np.empty(chunk * M, dtype=Q.dtype)    # the block's key features
+    xb = xf.reshape((chunk, M))
+    yb = yf.reshape((chunk, M))
+    Qf = Q.reshape((N, L * M))                 # flat rows: a block's features in one pass
+    Kf = K.reshape((N, L * M))
+    yT = np.empty((M, chunk), dtype=Q.dtype)   # ... transposed
+    A = np.empty((chunk, chunk), dtype=Q.dtype)
+    ob = np.empty((chunk, E), dtype=Q.dtype)
+    eb = np.empty(chunk * M, dtype=Q.dtype)
+    nbuf = np.empty(chunk * M, dtype=np.int32)
+    for n in range(n0, n1):
+        vn = V[n]; outn = out[n]
+        S = S0[n].copy()
+        z = z0[n].copy()
+        for c0 in range(0, L, chunk):
+            c1 = min(c0 + chunk, L)
+            T = c1 - c0
+            # ---- features of the block
+            _elu_block(xf, Qf[n, c0 * M:c1 * M], scale, T * M, eb, nbuf, one, zero, cst, is32)
+            _elu_block(yf, Kf[n, c0 * M:c1 * M], scale, T * M, eb, nbuf, one, zero, cst, is32)
+            if has_pad:
+                for t in range(T):
+                    if pad[n, c0 + t]:
+                        row = yb[t]
+                        for j in range(M):
+                            row[j] = zero
+            for j in range(M):      # transposed (gathering along a column ran 2x faster than scattering rows)
+                d_ = yT[j]
+                for t in range(T):
+                    d_[t] = yb[t, j]
+            xc = xb[:T]; wc = vn[c0:c1]; oc = ob[:T]
+            for t in range(T):
+                o_ = oc[t]
+                for e in range(E):
+                    o_[e] = zero
+            # ---- the product (as .numba_ops._causal_rows, forward, normalised)
+            axpy_rows(oc, xc, S, T, M, E)
+            for i in range(0, T, 4):
+                r = min(4, T - i)
+                n16 = min(T, (i + r + 15) // 16 * 16)
+                for t in range(r):
+                    a_ = A[i + t]
+                    for j in range(n16):
+                        a_[j] = zero
+                axpy_rows(A[i:], xc[i:], yT, r, M, n16)
+                for t in range(r):
+                    a_ = A[i + t]
+                    for j in range(i + t + 1, i + r):
+                        a_[j] = zero
+                axpy_rows(oc[i:], A[i:], wc, r, i + r, E)
+                for t in range(r):
+                    a_ = A[i + t]
+                    s = zero
+                    for j in range(i + t + 1):
+                        s += a_[j]
+                    xa = xc[i + t]
+                    for m in range(M):
+                        s += xa[m] * z[m]
+                    ot = oc[i + t]
+                    if s == 0:     # no key visible: 0 (NaN stays NaN)
+                        for e in range(E):
+                            ot[e] = zero
+                    else:
+                        rr = 1 / s
+                        for e in range(E):
+                            ot[e] *= rr
+            for t in range(T):
+                o_ = oc[t]; d_ = outn[c0 + t]
+                for e in range(E):
+                    d_[e] = o_[e]
+            axpy_rows(S, yT, wc, M, T, E)
+            for m in range(M):
+                yr = yT[m]
+                s = zero
+                for t in range(T):
+                    s += yr[t]
+                z[m] += s
+        S_out[n] = S
+        z_out[n] = z
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _fused_team(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out):  # pragma: no cover - compiled
+    for n in numba.prange(Q.shape[0]):   # int64: one compile of the row kernel per dtype
+        i = np.int64(n)
+        _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out, i, i + 1)
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
+           z0: Tensor | None, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, L, D = q.shape
+    E, N = v.shape[-1], B * H
+    dt = q.dtype
+    if (q.device.type != "cpu" or dt not in (torch.float32, torch.float64) or k.dtype != dt or v.dtype != dt
+            or k.shape != q.shape or v.shape[:3] != q.shape[:3]):
+        raise ValueError(f"fused_causal: q, k, v must be float32 or float64 CPU tensors of one dtype and shape "
+                         f"(B, H, L, *); got {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, "
+                         f"{v.dtype} {tuple(v.shape)}")
+    X, Kx, V = (arr(t).reshape(N, L, t.shape[-1]) for t in (q, k, v))
+    padn = (np.zeros((N, 0), dtype=np.bool_) if pad is None
+            else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(N, L)))
+    npdt = X.dtype
+    S0a = np.zeros((N, D, E), dtype=npdt) if S0 is None else arr(S0.to(dt)).reshape(N, D, E)
+    z0a = np.zeros((N, D), dtype=npdt) if z0 is None else arr(z0.to(dt)).reshape(N, D)
+    out = torch.empty(B, H, L, E, dtype=dt)
+    S = np.empty((N, D, E), dtype=npdt)
+    z = np.empty((N, D), dtype=npdt)
+    args = (X, Kx, V, padn, npdt.type(scale), constants(npdt), npdt == np.float32,
+            max(1, min(int(chunk), MAX_BLOCK)), S0a, z0a, out.numpy().reshape(N, L, E), S, z)
+    if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
+        rows(_fused_rows, N, *args)
+    else:
+        dynamic(_fused_team, *args)
+    return out, torch.from_numpy(S).view(B, H, D, E), torch.from_numpy(z).view(B, H, D)
+
+
+def _fused_fake(q, k, v, scale, pad, S0, z0, chunk):
+    B, H, L, D = q.shape
+    E = v.shape[-1]
+    return q.new_empty(B, H, L, E), q.new_empty(B, H, D, E), q.new_empty(B, H, D)
+
+
+#: ``attnkit_kernelized::numba_linear_fused_causal`` (no autograd: the module calls it only without one)
+numba_linear_fused_causal = define("numba_linear_fused_causal", _fused, _fused_fake)
+
+
+def fused_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
+                 z0: Tensor | None, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Causal linear attention with ``phi(x) = elu(scale x) + 1``, no autograd (the numba backend's fused path).
+
+    Args:
+        q, k: ``(B, H, L, D)``; v: ``(B, H, L, E)``; float32 or float64 CPU tensors of one dtype.
+        scale: the factor q and k are multiplied by before the feature map (1.0: none).
+        pad: ``(B, 1, L, 1)`` bool, True at padded keys (their features are 0, whatever they hold), or None.
+        S0, z0: the state ``(B, H, D, E)``, ``(B, H, D)`` carried in (None: zeros).
+        chunk: positions per block (at most :data:`~.numba_ops.MAX_BLOCK`).
+
+    Returns:
+        ``(out (B, H, L, E), S (B, H, D, E), z (B, H, D))``: the output (0 where a query sees no key) and the
+        state after the last key.
+
+    Raises:
+        ValueError: inputs that are not float32/float64 CPU tensors of one dtype and length.
+    """
+    with torch.no_grad():
+        return numba_linear_fused_causal(q.detach(), k.detach(), v.detach(), float(scale), pad,
+                                         None if S0 is None else S0.detach(), None if z0 is None else z0.detach(),
+                                         int(chunk))
