@@ -39,7 +39,7 @@ _FM = FASTMATH
 def _elu_block(dst, src, scale, n, e, nbuf, one, zero, cst, is32):  # pragma: no cover - compiled
     """``dst[j] = elu(scale * src[j]) + 1`` for ``j < n`` (flat: a block's rows in one pass; ``e``, ``nbuf``:
     scratch of at least ``n``). One exp_row over the whole block: with one per row of D (64) the whole kernel
-    took 40.8 against 35.2 ms (L = 8,192, H = 8, one thread, CPU time; session 27)."""
+    took 40.8 against 35.2 ms (L = 8,192, H = 8, one thread, CPU time; session 26)."""
     for j in range(n):
         v = src[j] * scale
         dst[j] = v
