@@ -73,3 +73,16 @@ def test_run_items_nested_calls_do_not_deadlock():
 
     run_items(lambda i: run_items(inner, 3, threads=4), 6, threads=4)
     assert sorted(out) == sorted(list(range(3)) * 6)
+
+
+def test_start_pool_keeps_torch_thread_count():
+    """Launching numba's OpenMP pool reset torch's thread count to the core count; start_pool restores it (a fresh
+    interpreter: the pool launches once per process). Skipped where numba is not installed (the core's own venv)."""
+    pytest.importorskip("numba")
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "(torch.randn(256, 256) @ torch.randn(256, 256)).sum()\n"   # torch's OpenMP pool is up, as in a model
+            "from attnkit.numba_pool import start_pool; start_pool()\n"
+            "import numba; assert numba.get_num_threads() >= 1\n"
+            "print(torch.get_num_threads())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "1"

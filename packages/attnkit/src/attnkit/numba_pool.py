@@ -34,12 +34,17 @@ def start_pool() -> None:
     on 2 cores). libgomp reads ``OMP_WAIT_POLICY`` when it is loaded, which
     happens when numba launches its threads, so it is set to ``PASSIVE`` for
     that moment only (unless the user set it) and restored afterwards.
-    torch's own pool is not affected.
+
+    torch's thread count is kept: once torch's own OpenMP pool is up (any product ran), launching numba's
+    reset it to the core count (``torch.set_num_threads(1)`` before the first numba call read 2 after it
+    on a 2-core machine), and the kernels follow torch's count, so both would have run on every core.
     """
     import numba
+    import torch
 
     key = "OMP_WAIT_POLICY"
     user_set = key in os.environ
+    torch_threads = torch.get_num_threads()
     if not user_set:
         os.environ[key] = "PASSIVE"
     try:
@@ -47,6 +52,8 @@ def start_pool() -> None:
     finally:
         if not user_set:
             os.environ.pop(key, None)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
 
 
 def kernel_threads() -> int:

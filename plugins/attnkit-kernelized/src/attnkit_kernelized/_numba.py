@@ -16,20 +16,7 @@ from ._busy import kernel_thread_count
 __all__ = ["FASTMATH", "kernel_threads", "threads", "dynamic", "rows", "arr", "check_float"]
 
 
-def _start_pool_keeping_torch_threads() -> None:
-    """:func:`start_pool`, then torch's thread count as it was: launching numba's OpenMP pool reset it to the
-    core count in this process (``torch.set_num_threads(1)`` before the first numba call came back as 2 after
-    it on the 2-core machine of docs/benchmarks.md, so the kernels, which follow torch's count, and torch itself
-    ran on 2 threads). Only the first import launches the pool; later calls change nothing."""
-    import torch
-
-    before = torch.get_num_threads()
-    start_pool()
-    if torch.get_num_threads() != before:
-        torch.set_num_threads(before)
-
-
-_start_pool_keeping_torch_threads()
+start_pool()   # keeps torch's thread count (launching numba's OpenMP pool reset it; attnkit.numba_pool)
 
 # reassociation lets LLVM vectorise the short reductions; no NaN/inf
 # assumptions, so zeros from masked positions and NaN inputs behave exactly
