@@ -61,3 +61,64 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
             p0 = ca[j]
             for e in range(ne):
                 oa[e] += p0 * u_[e]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def causal_block_normalised(xb, yb, yT, A, ob, vn, outn, S, z, c0, T, M, E, zero):  # pragma: no cover - compiled
+    """One block of ``T`` positions starting at ``c0`` of normalised causal linear attention, the features ready in
+    ``xb`` / ``yb`` ``(>= T, M)`` (the fused no-grad kernels of ``linear`` and ``performer``): ``yb`` transposed
+    into ``yT``, ``out = (x S + tril(x yᵀ) w) / (x z + rowsum tril(x yᵀ))`` written to ``outn[c0:c0+T]`` (0 where
+    the denominator is 0, NaN stays NaN), then ``S += yᵀ w`` and ``z += Σ y``. ``A (>= T, >= T)`` and
+    ``ob (>= T, E)`` are scratch. The same loop as :func:`attnkit_kernelized.linear.numba_ops._causal_rows`'s
+    forward."""
+    for j in range(M):      # transposed (gathering along a column ran 2x faster than scattering rows)
+        d_ = yT[j]
+        for t in range(T):
+            d_[t] = yb[t, j]
+    c1 = c0 + T
+    xc = xb[:T]; wc = vn[c0:c1]; oc = ob[:T]
+    for t in range(T):
+        o_ = oc[t]
+        for e in range(E):
+            o_[e] = zero
+    axpy_rows(oc, xc, S, T, M, E)
+    for i in range(0, T, 4):
+        r = min(4, T - i)
+        n16 = min(T, (i + r + 15) // 16 * 16)
+        for t in range(r):
+            a_ = A[i + t]
+            for j in range(n16):
+                a_[j] = zero
+        axpy_rows(A[i:], xc[i:], yT, r, M, n16)
+        for t in range(r):
+            a_ = A[i + t]
+            for j in range(i + t + 1, i + r):
+                a_[j] = zero
+        axpy_rows(oc[i:], A[i:], wc, r, i + r, E)
+        for t in range(r):
+            a_ = A[i + t]
+            s = zero
+            for j in range(i + t + 1):
+                s += a_[j]
+            xa = xc[i + t]
+            for m in range(M):
+                s += xa[m] * z[m]
+            ot = oc[i + t]
+            if s == 0:     # no key visible: 0 (NaN stays NaN)
+                for e in range(E):
+                    ot[e] = zero
+            else:
+                rr = 1 / s
+                for e in range(E):
+                    ot[e] *= rr
+    for t in range(T):
+        o_ = oc[t]; d_ = outn[c0 + t]
+        for e in range(E):
+            d_[e] = o_[e]
+    axpy_rows(S, yT, wc, M, T, E)
+    for m in range(M):
+        yr = yT[m]
+        s = zero
+        for t in range(T):
+            s += yr[t]
+        z[m] += s

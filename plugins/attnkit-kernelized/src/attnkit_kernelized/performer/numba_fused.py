@@ -34,7 +34,7 @@ from torch import Tensor
 from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, dynamic, rows
 from .._ops import define
-from .._tiles import axpy_rows
+from .._tiles import causal_block_normalised
 from .._vexp import HALF, constants, exp_row
 from ..linear.numba_ops import MAX_BLOCK
 from .numba_features import _project
@@ -145,57 +145,7 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
                     exp_row(row, c, nbuf, cst, is32)
             if low < -bound or _row_max(h, lanes) > bound:
                 break               # the caller discards the result (hi, lo show why)
-            for j in range(M):      # transposed (gathering along a column ran 2x faster than scattering rows)
-                d_ = yT[j]
-                for t in range(T):
-                    d_[t] = yb[t, j]
-            xc = xb[:T]; wc = vn[c0:c1]; oc = ob[:T]
-            for t in range(T):
-                o_ = oc[t]
-                for e in range(E):
-                    o_[e] = zero
-            # ---- the product (as linear.numba_ops._causal_rows, forward, normalised)
-            axpy_rows(oc, xc, S, T, M, E)
-            for i in range(0, T, 4):
-                r = min(4, T - i)
-                n16 = min(T, (i + r + 15) // 16 * 16)
-                for t in range(r):
-                    a_ = A[i + t]
-                    for j in range(n16):
-                        a_[j] = zero
-                axpy_rows(A[i:], xc[i:], yT, r, M, n16)
-                for t in range(r):
-                    a_ = A[i + t]
-                    for j in range(i + t + 1, i + r):
-                        a_[j] = zero
-                axpy_rows(oc[i:], A[i:], wc, r, i + r, E)
-                for t in range(r):
-                    a_ = A[i + t]
-                    s = zero
-                    for j in range(i + t + 1):
-                        s += a_[j]
-                    xa = xc[i + t]
-                    for m in range(M):
-                        s += xa[m] * z[m]
-                    ot = oc[i + t]
-                    if s == 0:     # no key visible: 0 (NaN stays NaN)
-                        for e in range(E):
-                            ot[e] = zero
-                    else:
-                        rr = 1 / s
-                        for e in range(E):
-                            ot[e] *= rr
-            for t in range(T):
-                o_ = oc[t]; d_ = outn[c0 + t]
-                for e in range(E):
-                    d_[e] = o_[e]
-            axpy_rows(S, yT, wc, M, T, E)
-            for m in range(M):
-                yr = yT[m]
-                s = zero
-                for t in range(T):
-                    s += yr[t]
-                z[m] += s
+            causal_block_normalised(xb, yb, yT, A, ob, vn, outn, S, z, c0, T, M, E, zero)
         S_out[n] = S
         z_out[n] = z
         lo[n] = low
