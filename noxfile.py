@@ -7,6 +7,7 @@ Sessions run on the interpreter nox runs under; no version list to miss.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -14,6 +15,8 @@ import nox
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 CORE = str(ROOT / "packages" / "attnkit")
+#: the test runner's process pool (see :data:`WORKERS`); pinned in constraints.txt like every install
+XDIST = ("pytest-xdist",)
 LAB = str(ROOT / "packages" / "attnkit-lab")
 PLUGINS = sorted(p.name for p in (ROOT / "plugins").glob("*") if (p / "pyproject.toml").exists())
 FIXTURES = ROOT / "integration_tests" / "fixtures"
@@ -30,9 +33,22 @@ def install(session: nox.Session, *args: str) -> None:
     session.install("--no-compile", *CONSTRAINTS, *args)
 
 
-def pytest(session: nox.Session, *args: str) -> None:
-    """Run pytest; 'no tests collected' (exit 5) counts as a failure."""
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *args, *session.posargs)
+#: pytest-xdist workers for the sessions that can share the machine: the plugins' first runs are mostly numba
+#: compiling its kernels, one kernel at a time on one core, and the triton interpreter is plain Python, so two
+#: processes finish a 2-core CI machine's plugin sessions in about two thirds of the time (kernelized: 5.1 ->
+#: 3.4 min). ``loadfile`` keeps a test module on one worker, so a module's kernels compile once, not in both.
+#: ``ATTNKIT_TEST_WORKERS=0`` runs every session in one process.
+WORKERS = int(os.environ.get("ATTNKIT_TEST_WORKERS", min(4, os.cpu_count() or 1)))
+
+
+def pytest(session: nox.Session, *args: str, parallel: bool = False) -> None:
+    """Run pytest; 'no tests collected' (exit 5) counts as a failure.
+
+    ``parallel``: spread the test modules over :data:`WORKERS` processes (pytest-xdist, ``--dist loadfile``).
+    Sessions whose tests change the venv (integration installs and removes fixture distributions) stay serial.
+    """
+    spread = ("-n", str(WORKERS), "--dist", "loadfile") if parallel and WORKERS > 1 else ()
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *spread, *args, *session.posargs)
 
 
 @nox.session
@@ -45,8 +61,8 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The core package alone."""
-    install(session, "-e", f"{CORE}[testing]")
-    pytest(session, str(ROOT / "packages" / "attnkit" / "tests"))
+    install(session, "-e", f"{CORE}[testing]", *XDIST)
+    pytest(session, str(ROOT / "packages" / "attnkit" / "tests"), parallel=True)
 
 
 @nox.session
@@ -54,8 +70,8 @@ def lab(session: nox.Session) -> None:
     """The lab with only the core (it must work with softmax alone)."""
     if not (ROOT / "packages" / "attnkit-lab" / "pyproject.toml").exists():
         session.skip("packages/attnkit-lab does not exist yet")
-    install(session, "-e", f"{CORE}[testing]", "-e", LAB)
-    pytest(session, str(ROOT / "packages" / "attnkit-lab" / "tests"))
+    install(session, "-e", f"{CORE}[testing]", "-e", LAB, *XDIST)
+    pytest(session, str(ROOT / "packages" / "attnkit-lab" / "tests"), parallel=True)
 
 
 @nox.session
@@ -65,13 +81,13 @@ def plugin(session: nox.Session, name: str) -> None:
     if name == "none":
         session.skip("no plugin in plugins/ yet")
     path = ROOT / "plugins" / name
-    install(session, "-e", f"{CORE}[testing]", "-e", str(path))
+    install(session, "-e", f"{CORE}[testing]", "-e", str(path), *XDIST)
     session.env["ATTNKIT_STRICT_PLUGINS"] = "1"
-    pytest(session, str(path / "tests"), "-m", "not triton")
+    pytest(session, str(path / "tests"), "-m", "not triton", parallel=True)
     siblings = nox_siblings(path)
     if siblings:  # the tests marked `siblings` again, with the sibling plugins whose optional paths they use
         install(session, *[a for s in siblings for a in ("-e", str(ROOT / "plugins" / s))])
-        pytest(session, str(path / "tests"), "-m", "siblings and not triton")
+        pytest(session, str(path / "tests"), "-m", "siblings and not triton", parallel=True)
 
 
 def nox_siblings(path: Path) -> list[str]:
@@ -122,10 +138,10 @@ def kernels(session: nox.Session) -> None:
     if not with_kernels:
         session.skip("no plugin ships triton kernel tests yet")
     plugins = [a for p in with_kernels for a in ("-e", str(ROOT / "plugins" / p))]
-    install(session, "-e", f"{CORE}[testing]", "triton", *plugins)
+    install(session, "-e", f"{CORE}[testing]", "triton", *plugins, *XDIST)
     session.env["TRITON_INTERPRET"] = "1"
     for p in with_kernels:
-        pytest(session, str(ROOT / "plugins" / p / "tests"), "-m", "triton")
+        pytest(session, str(ROOT / "plugins" / p / "tests"), "-m", "triton", parallel=True)
 
 
 @nox.session
