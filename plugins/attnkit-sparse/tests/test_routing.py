@@ -61,6 +61,31 @@ def test_backends_match_reference_outputs_and_gradients(backend, causal, padded,
         torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_clusters_wider_than_a_query_block(causal, padded, monkeypatch):
+    """Clusters of 75 and 66 slots run their queries in blocks of 64 against all their keys (a causal block
+    skips the keys after its latest query): outputs and gradients still equal the reference's."""
+    import attnkit_sparse.routing._fused as kernels
+    import attnkit_sparse.routing.fused as fused
+    monkeypatch.setattr(fused, "FUSED", True)
+    assert kernels.QBLOCK == 64
+    B, H, L, D, E = 2, 2, 150, 8, 5
+    attn = _build(num_clusters=2, seed=5, backend="numba")
+    q, k, v = rand((B, H, L, D), 4), rand((B, H, L, D), 5), rand((B, H, L, E), 6)
+    kpm = None
+    if padded:
+        kpm = torch.ones(B, L, dtype=torch.bool)
+        kpm[1, 131:] = False                             # 131 real tokens: clusters of 66
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attn(*leaves, causal=causal, key_padding_mask=kpm)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference(attn, *ref_leaves, mask=masks.resolve(causal=causal, key_padding_mask=kpm))
+    torch.testing.assert_close(out, ref, **TOL)
+    for a, b in zip(torch.autograd.grad(proj_sum(out), leaves), torch.autograd.grad(proj_sum(ref), ref_leaves)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_cluster_is_exact_attention(backend, causal, numba_path):

@@ -6,8 +6,8 @@ One call handles sequence ``n``, rounds ``r0 .. r1`` and chunks ``c0 .. c1`` of 
 previous and of its own chunk, are gathered by ``perm`` into small tiles (the previous chunk's tiles are
 the last chunk's own ones, moved, not read again); scores ``Sᵀ = K̂ (scale·Q)ᵀ`` key-major, the element
 masks (not itself; causal by original positions and padded keys when asked), one softmax over the
-``2·cs`` keys and ``P V``; the engine's register tiles do the products (``_axpy``, ``_axpy_t``) and its
-vectorised ``exp`` the exponentials. There are no sorted copies of q, k, v, no sorted outputs and no
+``2·cs`` keys and ``P V``, by the tile steps routing's fused path shares (:mod:`.._gathered`: the engine's
+register tiles and its vectorised ``exp``). There are no sorted copies of q, k, v, no sorted outputs and no
 separate unsort: each position's rounds are merged as they come, by their log-sum-exp, into ``out``,
 ``m`` (running maximum) and ``l`` (running sum) at the position itself — a union softmax over all the
 rounds' pairs, a pair counted once per round that holds it — and normalised in the last round.
@@ -25,12 +25,11 @@ int64 ``(N, R, L)`` (sorted row -> position); ``real`` bool ``(B, L)`` (key not 
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 
-from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH, _axpy, _axpy_t, _exp_into
+from .._gathered import merge_row, normalise_row, tile_backward, tile_scores, tile_softmax_pv
+from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -126,69 +125,14 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
             for i in range(qn, cs):
                 for d in range(D):
                     QT[d, i] = zero
-            for j in range(kn):
-                row = ST[j]
-                for i in range(cs):
-                    row[i] = zero
-            _axpy(ST, kn, Kb, QT, 0, D)
+            tile_scores(ST, kn, cs, Kb, QT, D, zero)
             _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf)
-            for i in range(cs):
-                mx[i] = ninf
-            for j in range(kn):
-                row = ST[j]
-                for i in range(cs):
-                    x = row[i]
-                    mx[i] = x if x > mx[i] else mx[i]
-            for i in range(cs):    # an all-masked column keeps 0 as its shift (its exps are all 0)
-                shift[i] = mx[i] if mx[i] > ninf else zero
-                csum[i] = zero
-            for j in range(kn):
-                row = ST[j]
-                _exp_into(row, one, shift, zero, row, nbuf, cst, is32)
-                for i in range(cs):
-                    csum[i] += row[i]
-            for i in range(qn):
-                oi = O[i]
-                for e in range(E):
-                    oi[e] = zero
-            for g in range(0, qn, 4):
-                _axpy_t(O, g, min(4, qn - g), ST, Vb, 0, 0, kn)
+            tile_softmax_pv(ST, kn, cs, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one, ninf)
             for i in range(qn):    # merge into the position's running (m, l, out)
                 p = pq[i]
-                oi = on[p]; Oi = O[i]
-                mi = mx[i]; li = csum[i]
-                if first:
-                    for e in range(E):
-                        oi[e] = Oi[e]
-                    mn[p] = mi
-                    ln[p] = li
-                elif li > zero:
-                    mo = mn[p]
-                    if mi > mo:
-                        s1[0] = math.exp(mo - mi)
-                        al = s1[0]
-                        for e in range(E):
-                            oi[e] = oi[e] * al + Oi[e]
-                        ln[p] = ln[p] * al + li
-                        mn[p] = mi
-                    else:
-                        s1[0] = math.exp(mi - mo)
-                        be = s1[0]
-                        for e in range(E):
-                            oi[e] += be * Oi[e]
-                        ln[p] += be * li
+                merge_row(on, mn, ln, p, O[i], mx[i], csum[i], first, s1, zero)
                 if last:
-                    lp = ln[p]
-                    if lp > zero:
-                        s1[1] = one / lp
-                        rr = s1[1]
-                        for e in range(E):
-                            oi[e] *= rr
-                        lse[n, p] = mn[p] + math.log(lp)
-                    else:
-                        for e in range(E):
-                            oi[e] = zero
-                        lse[n, p] = -ninf
+                    normalise_row(on, mn, ln, lse[n], p, s1, zero, one, ninf)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
@@ -286,27 +230,10 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
                     GT[e, i] = zero
                 lrow[i] = -ninf
                 drow[i] = zero
-            for j in range(kn):
-                row = ST[j]; drw = DT[j]
-                for i in range(cs):
-                    row[i] = zero
-                    drw[i] = zero
-            _axpy(ST, kn, Kb, QT, 0, D)                   # scores, key-major
+            tile_scores(ST, kn, cs, Kb, QT, D, zero)      # scores, key-major
             _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf)
-            _axpy(DT, kn, Vb, GT, 0, E)                   # dPᵀ = V dOᵀ
-            for j in range(kn):
-                row = ST[j]; drw = DT[j]
-                _exp_into(row, one, lrow, zero, row, nbuf, cst, is32)     # P = exp(S − lse)
-                for i in range(cs):
-                    drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
-            _axpy(dVb, kn, ST, Gb, 0, qn)                 # dV += Pᵀ dO
-            _axpy(dKb, kn, DT, Qb, 0, qn)                 # dK̂ += dSᵀ (scale·Q)
-            for i in range(qn):
-                qd = dQb[i]
-                for d in range(D):
-                    qd[d] = zero
-            for gi_ in range(0, qn, 4):
-                _axpy_t(dQb, gi_, min(4, qn - gi_), DT, Kb, 0, 0, kn)    # dQ = dS K̂ (times scale below)
+            tile_backward(ST, DT, kn, cs, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
+                          zero, one)
             for i in range(qn):
                 dst = dqn[pq[i]]; src = dQb[i]
                 if first:

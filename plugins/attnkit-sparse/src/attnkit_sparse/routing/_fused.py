@@ -3,10 +3,13 @@
 
 One call handles sequence ``n`` (all its clusters, serially; ``nogil``: :mod:`.fused` hands sequences to
 threads). Cluster ``c``'s used query slots are the first ``nq[n, c]`` of ``qi[n, c]`` and its used key slots
-the first ``nk[n, c]`` of ``ki[n, c]`` (the routing lists them first, ascending). The queries (scaled,
-transposed), keys and values are gathered by position into small tiles; scores ``Sᵀ = K (scale·Q)ᵀ``
-key-major, ``causal`` by original positions, one softmax per query over the cluster's keys and ``P V``, with
-the engine's register tiles (``_axpy``, ``_axpy_t``) and its vectorised ``exp`` (the model is ``lsh/_fused.py``).
+the first ``nk[n, c]`` of ``ki[n, c]`` (the routing lists them first, ascending). The cluster's keys and values
+are gathered by position into tiles once; its queries (scaled, transposed) follow in blocks of :data:`QBLOCK`,
+each against all the keys (so no online softmax: a block's softmax is complete), which keeps the tiles each
+product streams in the first-level cache. Scores ``Sᵀ = K (scale·Q)ᵀ`` key-major, ``causal`` by original
+positions (a block skips the keys after its latest query), one softmax per query over the cluster's keys and
+``P V``, with the tile steps ``lsh``'s fused path uses too (:mod:`.._gathered`: the engine's register tiles
+and vectorised ``exp``).
 There are no routed copies of q, k, v, no per-cluster outputs and no separate combination: each cluster's
 rows are merged at the position, by their log-sum-exp, into ``out``, ``m`` (running maximum), ``l`` (running
 sum), and every position is normalised at the end (0, and ``lse = +inf``, where no cluster gave it a key).
@@ -21,12 +24,37 @@ Rows ``n`` of ``q``, ``k``, ``v``, ``g``, ``out``: ``(N, L, ·)`` with ``N = B·
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 
-from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH, _axpy, _axpy_t, _exp_into
+from .._gathered import merge_row, normalise_row, tile_backward, tile_scores, tile_softmax_pv
+from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _causal(ST, pk, pq, kn, qn, ninf):  # pragma: no cover - compiled
+    """``-inf`` in the key-major scores ``ST`` where key position ``pk[j]`` is after query position ``pq[i]``."""
+    for j in range(kn):
+        pj = pk[j]
+        row = ST[j]
+        for i in range(qn):
+            if pj > pq[i]:
+                row[i] = ninf
+
+
+#: queries per score tile: a cluster's queries run in blocks of this many against all its keys, so the
+#: tiles a product streams (``dO``, the scaled queries, a score row) stay in the core's first-level cache
+QBLOCK = 64
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _seen(pk, kn, last):  # pragma: no cover - compiled
+    """How many of the ascending key positions ``pk[:kn]`` are ``<= last`` (the keys a causal query block whose
+    latest position is ``last`` can see: the later ones only get masked scores)."""
+    j = kn
+    while j > 0 and pk[j - 1] > last:
+        j -= 1
+    return j
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
@@ -35,20 +63,21 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
     N, L, D = q.shape
     E = v.shape[2]
     C, W = qi.shape[1], qi.shape[2]
+    BQ = min(W, QBLOCK)
     dt = q.dtype
     zero = cst[_HALF] - cst[_HALF]
     one = cst[cst.shape[0] - 1]
     sc = cst[_SC]
     ninf = cst[_NINF]
-    QT = np.zeros((D, W), dtype=dt)
+    QT = np.zeros((D, BQ), dtype=dt)
     Kb = np.empty((W, D), dtype=dt)
     Vb = np.empty((W, E), dtype=dt)
-    ST = np.empty((W, W), dtype=dt)
-    O = np.empty((W, E), dtype=dt)
-    mx = np.empty(W, dtype=dt)
-    shift = np.empty(W, dtype=dt)
-    csum = np.empty(W, dtype=dt)
-    nbuf = np.empty(W, dtype=np.int32)
+    ST = np.empty((W, BQ), dtype=dt)
+    O = np.empty((BQ, E), dtype=dt)
+    mx = np.empty(BQ, dtype=dt)
+    shift = np.empty(BQ, dtype=dt)
+    csum = np.empty(BQ, dtype=dt)
+    nbuf = np.empty(BQ, dtype=np.int32)
     s1 = np.empty(2, dtype=dt)
     qs = q[n]; ks = k[n]; vs = v[n]; on = out[n]; mn = m[n]; ln = l[n]
     for p in range(L):
@@ -63,13 +92,6 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
         if qn == 0 or kn == 0:
             continue
         pq = qi[n, c]; pk = ki[n, c]
-        for i in range(qn):
-            qr = qs[pq[i]]
-            for d in range(D):
-                QT[d, i] = qr[d] * sc
-        for i in range(qn, W):
-            for d in range(D):
-                QT[d, i] = zero
         for j in range(kn):
             kd = Kb[j]; ksrc = ks[pk[j]]
             for d in range(D):
@@ -77,70 +99,25 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
             vd = Vb[j]; vsrc = vs[pk[j]]
             for e in range(E):
                 vd[e] = vsrc[e]
-            row = ST[j]
-            for i in range(W):
-                row[i] = zero
-        _axpy(ST, kn, Kb, QT, 0, D)
-        if causal:
-            for j in range(kn):
-                pj = pk[j]
-                row = ST[j]
-                for i in range(qn):
-                    if pj > pq[i]:
-                        row[i] = ninf
-        for i in range(W):
-            mx[i] = ninf
-        for j in range(kn):
-            row = ST[j]
-            for i in range(W):
-                x = row[i]
-                mx[i] = x if x > mx[i] else mx[i]
-        for i in range(W):    # an all-masked column keeps 0 as its shift (its exps are all 0)
-            shift[i] = mx[i] if mx[i] > ninf else zero
-            csum[i] = zero
-        for j in range(kn):
-            row = ST[j]
-            _exp_into(row, one, shift, zero, row, nbuf, cst, is32)
-            for i in range(W):
-                csum[i] += row[i]
-        for i in range(qn):
-            oi = O[i]
-            for e in range(E):
-                oi[e] = zero
-        for g in range(0, qn, 4):
-            _axpy_t(O, g, min(4, qn - g), ST, Vb, 0, 0, kn)
-        for i in range(qn):    # merge into the position's running (m, l, out)
-            li = csum[i]
-            if not li > zero:
-                continue
-            p = pq[i]
-            oi = on[p]; Oi = O[i]
-            mi = mx[i]
-            mo = mn[p]
-            if mi > mo:
-                s1[0] = math.exp(mo - mi)
-                al = s1[0]
-                for e in range(E):
-                    oi[e] = oi[e] * al + Oi[e]
-                ln[p] = ln[p] * al + li
-                mn[p] = mi
-            else:
-                s1[0] = math.exp(mi - mo)
-                be = s1[0]
-                for e in range(E):
-                    oi[e] += be * Oi[e]
-                ln[p] += be * li
+        for q0 in range(0, qn, BQ):
+            bn = min(BQ, qn - q0)
+            pb = pq[q0:q0 + bn]
+            for i in range(bn):
+                qr = qs[pb[i]]
+                for d in range(D):
+                    QT[d, i] = qr[d] * sc
+            for i in range(bn, BQ):
+                for d in range(D):
+                    QT[d, i] = zero
+            kb = _seen(pk, kn, pb[bn - 1]) if causal else kn
+            tile_scores(ST, kb, BQ, Kb, QT, D, zero)
+            if causal:
+                _causal(ST, pk, pb, kb, bn, ninf)
+            tile_softmax_pv(ST, kb, BQ, bn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one, ninf)
+            for i in range(bn):    # merge into the position's running (m, l, out)
+                merge_row(on, mn, ln, pb[i], O[i], mx[i], csum[i], False, s1, zero)
     for p in range(L):
-        lp = ln[p]
-        oi = on[p]
-        if lp > zero:
-            s1[1] = one / lp
-            rr = s1[1]
-            for e in range(E):
-                oi[e] *= rr
-            lse[n, p] = mn[p] + math.log(lp)
-        else:           # no key: +inf, so the backward's exp(S - lse) is 0 there
-            lse[n, p] = -ninf
+        normalise_row(on, mn, ln, lse[n], p, s1, zero, one, ninf)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
@@ -151,25 +128,26 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
     N, L, D = q.shape
     E = v.shape[2]
     C, W = qi.shape[1], qi.shape[2]
+    BQ = min(W, QBLOCK)
     dt = q.dtype
     zero = cst[_HALF] - cst[_HALF]
     one = cst[cst.shape[0] - 1]
     sc = cst[_SC]
     ninf = cst[_NINF]
-    QT = np.zeros((D, W), dtype=dt)
-    Qb = np.empty((W, D), dtype=dt)
-    GT = np.zeros((E, W), dtype=dt)
-    Gb = np.empty((W, E), dtype=dt)
+    QT = np.zeros((D, BQ), dtype=dt)
+    Qb = np.empty((BQ, D), dtype=dt)
+    GT = np.zeros((E, BQ), dtype=dt)
+    Gb = np.empty((BQ, E), dtype=dt)
     Kb = np.empty((W, D), dtype=dt)
     Vb = np.empty((W, E), dtype=dt)
-    ST = np.empty((W, W), dtype=dt)
-    DT = np.empty((W, W), dtype=dt)
-    dQb = np.empty((W, D), dtype=dt)
+    ST = np.empty((W, BQ), dtype=dt)
+    DT = np.empty((W, BQ), dtype=dt)
+    dQb = np.empty((BQ, D), dtype=dt)
     dKb = np.empty((W, D), dtype=dt)
     dVb = np.empty((W, E), dtype=dt)
-    lrow = np.empty(W, dtype=dt)
-    drow = np.empty(W, dtype=dt)
-    nbuf = np.empty(W, dtype=np.int32)
+    lrow = np.empty(BQ, dtype=dt)
+    drow = np.empty(BQ, dtype=dt)
+    nbuf = np.empty(BQ, dtype=np.int32)
     qs = q[n]; ks = k[n]; vs = v[n]; gs = g[n]; os_ = out[n]
     dqn = dq[n]; dkn = dk[n]; dvn = dv[n]
     dl = np.empty(L, dtype=dt)
@@ -190,26 +168,6 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
         if qn == 0 or kn == 0:
             continue
         pq = qi[n, c]; pk = ki[n, c]
-        for i in range(qn):
-            p = pq[i]
-            qr = qs[p]; qb = Qb[i]
-            for d in range(D):
-                x = qr[d] * sc
-                QT[d, i] = x
-                qb[d] = x
-            gr = gs[p]; gb = Gb[i]
-            for e in range(E):
-                GT[e, i] = gr[e]
-                gb[e] = gr[e]
-            lrow[i] = lse[n, p]
-            drow[i] = dl[p]
-        for i in range(qn, W):
-            for d in range(D):
-                QT[d, i] = zero
-            for e in range(E):
-                GT[e, i] = zero
-            lrow[i] = -ninf
-            drow[i] = zero
         for j in range(kn):
             p = pk[j]
             kd = Kb[j]; ksrc = ks[p]; gd = dKb[j]
@@ -220,36 +178,39 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
             for e in range(E):
                 vd[e] = vsrc[e]
                 hd[e] = zero
-            row = ST[j]; drw = DT[j]
-            for i in range(W):
-                row[i] = zero
-                drw[i] = zero
-        _axpy(ST, kn, Kb, QT, 0, D)                   # scores, key-major
-        if causal:
-            for j in range(kn):
-                pj = pk[j]
-                row = ST[j]
-                for i in range(qn):
-                    if pj > pq[i]:
-                        row[i] = ninf
-        _axpy(DT, kn, Vb, GT, 0, E)                   # dPᵀ = V dOᵀ
-        for j in range(kn):
-            row = ST[j]; drw = DT[j]
-            _exp_into(row, one, lrow, zero, row, nbuf, cst, is32)     # P = exp(S − lse)
-            for i in range(W):
-                drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
-        _axpy(dVb, kn, ST, Gb, 0, qn)                 # dV += Pᵀ dO
-        _axpy(dKb, kn, DT, Qb, 0, qn)                 # dK += dSᵀ (scale·Q)
-        for i in range(qn):
-            qd = dQb[i]
-            for d in range(D):
-                qd[d] = zero
-        for g_ in range(0, qn, 4):
-            _axpy_t(dQb, g_, min(4, qn - g_), DT, Kb, 0, 0, kn)       # dQ = dS K (times scale below)
-        for i in range(qn):
-            dst = dqn[pq[i]]; src = dQb[i]
-            for d in range(D):
-                dst[d] += src[d] * sc
+        for q0 in range(0, qn, BQ):
+            bn = min(BQ, qn - q0)
+            pb = pq[q0:q0 + bn]
+            for i in range(bn):
+                p = pb[i]
+                qr = qs[p]; qb = Qb[i]
+                for d in range(D):
+                    x = qr[d] * sc
+                    QT[d, i] = x
+                    qb[d] = x
+                gr = gs[p]; gb = Gb[i]
+                for e in range(E):
+                    GT[e, i] = gr[e]
+                    gb[e] = gr[e]
+                lrow[i] = lse[n, p]
+                drow[i] = dl[p]
+            for i in range(bn, BQ):
+                for d in range(D):
+                    QT[d, i] = zero
+                for e in range(E):
+                    GT[e, i] = zero
+                lrow[i] = -ninf
+                drow[i] = zero
+            kb = _seen(pk, kn, pb[bn - 1]) if causal else kn
+            tile_scores(ST, kb, BQ, Kb, QT, D, zero)      # scores, key-major
+            if causal:
+                _causal(ST, pk, pb, kb, bn, ninf)
+            tile_backward(ST, DT, kb, BQ, bn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
+                          zero, one)
+            for i in range(bn):
+                dst = dqn[pb[i]]; src = dQb[i]
+                for d in range(D):
+                    dst[d] += src[d] * sc
         for j in range(kn):
             p = pk[j]
             dst = dkn[p]; src = dKb[j]

@@ -26,8 +26,9 @@ __all__ = ["attend_clusters", "use_fused", "FUSED"]
 FUSED: str | bool = "auto"
 
 
-#: the widest cluster the fused kernels take under "auto" (their per-thread score tiles are W x W: 16 MiB in
-#: float32 at 2,048); wider ones (few clusters over a long sequence) run on the engine
+#: the widest cluster the fused kernels take under "auto" (their per-thread tiles hold a cluster's keys and
+#: their gradients, and W x 64 scores: about 2 MiB in float32 at 2,048); wider ones (few clusters over a long
+#: sequence) run on the engine
 MAX_WIDTH = 2048
 
 

@@ -1,0 +1,141 @@
+# ruff: noqa: E702, E741  -- tile code reads best a tile row per line; l: the running sum
+"""Tile steps shared by the fused CPU paths of ``lsh`` and ``routing``: attention over rows gathered by position.
+
+Both paths gather a group of queries (an lsh chunk of a round, a routing cluster) and its keys into small
+tiles, mask them by their own rule, and then run the same steps, which live here as inline numba helpers:
+
+- :func:`tile_scores`: key-major scores ``Sᵀ = K (scale·Q)ᵀ`` ``(kn, width)``;
+- :func:`tile_softmax_pv`: one softmax per query column (row max, ``exp`` in place, sums) and ``O = P V``;
+- :func:`merge_row`, :func:`normalise_row`: a group's rows merged at their position into the running
+  ``(m, l, out)`` by log-sum-exp, and the position's output normalised (``lse = +inf`` and 0 where no group
+  gave it a key);
+- :func:`tile_backward`: from the masked scores, ``P = exp(S − lse)``, ``dS = P (dP − Δ)``, ``dV += Pᵀ dO``,
+  ``dK += dSᵀ (scale·Q)`` and ``dQ = dS K`` (the caller scales and scatters it).
+
+``width`` is the tile's query capacity (columns); ``qn ≤ width`` of them are used, the rest are zero.
+The products are the engine's register tiles (``_axpy``, ``_axpy_t``), the exponentials its vectorised ``exp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+
+from .engine._numba_kernels import FASTMATH, _axpy, _axpy_t, _exp_into
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def tile_scores(ST, kn, width, Kb, QT, D, zero):  # pragma: no cover - compiled
+    """``ST[:kn] = Kb[:kn] QT`` ``(kn, width)``: the key-major scores of the gathered keys and queries."""
+    for j in range(kn):
+        row = ST[j]
+        for i in range(width):
+            row[i] = zero
+    _axpy(ST, kn, Kb, QT, 0, D)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one,
+                    ninf):  # pragma: no cover - compiled
+    """Masked scores ``ST[:kn]`` to unnormalised probabilities in place, per query column ``i``: ``mx[i]`` the
+    maximum (``-inf`` for an all-masked column, whose probabilities are then 0), ``csum[i]`` the sum, and
+    ``O[:qn] = P V`` over the ``kn`` keys of ``Vb``."""
+    E = Vb.shape[1]
+    for i in range(width):
+        mx[i] = ninf
+    for j in range(kn):
+        row = ST[j]
+        for i in range(width):
+            x = row[i]
+            mx[i] = x if x > mx[i] else mx[i]
+    for i in range(width):    # an all-masked column keeps 0 as its shift (its exps are all 0)
+        shift[i] = mx[i] if mx[i] > ninf else zero
+        csum[i] = zero
+    for j in range(kn):
+        row = ST[j]
+        _exp_into(row, one, shift, zero, row, nbuf, cst, is32)
+        for i in range(width):
+            csum[i] += row[i]
+    for i in range(qn):
+        oi = O[i]
+        for e in range(E):
+            oi[e] = zero
+    for g in range(0, qn, 4):
+        _axpy_t(O, g, min(4, qn - g), ST, Vb, 0, 0, kn)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def merge_row(on, mn, ln, p, Oi, mi, li, assign, s1, zero):  # pragma: no cover - compiled
+    """A group's row for position ``p`` (output ``Oi``, maximum ``mi``, sum ``li``) merged into the running
+    ``on[p]``, ``mn[p]``, ``ln[p]``; ``assign``: the position's first group, whose row replaces what is there."""
+    oi = on[p]
+    E = oi.shape[0]
+    if assign:
+        for e in range(E):
+            oi[e] = Oi[e]
+        mn[p] = mi
+        ln[p] = li
+    elif li > zero:
+        mo = mn[p]
+        if mi > mo:
+            s1[0] = math.exp(mo - mi)
+            al = s1[0]
+            for e in range(E):
+                oi[e] = oi[e] * al + Oi[e]
+            ln[p] = ln[p] * al + li
+            mn[p] = mi
+        else:
+            s1[0] = math.exp(mi - mo)
+            be = s1[0]
+            for e in range(E):
+                oi[e] += be * Oi[e]
+            ln[p] += be * li
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def normalise_row(on, mn, ln, lse_n, p, s1, zero, one, ninf):  # pragma: no cover - compiled
+    """Position ``p``'s merged output divided by its sum and ``lse_n[p] = m + log l``; with no key in any
+    group, output 0 and ``lse = +inf`` (so a backward's ``exp(S − lse)`` is 0 there)."""
+    oi = on[p]
+    E = oi.shape[0]
+    lp = ln[p]
+    if lp > zero:
+        s1[1] = one / lp
+        rr = s1[1]
+        for e in range(E):
+            oi[e] *= rr
+        lse_n[p] = mn[p] + math.log(lp)
+    else:
+        for e in range(E):
+            oi[e] = zero
+        lse_n[p] = -ninf
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
+                  zero, one):  # pragma: no cover - compiled
+    """The gradient products of one tile from its masked scores ``ST[:kn]`` (overwritten by ``P``):
+    ``DT = V dOᵀ`` then ``dS = P (dP − Δ)`` in ``DT``, ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)`` and
+    ``dQb[:qn] = dS K`` (unscaled). ``lrow``, ``drow``: each query column's ``lse`` and ``Δ`` (``+inf`` and 0 on
+    the unused columns); ``GT``/``Gb``, ``Qb``: ``dO`` transposed/row-major and the scaled queries."""
+    D = Kb.shape[1]
+    E = Vb.shape[1]
+    for j in range(kn):
+        drw = DT[j]
+        for i in range(width):
+            drw[i] = zero
+    _axpy(DT, kn, Vb, GT, 0, E)                   # dPᵀ = V dOᵀ
+    for j in range(kn):
+        row = ST[j]; drw = DT[j]
+        _exp_into(row, one, lrow, zero, row, nbuf, cst, is32)     # P = exp(S − lse)
+        for i in range(width):
+            drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
+    _axpy(dVb, kn, ST, Gb, 0, qn)                 # dV += Pᵀ dO
+    _axpy(dKb, kn, DT, Qb, 0, qn)                 # dK += dSᵀ (scale·Q)
+    for i in range(qn):
+        qd = dQb[i]
+        for d in range(D):
+            qd[d] = zero
+    for g in range(0, qn, 4):
+        _axpy_t(dQb, g, min(4, qn - g), DT, Kb, 0, 0, kn)         # dQ = dS K
