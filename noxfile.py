@@ -1,6 +1,10 @@
 """Sessions for attnkit: lint, per-package tests, integration, kernels, transformers, demo.
 
-``nox`` with no arguments runs what CI needs (every session but ``demo``).
+``nox`` with no arguments runs what CI needs: ``lint``, ``tests`` (the core, then the lab beside it),
+``plugin`` (each plugin alone) and ``integration`` (everything installed, then the triton kernels in the
+interpreter and attnkit-transformers in the same venv). ``lab``, ``kernels`` and ``transformers`` run those
+parts alone; ``demo`` and ``pictures`` are not tests. Fewer venvs is CI time: each one installs torch again
+(about 30-60 s on the 2-core CI machine).
 Every install goes through ``constraints.txt`` (the local CPU torch wheel).
 Sessions run on the interpreter nox runs under; no version list to miss.
 """
@@ -18,10 +22,43 @@ CORE = str(ROOT / "packages" / "attnkit")
 #: the test runner's process pool (see :data:`WORKERS`); pinned in constraints.txt like every install
 XDIST = ("pytest-xdist",)
 LAB = str(ROOT / "packages" / "attnkit-lab")
-PLUGINS = sorted(p.name for p in (ROOT / "plugins").glob("*") if (p / "pyproject.toml").exists())
 FIXTURES = ROOT / "integration_tests" / "fixtures"
 
-nox.options.sessions = ["lint", "tests", "lab", "plugin", "integration", "kernels", "transformers"]
+
+def _pyproject(path: Path) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pip's vendored copy of the same parser
+        from pip._vendor import tomli as tomllib
+    return tomllib.loads((path / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def _siblings_declared(path: Path) -> list[str]:
+    return list(_pyproject(path).get("tool", {}).get("attnkit", {}).get("nox", {}).get("siblings", []))
+
+
+def _plugin_order() -> list[str]:
+    """The plugins of ``plugins/``, each after the siblings it names (``[tool.attnkit.nox] siblings``), else by
+    name: a plugin's sibling run then finds the sibling's numba kernels compiled in the numba cache beside its
+    sources (the editable installs share it), instead of compiling them again."""
+    names = sorted(p.name for p in (ROOT / "plugins").glob("*") if (p / "pyproject.toml").exists())
+    order: list[str] = []
+
+    def visit(name: str, seen: tuple[str, ...]) -> None:
+        if name in order or name in seen or name not in names:
+            return
+        for s in _siblings_declared(ROOT / "plugins" / name):
+            visit(s, (*seen, name))
+        order.append(name)
+
+    for n in names:
+        visit(n, ())
+    return order
+
+
+PLUGINS = _plugin_order()
+
+nox.options.sessions = ["lint", "tests", "plugin", "integration"]
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = False
 
@@ -41,14 +78,15 @@ def install(session: nox.Session, *args: str) -> None:
 WORKERS = int(os.environ.get("ATTNKIT_TEST_WORKERS", min(4, os.cpu_count() or 1)))
 
 
-def pytest(session: nox.Session, *args: str, parallel: bool = False) -> None:
+def pytest(session: nox.Session, *args: str, parallel: bool = False, env: dict[str, str] | None = None) -> None:
     """Run pytest; 'no tests collected' (exit 5) counts as a failure.
 
     ``parallel``: spread the test modules over :data:`WORKERS` processes (pytest-xdist, ``--dist loadfile``).
-    Sessions whose tests change the venv (integration installs and removes fixture distributions) stay serial.
+    Tests that change the venv (integration's third-party tests install and remove distributions) stay serial.
+    ``env``: variables for this run only (on top of the session's).
     """
     spread = ("-n", str(WORKERS), "--dist", "loadfile") if parallel and WORKERS > 1 else ()
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *spread, *args, *session.posargs)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *spread, *args, *session.posargs, env=env)
 
 
 @nox.session
@@ -60,9 +98,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The core package alone."""
+    """The core package alone, then the lab beside it (still without a plugin: it must work with softmax alone)."""
     install(session, "-e", f"{CORE}[testing]", *XDIST)
     pytest(session, str(ROOT / "packages" / "attnkit" / "tests"), parallel=True)
+    if (ROOT / "packages" / "attnkit-lab" / "pyproject.toml").exists():
+        _lab_tests(session)
 
 
 @nox.session
@@ -70,7 +110,12 @@ def lab(session: nox.Session) -> None:
     """The lab with only the core (it must work with softmax alone)."""
     if not (ROOT / "packages" / "attnkit-lab" / "pyproject.toml").exists():
         session.skip("packages/attnkit-lab does not exist yet")
-    install(session, "-e", f"{CORE}[testing]", "-e", LAB, *XDIST)
+    install(session, "-e", f"{CORE}[testing]", *XDIST)
+    _lab_tests(session)
+
+
+def _lab_tests(session: nox.Session) -> None:
+    install(session, "-e", LAB)
     pytest(session, str(ROOT / "packages" / "attnkit-lab" / "tests"), parallel=True)
 
 
@@ -97,13 +142,7 @@ def nox_siblings(path: Path) -> list[str]:
     (an extra, not a dependency: the siblings are not on the package index) are tested in a second run of
     the tests it marks ``siblings`` (a marker its pytest configuration declares).
     """
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: pip's vendored copy of the same parser
-        from pip._vendor import tomli as tomllib
-
-    table = tomllib.loads((path / "pyproject.toml").read_text(encoding="utf-8"))
-    siblings = table.get("tool", {}).get("attnkit", {}).get("nox", {}).get("siblings", [])
+    siblings = _siblings_declared(path)
     missing = [s for s in siblings if not (ROOT / "plugins" / s / "pyproject.toml").exists()]
     if missing:
         raise ValueError(f"{path.name}: [tool.attnkit.nox] siblings names {missing}, not plugins of this repository")
@@ -112,7 +151,8 @@ def nox_siblings(path: Path) -> list[str]:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """Everything installed, strict plugin loading, the third-party fixture installed with pip."""
+    """Everything installed, strict plugin loading, the third-party fixture installed with pip; then, in the same
+    venv, the triton kernels in the interpreter (:func:`kernels`) and attnkit-transformers (:func:`transformers`)."""
     pkgs = [f"{CORE}[testing]"] + ([LAB] if Path(LAB, "pyproject.toml").exists() else [])
     pkgs += [str(ROOT / "plugins" / p) for p in PLUGINS]
     install(session, *[a for p in pkgs for a in ("-e", p)])
@@ -121,37 +161,58 @@ def integration(session: nox.Session) -> None:
     session.env["ATTNKIT_FIXTURES"] = str(FIXTURES)
     session.env["ATTNKIT_CONSTRAINTS"] = CONSTRAINTS[1]
     session.run("attnkit", "list")
-    pytest(session, str(ROOT / "integration_tests"))
+    tests_dir = ROOT / "integration_tests"
+    # the third-party tests install and remove distributions in this venv: alone first, then the rest spread out
+    pytest(session, str(tests_dir / "test_thirdparty_plugin.py"))
+    pytest(session, str(tests_dir), "--ignore", str(tests_dir / "test_thirdparty_plugin.py"), parallel=True)
+    for name in ("ATTNKIT_STRICT_PLUGINS", "ATTNKIT_FIXTURES", "ATTNKIT_CONSTRAINTS"):
+        del session.env[name]
+    _kernel_tests(session)
+    _transformers_tests(session)
+
+
+def _with_kernels() -> list[str]:
+    """The plugins with triton kernel tests: a test module of theirs marks tests with ``pytest.mark.triton``."""
+    return [
+        p for p in PLUGINS
+        if any("mark.triton" in f.read_text(encoding="utf-8") for f in (ROOT / "plugins" / p / "tests").glob("*.py"))
+    ]
 
 
 @nox.session
 def kernels(session: nox.Session) -> None:
-    """Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU tensors, plugin by plugin.
-
-    A plugin takes part when a test module of its marks tests with ``pytest.mark.triton``;
-    each runs in its own pytest call, so test modules of the same name in two plugins never clash.
-    """
-    with_kernels = [
-        p for p in PLUGINS
-        if any("mark.triton" in f.read_text(encoding="utf-8") for f in (ROOT / "plugins" / p / "tests").glob("*.py"))
-    ]
-    if not with_kernels:
+    """Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU tensors, plugin by plugin (CI runs them in
+    ``integration``)."""
+    if not _with_kernels():
         session.skip("no plugin ships triton kernel tests yet")
-    plugins = [a for p in with_kernels for a in ("-e", str(ROOT / "plugins" / p))]
-    install(session, "-e", f"{CORE}[testing]", "triton", *plugins, *XDIST)
-    session.env["TRITON_INTERPRET"] = "1"
-    for p in with_kernels:
-        pytest(session, str(ROOT / "plugins" / p / "tests"), "-m", "triton", parallel=True)
+    install(session, "-e", f"{CORE}[testing]", *[a for p in _with_kernels() for a in ("-e", str(ROOT / "plugins" / p))],
+            *XDIST)
+    _kernel_tests(session)
+
+
+def _kernel_tests(session: nox.Session) -> None:
+    """Install triton and run each kernel plugin's ``triton`` tests in its own pytest call (test modules of the
+    same name in two plugins never clash)."""
+    install(session, "triton")
+    for p in _with_kernels():
+        pytest(session, str(ROOT / "plugins" / p / "tests"), "-m", "triton", parallel=True,
+               env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session
 def transformers(session: nox.Session) -> None:
-    """attnkit-transformers with transformers from the index (pinned) and every plugin: tiny models, no downloads."""
+    """attnkit-transformers with transformers from the index (pinned) and every plugin: tiny models, no downloads
+    (CI runs them in ``integration``)."""
+    install(session, "-e", f"{CORE}[testing]", *[a for p in PLUGINS for a in ("-e", str(ROOT / "plugins" / p))],
+            *XDIST)
+    _transformers_tests(session)
+
+
+def _transformers_tests(session: nox.Session) -> None:
     path = ROOT / "packages" / "attnkit-transformers"
-    plugins = [a for p in PLUGINS for a in ("-e", str(ROOT / "plugins" / p))]
-    install(session, "-e", f"{CORE}[testing]", *plugins, "-e", str(path))
-    session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"})
-    pytest(session, str(path / "tests"))
+    install(session, "-e", str(path))
+    pytest(session, str(path / "tests"),
+           env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"})
 
 
 @nox.session
