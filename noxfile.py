@@ -155,7 +155,7 @@ def integration(session: nox.Session) -> None:
     venv, the triton kernels in the interpreter (:func:`kernels`) and attnkit-transformers (:func:`transformers`)."""
     pkgs = [f"{CORE}[testing]"] + ([LAB] if Path(LAB, "pyproject.toml").exists() else [])
     pkgs += [str(ROOT / "plugins" / p) for p in PLUGINS]
-    install(session, *[a for p in pkgs for a in ("-e", p)])
+    install(session, *[a for p in pkgs for a in ("-e", p)], *XDIST)
     install(session, str(FIXTURES / "attnkit-thirdparty"))
     session.env["ATTNKIT_STRICT_PLUGINS"] = "1"
     session.env["ATTNKIT_FIXTURES"] = str(FIXTURES)
