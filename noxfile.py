@@ -165,6 +165,8 @@ def integration(session: nox.Session) -> None:
     # the third-party tests install and remove distributions in this venv: alone first, then the rest spread out
     pytest(session, str(tests_dir / "test_thirdparty_plugin.py"))
     pytest(session, str(tests_dir), "--ignore", str(tests_dir / "test_thirdparty_plugin.py"), parallel=True)
+    # what the kernel and transformers tests see: this repository's packages, not the test fixture's plugin
+    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "attnkit-thirdparty")
     for name in ("ATTNKIT_STRICT_PLUGINS", "ATTNKIT_FIXTURES", "ATTNKIT_CONSTRAINTS"):
         del session.env[name]
     _kernel_tests(session)
