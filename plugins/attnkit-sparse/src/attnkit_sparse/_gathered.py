@@ -4,6 +4,7 @@
 Both paths gather a group of queries (an lsh chunk of a round, a routing cluster) and its keys into small
 tiles, mask them by their own rule, and then run the same steps, which live here as inline numba helpers:
 
+- :func:`gather_kv`, :func:`gather_query_grad`: a position's rows copied into the tiles;
 - :func:`tile_scores`: key-major scores ``Sᵀ = K (scale·Q)ᵀ`` ``(kn, width)``;
 - :func:`tile_softmax_pv`: one softmax per query column (row max, ``exp`` in place, sums) and ``O = P V``;
 - :func:`merge_row`, :func:`normalise_row`: a group's rows merged at their position into the running
@@ -23,6 +24,32 @@ import math
 import numba
 
 from .engine._numba_kernels import FASTMATH, _axpy, _axpy_t, _exp_into
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def gather_kv(Kb, Vb, j, kr, vr):  # pragma: no cover - compiled
+    """Row ``j`` of the key and value tiles from the rows ``kr``, ``vr`` (a routed or sorted position's)."""
+    kd = Kb[j]
+    for d in range(kd.shape[0]):
+        kd[d] = kr[d]
+    vd = Vb[j]
+    for e in range(vd.shape[0]):
+        vd[e] = vr[e]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def gather_query_grad(QT, Qb, GT, Gb, i, qr, gr, sc):  # pragma: no cover - compiled
+    """Query ``i`` of a backward tile: ``scale·q`` as column ``i`` of ``QT`` and row ``i`` of ``Qb``, and the output
+    gradient ``gr`` as column ``i`` of ``GT`` and row ``i`` of ``Gb``."""
+    qb = Qb[i]
+    for d in range(qb.shape[0]):
+        x = qr[d] * sc
+        QT[d, i] = x
+        qb[d] = x
+    gb = Gb[i]
+    for e in range(gb.shape[0]):
+        GT[e, i] = gr[e]
+        gb[e] = gr[e]
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .._gathered import merge_row, normalise_row, tile_backward, tile_scores, tile_softmax_pv
+from .._gathered import gather_query_grad, merge_row, normalise_row, tile_backward, tile_scores, tile_softmax_pv
 from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
 
 
@@ -204,15 +204,7 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
                 p = pr[a + i]
                 pq[i] = p
                 pk[kp + i] = p
-                qi = qs[p]; qb = Qb[i]
-                for d in range(D):
-                    x = qi[d] * sc
-                    QT[d, i] = x
-                    qb[d] = x
-                gi = gs[p]; gb = Gb[i]
-                for e in range(E):
-                    GT[e, i] = gi[e]
-                    gb[e] = gi[e]
+                gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
                 kd = Kb[kp + i]; ksrc = ks[p]; gd = dKb[kp + i]
                 for d in range(D):
                     kd[d] = ksrc[d]

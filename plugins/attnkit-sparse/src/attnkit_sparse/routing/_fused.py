@@ -27,7 +27,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .._gathered import merge_row, normalise_row, tile_backward, tile_scores, tile_softmax_pv
+from .._gathered import (
+    gather_kv,
+    gather_query_grad,
+    merge_row,
+    normalise_row,
+    tile_backward,
+    tile_scores,
+    tile_softmax_pv,
+)
 from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
 
 
@@ -93,12 +101,7 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
             continue
         pq = qi[n, c]; pk = ki[n, c]
         for j in range(kn):
-            kd = Kb[j]; ksrc = ks[pk[j]]
-            for d in range(D):
-                kd[d] = ksrc[d]
-            vd = Vb[j]; vsrc = vs[pk[j]]
-            for e in range(E):
-                vd[e] = vsrc[e]
+            gather_kv(Kb, Vb, j, ks[pk[j]], vs[pk[j]])
         for q0 in range(0, qn, BQ):
             bn = min(BQ, qn - q0)
             pb = pq[q0:q0 + bn]
@@ -169,29 +172,18 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
             continue
         pq = qi[n, c]; pk = ki[n, c]
         for j in range(kn):
-            p = pk[j]
-            kd = Kb[j]; ksrc = ks[p]; gd = dKb[j]
+            gather_kv(Kb, Vb, j, ks[pk[j]], vs[pk[j]])
+            gd = dKb[j]; hd = dVb[j]
             for d in range(D):
-                kd[d] = ksrc[d]
                 gd[d] = zero
-            vd = Vb[j]; vsrc = vs[p]; hd = dVb[j]
             for e in range(E):
-                vd[e] = vsrc[e]
                 hd[e] = zero
         for q0 in range(0, qn, BQ):
             bn = min(BQ, qn - q0)
             pb = pq[q0:q0 + bn]
             for i in range(bn):
                 p = pb[i]
-                qr = qs[p]; qb = Qb[i]
-                for d in range(D):
-                    x = qr[d] * sc
-                    QT[d, i] = x
-                    qb[d] = x
-                gr = gs[p]; gb = Gb[i]
-                for e in range(E):
-                    GT[e, i] = gr[e]
-                    gb[e] = gr[e]
+                gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
                 lrow[i] = lse[n, p]
                 drow[i] = dl[p]
             for i in range(bn, BQ):
