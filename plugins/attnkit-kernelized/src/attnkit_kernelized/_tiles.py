@@ -15,6 +15,11 @@ Rules that keep it vectorised (checked by timing, see docs/mechanisms/linear.md)
 pass row-sliced views (``A[i:]`` keeps numba's C layout; a column slice does
 not), and keep every loop starting at 0 with no runtime offset (a runtime
 start makes numba wrap possibly negative indices, a select per element).
+
+:func:`causal_block` is one block of the causal product built from it (the state's part, the causal
+triangle, the denominator, the state update): the one copy of that loop, used by the unfused product
+(:func:`attnkit_kernelized.linear.numba_ops._causal_rows`, causal and reverse) and, through
+:func:`causal_block_normalised`, by the fused no-grad forwards of ``linear`` and ``performer``.
 """
 
 from __future__ import annotations
@@ -64,24 +69,21 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def causal_block_normalised(xb, yb, yT, A, ob, vn, outn, S, z, c0, T, M, E, zero):  # pragma: no cover - compiled
-    """One block of ``T`` positions starting at ``c0`` of normalised causal linear attention, the features ready in
-    ``xb`` / ``yb`` ``(>= T, M)`` (the fused no-grad kernels of ``linear`` and ``performer``): ``yb`` transposed
-    into ``yT``, ``out = (x S + tril(x yᵀ) w) / (x z + rowsum tril(x yᵀ))`` written to ``outn[c0:c0+T]`` (0 where
-    the denominator is 0, NaN stays NaN), then ``S += yᵀ w`` and ``z += Σ y``. ``A (>= T, >= T)`` and
-    ``ob (>= T, E)`` are scratch. The same loop as :func:`attnkit_kernelized.linear.numba_ops._causal_rows`'s
-    forward."""
-    for j in range(M):      # transposed (gathering along a column ran 2x faster than scattering rows)
-        d_ = yT[j]
-        for t in range(T):
-            d_[t] = yb[t, j]
-    c1 = c0 + T
-    xc = xb[:T]; wc = vn[c0:c1]; oc = ob[:T]
+def causal_block(xc, wc, yT, A, oc, db, S, z, T, M, E, zero, with_den, normalize):  # pragma: no cover - compiled
+    """One block of ``T`` positions of the causal product, the block's features ready: ``xc (T, M)`` queries,
+    ``wc (T, E)`` values, ``yT (M, >= T)`` the keys transposed; ``(S, z)`` the state of the earlier blocks.
+
+    Writes ``oc[:T] = x S + tril(x yᵀ) w`` and, with ``with_den``, ``db[:T] = x z + rowsum tril(x yᵀ)``; with
+    ``normalize`` too, ``oc`` is divided by it (0 where it is 0, NaN stays NaN). Then ``S += yᵀ w`` and, with
+    ``with_den``, ``z += Σ y``. ``A (>= T, >= T)`` is scratch. The causal triangle is taken four query rows at a
+    time over whole 16-column blocks up to the group's last row (so its rows vectorise), the group's diagonal
+    block cut to its lower triangle, then ``out += A w`` over the visible keys.
+    """
     for t in range(T):
         o_ = oc[t]
         for e in range(E):
             o_[e] = zero
-    axpy_rows(oc, xc, S, T, M, E)
+    axpy_rows(oc, xc, S, T, M, E)                  # inter: the earlier blocks' state
     for i in range(0, T, 4):
         r = min(4, T - i)
         n16 = min(T, (i + r + 15) // 16 * 16)
@@ -95,30 +97,47 @@ def causal_block_normalised(xb, yb, yT, A, ob, vn, outn, S, z, c0, T, M, E, zero
             for j in range(i + t + 1, i + r):
                 a_[j] = zero
         axpy_rows(oc[i:], A[i:], wc, r, i + r, E)
-        for t in range(r):
-            a_ = A[i + t]
+        if with_den:
+            for t in range(r):
+                a_ = A[i + t]
+                s = zero
+                for j in range(i + t + 1):
+                    s += a_[j]
+                xa = xc[i + t]
+                for m in range(M):
+                    s += xa[m] * z[m]
+                db[i + t] = s
+                if normalize:      # no key visible: 0 (NaN stays NaN)
+                    ot = oc[i + t]
+                    if s == 0:
+                        for e in range(E):
+                            ot[e] = zero
+                    else:
+                        rr = 1 / s
+                        for e in range(E):
+                            ot[e] *= rr
+    axpy_rows(S, yT, wc, M, T, E)                  # the state: S += yᵀ w over the block, z += Σ y
+    if with_den:
+        for m in range(M):
+            yr = yT[m]
             s = zero
-            for j in range(i + t + 1):
-                s += a_[j]
-            xa = xc[i + t]
-            for m in range(M):
-                s += xa[m] * z[m]
-            ot = oc[i + t]
-            if s == 0:     # no key visible: 0 (NaN stays NaN)
-                for e in range(E):
-                    ot[e] = zero
-            else:
-                rr = 1 / s
-                for e in range(E):
-                    ot[e] *= rr
+            for t in range(T):
+                s += yr[t]
+            z[m] += s
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero):  # pragma: no cover - compiled
+    """:func:`causal_block` of the fused no-grad kernels of ``linear`` and ``performer``: the features ready in
+    ``xb`` / ``yb`` ``(>= T, M)``, ``yb`` transposed into ``yT``, the normalised output written to
+    ``outn[c0:c0+T]``. ``ob (>= T, E)`` and ``db (>= T)`` are scratch."""
+    for j in range(M):      # transposed (gathering along a column ran 2x faster than scattering rows)
+        d_ = yT[j]
+        for t in range(T):
+            d_[t] = yb[t, j]
+    c1 = c0 + T
+    causal_block(xb[:T], vn[c0:c1], yT, A, ob, db, S, z, T, M, E, zero, True, True)
     for t in range(T):
-        o_ = oc[t]; d_ = outn[c0 + t]
+        o_ = ob[t]; d_ = outn[c0 + t]
         for e in range(E):
             d_[e] = o_[e]
-    axpy_rows(S, yT, wc, M, T, E)
-    for m in range(M):
-        yr = yT[m]
-        s = zero
-        for t in range(T):
-            s += yr[t]
-        z[m] += s

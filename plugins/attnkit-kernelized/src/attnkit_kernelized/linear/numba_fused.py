@@ -10,8 +10,9 @@ kept, so here each sequence is walked once in blocks of ``chunk`` positions, and
   without one) go into buffers that stay in cache, the exponential of the non-positive part by
   :func:`attnkit_kernelized._vexp.exp_row`, as :mod:`.numba_elu` computes it (the same values); a padded key's
   row is 0, whatever it holds;
-* the causal product of :func:`.numba_ops._causal_rows` (forward mode, normalised, 0 where the
-  denominator is 0): ``out = x S`` from the earlier blocks' state, the causal triangle, ``S += y^T v``,
+* the causal product :func:`attnkit_kernelized._tiles.causal_block` that the unfused
+  :func:`.numba_ops._causal_rows` runs too (normalised, 0 where the denominator is 0):
+  ``out = x S`` from the earlier blocks' state, the causal triangle, ``S += y^T v``,
   ``z += sum y``.
 
 The same arithmetic as the unfused path, in one pass; ``tests/test_linear_numba_fused.py`` holds it to the
@@ -70,6 +71,7 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
     yT = np.empty((M, chunk), dtype=Q.dtype)   # ... transposed
     A = np.empty((chunk, chunk), dtype=Q.dtype)
     ob = np.empty((chunk, E), dtype=Q.dtype)
+    db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
     eb = np.empty(chunk * M, dtype=Q.dtype)
     nbuf = np.empty(chunk * M, dtype=np.int32)
     for n in range(n0, n1):
@@ -88,7 +90,7 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
                         row = yb[t]
                         for j in range(M):
                             row[j] = zero
-            causal_block_normalised(xb, yb, yT, A, ob, vn, outn, S, z, c0, T, M, E, zero)
+            causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero)
         S_out[n] = S
         z_out[n] = z
 

@@ -60,7 +60,7 @@ from torch import Tensor
 from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, check_float, dynamic, rows
 from .._ops import call_linear_attention, define, define_linear_attention
-from .._tiles import axpy_rows
+from .._tiles import axpy_rows, causal_block
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
@@ -108,65 +108,16 @@ def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den,
                     ys = yn[c0 + t]
                     for m in range(M):
                         yT[m, t] = ys[m]
-            oc = ob[:T]
-            for t in range(T):
-                o_ = oc[t]
-                for e in range(E):
-                    o_[e] = zero
-            # ---- inter: out = x S, the state of the earlier chunks
-            axpy_rows(oc, xc, S, T, M, E)
-            # ---- intra, 4 query rows at a time: their scores A = x y^T over the keys up to the group's last row
-            # (in whole 16-column blocks, so the rows vectorise), the group's diagonal block cut to its lower
-            # triangle, then out += A w over the visible keys
-            for i in range(0, T, 4):
-                r = min(4, T - i)
-                n16 = min(T, (i + r + 15) // 16 * 16)
-                for t in range(r):
-                    a_ = A[i + t]
-                    for j in range(n16):
-                        a_[j] = zero
-                axpy_rows(A[i:], xc[i:], yT, r, M, n16)
-                for t in range(r):
-                    a_ = A[i + t]
-                    for j in range(i + t + 1, i + r):
-                        a_[j] = zero
-                axpy_rows(oc[i:], A[i:], wc, r, i + r, E)
-                if with_den:
-                    for t in range(r):
-                        a_ = A[i + t]
-                        s = zero
-                        for j in range(i + t + 1):
-                            s += a_[j]
-                        xa = xc[i + t]
-                        for m in range(M):
-                            s += xa[m] * z[m]
-                        db[i + t] = s
-                        if normalize:   # out /= den, 0 where no key is visible (NaN stays NaN)
-                            ot = oc[i + t]
-                            if s == 0:
-                                for e in range(E):
-                                    ot[e] = zero
-                            else:
-                                rr = 1 / s
-                                for e in range(E):
-                                    ot[e] *= rr
+            # ---- out = x S + the causal triangle (normalised with ``normalize``), den, then the state
+            causal_block(xc, wc, yT, A, ob, db, S, z, T, M, E, zero, with_den, normalize)
             # ---- the chunk's results out (back in position order in reverse mode)
             for t in range(T):
                 p = c1 - 1 - t if reverse else c0 + t
-                o_ = oc[t]; d_ = outn[p]
+                o_ = ob[t]; d_ = outn[p]
                 for e in range(E):
                     d_[e] = o_[e]
                 if with_den:
                     den[n, p] = db[t]
-            # ---- state: S += y^T w over the chunk (rows of y^T times the chunk's w), z += sum of y
-            axpy_rows(S, yT, wc, M, T, E)
-            if with_den:
-                for m in range(M):
-                    yr = yT[m]
-                    s = zero
-                    for t in range(T):
-                        s += yr[t]
-                    z[m] += s
         S_out[n] = S
         z_out[n] = z
 

@@ -15,8 +15,9 @@ block:
   and exponentiated there (:func:`attnkit_kernelized._vexp.exp_row`); the key pass also
   updates each feature's largest exponent and the sequence's smallest (the bounds the
   caller checks afterwards: beyond them the result is discarded for the log-space form);
-* the causal product of :func:`attnkit_kernelized.linear.numba_ops._causal_rows`
-  (forward mode, normalised): ``out = x S`` from the earlier blocks' state, the causal
+* the causal product :func:`attnkit_kernelized._tiles.causal_block` that the unfused
+  :func:`attnkit_kernelized.linear.numba_ops._causal_rows` runs too (normalised):
+  ``out = x S`` from the earlier blocks' state, the causal
   triangle, ``S += y^T v``, ``z += sum y``.
 
 The same arithmetic as the unfused path (features, then the product in blocks of
@@ -106,6 +107,7 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
     yT = np.empty((M, chunk), dtype=Q.dtype)   # ... transposed
     A = np.empty((chunk, chunk), dtype=Q.dtype)
     ob = np.empty((chunk, E), dtype=Q.dtype)
+    db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
     nbuf = np.empty(M, dtype=np.int32)
     lanes = np.empty(_LANES, dtype=Q.dtype)
     hb = np.empty(M, dtype=Q.dtype)      # hi[n] (a local buffer: updates of an argument array vectorise less)
@@ -145,7 +147,7 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
                     exp_row(row, c, nbuf, cst, is32)
             if low < -bound or _row_max(h, lanes) > bound:
                 break               # the caller discards the result (hi, lo show why)
-            causal_block_normalised(xb, yb, yT, A, ob, vn, outn, S, z, c0, T, M, E, zero)
+            causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero)
         S_out[n] = S
         z_out[n] = z
         lo[n] = low
