@@ -153,25 +153,15 @@ def _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc):  # pragma: no co
     over every position; returns how many were written."""
     ties = w - g
     m = 0
-    if nc >= 0:
-        for c in range(nc):
-            p = cand[c]
-            x = vals[p]
-            if x > t or (x == t and ties > 0):
-                if x == t:
-                    ties -= 1
-                out_i[m] = p
-                out_ok[m] = True
-                m += 1
-    else:
-        for p in range(L):
-            x = vals[p]
-            if x > t or (x == t and ties > 0):
-                if x == t:
-                    ties -= 1
-                out_i[m] = p
-                out_ok[m] = True
-                m += 1
+    for c in range(nc if nc >= 0 else L):
+        p = cand[c] if nc >= 0 else c
+        x = vals[p]
+        if x > t or (x == t and ties > 0):
+            if x == t:
+                ties -= 1
+            out_i[m] = p
+            out_ok[m] = True
+            m += 1
     return m
 
 
