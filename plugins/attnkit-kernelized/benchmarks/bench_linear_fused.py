@@ -6,6 +6,12 @@ time, this process's CPU time (user + system) and its minor page faults. The flo
 1024^3 products at torch's thread count) is measured before and after, and the useful FLOPs of a forward,
 ``4·B·H·L·D·E``, are reported as a fraction of it. Optionally SDPA causal in the same run.
 
+The speed of this VM drifts by up to ~30% over seconds to minutes (host load: the same process measured
+28-39 ms for one kernel call in consecutive minutes, session 28), which moves a fraction taken from a rate
+measured before and after the rounds. So every round also measures the rate right before its calls (median
+of 5 products, ``rate_round``) and reports the fraction of that paired rate; the median of those per-round
+fractions is the figure that compares like with like.
+
     flock /tmp/attnkit-bench.lock python plugins/attnkit-kernelized/benchmarks/bench_linear_fused.py \\
         --lengths 8192 16384 --rounds 11 [--sdpa] [--threads 1] [--output out.json]
 
@@ -25,6 +31,7 @@ import torch
 
 
 def matmul_rate(n: int = 1024, reps: int = 20) -> float:
+    """float32 GEMM rate (FLOP/s): the median of ``reps`` ``n^3`` products after one warm-up."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
     times = []
@@ -63,7 +70,7 @@ def main() -> None:
     for L in args.lengths:
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
-        rec: dict[str, dict[str, list[float]]] = {m: {"wall": [], "cpu": [], "faults": []}
+        rec: dict[str, dict[str, list[float]]] = {m: {"wall": [], "cpu": [], "faults": [], "rate_round": []}
                                                   for m in ("fused", "unfused")}
         with torch.no_grad():
             for m in rec:
@@ -72,6 +79,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for m in (("fused", "unfused") if r % 2 == 0 else ("unfused", "fused")):
                     LinearAttention._fused_causal = fused if m == "fused" else unfused
+                    rec[m]["rate_round"].append(matmul_rate(reps=5))
                     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     c0 = os.times()
                     t0 = time.perf_counter()
@@ -102,6 +110,11 @@ def main() -> None:
             med = statistics.median(d["wall"])
             d["median_wall"] = med
             d["fraction_of_matmul_rate"] = flops / med / rate
+            paired = sorted(flops / w / rr for w, rr in zip(d["wall"], d["rate_round"], strict=True))
+            d["fraction_of_paired_rate"] = statistics.median(paired)
+            print(f"L={L} {m}: median of the per-round fractions of the rate measured just before each call "
+                  f"{100 * d['fraction_of_paired_rate']:.1f}% (rounds {100 * paired[0]:.1f}-{100 * paired[-1]:.1f}%; "
+                  f"paired rates {min(d['rate_round']) / 1e9:.0f}-{max(d['rate_round']) / 1e9:.0f} GFLOP/s)")
             print(f"L={L} {m}: median {med * 1e3:.2f} ms ({100 * flops / med / rate:.1f}% of the rate), "
                   f"best {min(d['wall']) * 1e3:.2f} ms ({100 * flops / min(d['wall']) / rate:.1f}%); "
                   f"cpu median {statistics.median(d['cpu']) * 1e3:.0f} ms; rounds (ms) "
