@@ -117,6 +117,20 @@ def attention_only(name: str, pub, ours: attnkit.MultiHeadAttention, L: int, gra
     return (lambda: pub(x)), ours_call, (q, k, v)
 
 
+def one_pass(call, grad: bool, inputs):
+    """A callable that runs ``call()`` once: without autograd, or (``grad``) forward and backward of its sum, the
+    ``inputs``' gradients cleared after."""
+    def run():
+        if not grad:
+            with torch.no_grad():
+                call()
+        else:
+            call().sum().backward()
+            for x_ in inputs:
+                x_.grad = None
+    return run
+
+
 def exact(ours: attnkit.MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
     split = lambda t: t.view(1, -1, H, DH).transpose(1, 2)  # noqa: E731
     q, k, v = split(ours.q_proj(x)), split(ours.k_proj(x)), split(ours.v_proj(x))
@@ -185,15 +199,7 @@ def main() -> int:
                 calls = attention_only(name, pub, ours, L, grad)
                 t = {}
                 for side, call in (("public", calls[0]), ("attnkit", calls[1])):
-                    def run(call=call, grad=grad, inputs=calls[2]):
-                        if not grad:
-                            with torch.no_grad():
-                                call()
-                        else:
-                            call().sum().backward()
-                            for x_ in inputs:
-                                x_.grad = None
-                    t[side] = timed(run, args.repeats)
+                    t[side] = timed(one_pass(call, grad, calls[2]), args.repeats)
                 row = {"impl": name, "L": L, "mode": mode, "part": "attention alone", "public_s": t["public"],
                        "attnkit_s": t["attnkit"], "speedup": t["public"] / t["attnkit"]}
                 res["time"].append(row)

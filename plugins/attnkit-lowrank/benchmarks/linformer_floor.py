@@ -84,7 +84,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_external import attention_only, pair
+    from bench_external import attention_only, one_pass, pair
 
     L = args.length
     up = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()  # noqa: E731
@@ -98,15 +98,7 @@ def main() -> int:
         pub, ours = pair("linformer", L)
         pub_call, ours_call, inputs = attention_only("linformer", pub, ours, L, grad)
         for side, call in (("public", pub_call), ("attnkit", ours_call)):
-            def run(call=call, grad=grad, inputs=inputs):
-                if not grad:
-                    with torch.no_grad():
-                        call()
-                else:
-                    call().sum().backward()
-                    for x_ in inputs:
-                        x_.grad = None
-            calls[f"{side} {mode}"] = run
+            calls[f"{side} {mode}"] = one_pass(call, grad, inputs)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for fn in calls.values():
         fn()

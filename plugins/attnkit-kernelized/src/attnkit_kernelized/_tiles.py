@@ -69,6 +69,18 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def divide_row(row, s, E, zero):  # pragma: no cover - compiled
+    """``row[:E] /= s``, the normalisation by a denominator: 0 where ``s`` is 0 (no key visible; NaN stays NaN)."""
+    if s == 0:
+        for e in range(E):
+            row[e] = zero
+    else:
+        rr = 1 / s
+        for e in range(E):
+            row[e] *= rr
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def causal_block(xc, wc, yT, A, oc, db, S, z, T, M, E, zero, with_den, normalize):  # pragma: no cover - compiled
     """One block of ``T`` positions of the causal product, the block's features ready: ``xc (T, M)`` queries,
     ``wc (T, E)`` values, ``yT (M, >= T)`` the keys transposed; ``(S, z)`` the state of the earlier blocks.
@@ -107,15 +119,8 @@ def causal_block(xc, wc, yT, A, oc, db, S, z, T, M, E, zero, with_den, normalize
                 for m in range(M):
                     s += xa[m] * z[m]
                 db[i + t] = s
-                if normalize:      # no key visible: 0 (NaN stays NaN)
-                    ot = oc[i + t]
-                    if s == 0:
-                        for e in range(E):
-                            ot[e] = zero
-                    else:
-                        rr = 1 / s
-                        for e in range(E):
-                            ot[e] *= rr
+                if normalize:
+                    divide_row(oc[i + t], s, E, zero)
     axpy_rows(S, yT, wc, M, T, E)                  # the state: S += yᵀ w over the block, z += Σ y
     if with_den:
         for m in range(M):

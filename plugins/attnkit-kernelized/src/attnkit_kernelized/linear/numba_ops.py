@@ -60,7 +60,7 @@ from torch import Tensor
 from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, check_float, dynamic, rows
 from .._ops import call_linear_attention, define, define_linear_attention
-from .._tiles import axpy_rows, causal_block
+from .._tiles import axpy_rows, causal_block, divide_row
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
@@ -170,13 +170,7 @@ def _full_rows(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_o
                         s += xa[m] * z[m]
                     den[n, c0 + t] = s
                     if normalize:  # out /= den, 0 where no key is visible
-                        if s == 0:
-                            for e in range(E):
-                                ot[e] = zero
-                        else:
-                            rr = 1 / s
-                            for e in range(E):
-                                ot[e] *= rr
+                        divide_row(ot, s, E, zero)
                 d_ = outn[c0 + t]
                 for e in range(E):
                     d_[e] = ot[e]
