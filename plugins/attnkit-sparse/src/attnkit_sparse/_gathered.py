@@ -4,7 +4,8 @@
 Both paths gather a group of queries (an lsh chunk of a round, a routing cluster) and its keys into small
 tiles, mask them by their own rule, and then run the same steps, which live here as inline numba helpers:
 
-- :func:`gather_kv`, :func:`gather_query_grad`: a position's rows copied into the tiles;
+- :func:`gather_kv`, :func:`gather_query_grad`: a position's rows copied into the tiles; :func:`zero_kv`:
+  a tile row of key and value gradients cleared;
 - :func:`tile_scores`: key-major scores ``Sᵀ = K (scale·Q)ᵀ`` ``(kn, width)``;
 - :func:`tile_softmax_pv`: one softmax per query column (row max, ``exp`` in place, sums) and ``O = P V``;
 - :func:`merge_row`, :func:`normalise_row`: a group's rows merged at their position into the running
@@ -35,6 +36,17 @@ def gather_kv(Kb, Vb, j, kr, vr):  # pragma: no cover - compiled
     vd = Vb[j]
     for e in range(vd.shape[0]):
         vd[e] = vr[e]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def zero_kv(dKb, dVb, j, zero):  # pragma: no cover - compiled
+    """Row ``j`` of the key and value gradient tiles set to 0 (a freshly gathered key's)."""
+    gd = dKb[j]
+    for d in range(gd.shape[0]):
+        gd[d] = zero
+    hd = dVb[j]
+    for e in range(hd.shape[0]):
+        hd[e] = zero
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")

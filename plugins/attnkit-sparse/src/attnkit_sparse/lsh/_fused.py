@@ -28,7 +28,16 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .._gathered import gather_query_grad, merge_row, normalise_row, tile_backward, tile_scores, tile_softmax_pv
+from .._gathered import (
+    gather_kv,
+    gather_query_grad,
+    merge_row,
+    normalise_row,
+    tile_backward,
+    tile_scores,
+    tile_softmax_pv,
+    zero_kv,
+)
 from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
 
 
@@ -93,22 +102,12 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
                 if c > c0:     # the previous chunk's own tiles (full: only the last chunk is short), moved
                     for j in range(cs if c > 1 else 0):     # (chunk 0's are in place already)
                         pk[j] = pk[cs + j]
-                        kd = Kb[j]; ksrc = Kb[cs + j]
-                        for d in range(D):
-                            kd[d] = ksrc[d]
-                        vd = Vb[j]; vsrc = Vb[cs + j]
-                        for e in range(E):
-                            vd[e] = vsrc[e]
+                        gather_kv(Kb, Vb, j, Kb[cs + j], Vb[cs + j])
                 else:
                     for j in range(cs):
                         p = pr[a - cs + j]
                         pk[j] = p
-                        kd = Kb[j]; ksrc = ks[p]
-                        for d in range(D):
-                            kd[d] = ksrc[d]
-                        vd = Vb[j]; vsrc = vs[p]
-                        for e in range(E):
-                            vd[e] = vsrc[e]
+                        gather_kv(Kb, Vb, j, ks[p], vs[p])
             for i in range(qn):
                 p = pr[a + i]
                 pq[i] = p
@@ -116,12 +115,7 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
                 qi = qs[p]
                 for d in range(D):
                     QT[d, i] = qi[d] * sc
-                kd = Kb[kp + i]; ksrc = ks[p]
-                for d in range(D):
-                    kd[d] = ksrc[d]
-                vd = Vb[kp + i]; vsrc = vs[p]
-                for e in range(E):
-                    vd[e] = vsrc[e]
+                gather_kv(Kb, Vb, kp + i, ks[p], vs[p])
             for i in range(qn, cs):
                 for d in range(D):
                     QT[d, i] = zero
@@ -179,40 +173,22 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
             if c > c0:      # the previous chunk: its own tiles and its keys' gradients so far, moved
                 for j in range(cs if c > 1 else 0):         # (chunk 0's are in place already)
                     pk[j] = pk[cs + j]
-                    kd = Kb[j]; ksrc = Kb[cs + j]; gd = dKb[j]; gsrc = dKb[cs + j]
-                    for d in range(D):
-                        kd[d] = ksrc[d]
-                        gd[d] = gsrc[d]
-                    vd = Vb[j]; vsrc = Vb[cs + j]; hd = dVb[j]; hsrc = dVb[cs + j]
-                    for e in range(E):
-                        vd[e] = vsrc[e]
-                        hd[e] = hsrc[e]
+                    gather_kv(Kb, Vb, j, Kb[cs + j], Vb[cs + j])
+                    gather_kv(dKb, dVb, j, dKb[cs + j], dVb[cs + j])
             elif c > 0:
                 for j in range(cs):
                     p = pr[a - cs + j]
                     pk[j] = p
-                    kd = Kb[j]; ksrc = ks[p]; gd = dKb[j]
-                    for d in range(D):
-                        kd[d] = ksrc[d]
-                        gd[d] = zero
-                    vd = Vb[j]; vsrc = vs[p]; hd = dVb[j]
-                    for e in range(E):
-                        vd[e] = vsrc[e]
-                        hd[e] = zero
+                    gather_kv(Kb, Vb, j, ks[p], vs[p])
+                    zero_kv(dKb, dVb, j, zero)
             kn = kp + qn
             for i in range(qn):
                 p = pr[a + i]
                 pq[i] = p
                 pk[kp + i] = p
                 gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
-                kd = Kb[kp + i]; ksrc = ks[p]; gd = dKb[kp + i]
-                for d in range(D):
-                    kd[d] = ksrc[d]
-                    gd[d] = zero
-                vd = Vb[kp + i]; vsrc = vs[p]; hd = dVb[kp + i]
-                for e in range(E):
-                    vd[e] = vsrc[e]
-                    hd[e] = zero
+                gather_kv(Kb, Vb, kp + i, ks[p], vs[p])
+                zero_kv(dKb, dVb, kp + i, zero)
                 lrow[i] = lse[n, p]
                 drow[i] = delta[n, p]
             for i in range(qn, cs):

@@ -35,6 +35,7 @@ from .._gathered import (
     tile_backward,
     tile_scores,
     tile_softmax_pv,
+    zero_kv,
 )
 from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
 
@@ -173,11 +174,7 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
         pq = qi[n, c]; pk = ki[n, c]
         for j in range(kn):
             gather_kv(Kb, Vb, j, ks[pk[j]], vs[pk[j]])
-            gd = dKb[j]; hd = dVb[j]
-            for d in range(D):
-                gd[d] = zero
-            for e in range(E):
-                hd[e] = zero
+            zero_kv(dKb, dVb, j, zero)
         for q0 in range(0, qn, BQ):
             bn = min(BQ, qn - q0)
             pb = pq[q0:q0 + bn]
