@@ -130,6 +130,19 @@ def test_feature_maps():
     assert feature_maps.feature_dim("dpfp", 3, nu=2) == 12 and feature_maps.feature_dim("elu", 3) == 3
 
 
+@pytest.mark.parametrize("D,nu", [(1, 1), (3, 1), (3, 2), (3, 3), (2, 5), (8, 3)])
+def test_dpfp_slices_equal_the_rolled_definition(D, nu):
+    """The DPFP map takes each roll as a slice of one extended relu (nu <= D) or rolls as written (nu > D):
+    bit-identical values and the same gradients as ``r * roll(r, i)``."""
+    x = torch.randn(2, 3, 5, D, dtype=torch.float64, requires_grad=True)
+    r = torch.relu(torch.cat([x, -x], dim=-1))
+    want = torch.cat([r * torch.roll(r, shifts=i, dims=-1) for i in range(1, nu + 1)], dim=-1)
+    got = feature_maps.dpfp_feature_map(x, nu=nu)
+    assert torch.equal(got, want)
+    w = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad((got * w).sum(), x)[0], torch.autograd.grad((want * w).sum(), x)[0])
+
+
 def test_the_module_uses_the_feature_maps_module():
     """One copy of the feature maps: the module's phi is the one in feature_maps (scale folded in first)."""
     attn = build("linear", feature_map="softplus", scale=0.25)
