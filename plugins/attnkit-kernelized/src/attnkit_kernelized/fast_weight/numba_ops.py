@@ -1,7 +1,8 @@
+# ruff: noqa: E702  -- four rows of the state at a time read best one group per line
 """numba CPU kernels of the delta rule (``fast-weight``) and their operators.
 
 :func:`_delta_forward` runs ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``,
-``out_t = S_t^T q_t`` position by position from a state ``S0`` (two passes over
+``out_t = S_t^T q_t`` position by position from a state ``S0`` (one pass over
 the M x E state per position), parallel over the B*H sequences, saving the
 state every ``chunk`` positions; :func:`_delta_backward` walks the positions in
 reverse, recomputing each chunk's states from its checkpoint (memory
@@ -29,15 +30,30 @@ _FASTMATH = FASTMATH
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
 def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
     """Delta rule per position from S0; returns out (N, L, E) and the states at chunk starts and at the end
-    (N, C+1, M, E)."""
+    (N, C+1, M, E).
+
+    One pass over the state per position: while row m of S takes position t's write, the same row gives
+    t's read-out and ``r`` of position t + 1 (``v_{t+1} - S_t^T k_{t+1}``), four rows at a time (independent
+    accumulations). Two passes (``r``, then the write and read-out) measured 23.3 against 18.5 ms for
+    8 x 2048 positions, M = 128, E = 64, one thread."""
     N, L, M = q.shape
     E = v.shape[2]
     n_chunks = (L + chunk - 1) // chunk
     out = np.empty((N, L, E), dtype=q.dtype)
     ckpt = np.empty((N, n_chunks + 1, M, E), dtype=q.dtype)
+    M4 = M - M % 4
+    no_key = np.zeros(M, dtype=q.dtype)          # k_{t+1} after the last position
     for n in numba.prange(N):
         S = S0[n].copy()
-        r = np.empty(E, dtype=q.dtype)
+        r = np.empty(E, dtype=q.dtype)           # r_t = v_t - S_{t-1}^T k_t
+        rn = np.empty(E, dtype=q.dtype)          # r_{t+1}, accumulated during position t's pass
+        if L > 0:
+            for e in range(E):
+                r[e] = v[n, 0, e]
+            for m in range(M):
+                km = k[n, 0, m]
+                for e in range(E):
+                    r[e] -= km * S[m, e]
         for t in range(L):
             if t % chunk == 0:
                 ckpt[n, t // chunk] = S
@@ -45,24 +61,40 @@ def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
             qt = q[n, t]
             b = beta[n, t]
             ot = out[n, t]
-            # r = v_t - S^T k_t
-            for e in range(E):
-                r[e] = v[n, t, e]
-            for m in range(M):
-                km = kt[m]
-                Sm = S[m]
+            if t + 1 < L:
+                kn = k[n, t + 1]
                 for e in range(E):
-                    r[e] -= km * Sm[e]
-            # S += beta k r^T, then out = S^T q (one pass over S)
+                    rn[e] = v[n, t + 1, e]
+            else:
+                kn = no_key
+                for e in range(E):
+                    rn[e] = 0.0
             for e in range(E):
                 ot[e] = 0.0
-            for m in range(M):
+            # S += b k r^T; out = S^T q; r_{t+1} -= S^T k_{t+1}
+            for m in range(0, M4, 4):
+                c0 = b * kt[m]; c1 = b * kt[m + 1]; c2 = b * kt[m + 2]; c3 = b * kt[m + 3]
+                q0 = qt[m]; q1 = qt[m + 1]; q2 = qt[m + 2]; q3 = qt[m + 3]
+                n0 = kn[m]; n1 = kn[m + 1]; n2 = kn[m + 2]; n3 = kn[m + 3]
+                s0 = S[m]; s1 = S[m + 1]; s2 = S[m + 2]; s3 = S[m + 3]
+                for e in range(E):
+                    re = r[e]
+                    a0 = s0[e] + c0 * re; a1 = s1[e] + c1 * re
+                    a2 = s2[e] + c2 * re; a3 = s3[e] + c3 * re
+                    s0[e] = a0; s1[e] = a1; s2[e] = a2; s3[e] = a3
+                    ot[e] += (q0 * a0 + q1 * a1) + (q2 * a2 + q3 * a3)
+                    rn[e] -= (n0 * a0 + n1 * a1) + (n2 * a2 + n3 * a3)
+            for m in range(M4, M):
                 c = b * kt[m]
                 qm = qt[m]
+                nm = kn[m]
                 Sm = S[m]
                 for e in range(E):
-                    Sm[e] += c * r[e]
-                    ot[e] += qm * Sm[e]
+                    a = Sm[e] + c * r[e]
+                    Sm[e] = a
+                    ot[e] += qm * a
+                    rn[e] -= nm * a
+            r, rn = rn, r
         ckpt[n, n_chunks] = S
     return out, ckpt
 
