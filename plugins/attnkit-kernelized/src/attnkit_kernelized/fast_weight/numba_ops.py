@@ -114,32 +114,40 @@ def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk):  # pragma: no cover 
     for n in numba.prange(N):
         G = dSL[n].copy()                                 # dLoss/dS_t
         states = np.empty((chunk + 1, M, E), dtype=q.dtype)  # S_{c0-1} .. S_{c1-1} of one chunk
-        R = np.empty((chunk, E), dtype=q.dtype)           # r_t of the chunk
+        R = np.empty((chunk + 1, E), dtype=q.dtype)       # r_t of the chunk (and one past its end)
         gk = np.empty(E, dtype=q.dtype)
         zero = np.zeros(1, dtype=q.dtype)
         for ci in range(n_chunks - 1, -1, -1):
             c0 = ci * chunk
             c1 = min(c0 + chunk, L)
             T = c1 - c0
-            # recompute the chunk's states from its checkpoint
+            # recompute the chunk's states from its checkpoint, one pass per position as in the forward: the
+            # rows written for position t also give r of position t + 1 (past the end: unused)
             states[0] = ckpt[n, ci]
+            rt = R[0]
+            for e in range(E):
+                rt[e] = v[n, c0, e]
+            for m in range(M):
+                km = k[n, c0, m]
+                for e in range(E):
+                    rt[e] -= km * states[0, m, e]
             for i in range(T):
                 t = c0 + i
-                kt = k[n, t]
+                tn = min(t + 1, L - 1)
                 b = beta[n, t]
                 Sp = states[i]
                 Sn = states[i + 1]
                 rt = R[i]
+                rn = R[i + 1]
                 for e in range(E):
-                    rt[e] = v[n, t, e]
+                    rn[e] = v[n, tn, e]
                 for m in range(M):
-                    km = kt[m]
+                    c = b * k[n, t, m]
+                    kn = k[n, tn, m]
                     for e in range(E):
-                        rt[e] -= km * Sp[m, e]
-                for m in range(M):
-                    c = b * kt[m]
-                    for e in range(E):
-                        Sn[m, e] = Sp[m, e] + c * rt[e]
+                        a = Sp[m, e] + c * rt[e]
+                        Sn[m, e] = a
+                        rn[e] -= kn * a
             for i in range(T - 1, -1, -1):
                 t = c0 + i
                 kt = k[n, t]
@@ -155,34 +163,33 @@ def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk):  # pragma: no cover 
                     for e in range(E):
                         s += Sn[m, e] * do[e]
                     dq[n, t, m] = s
-                for m in range(M):
-                    qm = qt[m]
-                    for e in range(E):
-                        G[m, e] += qm * do[e]
-                # S_t = S_{t-1} + b k r^T, r = v - S_{t-1}^T k
+                # G += q do^T (now dLoss/dS_t) and, from the same rows, gk = G^T k: S_t = S_{t-1} + b k r^T,
+                # r = v - S_{t-1}^T k
                 for e in range(E):
                     gk[e] = 0.0
                 for m in range(M):
+                    qm = qt[m]
                     km = kt[m]
                     for e in range(E):
-                        gk[e] += km * G[m, e]
+                        g = G[m, e] + qm * do[e]
+                        G[m, e] = g
+                        gk[e] += km * g
                 s = zero[0]
                 for e in range(E):
                     dv[n, t, e] = b * gk[e]
                     s += gk[e] * rt[e]
                 db[n, t] = s
+                # dk = b (G r - S_{t-1} gk), then dS_{t-1} = (I - b k k^T) G, row by row
                 for m in range(M):
+                    c = b * kt[m]
                     s1 = zero[0]
                     s2 = zero[0]
                     for e in range(E):
-                        s1 += G[m, e] * rt[e]
+                        g = G[m, e]
+                        s1 += g * rt[e]
                         s2 += Sp[m, e] * gk[e]
+                        G[m, e] = g - c * gk[e]
                     dk[n, t, m] = b * (s1 - s2)
-                # dS_{t-1} = (I - b k k^T) G
-                for m in range(M):
-                    c = b * kt[m]
-                    for e in range(E):
-                        G[m, e] -= c * gk[e]
         dS0[n] = G
     return dq, dk, dv, db, dS0
 
