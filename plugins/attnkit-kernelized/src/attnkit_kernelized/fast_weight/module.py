@@ -60,7 +60,7 @@ class FastWeightAttention(KernelizedAttention):
             scale would cancel).
         backend: ``"auto"`` (triton for CUDA tensors, numba for CPU tensors), or one of ``"torch"``,
             ``"numba"``, ``"triton"`` (always that backend, or an error). On CPU the numba token loop
-            measured faster than the chunked torch form (``benchmarks/bench_fast_weight.py``: 0.6-0.9x at
+            measured faster than the chunked torch form (``benchmarks/bench_fast_weight.py``: 0.5-0.9x at
             L = 2K-8K on a 2-core EPYC), so ``auto`` keeps numba there; triton runs on CUDA, the torch
             form on other devices, under ``torch.func`` transforms and ``torch.compile``.
         feature_map: ``"dpfp"`` (the paper's DPFP-nu, 2·D·dpfp_nu features),
