@@ -70,14 +70,12 @@ def delta_rule(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor
     T = torch.linalg.solve_triangular(A, torch.diag_embed(b.squeeze(-1)), upper=False, unitriangular=True)
     qk = (q @ kT).masked_fill(future, 0.0)                                      # inclusive causal
 
-    # without autograd the state is updated in place (no copy of S per chunk)
     track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (phi_q, phi_k, v, beta, S0))
     S = q.new_zeros(B * H, M, E) if S0 is None else S0.reshape(B * H, M, E).to(q.dtype)
-    if not track:
-        S = S.clone()
     if track:
         # the read-out of every chunk after the loop, as two batched products over all chunks: the loop then
-        # runs three products per chunk, and autograd's backward of the read-out is batched too
+        # runs three products per chunk, and autograd's backward of the read-out is batched too. unbind, not
+        # indexing: its backward stacks the N gradients once (indexing's would fill N full-size zeros)
         states, us = [S], []
         for k_n, w_n, T_n in zip(k.unbind(0), w.unbind(0), T.unbind(0)):
             u = torch.bmm(T_n, w_n - torch.bmm(k_n, S))                        # T (V - K S_0)
@@ -89,8 +87,9 @@ def delta_rule(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor
         out = qk @ torch.stack(us) + q @ torch.stack(states[:-1])             # Q S_0 + tril(Q K^T) u
         out = out.transpose(0, 1).reshape(B, H, N * C, E)
         return out[:, :, :L], S.reshape(B, H, M, E)
+    # without autograd: the read-out inside the loop and the state updated in place (no copy of S per chunk)
+    S = S.clone()
     outs = []
-    # unbind, not indexing: its backward stacks the N gradients once (indexing's would fill N full-size zeros)
     for k_n, w_n, T_n, q_n, qk_n in zip(k.unbind(0), w.unbind(0), T.unbind(0), q.unbind(0), qk.unbind(0)):
         u = torch.bmm(T_n, torch.baddbmm(w_n, k_n, S, alpha=-1.0))            # T (V - K S_0)
         outs.append(torch.baddbmm(torch.bmm(qk_n, u), q_n, S))                 # Q S_0 + tril(Q K^T) u
