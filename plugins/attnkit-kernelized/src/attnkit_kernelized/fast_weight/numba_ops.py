@@ -27,6 +27,18 @@ from ..common import DEFAULT_CHUNK
 _FASTMATH = FASTMATH
 
 
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _residual(r, vt, kt, S):  # pragma: no cover - compiled
+    """``r = v_t - S^T k_t`` (``S`` ``(M, E)``): a position's correction before its write, from the state before it."""
+    M, E = S.shape
+    for e in range(E):
+        r[e] = vt[e]
+    for m in range(M):
+        km = kt[m]
+        for e in range(E):
+            r[e] -= km * S[m, e]
+
+
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
 def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
     """Delta rule per position from S0; returns out (N, L, E) and the states at chunk starts and at the end
@@ -42,18 +54,12 @@ def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
     out = np.empty((N, L, E), dtype=q.dtype)
     ckpt = np.empty((N, n_chunks + 1, M, E), dtype=q.dtype)
     M4 = M - M % 4
-    no_key = np.zeros(M, dtype=q.dtype)          # k_{t+1} after the last position
     for n in numba.prange(N):
         S = S0[n].copy()
         r = np.empty(E, dtype=q.dtype)           # r_t = v_t - S_{t-1}^T k_t
         rn = np.empty(E, dtype=q.dtype)          # r_{t+1}, accumulated during position t's pass
         if L > 0:
-            for e in range(E):
-                r[e] = v[n, 0, e]
-            for m in range(M):
-                km = k[n, 0, m]
-                for e in range(E):
-                    r[e] -= km * S[m, e]
+            _residual(r, v[n, 0], k[n, 0], S)
         for t in range(L):
             if t % chunk == 0:
                 ckpt[n, t // chunk] = S
@@ -61,14 +67,10 @@ def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
             qt = q[n, t]
             b = beta[n, t]
             ot = out[n, t]
-            if t + 1 < L:
-                kn = k[n, t + 1]
-                for e in range(E):
-                    rn[e] = v[n, t + 1, e]
-            else:
-                kn = no_key
-                for e in range(E):
-                    rn[e] = 0.0
+            tn = min(t + 1, L - 1)                # past the last position: computed, never used
+            kn = k[n, tn]
+            for e in range(E):
+                rn[e] = v[n, tn, e]
             for e in range(E):
                 ot[e] = 0.0
             # S += b k r^T; out = S^T q; r_{t+1} -= S^T k_{t+1}
@@ -124,13 +126,7 @@ def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk):  # pragma: no cover 
             # recompute the chunk's states from its checkpoint, one pass per position as in the forward: the
             # rows written for position t also give r of position t + 1 (past the end: unused)
             states[0] = ckpt[n, ci]
-            rt = R[0]
-            for e in range(E):
-                rt[e] = v[n, c0, e]
-            for m in range(M):
-                km = k[n, c0, m]
-                for e in range(E):
-                    rt[e] -= km * states[0, m, e]
+            _residual(R[0], v[n, c0], k[n, c0], states[0])
             for i in range(T):
                 t = c0 + i
                 tn = min(t + 1, L - 1)
