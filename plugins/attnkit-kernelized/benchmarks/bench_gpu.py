@@ -17,8 +17,9 @@ What it measures (B=1, causal, D=64):
    ``triton.testing.do_bench(warmup=25, rep=100)`` in ms (a call slower than ``--slow-call`` s is timed
    once instead), and the peak memory of one call (max_memory_allocated over what was allocated before).
    Methods: ``sdpa`` (``F.scaled_dot_product_attention(is_causal=True)``); the modules ``linear``,
-   ``performer``, ``rfa``, ``fast-weight`` with ``backend="triton"``, ``linear-torch`` and
-   ``fast-weight-torch`` (the chunked torch forms on CUDA, up to ``--max-torch-len``); kernel level on
+   ``performer``, ``rfa``, ``fast-weight`` with ``backend="triton"``, ``linear-torch``,
+   ``performer-torch``, ``rfa-torch`` and ``fast-weight-torch`` (the chunked torch forms on CUDA, up to
+   ``--max-torch-len``); kernel level on
    identical, precomputed inputs (feature maps and layout copies outside the timed function):
    ``linear-kernel`` (our triton op) vs ``fla-linear`` (``chunk_linear_attn(normalize=True, scale=1)``),
    both on phi = elu(x) + 1 (our ``linear``'s default map; fla's op applies no feature map itself), and
@@ -130,7 +131,8 @@ def build(name: str, backend: str, heads: int, dim: int, device: str, seed: int 
 
 
 MODULE_METHODS = {"linear": "linear", "performer": "performer", "rfa": "rfa", "fast-weight": "fast-weight",
-                  "linear-torch": "linear", "fast-weight-torch": "fast-weight"}
+                  "linear-torch": "linear", "performer-torch": "performer", "rfa-torch": "rfa",
+                  "fast-weight-torch": "fast-weight"}
 
 
 @functools.cache
@@ -278,7 +280,8 @@ def method_specs(args, device: str, fla: Any) -> dict[str, Callable]:
     specs: dict[str, Callable] = {"sdpa": sdpa}
     for name in ("linear", "performer", "rfa", "fast-weight"):
         specs[name] = module_method(name, "triton")
-    specs["linear-torch"] = module_method("linear", "torch")
+    for name in ("linear", "performer", "rfa"):
+        specs[f"{name}-torch"] = module_method(name, "torch")
     specs["fast-weight-torch"] = module_method("fast-weight", "torch")
     specs["linear-kernel"] = linear_kernel
     specs["fla-linear"] = fla_linear
@@ -410,7 +413,8 @@ def cross_check(res: Results, args, device: str, fla: Any, dtype_name: str) -> N
 
 # ------------------------------------------------------------------ report
 PAIRS = [("sdpa", "linear"), ("sdpa", "performer"), ("sdpa", "rfa"), ("sdpa", "fast-weight"),
-         ("linear-torch", "linear"), ("fast-weight-torch", "fast-weight"),
+         ("linear-torch", "linear"), ("performer-torch", "performer"), ("rfa-torch", "rfa"),
+         ("fast-weight-torch", "fast-weight"),
          ("fla-linear", "linear-kernel"), ("fla-delta", "delta-kernel")]
 
 

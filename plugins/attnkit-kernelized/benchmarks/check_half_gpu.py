@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=300, help="L (not a multiple of the chunk)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--names", nargs="+", default=None, help="only these mechanisms (default: every case)")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
     args = p.parse_args(argv)
 
     import torch
@@ -49,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
 
     for name, opts in CASES:
+        if args.names and name not in args.names:
+            continue
         caps = attnkit.get_spec(name).capabilities
         ref_fn = attnkit.get_spec(name).load_reference()
-        for dt_name in ("bfloat16", "float16"):
+        for dt_name in args.dtypes:
             dt = getattr(torch, dt_name)
             for module_dtype in ("float32", dt_name):
                 torch.manual_seed(0)
