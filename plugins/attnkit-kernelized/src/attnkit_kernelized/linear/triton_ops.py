@@ -29,14 +29,19 @@ Tiles are at most 64 x 64.
 Precision: float16 inputs (bfloat16 on CUDA) go to ``tl.dot`` as they are
 (tensor cores, float32 accumulation) for ``X Y^T`` and ``Y^T W``; the two
 products with a computed float32 factor (``A W`` with the masked ``A``, and
-``X S`` with the carried state) run as TF32 tensor-core products of float32
+``X S`` with the carried state) run as tensor-core products of float32
 operands (the half-precision operand widened exactly), so neither ``A`` nor
 the state is ever rounded to float16 (whose range the state overflows on
 long sums). Mixed dtypes are widened to a common one before the kernels:
 when a half-precision operand meets a float32 one (the backward pass of
-half-precision inputs, whose gradients are float32) every product is TF32 on
-tensor cores; bfloat16 on CPU (the triton interpreter multiplies bfloat16
-operands wrongly) widens the same way. float32 inputs use IEEE (not TF32)
+half-precision inputs, whose gradients are float32) every product is a
+tensor-core product of float32 operands; bfloat16 on CPU (the triton
+interpreter multiplies bfloat16 operands wrongly) widens the same way. Those
+float32 products are 3xTF32 when an operand is float16 and TF32 for bfloat16
+(:func:`_precision`): TF32 keeps only float16's 10-bit mantissa, and ``dq``'s
+cancellation (the normaliser's two terms) amplified that rounding to 6.6e-3
+of the largest gradient on an H100, against 4.1e-4 with 3xTF32, at +13% of a
+float16 forward+backward at 64K (docs/benchmarks.md, "GPU run 5"). float32 inputs use IEEE (not TF32)
 products so results agree with the torch path at float32 tolerances; float64
 stays float64 (IEEE). Outputs, denominators and states
 are float32 for half-precision inputs (float64 for float64). The backward
@@ -146,8 +151,8 @@ def _chunk_out_kernel(X, Y, W, ST, ZT, OUT, DEN, L, DX, DW, n_chunks,
                 A = tl.dot(x, tl.trans(y), acc=A, out_dtype=tl.float32)
             else:
                 A = tl.dot(x.to(acc_t), tl.trans(y.to(acc_t)), acc=A, input_precision=PREC, out_dtype=acc_t)
-        if LOWP:    # the float32 state stays float32: TF32 tensor cores (x widens exactly)
-            o = tl.dot(x.to(tl.float32), s, acc=o, input_precision="tf32", out_dtype=tl.float32)
+        if LOWP:    # the float32 state stays float32: (3x)TF32 tensor cores (x widens exactly)
+            o = tl.dot(x.to(tl.float32), s, acc=o, input_precision=PREC, out_dtype=tl.float32)
         else:
             o = tl.dot(x.to(acc_t), s, acc=o, input_precision=PREC, out_dtype=acc_t)
         if WITH_DEN:
@@ -162,8 +167,8 @@ def _chunk_out_kernel(X, Y, W, ST, ZT, OUT, DEN, L, DX, DW, n_chunks,
         A = tl.where(keep, A, 0.0)
         w = tl.load(W + n * stride_wn + t[:, None] * stride_wl + offs_w[None, :],
                     mask=mask_t[:, None] & mask_w[None, :], other=0.0)
-        if LOWP:    # A stays float32 (never rounded to float16): TF32 tensor cores (w widens exactly)
-            o = tl.dot(A, w.to(tl.float32), acc=o, input_precision="tf32", out_dtype=tl.float32)
+        if LOWP:    # A stays float32 (never rounded to float16): (3x)TF32 tensor cores (w widens exactly)
+            o = tl.dot(A, w.to(tl.float32), acc=o, input_precision=PREC, out_dtype=tl.float32)
         else:
             o = tl.dot(A, w.to(acc_t), acc=o, input_precision=PREC, out_dtype=acc_t)
         if WITH_DEN:
@@ -205,6 +210,15 @@ _TILES = {"half": ((64, 64, 4, 3), (64, 64, 8, 3)),
           "float64": ((64, 32, 8, 1), (32, 32, 8, 2))}
 
 
+def _precision(kind: str, *operands: Tensor) -> str:
+    """``input_precision`` of the products with a float32 operand: for half-precision operands TF32, or 3xTF32
+    when one is float16 (TF32 keeps float16's 10-bit mantissa, so TF32 rounding of the float32 factors reached
+    float16's own error, amplified in ``dq``; see docs/mechanisms/linear.md); IEEE for float32/float64."""
+    if kind not in ("half", "tf32"):
+        return "ieee"
+    return "tf32x3" if any(t.dtype == torch.float16 for t in operands) else "tf32"
+
+
 def _meta(tiles: tuple[int, int, int, int], DX: int, DW: int, **consts) -> dict:
     block_k, block_w, num_warps, num_stages = tiles
     return dict(BLOCK_K=_block(DX, block_k), BLOCK_W=_block(DW, block_w), num_warps=num_warps,
@@ -227,11 +241,12 @@ def _chunks(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str, 
         kind = "tf32"          # half-precision operands with float32 ones: TF32 products of the widened operands
     else:
         kind = str(acc).removeprefix("torch.")
+    prec = _precision(kind, x, y, w)
     if not lowp:               # one dtype in the kernels (mixed pointer dtypes spilled registers in ptxas)
         x, y, w = (t.to(acc) for t in (x, y, w))
     tiles_a, tiles_b = _TILES[kind]
     consts = dict(BLOCK_L=block_l, WITH_DEN=with_den, F64=acc == torch.float64, LOWP=lowp,
-                  REVERSE=mode == "reverse", PREC="tf32" if kind == "tf32" else "ieee")
+                  REVERSE=mode == "reverse", PREC=prec)
     # slot 0: the carried state; slots 1..n_key: the chunks' own states (written by the first kernel)
     dS = torch.empty(N, n_key + 1, DX, DW, dtype=acc, device=dev)
     dS[:, 0] = S0
