@@ -1,8 +1,9 @@
-"""``backend="auto"`` chooses numba for CPU tensors and the torch forms for CUDA tensors for every kernelized
-mechanism (the specs declare numba, torch, triton: the triton kernels measured slower than SDPA on an H100),
-while ``backend="triton"`` still forces the kernels; checked without a GPU: the core's choice for a CUDA device,
-and the static choice used while ``torch.compile`` traces. Not marked ``triton``: it needs no interpreter (the
-first test needs triton importable)."""
+"""``backend="auto"`` chooses numba for CPU tensors for every kernelized mechanism; for CUDA tensors the torch
+forms for linear, performer and rfa (the specs declare numba, torch, triton; GPU run 5 measured their torch forms as
+fast or faster in training) and the triton kernels for fast-weight (its ``backend_order``: 3.1-4.8x its torch form
+forward+backward), while ``backend="triton"`` still forces the kernels; checked without a GPU: the core's choice
+for a CUDA device, and the static choice used while ``torch.compile`` traces. Not marked ``triton``: it needs no
+interpreter (the first test needs triton importable)."""
 
 from __future__ import annotations
 
@@ -21,20 +22,25 @@ NAMES = ["linear", "performer", "rfa", "fast-weight"]
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton importable")
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("needs_grad", [False, True])
-def test_auto_picks_torch_for_cuda_and_numba_for_cpu(name, needs_grad):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_picks_the_measured_backend_for_cuda_and_numba_for_cpu(name, needs_grad, dtype):
     caps = attnkit.get_spec(name).capabilities
     assert caps.backends == ("numba", "torch", "triton")
-    pick = {dev: select_backend(implementation=name, offered=caps.backends, forward_only=caps.forward_only_backends,
-                                requested="auto", device=torch.device(dev), needs_grad=needs_grad)
+    attn = build(name, **({"num_features": 8} if name in ("performer", "rfa") else {}))
+    pick = {dev: select_backend(implementation=name, offered=attn._auto_order(torch.device(dev), dtype),
+                                forward_only=caps.forward_only_backends, requested="auto", device=torch.device(dev),
+                                needs_grad=needs_grad)
             for dev in ("cuda", "cpu")}
-    assert pick == {"cuda": "torch", "cpu": "numba"}
+    assert pick == {"cuda": "triton" if name == "fast-weight" else "torch", "cpu": "numba"}
     forced = select_backend(implementation=name, offered=caps.backends, forward_only=caps.forward_only_backends,
                             requested="triton", device=torch.device("cuda"), needs_grad=needs_grad)
     assert forced == "triton"
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_static_choice_while_compiling_is_torch_on_cuda(name):
+def test_the_static_choice_while_compiling_follows_the_order(name):
     attn = build(name, **({"num_features": 8} if name in ("performer", "rfa") else {}))
-    assert attn._backend_while_compiling(torch.device("cuda"), True) == "torch"
-    assert attn._backend_while_compiling(torch.device("cpu"), True) == "numba"
+    assert attn._backend_while_compiling(torch.device("cuda"), True) == "torch"     # no dtype: the declared order
+    on_cuda = "triton" if name == "fast-weight" else "torch"
+    assert attn._backend_while_compiling(torch.device("cuda"), True, torch.float32) == on_cuda
+    assert attn._backend_while_compiling(torch.device("cpu"), True, torch.float32) == "numba"
