@@ -23,11 +23,11 @@ _KERNEL_MEMORY = ("causal: O(min(L, 2048)·M) features (one segment at a time) +
 #: features and values with float32 accumulators and states) and return the output and gradients in the input dtype
 HALF_AND_FULL = ("float16", "bfloat16", "float32", "float64")
 
-#: ``auto``'s order: numba on CPU; on CUDA the torch forms before the triton kernels. On an H100 the triton
-#: kernels, which walk each sequence in one program, measured 160x (linear) and 1,500x (delta rule) slower
-#: than flash-linear-attention and slower than SDPA (docs/benchmarks.md, "GPU"), while the torch forms are
-#: batched matrix products over all chunks (linear, performer, ungated rfa) or over chunks in a Python loop
-#: (fast-weight, gated rfa). ``backend="triton"`` still forces the kernels.
+#: ``auto``'s declared order: numba on CPU; on CUDA the torch forms before the triton kernels. GPU run 5 (an
+#: H100, docs/benchmarks.md) timed the torch forms of linear, performer and rfa as fast or faster in training
+#: than the chunked triton kernels (the gated-rfa kernel is still sequential); fast-weight's kernels were
+#: 3.1-4.8x its torch form forward+backward, so ``FastWeightAttention.backend_order`` puts triton first on
+#: CUDA. ``backend=`` forces any of them.
 BACKENDS = ("numba", "torch", "triton")
 
 LINEAR = AttentionSpec(
