@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=300, help="L (not a multiple of the chunk)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--names", nargs="+", default=None, help="only these mechanisms (default: every case)")
+    p.add_argument("--names", nargs="+", default=None, choices=sorted({n for n, _ in CASES}),
+                   help="only these mechanisms (default: every case)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
     args = p.parse_args(argv)
 
