@@ -86,3 +86,45 @@ def test_start_pool_keeps_torch_thread_count():
             "print(torch.get_num_threads())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "1"
+
+
+# ---------------------------------------------------------------- run_chunks (serial kernels over item ranges)
+from attnkit.numba_pool import run_chunks  # noqa: E402
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("per", [1, 4])
+@pytest.mark.parametrize("items", [0, 1, 2, 7, 64])
+def test_run_chunks_covers_every_item_once_in_contiguous_ranges(threads, per, items):
+    ranges = []
+    lock = threading.Lock()
+
+    def kernel(tag, i0, i1):
+        assert tag == "arg"
+        with lock:
+            ranges.append((i0, i1))
+
+    run_chunks(kernel, items, "arg", chunks_per_thread=per, threads=threads)
+    covered = sorted(i for a, b in ranges for i in range(a, b))
+    assert covered == list(range(items))
+    assert all(a < b for a, b in ranges)
+    assert len(ranges) == (0 if items == 0 else min(items, threads * per))
+
+
+def test_run_chunks_runs_chunks_on_two_threads_at_once():
+    barrier = threading.Barrier(2, timeout=10)
+    names = set()
+
+    def kernel(i0, i1):
+        names.add(threading.current_thread().name)
+        barrier.wait()              # both chunks must be in flight together
+
+    run_chunks(kernel, 10, threads=2)
+    assert len(names) == 2
+
+
+def test_run_chunks_refuses_bad_counts():
+    with pytest.raises(ValueError, match="items must be >= 0"):
+        run_chunks(lambda i0, i1: None, -1)
+    with pytest.raises(ValueError, match="chunks_per_thread"):
+        run_chunks(lambda i0, i1: None, 3, chunks_per_thread=0)
