@@ -40,17 +40,7 @@ def test_kernel_threads_follow_torch(torch_threads, n):
 
 
 def test_a_real_kernel_runs_on_torch_thread_count(torch_threads, monkeypatch):
-    """The linear-attention kernel hands its sequences to run_items on torch's count: 1 when torch is at 1; the rfa
-    kernel (a numba ``prange``, through dynamic()) sets numba to 1."""
-    from attnkit_kernelized.linear import numba_ops
-
-    seen_items = []
-    real_items = _numba.run_items
-
-    def spy_items(work, items, *, threads=None):
-        seen_items.append(threads)
-        real_items(work, items, threads=threads)
-
+    """The linear-attention kernel goes through dynamic(): with torch at 1 thread numba is set to 1."""
     seen = []
     real = numba.set_num_threads
 
@@ -58,22 +48,19 @@ def test_a_real_kernel_runs_on_torch_thread_count(torch_threads, monkeypatch):
         seen.append(n)
         real(n)
 
-    monkeypatch.setattr(_numba, "run_items", spy_items)
     monkeypatch.setattr(numba, "set_num_threads", spy)          # the module object every caller reads it from
     torch.set_num_threads(1)
+    from attnkit_kernelized.linear import numba_ops
+
     x = torch.rand(1, 2, 9, 4, dtype=torch.float64)
     numba_ops.linear_attention(x, x, x, causal=True)
-    assert seen_items == [1]
-    from attnkit_kernelized.rfa import numba_ops as rfa_ops
-
-    rfa_ops._forward(x, x, x, torch.rand(1, 2, 9, dtype=torch.float64), torch.zeros(1, 2, 4, 4, dtype=torch.float64),
-                     torch.zeros(1, 2, 4, dtype=torch.float64), 4)
     assert seen and seen[0] == 1
 
 
 def test_busy_mode_hands_sequences_out_on_the_former_thread_count(torch_threads, monkeypatch):
-    """The kernel's sequences go through rows() -> run_items on torch's thread count; inside busy mode (torch
-    dropped to 1 thread) on the count torch had before, with the same result bit for bit (the same kernel)."""
+    """Inside busy mode (torch dropped to 1 thread) the kernel runs through rows() -> run_items on the count
+    torch had before, and gives the numba team's result (the same loop; LLVM may round the two builds' sums
+    differently in the last bits)."""
     from attnkit_kernelized import _busy
     from attnkit_kernelized.linear import numba_ops
 
@@ -88,14 +75,13 @@ def test_busy_mode_hands_sequences_out_on_the_former_thread_count(torch_threads,
     torch.set_num_threads(2)
     x = torch.rand(2, 3, 33, 4, dtype=torch.float64)
     want = numba_ops.linear_attention(x, x, x, causal=True)
-    two = min(2, numba.config.NUMBA_NUM_THREADS)
-    assert seen == [two]
+    assert not seen
     monkeypatch.setattr(_busy._local, "threads", 2, raising=False)   # what busy_threads sets when it engages
     torch.set_num_threads(1)
     got = numba_ops.linear_attention(x, x, x, causal=True)
-    assert seen == [two, two]
+    assert seen == [min(2, numba.config.NUMBA_NUM_THREADS)]
     for a, b in zip(want, got, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
 
 
 def test_run_parallel_takes_an_explicit_thread_count(torch_threads):

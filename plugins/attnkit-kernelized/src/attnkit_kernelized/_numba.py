@@ -38,8 +38,7 @@ def _cap(n: int) -> int:
 
 def dynamic(fn, *args):
     """Run a parallel kernel on :func:`threads` threads, numba's parallel chunk size 1
-    (:func:`attnkit.numba_pool.run_parallel`; numba's OpenMP layer still splits the sequences statically). The
-    ``rfa`` and ``fast-weight`` kernels run this way; the linear and performer kernels run through :func:`rows`."""
+    (:func:`attnkit.numba_pool.run_parallel`; numba's OpenMP layer still splits the sequences statically)."""
     return run_parallel(fn, *args, threads=threads())
 
 

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._numba import FASTMATH, arr, rows
+from .._busy import kernel_thread_count
+from .._numba import FASTMATH, arr, dynamic, rows
 from .._vexp import HALF, constants, exp_row
 
 _ITEM = 4096   # elements per parallel work item
@@ -54,9 +55,29 @@ def _elu_back_rows(g, phi, dx, i0, i1):  # pragma: no cover - compiled
         dx[i] = g[i] * p if p < 1 else g[i]
 
 
-def _run(kernel, n: int, *args) -> None:
-    """``kernel(*args, i0, i1)`` over blocks of ``_ITEM`` elements handed out to Python threads (.._numba.rows)."""
-    rows(lambda b0, b1: kernel(*args, b0 * _ITEM, min(n, b1 * _ITEM)), -(-n // _ITEM))
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _elu_team(x, out, cst, is32):  # pragma: no cover - compiled
+    n = x.shape[0]
+    for b in numba.prange((n + _ITEM - 1) // _ITEM):
+        i = np.int64(b)
+        _elu_rows(x, out, cst, is32, i * _ITEM, min(n, (i + 1) * _ITEM))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _elu_back_team(g, phi, dx):  # pragma: no cover - compiled
+    n = g.shape[0]
+    for b in numba.prange((n + _ITEM - 1) // _ITEM):
+        i = np.int64(b)
+        _elu_back_rows(g, phi, dx, i * _ITEM, min(n, (i + 1) * _ITEM))
+
+
+def _run(kernel, team, n: int, *args) -> None:
+    """``team(*args)`` on numba's threads, or on a busy machine (see .._busy) ``kernel(*args, i0, i1)`` over
+    blocks of ``_ITEM`` elements handed out by Python threads."""
+    if kernel_thread_count() is not None:
+        rows(lambda b0, b1: kernel(*args, b0 * _ITEM, min(n, b1 * _ITEM)), -(-n // _ITEM))
+    else:
+        dynamic(team, *args)
 
 
 class _EluPlusOne(torch.autograd.Function):
@@ -65,7 +86,7 @@ class _EluPlusOne(torch.autograd.Function):
         xa = arr(x).reshape(-1)
         phi = torch.empty(x.shape, dtype=x.dtype)
         if xa.size:
-            _run(_elu_rows, xa.size, xa, phi.numpy().reshape(-1), constants(xa.dtype),
+            _run(_elu_rows, _elu_team, xa.size, xa, phi.numpy().reshape(-1), constants(xa.dtype),
                  xa.dtype == np.float32)
         ctx.save_for_backward(phi)
         return phi
@@ -76,7 +97,7 @@ class _EluPlusOne(torch.autograd.Function):
         dx = torch.empty(phi.shape, dtype=phi.dtype)
         pa = phi.numpy().reshape(-1)
         if pa.size:
-            _run(_elu_back_rows, pa.size, arr(g.to(phi.dtype)).reshape(-1), pa,
+            _run(_elu_back_rows, _elu_back_team, pa.size, arr(g.to(phi.dtype)).reshape(-1), pa,
                  dx.numpy().reshape(-1))
         return dx
 

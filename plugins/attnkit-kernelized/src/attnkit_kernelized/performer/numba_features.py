@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._numba import FASTMATH, arr, rows
+from .._busy import kernel_thread_count
+from .._numba import FASTMATH, arr, dynamic, rows
 from .._tiles import axpy_rows
 from .._vexp import HALF, constants, exp_row
 
@@ -165,10 +166,37 @@ def _back_rows(G, PHI, W, X, pad, scale, DX, r0, r1):  # pragma: no cover - comp
                     out[d] = o[d]
 
 
-def _run_rows(kernel, R: int, *args) -> None:
-    """``kernel(*args, r0, r1)`` over blocks of ``_ITEM`` rows handed out to Python threads (.._numba.rows)."""
-    blocks = -(-R // _ITEM)
-    rows(lambda b0, b1: kernel(*args, b0 * _ITEM, min(R, b1 * _ITEM)), blocks)
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _query_team(X, WT, P, cst, is32):  # pragma: no cover - compiled
+    R = X.shape[0]
+    for b in numba.prange((R + _ITEM - 1) // _ITEM):
+        i = np.int64(b)
+        _query_rows(X, WT, P, cst, is32, i * _ITEM, min(R, (i + 1) * _ITEM))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _key_team(X, WT, pad, s2h, cst, is32, P, hi, lo):  # pragma: no cover - compiled
+    for n in numba.prange(X.shape[0]):
+        i = np.int64(n)
+        _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, i, i + 1)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _back_team(G, PHI, W, X, pad, scale, DX):  # pragma: no cover - compiled
+    R = G.shape[0]
+    for b in numba.prange((R + _ITEM - 1) // _ITEM):
+        i = np.int64(b)
+        _back_rows(G, PHI, W, X, pad, scale, DX, i * _ITEM, min(R, (i + 1) * _ITEM))
+
+
+def _run_rows(kernel, team, R: int, *args) -> None:
+    """``team(*args)`` on numba's threads, or while the machine is busy (see .._busy) ``kernel(*args, r0, r1)``
+    over blocks of ``_ITEM`` rows handed out by Python threads."""
+    if kernel_thread_count() is not None:
+        blocks = -(-R // _ITEM)
+        rows(lambda b0, b1: kernel(*args, b0 * _ITEM, min(R, b1 * _ITEM)), blocks)
+    else:
+        dynamic(team, *args)
 
 
 class _QueryFeatures(torch.autograd.Function):
@@ -180,7 +208,7 @@ class _QueryFeatures(torch.autograd.Function):
         phi = torch.empty(B, H, L, M, dtype=q.dtype)
         P = phi.numpy().reshape(B * H * L, M)
         cst = constants(X.dtype)
-        _run_rows(_query_rows, X.shape[0], X, arr(w.t()), P, cst, X.dtype == np.float32)
+        _run_rows(_query_rows, _query_team, X.shape[0], X, arr(w.t()), P, cst, X.dtype == np.float32)
         ctx.save_for_backward(phi, w)
         return phi
 
@@ -194,7 +222,7 @@ class _QueryFeatures(torch.autograd.Function):
         dq = torch.empty(B, H, L, D, dtype=phi.dtype)
         PHI = phi.numpy().reshape(-1, M)
         no_pad = np.zeros(0, dtype=np.bool_)
-        _run_rows(_back_rows, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
+        _run_rows(_back_rows, _back_team, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
                   np.zeros((1, D), dtype=PHI.dtype), no_pad, PHI.dtype.type(0), dq.numpy().reshape(-1, D))
         return dq, None
 
@@ -213,7 +241,10 @@ class _KeyFeatures(torch.autograd.Function):
         cst = constants(X.dtype)
         args = (X, arr(w.t()), padn, X.dtype.type(0.5 * scale), cst, X.dtype == np.float32,
                 phi.numpy().reshape(B * H, L, M), hi, lo)
-        rows(_key_rows, B * H, *args)    # sequences handed out to Python threads (.._numba.rows)
+        if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
+            rows(_key_rows, B * H, *args)
+        else:
+            dynamic(_key_team, *args)
         hi_t, lo_t = torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H)
         ctx.mark_non_differentiable(hi_t, lo_t)
         ctx.save_for_backward(phi, w, k)
@@ -231,7 +262,7 @@ class _KeyFeatures(torch.autograd.Function):
         dk = torch.empty(B, H, L, D, dtype=phi.dtype)
         PHI = phi.numpy().reshape(-1, M)
         # 0 at padded keys, whatever they hold (NaN, Inf): phi is 0 there and the row is skipped
-        _run_rows(_back_rows, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
+        _run_rows(_back_rows, _back_team, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
                   arr(k).reshape(-1, D), ctx.padn, PHI.dtype.type(ctx.scale), dk.numpy().reshape(-1, D))
         return dk, None, None, None
 
