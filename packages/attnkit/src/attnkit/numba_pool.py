@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["start_pool", "kernel_threads", "run_parallel", "run_items", "run_chunks"]
+__all__ = ["start_pool", "kernel_threads", "run_parallel", "run_items"]
 
 
 def start_pool() -> None:
@@ -184,38 +184,3 @@ def run_items(work: Callable[[int], Any], items: int, *, threads: int | None = N
         pool.submit(call.run)
     call.run()
     call.wait()
-
-
-def run_chunks(kernel: Callable[..., Any], items: int, *args: Any, chunks_per_thread: int = 1,
-               threads: int | None = None) -> None:
-    """Call a serial ``nogil`` kernel ``kernel(*args, i0, i1)`` over contiguous chunks of ``range(items)``.
-
-    The kernel computes the work items ``i0 <= i < i1`` (a ``for i in range(i0, i1)`` loop where a
-    ``parallel=True`` kernel would have ``prange(items)``) and writes its results into arrays among
-    ``args``; what it returns is ignored. The chunks are handed out by :func:`run_items`, the calling
-    thread working too, so the result never depends on the thread count when each item writes only
-    its own rows.
-
-    Args:
-        kernel: the compiled kernel (``nogil=True``, or the chunks run one at a time).
-        items: how many work items.
-        *args: the kernel's arguments before ``i0, i1``.
-        chunks_per_thread: chunks per thread: 1 splits the items as :func:`run_parallel` does with
-            ``items`` (one contiguous share per thread); more lets a thread slowed by a busy core take fewer.
-        threads: threads to use (None: :func:`kernel_threads`).
-
-    Raises:
-        ValueError: ``items`` or ``chunks_per_thread`` is negative / below 1.
-    """
-    if items < 0 or chunks_per_thread < 1:
-        raise ValueError(f"run_chunks: items must be >= 0 and chunks_per_thread >= 1; got items={items}, "
-                         f"chunks_per_thread={chunks_per_thread}")
-    if items == 0:
-        return
-    t = kernel_threads() if threads is None else max(1, threads)
-    chunks = max(1, min(items, t * chunks_per_thread))
-    if chunks == 1:
-        kernel(*args, 0, items)
-        return
-    bounds = [items * c // chunks for c in range(chunks + 1)]
-    run_items(lambda c: kernel(*args, bounds[c], bounds[c + 1]), chunks, threads=min(t, chunks))
