@@ -1,20 +1,26 @@
-"""Sessions for attnkit: lint, per-package tests, integration, kernels, transformers, demo.
+"""Sessions for attnkit: lint, the test suite, and its parts one at a time.
 
-``nox`` with no arguments runs what CI needs: ``lint``, ``tests`` (the core, then the lab beside it),
-``plugin`` (each plugin alone) and ``integration`` (everything installed, then the triton kernels in the
-interpreter and attnkit-transformers in the same venv). ``lab``, ``kernels`` and ``transformers`` run those
-parts alone; ``demo`` and ``pictures`` are not tests. Fewer venvs is CI time: each one installs torch again
-(about 30-60 s on the 2-core CI machine).
+``nox`` with no arguments runs what CI needs: ``lint`` and ``suite``. ``suite`` is every test in ONE venv, step by
+step: the core alone; the lab beside it (it must work with softmax alone); each plugin with only the core (the venv
+is put back to the core's distributions after each, so an undeclared dependency still fails); then everything
+installed (integration, the third-party fixture, the triton kernels in the interpreter, attnkit-transformers).
+A failed step does not stop the next ones; the session fails at the end naming every failed step.
+One venv instead of seven saves creating it and installing torch six more times (about 25-50 s each on a 2-core
+machine). ``tests``, ``plugin``, ``integration``, ``lab``, ``kernels`` and ``transformers`` run those parts alone,
+each in a venv of its own; ``demo`` and ``pictures`` are not tests.
 Every install goes through ``constraints.txt`` (the local CPU torch wheel).
 Sessions run on the interpreter nox runs under; no version list to miss.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
@@ -58,7 +64,7 @@ def _plugin_order() -> list[str]:
 
 PLUGINS = _plugin_order()
 
-nox.options.sessions = ["lint", "tests", "plugin", "integration"]
+nox.options.sessions = ["lint", "suite"]
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = False
 
@@ -100,9 +106,13 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The core package alone, then the lab beside it (still without a plugin: it must work with softmax alone)."""
     install(session, "-e", f"{CORE}[testing]", *XDIST)
-    pytest(session, str(ROOT / "packages" / "attnkit" / "tests"), parallel=True)
+    _core_tests(session)
     if (ROOT / "packages" / "attnkit-lab" / "pyproject.toml").exists():
         _lab_tests(session)
+
+
+def _core_tests(session: nox.Session) -> None:
+    pytest(session, str(ROOT / "packages" / "attnkit" / "tests"), parallel=True)
 
 
 @nox.session
@@ -125,14 +135,21 @@ def plugin(session: nox.Session, name: str) -> None:
     """One plugin in its own venv with only the core: catches undeclared dependencies."""
     if name == "none":
         session.skip("no plugin in plugins/ yet")
+    install(session, "-e", f"{CORE}[testing]", *XDIST)
+    _plugin_tests(session, name)
+
+
+def _plugin_tests(session: nox.Session, name: str) -> None:
+    """Install plugin ``name`` beside what the venv has (the core) and run its tests with strict plugin loading;
+    then, if it names siblings, install them and run its tests marked ``siblings`` again."""
     path = ROOT / "plugins" / name
-    install(session, "-e", f"{CORE}[testing]", "-e", str(path), *XDIST)
-    session.env["ATTNKIT_STRICT_PLUGINS"] = "1"
-    pytest(session, str(path / "tests"), "-m", "not triton", parallel=True)
+    install(session, "-e", str(path))
+    strict = {"ATTNKIT_STRICT_PLUGINS": "1"}
+    pytest(session, str(path / "tests"), "-m", "not triton", parallel=True, env=strict)
     siblings = nox_siblings(path)
     if siblings:  # the tests marked `siblings` again, with the sibling plugins whose optional paths they use
         install(session, *[a for s in siblings for a in ("-e", str(ROOT / "plugins" / s))])
-        pytest(session, str(path / "tests"), "-m", "siblings and not triton", parallel=True)
+        pytest(session, str(path / "tests"), "-m", "siblings and not triton", parallel=True, env=strict)
 
 
 def nox_siblings(path: Path) -> list[str]:
@@ -153,24 +170,77 @@ def nox_siblings(path: Path) -> list[str]:
 def integration(session: nox.Session) -> None:
     """Everything installed, strict plugin loading, the third-party fixture installed with pip; then, in the same
     venv, the triton kernels in the interpreter (:func:`kernels`) and attnkit-transformers (:func:`transformers`)."""
+    _integration_tests(session)
+
+
+def _integration_tests(session: nox.Session) -> None:
     pkgs = [f"{CORE}[testing]"] + ([LAB] if Path(LAB, "pyproject.toml").exists() else [])
     pkgs += [str(ROOT / "plugins" / p) for p in PLUGINS]
     install(session, *[a for p in pkgs for a in ("-e", p)], *XDIST)
     install(session, str(FIXTURES / "attnkit-thirdparty"))
-    session.env["ATTNKIT_STRICT_PLUGINS"] = "1"
-    session.env["ATTNKIT_FIXTURES"] = str(FIXTURES)
-    session.env["ATTNKIT_CONSTRAINTS"] = CONSTRAINTS[1]
-    session.run("attnkit", "list")
+    env = {"ATTNKIT_STRICT_PLUGINS": "1", "ATTNKIT_FIXTURES": str(FIXTURES), "ATTNKIT_CONSTRAINTS": CONSTRAINTS[1]}
+    session.run("attnkit", "list", env=env)
     tests_dir = ROOT / "integration_tests"
     # the third-party tests install and remove distributions in this venv: alone first, then the rest spread out
-    pytest(session, str(tests_dir / "test_thirdparty_plugin.py"))
-    pytest(session, str(tests_dir), "--ignore", str(tests_dir / "test_thirdparty_plugin.py"), parallel=True)
+    pytest(session, str(tests_dir / "test_thirdparty_plugin.py"), env=env)
+    pytest(session, str(tests_dir), "--ignore", str(tests_dir / "test_thirdparty_plugin.py"), parallel=True, env=env)
     # what the kernel and transformers tests see: this repository's packages, not the test fixture's plugin
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", "attnkit-thirdparty")
-    for name in ("ATTNKIT_STRICT_PLUGINS", "ATTNKIT_FIXTURES", "ATTNKIT_CONSTRAINTS"):
-        del session.env[name]
     _kernel_tests(session)
     _transformers_tests(session)
+
+
+@nox.session
+def suite(session: nox.Session) -> None:
+    """Every test in one venv (what CI runs after ``lint``; the module docstring says why): the core, the lab beside
+    it, each plugin with only the core, then integration, the triton kernels and attnkit-transformers.
+
+    Between the steps that must see only the core, the venv is put back to the distributions it had after the
+    core's install (:func:`_back_to`). A failed step is reported and the next one runs; the session fails at the
+    end with the list.
+    """
+    install(session, "-e", f"{CORE}[testing]", *XDIST)
+    core = _installed(session)
+    steps: list[tuple[str, Callable[[], None]]] = [("core", lambda: _core_tests(session))]
+    if Path(LAB, "pyproject.toml").exists():
+        steps.append(("lab", lambda: _lab_tests(session)))
+    steps += [(name, lambda name=name: _plugin_tests(session, name)) for name in PLUGINS]
+    steps.append(("integration", lambda: _integration_tests(session)))
+    failed = []
+    for name, step in steps:
+        session.log(f"suite: {name}")
+        try:
+            step()
+        except CommandFailed:
+            failed.append(name)
+        finally:
+            if name != "integration":
+                _back_to(session, core)
+    if failed:
+        session.error(f"suite: {len(failed)} of {len(steps)} steps failed: {', '.join(failed)}")
+
+
+def _installed(session: nox.Session) -> dict[str, str]:
+    """``{distribution name (lower case): version}`` of the session's venv."""
+    out = session.run("python", "-c", (
+        "import json, importlib.metadata as m; "
+        "print(json.dumps({d.metadata['Name'].lower(): d.version for d in m.distributions()}))"),
+        silent=True, log=False, stderr=None)
+    return json.loads(str(out).strip().splitlines()[-1])
+
+
+def _back_to(session: nox.Session, core: dict[str, str]) -> None:
+    """Uninstall every distribution the venv did not have in ``core``; fail if one of ``core``'s was removed or
+    changed version (a step's install must not change what the next step sees)."""
+    now = _installed(session)
+    extra = sorted(set(now) - set(core))
+    if extra:
+        session.run("python", "-m", "pip", "uninstall", "-q", "-y", *extra)
+        now = _installed(session)
+    changed = sorted(n for n in core if now.get(n) != core[n])
+    if changed:
+        session.error(f"the venv no longer has the core's distributions as installed: {changed} "
+                      f"(expected {[f'{n}=={core[n]}' for n in changed]}, found {[now.get(n) for n in changed]})")
 
 
 def _with_kernels() -> list[str]:
