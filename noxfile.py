@@ -68,11 +68,19 @@ nox.options.sessions = ["lint", "suite"]
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = False
 
+#: Python writes no bytecode where ``PYTHONDONTWRITEBYTECODE`` is set (this project's machines set it), and the
+#: installs below skip pip's byte-compiling (``--no-compile``): every process the tests start (pytest-xdist
+#: workers, the CLI, training and DDP ranks, the third-party checks) then compiled torch's, numba's and our modules
+#: from source again, 7-9 s per ``import torch, numba, attnkit, attnkit_sparse`` against 2.7-2.9 s from bytecode
+#: (session 32, 2-core VM). The sessions let Python write the bytecode of what they import, once, into the venv.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 def install(session: nox.Session, *args: str) -> None:
     """pip install through the constraints. ``--no-compile``: pip byte-compiles every installed module (torch's
     thousands) by default, half of each session's ~50 s install on the 2-core CI machine; Python compiles the
-    modules a session imports when it imports them."""
+    modules a session imports when it first imports them and keeps the bytecode (see the note on
+    ``PYTHONDONTWRITEBYTECODE`` above)."""
     session.install("--no-compile", *CONSTRAINTS, *args)
 
 
