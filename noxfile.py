@@ -88,11 +88,8 @@ def install(session: nox.Session, *args: str) -> None:
 #: compiling its kernels, one kernel at a time on one core, and the triton interpreter is plain Python, so two
 #: processes finish a 2-core CI machine's plugin sessions in about two thirds of the time (kernelized: 5.1 ->
 #: 3.4 min). ``loadfile`` keeps a test module on one worker, so a module's kernels compile once, not in both.
-#: One worker more than the cores: with one per core a core idles while a worker waits (its subprocesses, pip, a
-#: last long module); the adaptive plugin's suite on a cold numba cache, 2-core VM, took 317 s with 2 workers and
-#: 294 s with 3 (the same CPU time, 562 and 561 s; session 32, one run each).
 #: ``ATTNKIT_TEST_WORKERS=0`` runs every session in one process.
-WORKERS = int(os.environ.get("ATTNKIT_TEST_WORKERS", min(4, (os.cpu_count() or 1) + 1)))
+WORKERS = int(os.environ.get("ATTNKIT_TEST_WORKERS", min(4, os.cpu_count() or 1)))
 
 
 def pytest(session: nox.Session, *args: str, parallel: bool = False, env: dict[str, str] | None = None) -> None:
