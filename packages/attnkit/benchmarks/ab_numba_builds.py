@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 SETS = ("kernelized", "sparse", "adaptive")
@@ -50,31 +48,24 @@ def _cases(which: str):
                                                      init_span=64.0, block_size=64), L, True, False)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def _time_case(mod, L: int, causal: bool, shared: bool, repeats: int) -> tuple[float, float]:
-    """Median milliseconds of the forward (no grad) and of forward+backward, after one untimed call of each."""
+    """Median milliseconds of the forward (no grad) and of forward+backward, after one untimed call of each
+    (:func:`attnkit.tuning._median_seconds`, the timer ``attnkit tune`` uses)."""
     import torch
 
+    from attnkit.tuning import _median_seconds
+
+    cpu = torch.device("cpu")
     q, k, v = (torch.randn(1, 8, L, 64) for _ in range(3))
     k = q if shared else k
     with torch.no_grad():
-        mod(q, k, v, causal=causal)
-        fwd = _median_ms(lambda: mod(q, k, v, causal=causal), repeats)
+        fwd = _median_seconds(lambda: mod(q, k, v, causal=causal), repeats, cpu) * 1e3
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
 
     def step():
         mod(qq, qq if shared else kk, vv, causal=causal).sum().backward()
 
-    step()
-    return fwd, _median_ms(step, repeats)
+    return fwd, _median_seconds(step, repeats, cpu) * 1e3
 
 
 def child(which: str, repeats: int, threads: int) -> None:
