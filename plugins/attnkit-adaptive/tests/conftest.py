@@ -49,4 +49,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     me = int(worker[2:])
     for i, dtype in enumerate((torch.float64, torch.float32)):
         if i % count == me:
-            _warm_span_numba(dtype)
+            try:
+                _warm_span_numba(dtype)
+            except Exception:  # noqa: BLE001 -- a broken span path fails its own tests, with their names; not here
+                pass
