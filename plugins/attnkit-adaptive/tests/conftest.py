@@ -26,14 +26,15 @@ def _warm_span_numba(dtype: torch.dtype) -> None:
     backward for that dtype (or loads them from its cache)."""
     from attnkit_adaptive.span.numba_band import span_band_attention_numba
 
-    q, k, v = (torch.randn(1, 1, 8, 4, dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.Generator().manual_seed(0)   # its own generator: the tests' random draws stay as they were
+    q, k, v = (torch.randn(1, 1, 8, 4, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
     z = torch.full((1, 1, 1), 4.0, dtype=dtype, requires_grad=True)
     span_band_attention_numba(q, k, v, z, 2.0, scale=0.5, block_size=4).sum().backward()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """With several pytest-xdist workers, each first builds its share of the span kernels, float32 on one worker
-    and float64 on the next, before its tests start.
+    """With several pytest-xdist workers, each first builds its share of the span kernels (float64 on the first
+    worker, float32 on the second) before its tests start.
 
     Without it both workers' first span tests needed the same builds at the same moment and each compiled them
     (numba writes its cache only when a build ends): about 157 s of the suite's 526 s of compiling were the same
