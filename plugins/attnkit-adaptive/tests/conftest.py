@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -39,11 +38,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     Without it both workers' first span tests needed the same builds at the same moment and each compiled them
     (numba writes its cache only when a build ends): about 157 s of the suite's 526 s of compiling were the same
     forward and fused backward built twice (session 33, 2-core VM). Each build now runs once, the other worker
-    loads it from the cache when its tests reach it. Only when span tests were collected and numba is installed.
+    loads it from the cache when its tests reach it. Only when span tests were collected.
     """
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if not worker.startswith("gw") or count < 2 or importlib.util.find_spec("numba") is None:
+    if not worker.startswith("gw") or count < 2:
         return
     if not any("span" in item.nodeid.lower() for item in session.items):
         return
