@@ -24,7 +24,10 @@ What it measures (B=1, causal, D=64):
    ``linear-kernel`` (our triton op) vs ``fla-linear`` (``chunk_linear_attn(normalize=True, scale=1)``),
    both on phi = elu(x) + 1 (our ``linear``'s default map; fla's op applies no feature map itself), and
    ``delta-kernel`` (our triton delta rule) vs ``fla-delta`` (``chunk_delta_rule(scale=1)``), both on
-   l2-normalised q, k (M = D = 64) and beta = sigmoid(randn) in (0, 1). The module rows run in every
+   l2-normalised q, k (M = D = 64) and beta = sigmoid(randn) in (0, 1), and ``gated-kernel`` (our triton
+   gated rfa operator) vs ``fla-gated`` (``chunk_simple_gla(scale=1)``, head-wise scalar log decays; the
+   numerator only, ours adds the normaliser), both on phi = elu(x) + 1 and log_g = logsigmoid(randn + 4).
+   The module rows run in every
    ``--dtypes`` entry: the modules declare float16/bfloat16 (``capabilities.dtypes``) and are called as an
    autocast user would, float32 parameters with half inputs (features, states and normalisers in float32,
    the triton kernels reading half features and values with float32 accumulators; output and gradients in
@@ -100,6 +103,10 @@ NOTES = {
     "fla-delta": "chunk_delta_rule(q, k, v, beta, scale=1.0) on l2-normalised q, k, beta = sigmoid(randn) "
                  "[B, T, H]; compared with delta-kernel (our triton delta rule on the same inputs, M = 64). "
                  "The module row 'fast-weight' uses DPFP features (M = 128), sum-normalised, learned beta.",
+    "fla-gated": "chunk_simple_gla(phi_q, phi_k, v, g=log_g, scale=1.0) (head-wise scalar log decays, the "
+                 "numerator only, no normaliser) on phi = elu(x) + 1, log_g = logsigmoid(randn + 4) float32 "
+                 "[B, T, H]; compared with gated-kernel (our triton gated rfa operator on the same inputs, "
+                 "numerator and normaliser, (B, H, L, M)). The module row 'rfa' includes its feature map and gates.",
     "fwd": "forward under torch.no_grad; fwdbwd: forward + torch.autograd.grad(sum(out * g)) w.r.t. inputs "
            "and parameters",
     "peak_mib": "torch.cuda.max_memory_allocated during one call minus memory_allocated before it",
@@ -221,10 +228,12 @@ def make_inputs(B: int, H: int, L: int, D: int, dtype, device: str, seed: int = 
     g = torch.Generator(device="cpu").manual_seed(seed + L)
     q, k, v, go = (torch.randn(B, H, L, D, generator=g).to(device=device, dtype=dtype) for _ in range(4))
     beta = torch.sigmoid(torch.randn(B, H, L, generator=g)).to(device=device, dtype=dtype)
+    log_g = F.logsigmoid(torch.randn(B, H, L, generator=g) + 4).to(device=device)   # float32 log decays near 1
     with torch.no_grad():
         phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
         qn, kn = F.normalize(q.float(), dim=-1).to(dtype), F.normalize(k.float(), dim=-1).to(dtype)
-    return {"q": q, "k": k, "v": v, "go": go, "beta": beta, "phi_q": phi_q, "phi_k": phi_k, "qn": qn, "kn": kn}
+    return {"q": q, "k": k, "v": v, "go": go, "beta": beta, "phi_q": phi_q, "phi_k": phi_k, "qn": qn, "kn": kn,
+            "log_g": log_g}
 
 
 def bhld_to_bthk(x):
@@ -277,6 +286,18 @@ def method_specs(args, device: str, fla: Any) -> dict[str, Callable]:
             return fn(qn, kn, v, b, scale=1.0, initial_state=None, output_final_state=False)[0]
         return run, [qn, kn, v, b], bhld_to_bthk(inp["go"])
 
+    def gated_kernel(inp, rec):
+        from attnkit_kernelized.rfa import triton_ops
+
+        pq, pk, v, lg = (inp[n].detach().clone().requires_grad_() for n in ("phi_q", "phi_k", "v", "log_g"))
+        return (lambda: triton_ops.gated_attention(pq, pk, v, lg)[0]), [pq, pk, v, lg], inp["go"]
+
+    def fla_gated(inp, rec):
+        pq, pk, v = (bhld_to_bthk(inp[n]).requires_grad_() for n in ("phi_q", "phi_k", "v"))
+        lg = inp["log_g"].transpose(1, 2).contiguous().requires_grad_()
+        fn = fla.ops.simple_gla.chunk_simple_gla
+        return (lambda: fn(pq, pk, v, g=lg, scale=1.0)[0]), [pq, pk, v, lg], bhld_to_bthk(inp["go"])
+
     specs: dict[str, Callable] = {"sdpa": sdpa}
     for name in ("linear", "performer", "rfa", "fast-weight"):
         specs[name] = module_method(name, "triton")
@@ -287,6 +308,8 @@ def method_specs(args, device: str, fla: Any) -> dict[str, Callable]:
     specs["fla-linear"] = fla_linear
     specs["delta-kernel"] = delta_kernel
     specs["fla-delta"] = fla_delta
+    specs["gated-kernel"] = gated_kernel
+    specs["fla-gated"] = fla_gated
     return specs
 
 
@@ -415,7 +438,7 @@ def cross_check(res: Results, args, device: str, fla: Any, dtype_name: str) -> N
 PAIRS = [("sdpa", "linear"), ("sdpa", "performer"), ("sdpa", "rfa"), ("sdpa", "fast-weight"),
          ("linear-torch", "linear"), ("performer-torch", "performer"), ("rfa-torch", "rfa"),
          ("fast-weight-torch", "fast-weight"),
-         ("fla-linear", "linear-kernel"), ("fla-delta", "delta-kernel")]
+         ("fla-linear", "linear-kernel"), ("fla-delta", "delta-kernel"), ("fla-gated", "gated-kernel")]
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -538,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import fla as fla_mod
         import fla.ops.delta_rule
-        import fla.ops.linear_attn  # noqa: F401
+        import fla.ops.linear_attn
+        import fla.ops.simple_gla  # noqa: F401
 
         fla = fla_mod
         info["fla"] = getattr(fla_mod, "__version__", "unknown")

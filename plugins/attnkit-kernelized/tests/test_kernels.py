@@ -81,8 +81,8 @@ def test_product_rejects_bad_arguments(backend):
 @pytest.mark.parametrize("backend", backends("numba", "triton"))
 @pytest.mark.parametrize("mode", ["causal", "reverse", "full"])
 def test_product_with_256_features_matches_dense_formulas(backend, mode):
-    """256 features (a performer's default): the triton launch starts from one pipeline stage and 32-position
-    chunks for this width (``_triton_fit.wide_feature_tiles``); the result must not depend on it."""
+    """256 features (a performer's default): the feature dimension runs in several blocks (triton) or one wide
+    tile (numba); the result must not depend on it."""
     g = torch.Generator().manual_seed(5)
     L = 45
     x, y = torch.rand(2, L, 256, generator=g, dtype=torch.float64), torch.rand(2, L, 256, generator=g,

@@ -95,10 +95,3 @@ def test_other_errors_are_not_retried():
     with pytest.raises(ValueError, match="bad argument"):
         launch(Broken(), lambda m: (1,), (), {"BLOCK_L": 64}, shrink=("BLOCK_L",))
     assert Broken.calls == 1
-
-
-def test_wide_feature_maps_start_from_one_stage_and_short_chunks():
-    from attnkit_kernelized._triton_fit import wide_feature_tiles
-    assert wide_feature_tiles(128, 64) == {}
-    assert wide_feature_tiles(256, 64) == {"num_stages": 1, "BLOCK_L": 32}
-    assert wide_feature_tiles(512, 16) == {"num_stages": 1, "BLOCK_L": 16}

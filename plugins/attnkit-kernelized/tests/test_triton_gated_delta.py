@@ -87,6 +87,15 @@ def test_several_blocks_of_value_columns():
     agree(_delta_ops().delta_rule(*ins, chunk=16), delta_chunk.delta_rule(*ins, chunk=4), ins, torch.float64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_many_chunks_and_blocks_of_features(dtype):
+    """The chunk-parallel gated kernels: 10 chunks of 16 positions (the scan carries the state across all of
+    them), 70 features (two blocks of 64 in the output kernel, three of 32 in the scan) and E + 1 = 67 value
+    columns (several blocks), forward and backward (the reversed kernels) against the torch form."""
+    ins = _gated_inputs(150, dtype, M=70, E=66, B=1, H=2)
+    agree(_gated_ops().gated_attention(*ins, chunk=16), gated_chunk.gated_attention(*ins, chunk=7), ins, dtype)
+
+
 def test_gradient_of_a_state_only_loss():
     """A loss on the final state alone (the streaming case: a state carried into the next call): the gradients
     of every input the state depends on (all but the queries), S0 and z0 included, agree with the torch forms."""

@@ -23,15 +23,6 @@ _FITTED: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {}
 MIN_TILE = 16
 
 
-def wide_feature_tiles(block_x: int, block_l: int) -> dict[str, int]:
-    """The starting point for 256 or more features: one pipeline stage and chunks of at most 32 positions (the
-    H100 refused the defaults of 3 stages with 64 positions, and each refused configuration costs a compile).
-    Empty for fewer features (the caller's own defaults)."""
-    if block_x < 256:
-        return {}
-    return {"num_stages": 1, "BLOCK_L": min(32, block_l)}
-
-
 def _is_out_of_resources(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfResources"
 

@@ -5,16 +5,28 @@ The recurrence (the caller folds RFA's input gate ``1 - g_t`` into ``k``)::
     S_t = g_t S_{t-1} + k_t w_t^T,   out_t = S_t^T q_t
 
 with ``w = [v, 1]`` (the denominator rides along as a column of ones, so
-``S = [S, z]``). ``_gated_product_kernel`` is one program per (sequence,
-block of columns of ``w``) that walks the sequence in chunks of ``BLOCK_L``
-positions with the running state in registers, exactly the structure of the
-chunked torch form (:mod:`.chunk`): with ``c`` the cumulative log decay from
-the chunk's start (inclusive), inside a chunk the masked ``(C x C)`` product
-``(q k^T) * exp(c_t - c_j)`` (exponents <= 0, masked before the exponential),
-across chunks ``out += (q * exp(c)) S`` and ``S = exp(c_C) S + (k * exp(c_C - c))^T w``.
-With ``REVERSE`` the same kernel runs the sequence backwards (``j >= t``,
+``S = [S, z]``). With ``c`` the cumulative log decay from a chunk's start
+(inclusive) and ``C`` chunks of ``BLOCK_L`` positions, three kernels, every
+chunk in parallel but the scan (the structure of the linear kernels,
+:mod:`attnkit_kernelized.linear.triton_ops`, with decays):
+
+1. ``_gated_state_kernel``, one program per (sequence and chunk, block of
+   features, block of columns of ``w``): the chunk's own contribution to the
+   state at its end, ``(k * exp(c_C - c))^T w``.
+2. ``_gated_scan_kernel``, one program per (sequence, block of the state):
+   ``S = exp(c_C) S + contribution`` over the chunks, elementwise, writing the
+   state entering each chunk over its contribution.
+3. ``_gated_out_kernel``, one program per (sequence and chunk, block of
+   columns of ``w``): the masked ``(C x C)`` product ``(q k^T) * exp(c_t - c_j)``
+   (exponents <= 0, masked before the exponential) times ``w``, plus
+   ``(q * exp(c)) S`` with the entering state, the features in blocks of 64.
+
+With ``REVERSE`` the same kernels run the sequence backwards (``j >= t``,
 decay ``exp(c_j - c_t)``, read ``exp(c_C - c_t)``, write ``exp(c_j)``): the
-recurrence of the gradient of the state.
+recurrence of the gradient of the state. (Until session 34 one program per
+sequence walked the chunks in order with the state in registers: 8 programs
+for B·H = 8, 1.9-3.3x slower than the torch form's forward+backward on an
+H100, docs/benchmarks.md, "GPU run 5".)
 
 The backward pass is the chunked backward expressed with the same kernel
 (three more products, no stored states), plus elementwise torch operations::
@@ -29,9 +41,13 @@ The backward pass is the chunked backward expressed with the same kernel
 decay through the cumulative sum: a query at ``s >= t`` gains it, a key at
 ``s >= t`` loses it, and the final state holds it).
 
-Every product accumulates in float32 (float64 for float64 inputs), with IEEE
-(not TF32) products: half-precision inputs keep float32 states, numerators and
-denominators. This module imports triton at import time; it is imported only
+Every product accumulates in float32 (float64 for float64 inputs) with its
+operands widened to that dtype: IEEE products for float32 and float64 inputs;
+for half-precision inputs tensor-core products, TF32 (bfloat16) or 3xTF32
+(float16; :func:`_precision`). Half-precision inputs keep float32 states,
+numerators and denominators. The states entering each chunk take
+``B·H·(L/C)·M·(E+1)`` floats of scratch (545 MB at B·H = 8, L = 65,536,
+M = 256, E = 64). This module imports triton at import time; it is imported only
 when the ``triton`` backend runs. On CPU tensors it runs under
 ``TRITON_INTERPRET=1`` (set before the first import); timings need a CUDA device.
 
@@ -48,66 +64,115 @@ import triton.language as tl
 from torch import Tensor
 
 from .._ops import define
-from .._triton_fit import launch, wide_feature_tiles
+from .._triton_fit import launch
 from ..common import DEFAULT_CHUNK, normalize, with_ones_column
 
 
 @triton.jit
-def _gated_product_kernel(X, Y, W, LG, S0, OUT, SF, L, DX, DW,
-                          stride_xn, stride_xl, stride_wn, stride_wl, stride_on, stride_ol,
-                          BLOCK_L: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_W: tl.constexpr,
-                          REVERSE: tl.constexpr, F64: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)     # offsets in int64: B·H·L·M may pass 2^31
-    pid_w = tl.program_id(1)
+def _gated_state_kernel(Y, W, LG, H, L, DX, DW, n_chunks, stride_yn, stride_yl, stride_wn, stride_wl,
+                        stride_hn, stride_hc, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                        REVERSE: tl.constexpr, F64: tl.constexpr, PREC: tl.constexpr):
+    """One chunk's own contribution to the state at its far end: ``(y * write)^T w``, one program per (sequence and
+    chunk, block of features, block of value columns), every chunk in parallel."""
+    pid = tl.program_id(0)
+    n = (pid // n_chunks).to(tl.int64)     # offsets in int64: B·H·L·M may pass 2^31
+    c = pid % n_chunks
     acc_t = tl.float64 if F64 else tl.float32
-    offs_x = tl.arange(0, BLOCK_X)
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_x = offs_x < DX
+    t = c * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_w = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask_t = t < L
+    mask_k = offs_k < DX
     mask_w = offs_w < DW
-    s_ptrs = n * DX * DW + offs_x[:, None] * DW + offs_w[None, :]
-    s_mask = mask_x[:, None] & mask_w[None, :]
-    S = tl.load(S0 + s_ptrs, mask=s_mask, other=0.0).to(acc_t)
+    lg = tl.load(LG + n * L + t, mask=mask_t, other=0.0).to(acc_t)   # positions past L: no decay
+    cum = tl.cumsum(lg, axis=0)                                       # log decay from the chunk's start, inclusive
     if REVERSE:
-        keep = offs_l[:, None] <= offs_l[None, :]
+        write = tl.exp(cum)
     else:
-        keep = offs_l[:, None] >= offs_l[None, :]
-    n_chunks = tl.cdiv(L, BLOCK_L)
+        write = tl.exp(tl.sum(lg, axis=0) - cum)
+    y = tl.load(Y + n * stride_yn + t[:, None] * stride_yl + offs_k[None, :],
+                mask=mask_t[:, None] & mask_k[None, :], other=0.0).to(acc_t)
+    w = tl.load(W + n * stride_wn + t[:, None] * stride_wl + offs_w[None, :],
+                mask=mask_t[:, None] & mask_w[None, :], other=0.0).to(acc_t)
+    u = tl.dot(tl.trans(y * write[:, None]), w, input_precision=PREC, out_dtype=acc_t)
+    tl.store(H + n * stride_hn + c * stride_hc + offs_k[:, None] * DW + offs_w[None, :], u,
+             mask=mask_k[:, None] & mask_w[None, :])
+
+
+@triton.jit
+def _gated_scan_kernel(LG, S0, H, SF, L, DX, DW, n_chunks, stride_hn, stride_hc,
+                       BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                       REVERSE: tl.constexpr, F64: tl.constexpr):
+    """The scan over chunks, one program per (sequence, block of the state): ``H[c]`` holds chunk ``c``'s own
+    contribution on entry and the state entering chunk ``c`` on exit; ``S = exp(last_c) S + H[c]`` (elementwise,
+    no products)."""
+    n = tl.program_id(0).to(tl.int64)
+    acc_t = tl.float64 if F64 else tl.float32
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_w = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_l = tl.arange(0, BLOCK_L)
+    s_off = offs_k[:, None] * DW + offs_w[None, :]
+    s_mask = (offs_k < DX)[:, None] & (offs_w < DW)[None, :]
+    S = tl.load(S0 + n * DX * DW + s_off, mask=s_mask, other=0.0).to(acc_t)
     for i in range(0, n_chunks):
         if REVERSE:
             c = n_chunks - 1 - i
         else:
             c = i
         t = c * BLOCK_L + offs_l
-        mask_t = t < L
-        xy_mask = mask_t[:, None] & mask_x[None, :]
-        x = tl.load(X + n * stride_xn + t[:, None] * stride_xl + offs_x[None, :], mask=xy_mask, other=0.0)
-        y = tl.load(Y + n * stride_xn + t[:, None] * stride_xl + offs_x[None, :], mask=xy_mask, other=0.0)
-        w = tl.load(W + n * stride_wn + t[:, None] * stride_wl + offs_w[None, :],
-                    mask=mask_t[:, None] & mask_w[None, :], other=0.0)
-        lg = tl.load(LG + n * L + t, mask=mask_t, other=0.0).to(acc_t)   # positions past L: no decay
-        x = x.to(acc_t)
-        y = y.to(acc_t)
-        w = w.to(acc_t)
-        cum = tl.cumsum(lg, axis=0)                       # log decay from the chunk's start to t, inclusive
-        last = tl.sum(lg, axis=0)                         # across the whole chunk
-        diff = cum[:, None] - cum[None, :]
-        if REVERSE:
-            diff = -diff
-        decay = tl.where(keep, tl.exp(tl.where(keep, diff, 0.0)), 0.0)   # masked before exp: no overflow
-        A = tl.where(keep, tl.dot(x, tl.trans(y), input_precision="ieee", out_dtype=acc_t) * decay, 0.0)
-        if REVERSE:
-            read = tl.exp(last - cum)
-            write = tl.exp(cum)
-        else:
-            read = tl.exp(cum)
-            write = tl.exp(last - cum)
-        o = (tl.dot(A, w, input_precision="ieee", out_dtype=acc_t)
-             + tl.dot(x * read[:, None], S, input_precision="ieee", out_dtype=acc_t))
-        tl.store(OUT + n * stride_on + t[:, None] * stride_ol + offs_w[None, :], o.to(OUT.dtype.element_ty),
-                 mask=mask_t[:, None] & mask_w[None, :])
-        S = tl.exp(last) * S + tl.dot(tl.trans(y * write[:, None]), w, input_precision="ieee", out_dtype=acc_t)
-    tl.store(SF + s_ptrs, S.to(SF.dtype.element_ty), mask=s_mask)
+        last = tl.sum(tl.load(LG + n * L + t, mask=t < L, other=0.0).to(acc_t), axis=0)
+        h_ptrs = H + n * stride_hn + c * stride_hc + s_off
+        u = tl.load(h_ptrs, mask=s_mask, other=0.0)
+        tl.store(h_ptrs, S, mask=s_mask)
+        S = tl.exp(last) * S + u
+    tl.store(SF + n * DX * DW + s_off, S.to(SF.dtype.element_ty), mask=s_mask)
+
+
+@triton.jit
+def _gated_out_kernel(X, Y, W, LG, H, OUT, L, DX, DW, n_chunks, stride_xn, stride_xl, stride_wn, stride_wl,
+                      stride_on, stride_ol, stride_hn, stride_hc,
+                      BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                      REVERSE: tl.constexpr, F64: tl.constexpr, PREC: tl.constexpr):
+    """One chunk's outputs, one program per (sequence and chunk, block of value columns), every chunk in parallel:
+    ``mask(x y^T * decay) w + (x * read) S_c`` with ``S_c`` the state entering the chunk (from the scan)."""
+    pid = tl.program_id(0)
+    n = (pid // n_chunks).to(tl.int64)
+    c = pid % n_chunks
+    acc_t = tl.float64 if F64 else tl.float32
+    offs_l = tl.arange(0, BLOCK_L)
+    t = c * BLOCK_L + offs_l
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask_t = t < L
+    mask_w = offs_w < DW
+    lg = tl.load(LG + n * L + t, mask=mask_t, other=0.0).to(acc_t)
+    cum = tl.cumsum(lg, axis=0)
+    if REVERSE:
+        read = tl.exp(tl.sum(lg, axis=0) - cum)
+        keep = offs_l[:, None] <= offs_l[None, :]
+    else:
+        read = tl.exp(cum)
+        keep = offs_l[:, None] >= offs_l[None, :]
+    o = tl.zeros((BLOCK_L, BLOCK_W), dtype=acc_t)
+    A = tl.zeros((BLOCK_L, BLOCK_L), dtype=acc_t)
+    for kb in range(0, tl.cdiv(DX, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < DX
+        xy_mask = mask_t[:, None] & mask_k[None, :]
+        x = tl.load(X + n * stride_xn + t[:, None] * stride_xl + offs_k[None, :], mask=xy_mask, other=0.0).to(acc_t)
+        y = tl.load(Y + n * stride_xn + t[:, None] * stride_xl + offs_k[None, :], mask=xy_mask, other=0.0).to(acc_t)
+        s = tl.load(H + n * stride_hn + c * stride_hc + offs_k[:, None] * DW + offs_w[None, :],
+                    mask=mask_k[:, None] & mask_w[None, :], other=0.0)
+        A = tl.dot(x, tl.trans(y), acc=A, input_precision=PREC, out_dtype=acc_t)
+        o = tl.dot(x * read[:, None], s, acc=o, input_precision=PREC, out_dtype=acc_t)
+    diff = cum[:, None] - cum[None, :]
+    if REVERSE:
+        diff = -diff
+    A = tl.where(keep, A * tl.exp(tl.where(keep, diff, 0.0)), 0.0)      # masked before exp: no overflow
+    w = tl.load(W + n * stride_wn + t[:, None] * stride_wl + offs_w[None, :],
+                mask=mask_t[:, None] & mask_w[None, :], other=0.0).to(acc_t)
+    o = tl.dot(A, w, acc=o, input_precision=PREC, out_dtype=acc_t)
+    tl.store(OUT + n * stride_on + t[:, None] * stride_ol + offs_w[None, :], o.to(OUT.dtype.element_ty),
+             mask=mask_t[:, None] & mask_w[None, :])
 
 
 def _block(n: int, cap: int | None = None) -> int:
@@ -118,6 +183,31 @@ def _block(n: int, cap: int | None = None) -> int:
 def _acc_dtype(*tensors: Tensor) -> torch.dtype:
     """float64 when any input is float64, else float32 (the accumulation and output dtype)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _precision(acc: torch.dtype, *operands: Tensor) -> str:
+    """``input_precision`` of the products (every operand is widened to ``acc`` first): IEEE for float32 and
+    float64 inputs; for half-precision inputs tensor-core products of the widened operands, 3xTF32 when one is
+    float16 (TF32 keeps float16's own 10-bit mantissa; see :mod:`attnkit_kernelized.linear.triton_ops`), TF32 for
+    bfloat16 (coarser than TF32)."""
+    if acc == torch.float64:
+        return "ieee"
+    if any(t.dtype == torch.float16 for t in operands):
+        return "tf32x3"
+    if any(t.dtype == torch.bfloat16 for t in operands):
+        return "tf32"
+    return "ieee"
+
+
+#: positions per chunk: at most 64 (a (C x C) tile of decays per program)
+_MAX_CHUNK = 64
+#: ``(BLOCK_K, BLOCK_W, num_warps)`` of the state kernel, then of the output kernel, by product precision:
+#: the linear kernels' tiles (chosen there with ptxas for sm_90, no spills), not tuned for these kernels.
+#: BLOCK_K, BLOCK_W shrink to the widths (not below 16), and on ``OutOfResources`` (:func:`.._triton_fit.launch`).
+_TILES = {"tf32": ((64, 64, 4), (64, 64, 8)),
+          "tf32x3": ((64, 64, 4), (64, 64, 8)),
+          "ieee": ((64, 32, 8), (64, 32, 8)),
+          "float64": ((64, 32, 8), (32, 32, 8))}
 
 
 def _product(x: Tensor, y: Tensor, w: Tensor, log_g: Tensor, S0: Tensor, reverse: bool,
@@ -143,16 +233,32 @@ def _product(x: Tensor, y: Tensor, w: Tensor, log_g: Tensor, S0: Tensor, reverse
                          f"w {tuple(w.shape)}, log_g {tuple(log_g.shape)}, S0 {tuple(S0.shape)}, chunk={chunk}")
     acc = _acc_dtype(x, y, w, log_g, S0)
     x, y, w, log_g, S0 = (t.contiguous() for t in (x, y, w, log_g, S0))
+    prec = _precision(acc, x, y, w)
+    block_l = _block(chunk, _MAX_CHUNK)
+    n_chunks = triton.cdiv(L, block_l)
     out = torch.empty(N, L, DW, dtype=acc, device=x.device)
     SF = torch.empty(N, DX, DW, dtype=acc, device=x.device)
-    BLOCK_X, BLOCK_W = _block(DX), _block(DW, 64)
-    meta = dict(BLOCK_L=_block(chunk), BLOCK_X=BLOCK_X, BLOCK_W=BLOCK_W, REVERSE=reverse, F64=acc == torch.float64,
-                num_warps=8 if BLOCK_X >= 256 else 4)
-    meta.update(wide_feature_tiles(BLOCK_X, meta["BLOCK_L"]))
-    if N:  # positions per block and value columns per program may shrink to fit shared memory
-        launch(_gated_product_kernel, lambda m: (N, triton.cdiv(max(DW, 1), m["BLOCK_W"])), (
-            x, y, w, log_g, S0, out, SF, L, DX, DW, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            out.stride(0), out.stride(1)), meta, shrink=("BLOCK_L", "BLOCK_W"))
+    H = torch.empty(N, n_chunks, DX, DW, dtype=acc, device=x.device)   # chunk contributions, then entering states
+    if not N:
+        return out, SF
+    (bk, bw, warps_state), (bk_out, bw_out, warps_out) = _TILES["float64" if acc == torch.float64 else prec]
+    consts = dict(BLOCK_L=block_l, F64=acc == torch.float64)
+    hs = (H.stride(0), H.stride(1))
+    if n_chunks:
+        launch(_gated_state_kernel,
+               lambda m: (N * n_chunks, triton.cdiv(DX, m["BLOCK_K"]), triton.cdiv(DW, m["BLOCK_W"])),
+               (y, w, log_g, H, L, DX, DW, n_chunks, y.stride(0), y.stride(1), w.stride(0), w.stride(1), *hs),
+               dict(BLOCK_K=_block(DX, bk), BLOCK_W=_block(DW, bw), REVERSE=reverse, PREC=prec,
+                    num_warps=warps_state, **consts), shrink=("BLOCK_K", "BLOCK_W"))
+    scan = dict(BLOCK_K=_block(DX, 32), BLOCK_W=_block(DW, 64))
+    _gated_scan_kernel[(N, triton.cdiv(DX, scan["BLOCK_K"]), triton.cdiv(DW, scan["BLOCK_W"]))](
+        log_g, S0, H, SF, L, DX, DW, n_chunks, *hs, REVERSE=reverse, num_warps=4, **scan, **consts)
+    if n_chunks:
+        launch(_gated_out_kernel, lambda m: (N * n_chunks, triton.cdiv(DW, m["BLOCK_W"])),
+               (x, y, w, log_g, H, out, L, DX, DW, n_chunks, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                out.stride(0), out.stride(1), *hs),
+               dict(BLOCK_K=_block(DX, bk_out), BLOCK_W=_block(DW, bw_out), REVERSE=reverse, PREC=prec,
+                    num_warps=warps_out, **consts), shrink=("BLOCK_K", "BLOCK_W"))
     return out, SF
 
 
