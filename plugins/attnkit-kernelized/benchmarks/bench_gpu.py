@@ -245,6 +245,7 @@ def method_specs(args, device: str, fla: Any) -> dict[str, Callable]:
     import torch.nn.functional as F
 
     H, D = args.heads, args.head_dim
+    causal = not args.not_causal    # the module rows and sdpa; the kernel rows are causal
 
     def module_method(name: str, backend: str) -> Callable:
         def factory(inp, rec):
@@ -253,12 +254,12 @@ def method_specs(args, device: str, fla: Any) -> dict[str, Callable]:
                 track_performer(mod, rec)
             q, k, v = (inp[n].detach().clone().requires_grad_() for n in "qkv")
             params = [p for p in mod.parameters() if p.requires_grad]
-            return (lambda: mod(q, k, v, causal=True)), [q, k, v, *params], inp["go"]
+            return (lambda: mod(q, k, v, causal=causal)), [q, k, v, *params], inp["go"]
         return factory
 
     def sdpa(inp, rec):
         q, k, v = (inp[n].detach().clone().requires_grad_() for n in "qkv")
-        return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), [q, k, v], inp["go"]
+        return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), [q, k, v], inp["go"]
 
     def linear_kernel(inp, rec):
         from attnkit_kernelized.linear import triton_ops
@@ -523,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-call", type=float, default=1.0,
                    help="a second call slower than this (s) is reported as that single call, no do_bench")
     p.add_argument("--no-check", action="store_true", help="skip the correctness section")
+    p.add_argument("--segment-length", type=int, default=None,
+                   help="positions per causal segment of the modules that segment (rfa, performer, fast-weight; "
+                        "default: the class's, 2,048); linear runs one segment whatever this says")
+    p.add_argument("--not-causal", action="store_true",
+                   help="time the module rows and sdpa without the causal mask (the kernel rows stay causal)")
     p.add_argument("--check-methods", nargs="+", default=["linear", "performer", "rfa", "fast-weight"],
                    help="modules the correctness section checks")
     args = p.parse_args(argv)
@@ -552,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
         "attnkit_kernelized": getattr(attnkit_kernelized, "__version__", None),
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+        "module_rows_causal": not args.not_causal,
+        "segment_length": args.segment_length,
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
@@ -569,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:      # noqa: BLE001
         info["fla"] = None
         info["fla_import_error"] = _err(e)
+    if args.segment_length is not None:
+        from attnkit_kernelized.base import KernelizedAttention
+
+        KernelizedAttention.segment_length = args.segment_length
     res = Results(args.out, info)
     res.save()
     log(f"device={info.get('gpu', device)} torch={torch.__version__} triton={triton.__version__} "

@@ -24,10 +24,10 @@ _KERNEL_MEMORY = ("causal: O(min(L, 2048)·M) features (one segment at a time) +
 HALF_AND_FULL = ("float16", "bfloat16", "float32", "float64")
 
 #: ``auto``'s declared order: numba on CPU; on CUDA the torch forms before the triton kernels. GPU run 5 (an
-#: H100, docs/benchmarks.md) timed the torch forms of linear, performer and rfa as fast or faster in training
-#: than the chunked triton kernels (the gated-rfa kernel is still sequential); fast-weight's kernels were
-#: 3.1-4.8x its torch form forward+backward, so ``FastWeightAttention.backend_order`` puts triton first on
-#: CUDA. ``backend=`` forces any of them.
+#: H100, docs/benchmarks.md) timed the torch forms of linear and performer as fast or faster in training than the
+#: chunked triton kernels. fast-weight's kernels were 3.1-4.8x its torch form forward+backward (run 5) and causal
+#: rfa's chunk-parallel gated kernels 2.8-4.7x (run 6, an H200), so ``FastWeightAttention.backend_order`` and
+#: ``RandomFeatureAttention.backend_order`` put triton first on CUDA. ``backend=`` forces any of them.
 BACKENDS = ("numba", "torch", "triton")
 
 LINEAR = AttentionSpec(
