@@ -25,6 +25,21 @@ def test_module_matches_naive_reference(backend, opts, causal, L, S, pad):
     against_reference("linear", opts, backend, causal=causal, L=L, S=S, kpm=padding(2, S) if pad else None)
 
 
+@pytest.mark.parametrize("name", ["linear", "performer", "rfa", "fast-weight"])
+def test_segment_length_follows_the_device(name):
+    """Causal calls segment by ``segment_length`` on the CPU and by ``cuda_segment_length`` on CUDA (65,536:
+    short segments leave a GPU idle); linear never segments; an instance may lower either (long calls' memory)."""
+    attn = build(name, **({"num_features": 8} if name in ("performer", "rfa") else {}))
+    cpu, cuda = attn.segment_length_for(torch.device("cpu")), attn.segment_length_for(torch.device("cuda"))
+    if name == "linear":
+        assert cpu == cuda == 1 << 62
+    else:
+        assert (cpu, cuda) == (2048, 65536)
+    attn.cuda_segment_length = 4096
+    assert attn.segment_length_for(torch.device("cuda", 0)) == 4096
+    assert attn.segment_length_for(torch.device("cpu")) == cpu
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,opts", [("linear", {}), ("performer", {"num_features": 12})])
 def test_segments_carry_the_state(backend, name, opts):

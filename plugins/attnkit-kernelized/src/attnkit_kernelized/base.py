@@ -44,6 +44,12 @@ class KernelizedAttention(Attention):
 
     #: positions per segment of the causal forms (features are computed for one segment at a time)
     segment_length: ClassVar[int] = 2048
+    #: positions per segment on CUDA (lower it to bound the memory of long causal calls): each segment costs a
+    #: round of small launches, and 2,048 positions leave most of a GPU idle. GPU run 6 (an H200, bfloat16,
+    #: B = 1, H = 8, docs/benchmarks.md): one segment instead of 2,048-position ones made performer, rfa and
+    #: fast-weight 3.9-7.7x faster forward and 4.1-5.7x forward+backward at L = 16,384, performer 11x / 9.1x at
+    #: 65,536, at about twice the peak memory (1.2-1.3 against 0.6 GiB at 16K)
+    cuda_segment_length: ClassVar[int] = 65536
     #: names of the state's tensors
     state_keys: ClassVar[tuple[str, ...]] = ("S", "z")
     #: constant buffers (random projections) kept in float32 when the module is cast to float16/bfloat16
@@ -146,10 +152,15 @@ class KernelizedAttention(Attention):
         out, state = self._segments(q, k, v, kpm, state, ctx.backend)
         return (out, dict(zip(self.state_keys, state))) if ctx.return_state else out
 
+    def segment_length_for(self, device: torch.device) -> int:
+        """Positions per causal segment for inputs on ``device``: :attr:`cuda_segment_length` on CUDA,
+        :attr:`segment_length` elsewhere."""
+        return self.cuda_segment_length if device.type == "cuda" else self.segment_length
+
     def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: tuple[Tensor, ...] | None,
                   backend: str) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The causal form over ``L`` positions from ``state`` (None: zeros), :attr:`segment_length` at a time."""
-        L, seg = q.shape[2], self.segment_length
+        L, seg = q.shape[2], self.segment_length_for(q.device)
         outs = []
         # torch.split, not slicing: under autograd one backward node per input concatenates the segments'
         # gradients, where a slice per segment writes a zero tensor of the whole length and adds them up

@@ -57,6 +57,7 @@ class LinearAttention(KernelizedAttention):
     #: segments save little memory, and they cost copies of the cut inputs for the kernels and a concatenation
     #: of the outputs (unsegmented was ~20% faster at L = 8,192 and ~8% at 16,384, numba, 2 threads; session 25)
     segment_length: ClassVar[int] = 1 << 62
+    cuda_segment_length: ClassVar[int] = 1 << 62
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", feature_map: str = "elu",
