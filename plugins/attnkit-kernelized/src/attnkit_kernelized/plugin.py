@@ -16,7 +16,8 @@ from attnkit import AttentionSpec, Capabilities, Paper
 ATTNKIT_API_VERSION = 1
 
 _KERNEL_TIME = "O(L·M·E) (M features, E value dim); causal chunked form O(L·(M·E + C·(M + E)))"
-_KERNEL_MEMORY = ("causal: O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head; "
+_KERNEL_MEMORY = ("causal: O(min(L, 2048)·M) features on CPU, O(min(L, 65536)·M) on CUDA (one segment at a time) "
+                  "+ O(M·E) state per head; "
                   "non-causal: O(L·M) features; no L x S matrix")
 
 #: float16/bfloat16 inputs compute in float32 (features, states, normalisers; the triton kernels read half
@@ -108,7 +109,8 @@ FAST_WEIGHT = AttentionSpec(
         causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time="O(L·M·E)",
-        memory="O(min(L, 2048)·M) features (one segment at a time) + O(M·E) state per head",
+        memory="O(min(L, 2048)·M) features on CPU, O(min(L, 65536)·M) on CUDA (one segment at a time) "
+               "+ O(M·E) state per head",
     ),
 )
 
