@@ -23,6 +23,13 @@ _FITTED: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {}
 MIN_TILE = 16
 
 
+def block(n: int, cap: int | None = None) -> int:
+    """A tile for ``n`` elements: the next power of two, at least :data:`MIN_TILE` (``tl.dot``'s smallest), at most
+    ``cap`` when given."""
+    b = max(MIN_TILE, 1 << (max(n, 1) - 1).bit_length())
+    return min(b, cap) if cap else b
+
+
 def _is_out_of_resources(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfResources"
 

@@ -72,6 +72,7 @@ from torch import Tensor
 
 from .._ops import acc_dtype as _acc_dtype
 from .._ops import define
+from .._triton_fit import block as _block
 from .._triton_fit import launch
 from ..common import DEFAULT_CHUNK
 from ..linear.triton_ops import _TILES as _LINEAR_TILES
@@ -346,11 +347,6 @@ _HALF = (torch.float16, torch.bfloat16)
 #: kept at 32 so that the float64 tests run 32-position chunks). ``chunk`` rounds up to a power of two >= 16
 #: and down to the largest chunk; the backward reads the chunk from the forward's ``T``.
 _TILES = {"half": (64, 32, 32, 8), "tf32": (64, 32, 32, 8), "float32": (32, 32, 32, 8), "float64": (32, 32, 32, 8)}
-
-
-def _block(n: int, cap: int | None = None) -> int:
-    b = max(16, triton.next_power_of_2(max(n, 1)))
-    return min(b, cap) if cap else b
 
 
 def _kind(phi_q: Tensor, phi_k: Tensor, v: Tensor, acc: torch.dtype) -> tuple[str, bool]:

@@ -68,6 +68,7 @@ from torch import Tensor
 from .._ops import acc_dtype as _acc_dtype
 from .._ops import call_linear_attention, define, define_linear_attention
 from .._triton_fit import MIN_TILE, _is_out_of_resources, launch
+from .._triton_fit import block as _block
 from ..common import DEFAULT_CHUNK
 from ..common import normalize as _normalize
 
@@ -178,11 +179,6 @@ def _chunk_out_kernel(X, Y, W, ST, ZT, OUT, DEN, L, DX, DW, n_chunks,
     if WITH_DEN:
         if pid_w == 0:
             tl.store(DEN + n * stride_dn + t, d.to(DEN.dtype.element_ty), mask=mask_t)
-
-
-def _block(n: int, cap: int | None = None) -> int:
-    b = max(16, triton.next_power_of_2(max(n, 1)))
-    return min(b, cap) if cap else b
 
 
 _HALF = (torch.float16, torch.bfloat16)

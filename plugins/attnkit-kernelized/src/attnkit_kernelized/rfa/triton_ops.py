@@ -63,7 +63,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .._ops import acc_dtype as _acc_dtype
 from .._ops import define
+from .._triton_fit import block as _block
 from .._triton_fit import launch
 from ..common import DEFAULT_CHUNK, normalize, with_ones_column
 
@@ -173,16 +175,6 @@ def _gated_out_kernel(X, Y, W, LG, H, OUT, L, DX, DW, n_chunks, stride_xn, strid
     o = tl.dot(A, w, acc=o, input_precision=PREC, out_dtype=acc_t)
     tl.store(OUT + n * stride_on + t[:, None] * stride_ol + offs_w[None, :], o.to(OUT.dtype.element_ty),
              mask=mask_t[:, None] & mask_w[None, :])
-
-
-def _block(n: int, cap: int | None = None) -> int:
-    b = max(16, triton.next_power_of_2(max(n, 1)))
-    return min(b, cap) if cap else b
-
-
-def _acc_dtype(*tensors: Tensor) -> torch.dtype:
-    """float64 when any input is float64, else float32 (the accumulation and output dtype)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _precision(acc: torch.dtype, *operands: Tensor) -> str:
