@@ -2,7 +2,8 @@
 run on two Python threads, against the shipped ``prange`` build: compile time and run time.
 
 The serial build is the shipped kernel's own source with its ``numba.prange`` loop replaced by
-``range(i0, i1)`` and its outputs passed in; two ``ThreadPoolExecutor`` threads run the two halves of the
+``range(i0, i1)`` and its outputs passed in; two threads (the calling one and one of
+:func:`attnkit.numba_pool.run_items`'s helpers) run the two halves of the
 work items (the kernels are ``nogil``). Each build is swapped in on ``_numba_kernels``, which ``numba_ops``
 reads at every call. ``local``, window 256, float32, B = 1, H = 8, D = 64, causal, torch on 2 threads.
 
@@ -22,23 +23,24 @@ import argparse
 import inspect
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
 import torch
 
 import attnkit
+from attnkit.numba_pool import run_items
 from attnkit_sparse.engine import _numba_kernels as K
 
-#: per kernel: its name, the outputs it allocates (moved to the caller), its prange loop, how its work items count
+#: per kernel: its name, the outputs it allocates (moved to the caller), its prange loop, and how many work items
+#: that loop has, from the kernel's arguments
 KERNELS = {
     "forward": ("forward", ("out = np.empty((N, L, E), dtype=q.dtype)", "lse = np.empty((N, L), dtype=q.dtype)"),
-                "numba.prange(N * NQ)", lambda q, kv_count: q.shape[0] * kv_count.shape[2]),
+                "for it in numba.prange(N * NQ):", lambda args: args[0].shape[0] * args[4].shape[2]),
     "backward": ("backward_heads", ("dq = np.empty((N, L, D), dtype=q.dtype)",
                                     "dk = np.empty((N, S, D), dtype=q.dtype)",
                                     "dv = np.empty((N, S, E), dtype=q.dtype)"),
-                 "numba.prange(N)", lambda q, q_count: q.shape[0]),
+                 "for n in numba.prange(N):", lambda args: args[0].shape[0]),
 }
 
 
@@ -53,27 +55,25 @@ def serial_build(which: str):
     src = src.replace(head, head.replace(f"def {name}(", "def serial_range(").replace("):", f", {outs}, i0, i1):"))
     for a in allocs:
         src = src.replace("    " + a + "\n", "")
-    src = src.replace(f"for {'it' if which == 'forward' else 'n'} in {loop}:",
-                      f"for {'it' if which == 'forward' else 'n'} in range(i0, i1):")
+    src = src.replace(loop, loop.split(" in ")[0] + " in range(i0, i1):")
     src = "\n".join(line for line in src.splitlines() if not line.startswith("@"))
     exec(src, K.__dict__)  # the module's helpers and constants are the new function's globals
     return numba.njit(fastmath=K.FASTMATH, nogil=True)(K.__dict__["serial_range"])
 
 
 def on_threads(which: str):
-    """A drop-in for the shipped kernel: allocates its outputs and runs the serial build on two threads."""
+    """A drop-in for the shipped kernel: allocates its outputs (the kernel's own expressions) and runs the serial
+    build over two halves of the work items on two threads (:func:`attnkit.numba_pool.run_items`)."""
     _, allocs, _, items = KERNELS[which]
-    kernel, pool = serial_build(which), ThreadPoolExecutor(2)
+    kernel = serial_build(which)
 
     def run(*args):
         q, k, v = args[:3]
         N, L, D = q.shape
-        S, E = k.shape[1], v.shape[2]
-        shapes = {"out": (N, L, E), "lse": (N, L), "dq": (N, L, D), "dk": (N, S, D), "dv": (N, S, E)}
-        outs = [np.empty(shapes[a.split(" = ")[0]], dtype=q.dtype) for a in allocs]
-        n = items(q, args[4] if which == "forward" else args[7])
-        for f in [pool.submit(kernel, *args, *outs, a, b) for a, b in ((0, n // 2), (n // 2, n))]:
-            f.result()
+        shapes = {"np": np, "q": q, "N": N, "L": L, "D": D, "S": k.shape[1], "E": v.shape[2]}
+        outs = [eval(a.split(" = ")[1], shapes) for a in allocs]
+        n = items(args)
+        run_items(lambda i: kernel(*args, *outs, i * n // 2, (i + 1) * n // 2), 2, threads=2)
         return tuple(outs)
 
     return run
