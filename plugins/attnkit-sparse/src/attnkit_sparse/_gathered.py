@@ -15,7 +15,8 @@ tiles, mask them by their own rule, and then run the same steps, which live here
   ``dK += dSᵀ (scale·Q)`` and ``dQ = dS K`` (the caller scales and scatters it).
 
 ``width`` is the tile's query capacity (columns); ``qn ≤ width`` of them are used, the rest are zero.
-The products are the engine's register tiles (``_axpy``, ``_axpy_t``), the exponentials its vectorised ``exp``.
+The products run on register panels (:mod:`._panel`: the output block held in vector registers across the sum),
+the exponentials on the engine's vectorised ``exp``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import math
 
 import numba
 
-from .engine._numba_kernels import FASTMATH, _axpy, _axpy_t, _exp_into
+from ._panel import axpy_at, axpy_t
+from .engine._numba_kernels import FASTMATH, _exp_into
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -71,7 +73,7 @@ def tile_scores(ST, kn, width, Kb, QT, D, zero):  # pragma: no cover - compiled
         row = ST[j]
         for i in range(width):
             row[i] = zero
-    _axpy(ST, kn, Kb, QT, 0, D)
+    axpy_at(ST, kn, Kb, 0, QT, 0, D)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -100,8 +102,7 @@ def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, 
         oi = O[i]
         for e in range(E):
             oi[e] = zero
-    for g in range(0, qn, 4):
-        _axpy_t(O, g, min(4, qn - g), ST, Vb, 0, 0, kn)
+    axpy_t(O, 0, qn, ST, Vb, 0, 0, kn)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -164,17 +165,16 @@ def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dV
         drw = DT[j]
         for i in range(width):
             drw[i] = zero
-    _axpy(DT, kn, Vb, GT, 0, E)                   # dPᵀ = V dOᵀ
+    axpy_at(DT, kn, Vb, 0, GT, 0, E)                   # dPᵀ = V dOᵀ
     for j in range(kn):
         row = ST[j]; drw = DT[j]
         _exp_into(row, one, lrow, zero, row, nbuf, cst, is32)     # P = exp(S − lse)
         for i in range(width):
             drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
-    _axpy(dVb, kn, ST, Gb, 0, qn)                 # dV += Pᵀ dO
-    _axpy(dKb, kn, DT, Qb, 0, qn)                 # dK += dSᵀ (scale·Q)
+    axpy_at(dVb, kn, ST, 0, Gb, 0, qn)                 # dV += Pᵀ dO
+    axpy_at(dKb, kn, DT, 0, Qb, 0, qn)                 # dK += dSᵀ (scale·Q)
     for i in range(qn):
         qd = dQb[i]
         for d in range(D):
             qd[d] = zero
-    for g in range(0, qn, 4):
-        _axpy_t(dQb, g, min(4, qn - g), DT, Kb, 0, 0, kn)         # dQ = dS K
+    axpy_t(dQb, 0, qn, DT, Kb, 0, 0, kn)          # dQ = dS K

@@ -1,0 +1,96 @@
+"""The register panels (:mod:`attnkit_sparse._panel`) against float64 numpy products, and routing's score kernel
+against torch's product: every row and column remainder, offsets into the operands, strided coefficients,
+non-unit output strides (the plain-loop fallback), empty sums."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from attnkit_sparse._panel import axpy_at, axpy_t
+
+
+@numba.njit(cache=True)
+def _at(OUT, on, C, c0, Y, y0, yn):  # pragma: no cover - compiled
+    axpy_at(OUT, on, C, c0, Y, y0, yn)
+
+
+@numba.njit(cache=True)
+def _t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
+    axpy_t(OUT, o0, n, CT, Y, y0, j0, j1)
+
+
+# (rows, terms, columns): rows around the 4-row panel, columns around one and two vectors of either dtype
+SHAPES = [(0, 5, 8), (1, 1, 1), (3, 7, 5), (4, 16, 16), (5, 9, 24), (7, 13, 37), (13, 64, 64), (9, 3, 40),
+          (6, 0, 16), (4, 2, 0)]
+DTYPES = [np.float32, np.float64]
+
+
+def _tol(dt: type) -> dict[str, float]:
+    return {"rtol": 1e-5, "atol": 1e-5} if dt == np.float32 else {"rtol": 1e-12, "atol": 1e-12}
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_axpy_at_matches_numpy(dt: type, shape: tuple[int, int, int]) -> None:
+    on, K, E = shape
+    rng = np.random.default_rng(on * 100 + K * 10 + E)
+    C = rng.standard_normal((on + 2, K + 5)).astype(dt)
+    Y = rng.standard_normal((K + 6, E)).astype(dt)
+    OUT = rng.standard_normal((on + 1, E)).astype(dt)       # one row past `on`: must stay as it is
+    ref = OUT.astype(np.float64)
+    c0, y0 = 2, 3
+    ref[:on] += C[:on, c0:c0 + K].astype(np.float64) @ Y[y0:y0 + K].astype(np.float64)
+    _at(OUT, on, C, c0, Y, y0, K)
+    np.testing.assert_allclose(OUT, ref, **_tol(dt))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_axpy_t_matches_numpy(dt: type, shape: tuple[int, int, int]) -> None:
+    n, K, E = shape
+    rng = np.random.default_rng(7 + n * 100 + K * 10 + E)
+    CT = rng.standard_normal((K + 6, n + 4)).astype(dt)     # key-major coefficients
+    Y = rng.standard_normal((K + 9, E)).astype(dt)
+    OUT = rng.standard_normal((n + 3, E)).astype(dt)        # rows before o0 and after o0 + n: untouched
+    ref = OUT.astype(np.float64)
+    o0, y0, j0 = 1, 3, 2
+    ref[o0:o0 + n] += CT[j0:j0 + K, o0:o0 + n].T.astype(np.float64) @ Y[y0 + j0:y0 + j0 + K].astype(np.float64)
+    _t(OUT, o0, n, CT, Y, y0, j0, j0 + K)
+    np.testing.assert_allclose(OUT, ref, **_tol(dt))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_strided_operands(dt: type) -> None:
+    """Coefficients read through a transposed view; an output and terms whose rows are not contiguous take the
+    plain loop and give the same values."""
+    rng = np.random.default_rng(3)
+    C = np.asfortranarray(rng.standard_normal((11, 19)).astype(dt))
+    Y = rng.standard_normal((19, 2 * 37)).astype(dt)[:, ::2]     # column stride 2
+    OUT = np.zeros((11, 2 * 37), dtype=dt)[:, ::2]
+    ref = C.astype(np.float64) @ Y.astype(np.float64)
+    _at(OUT, 11, C, 0, Y, 0, 19)
+    np.testing.assert_allclose(OUT, ref, **_tol(dt))
+    Yc = np.ascontiguousarray(Y)
+    OUT2 = np.zeros((11, 37), dtype=dt)
+    _at(OUT2, 11, C, 0, Yc, 0, 19)
+    np.testing.assert_allclose(OUT2, ref, **_tol(dt))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(2, 3, 1000, 64, 7), (1, 2, 5, 24, 3), (1, 1, 300, 13, 5), (1, 2, 513, 16, 2)])
+def test_routing_scores_match_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """routing's score kernel (blocks of 256 positions, a partial last block) equals ``μ xᵀ``; every entry of the
+    output is written (the buffer starts as NaN)."""
+    from attnkit_sparse.routing.clusters import _scores
+    B, H, L, D, C = shape
+    g = torch.Generator().manual_seed(L)
+    x = torch.randn(B, H, L, D, generator=g, dtype=dtype)
+    mu = torch.randn(H, C, D, generator=g, dtype=dtype)
+    out = torch.full((B, H, C, L), float("nan"), dtype=dtype)
+    _scores(mu, x, out)
+    ref = torch.matmul(mu, x.transpose(-1, -2))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(out, ref, **tol)
