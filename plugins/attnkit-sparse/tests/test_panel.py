@@ -1,6 +1,7 @@
-"""The register panels (:mod:`attnkit_sparse._panel`) against float64 numpy products, and routing's score kernel
-against torch's product: every row and column remainder, offsets into the operands, strided coefficients,
-non-unit output strides (the plain-loop fallback), empty sums."""
+"""The register panels of :mod:`attnkit.numba_panel` (tested here: the core itself does not depend on numba)
+against float64 numpy products, and routing's score kernel against torch's product: every row and column
+remainder, offsets into the operands, strided coefficients, non-unit output strides (the plain-loop fallback),
+empty sums."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnkit_sparse._panel import axpy_at, axpy_t
+from attnkit.numba_panel import axpy_at, axpy_rows, axpy_t
 
 
 @numba.njit(cache=True)
@@ -59,6 +60,27 @@ def test_axpy_t_matches_numpy(dt: type, shape: tuple[int, int, int]) -> None:
     o0, y0, j0 = 1, 3, 2
     ref[o0:o0 + n] += CT[j0:j0 + K, o0:o0 + n].T.astype(np.float64) @ Y[y0 + j0:y0 + j0 + K].astype(np.float64)
     _t(OUT, o0, n, CT, Y, y0, j0, j0 + K)
+    np.testing.assert_allclose(OUT, ref, **_tol(dt))
+
+
+@numba.njit(cache=True)
+def _rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
+    axpy_rows(OUT, C, Y, on, yn, ne)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_axpy_rows_matches_numpy(dt: type, shape: tuple[int, int, int]) -> None:
+    """The kernelized plugin's form: ``ne`` columns of wider operands, row-sliced views; columns past ``ne`` and
+    rows past ``on`` keep their values."""
+    on, K, ne = shape
+    rng = np.random.default_rng(11 + on * 100 + K * 10 + ne)
+    C = rng.standard_normal((on + 3, K + 2)).astype(dt)
+    Y = rng.standard_normal((K + 1, ne + 5)).astype(dt)
+    OUT = rng.standard_normal((on + 4, ne + 3)).astype(dt)
+    ref = OUT.astype(np.float64)
+    ref[1:1 + on, :ne] += C[2:2 + on, :K].astype(np.float64) @ Y[:K, :ne].astype(np.float64)
+    _rows(OUT[1:], C[2:], Y, on, K, ne)
     np.testing.assert_allclose(OUT, ref, **_tol(dt))
 
 

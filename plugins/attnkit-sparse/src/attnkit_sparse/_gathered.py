@@ -15,8 +15,8 @@ tiles, mask them by their own rule, and then run the same steps, which live here
   ``dK += dSᵀ (scale·Q)`` and ``dQ = dS K`` (the caller scales and scatters it).
 
 ``width`` is the tile's query capacity (columns); ``qn ≤ width`` of them are used, the rest are zero.
-The products run on register panels (:mod:`._panel`: the output block held in vector registers across the sum),
-the exponentials on the engine's vectorised ``exp``.
+The products run on register panels (:mod:`attnkit.numba_panel`: the output block held in vector registers
+across the sum), the exponentials on the engine's vectorised ``exp``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import math
 
 import numba
 
-from ._panel import axpy_at, axpy_t
+from attnkit.numba_panel import axpy_at, axpy_t
+
 from .engine._numba_kernels import FASTMATH, _exp_into
 
 

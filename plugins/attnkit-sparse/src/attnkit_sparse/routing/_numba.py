@@ -12,7 +12,7 @@ import math
 import numba
 import numpy as np
 
-from .._panel import axpy_at
+from attnkit.numba_panel import axpy_at
 
 _FM = {"reassoc", "contract", "nsz"}
 
@@ -324,7 +324,7 @@ def scores_seq(mu, x, out, n, H):  # pragma: no cover - compiled
     """Sequence ``n``'s scores against its head's centroids: ``out[n, c, l] = Σ_d mu[n % H, c, d] · x[n, l, d]``
     (``mu`` ``(H, C, D)``, ``x`` ``(N, L, D)``, ``out`` ``(N, C, L)``), block by block of :data:`SCORE_BLOCK`
     positions: the block's rows transposed into a ``D x SCORE_BLOCK`` scratch, its scores cleared and summed on
-    register panels (:func:`attnkit_sparse._panel.axpy_at`)."""
+    register panels (:func:`attnkit.numba_panel.axpy_at`)."""
     L, D = x.shape[1], x.shape[2]
     XT = np.empty((D, SCORE_BLOCK), dtype=x.dtype)
     C = mu.shape[1]

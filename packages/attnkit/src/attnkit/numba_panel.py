@@ -1,7 +1,10 @@
 # ruff: noqa: E741  -- l: a loop index over rows, as in the tile code
-"""Register-blocked products for the fused CPU paths: ``OUT += C @ Y`` with the output held in vector registers.
+"""Register-blocked products for the plugins' numba kernels: ``OUT += C @ Y`` with the output held in vector registers.
 
-The engine's tiles (``_axpy_at``) are written as numba loops over an output row: each pass over the row
+Imported only by plugins' numba kernel modules (it imports numba and llvmlite, which ``import attnkit`` never
+does: the core does not depend on numba; the plugins that use it do).
+
+Tiles written as numba loops over an output row (the axpy tiles the kernels used before): each pass over the row
 loads and stores four output rows for every four terms, and numba's vectoriser cannot keep a block of the
 output in registers across the sum (it may not assume ``OUT`` and ``Y`` are distinct, and a loop over
 scalar accumulators is vectorised along the sum instead, spilling them). Here a *panel* is emitted
@@ -10,6 +13,9 @@ output (``<8 x float>`` or ``<4 x double>``) live in registers for the whole sum
 vectors of ``Y``, broadcasts ``R`` coefficients and issues ``R·NV`` fused multiply-adds (``llvm.fma``).
 Measured on the development VM (AMD EPYC, AVX2, one thread): 80-87 GFLOP/s in float32 against 38-57 for
 the axpy tiles on the products of routing's and lsh's tiles (docs/benchmarks.md, "Register panels").
+
+Used by the sparse plugin's fused ``lsh``/``routing`` tiles and routing's scores, and by the kernelized
+plugin's tile (``attnkit_kernelized._tiles.axpy_rows``: linear's and performer's products).
 
 The panels need rows of ``OUT`` and ``Y`` with unit stride (the tile buffers are fresh arrays); the
 coefficients ``C`` may have any strides, so the same panel serves ``C`` row-major (:func:`axpy_at`) and
@@ -26,7 +32,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["axpy_at", "axpy_t"]
+__all__ = ["axpy_at", "axpy_t", "axpy_rows"]
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -199,3 +205,30 @@ def axpy_t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
             for j in range(j0, j1):
                 acc += CT[j, o0 + r] * Y[y0 + j, e]
             OUT[o0 + r, e] = acc
+
+
+@numba.njit(cache=True, inline="always")
+def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
+    """``OUT[i, :ne] += sum_{j < yn} C[i, j] · Y[j, :ne]`` for ``i < on`` (``OUT (>= on, >= ne)``,
+    ``C (>= on, >= yn)``, ``Y (>= yn, >= ne)``, one float dtype; rows of ``OUT`` and ``Y`` with unit stride,
+    else a plain loop; ``OUT`` distinct from ``C`` and ``Y``)."""
+    if on <= 0 or yn <= 0 or ne <= 0:
+        return
+    it = OUT.itemsize
+    if OUT.strides[1] != it or Y.strides[1] != it:
+        for i in range(on):
+            for j in range(yn):
+                p = C[i, j]
+                for e in range(ne):
+                    OUT[i, e] += p * Y[j, e]
+        return
+    crs = C.strides[0] // it
+    cjs = C.strides[1] // it
+    _panels(OUT, 0, OUT.strides[0] // it, on, C, 0, crs, cjs, Y, 0, Y.strides[0] // it, yn, ne)
+    W = 8 if it == 4 else 4
+    for e in range(ne - ne % W, ne):
+        for i in range(on):
+            acc = OUT[i, e]
+            for j in range(yn):
+                acc += C[i, j] * Y[j, e]
+            OUT[i, e] = acc
