@@ -1,14 +1,12 @@
 """The register panels of :mod:`attnkit.numba_panel` (tested here: the core itself does not depend on numba)
-against float64 numpy products, and routing's score kernel against torch's product: every row and column
-remainder, offsets into the operands, strided coefficients, non-unit output strides (the plain-loop fallback),
-empty sums."""
+against float64 numpy products: every row and column remainder, offsets into the operands, strided
+coefficients, non-unit output strides (the plain-loop fallback), empty sums."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
 import pytest
-import torch
 
 from attnkit.numba_panel import axpy_at, axpy_rows, axpy_t
 
@@ -99,20 +97,3 @@ def test_strided_operands(dt: type) -> None:
     OUT2 = np.zeros((11, 37), dtype=dt)
     _at(OUT2, 11, C, 0, Yc, 0, 19)
     np.testing.assert_allclose(OUT2, ref, **_tol(dt))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(2, 3, 1000, 64, 7), (1, 2, 5, 24, 3), (1, 1, 300, 13, 5), (1, 2, 513, 16, 2)])
-def test_routing_scores_match_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """routing's score kernel (blocks of 256 positions, a partial last block) equals ``μ xᵀ``; every entry of the
-    output is written (the buffer starts as NaN)."""
-    from attnkit_sparse.routing.clusters import _scores
-    B, H, L, D, C = shape
-    g = torch.Generator().manual_seed(L)
-    x = torch.randn(B, H, L, D, generator=g, dtype=dtype)
-    mu = torch.randn(H, C, D, generator=g, dtype=dtype)
-    out = torch.full((B, H, C, L), float("nan"), dtype=dtype)
-    _scores(mu, x, out)
-    ref = torch.matmul(mu, x.transpose(-1, -2))
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
-    torch.testing.assert_close(out, ref, **tol)

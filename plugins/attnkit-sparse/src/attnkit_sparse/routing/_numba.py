@@ -12,8 +12,6 @@ import math
 import numba
 import numpy as np
 
-from attnkit.numba_panel import axpy_at
-
 _FM = {"reassoc", "contract", "nsz"}
 
 
@@ -312,34 +310,3 @@ def commit_grad(x, near, real, H, mu, coef, eps):  # pragma: no cover - compiled
                 for d in range(D):
                     o[d] = o[d] * inv
     return out
-
-
-#: positions per block of :func:`scores_seq`: a block's transposed rows (``D x 256``) and its scores
-#: (``C x 256``) stay in the core's second-level cache while the panels run over them
-SCORE_BLOCK = 256
-
-
-@numba.njit(cache=True, nogil=True)
-def scores_seq(mu, x, out, n, H):  # pragma: no cover - compiled
-    """Sequence ``n``'s scores against its head's centroids: ``out[n, c, l] = Σ_d mu[n % H, c, d] · x[n, l, d]``
-    (``mu`` ``(H, C, D)``, ``x`` ``(N, L, D)``, ``out`` ``(N, C, L)``), block by block of :data:`SCORE_BLOCK`
-    positions: the block's rows transposed into a ``D x SCORE_BLOCK`` scratch, its scores cleared and summed on
-    register panels (:func:`attnkit.numba_panel.axpy_at`)."""
-    L, D = x.shape[1], x.shape[2]
-    XT = np.empty((D, SCORE_BLOCK), dtype=x.dtype)
-    C = mu.shape[1]
-    m = mu[n % H]
-    xs = x[n]
-    on = out[n]
-    for l0 in range(0, L, SCORE_BLOCK):
-        lb = min(SCORE_BLOCK, L - l0)
-        for i in range(lb):
-            r = xs[l0 + i]
-            for d in range(D):
-                XT[d, i] = r[d]
-        blk = on[:, l0:l0 + lb]
-        for c in range(C):
-            row = blk[c]
-            for i in range(lb):
-                row[i] = 0
-        axpy_at(blk, C, m, 0, XT[:, :lb], 0, D)

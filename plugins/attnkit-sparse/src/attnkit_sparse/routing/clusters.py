@@ -68,27 +68,6 @@ def _scores_buffer(B: int, H: int, C: int, L: int, dtype: torch.dtype) -> Tensor
     return _BUFFERS.buf
 
 
-def _scores(mu: Tensor, x: Tensor, out: Tensor) -> Tensor:
-    """``out[b, h, c, l] = μ[h, c]·x[b, h, l]`` ``(B, H, C, L)`` on register panels, one sequence per work item
-    (:func:`._numba.scores_seq`); torch's product of the same shapes ran at about half their rate (a short
-    inner dimension, D = 64: docs/benchmarks.md, "Register panels")."""
-    from attnkit.numba_pool import kernel_threads, run_items
-
-    from ._numba import scores_seq
-    B, H, L, D = x.shape
-    N = B * H
-    ma = mu.detach().contiguous().numpy()
-    xa = x.detach().contiguous().view(N, L, D).numpy()
-    oa = out.view(N, -1, L).numpy()
-    threads = max(1, min(kernel_threads(), N))
-
-    def work(n: int) -> None:
-        scores_seq(ma, xa, oa, n, H)
-
-    run_items(work, N, threads=threads)
-    return out
-
-
 def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None, widths: Tensor, W: int,
                  nearest: bool) -> tuple[Any, ...]:
     """:func:`route` on CPU (float32, float64): the scores ``μ_c·x`` of the raw rows (one product, no unit copy of
@@ -111,7 +90,7 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
     for x in (q, k):
         xd = x.detach()
         inv = torch.linalg.vector_norm(xd, dim=-1).clamp_(min=1e-12).reciprocal_()       # (B, H, L)
-        s = _scores(centroids.to(xd.dtype), xd, _scores_buffer(B, H, C, L, xd.dtype))
+        s = torch.matmul(centroids.to(xd.dtype), xd.transpose(-1, -2), out=_scores_buffer(B, H, C, L, xd.dtype))
         if nearest:
             near.append(_nearest(s))
         idx, ok = run_parallel(top_w_ascending, s.contiguous().view(B * H, C, L).numpy(),
