@@ -1,4 +1,3 @@
-# ruff: noqa: E741  -- l: a loop index over rows, as in the tile code
 """Register-blocked products for the plugins' numba kernels: ``OUT += C @ Y`` with the output held in vector registers.
 
 Imported only by plugins' numba kernel modules (it imports numba and llvmlite, which ``import attnkit`` never
@@ -11,11 +10,14 @@ scalar accumulators is vectorised along the sum instead, spilling them). Here a 
 directly as LLVM IR through :func:`numba.extending.intrinsic`: ``R`` output rows x ``NV`` vectors of the
 output (``<8 x float>`` or ``<4 x double>``) live in registers for the whole sum; each term loads ``NV``
 vectors of ``Y``, broadcasts ``R`` coefficients and issues ``R·NV`` fused multiply-adds (``llvm.fma``).
-Measured on the development VM (AMD EPYC, AVX2, one thread): 80-87 GFLOP/s in float32 against 38-57 for
-the axpy tiles on the products of routing's and lsh's tiles (docs/benchmarks.md, "Register panels").
+Measured on the development VM (AMD EPYC, AVX2, one thread, hot operands of the tiles' shapes): 60-90 GFLOP/s
+in float32 against 45-67 for the axpy tiles in the same run, 1.2-1.5x; float64 1.1-1.2x (docs/benchmarks.md,
+"Register panels"; ``plugins/attnkit-sparse/benchmarks/bench_panels.py``). ``llvm.fma`` needs the CPU's FMA
+unit to be fast: numba compiles for the host CPU, where x86-64 machines since 2013 have one; on a target
+without it LLVM calls the library's ``fma`` (correct, slow).
 
-Used by the sparse plugin's fused ``lsh``/``routing`` tiles and routing's scores, and by the kernelized
-plugin's tile (``attnkit_kernelized._tiles.axpy_rows``: linear's and performer's products).
+Used by the sparse plugin's fused ``lsh``/``routing`` tiles and by the kernelized plugin's tile
+(``attnkit_kernelized._tiles.axpy_rows``: linear's and performer's products).
 
 The panels need rows of ``OUT`` and ``Y`` with unit stride (the tile buffers are fresh arrays); the
 coefficients ``C`` may have any strides, so the same panel serves ``C`` row-major (:func:`axpy_at`) and
