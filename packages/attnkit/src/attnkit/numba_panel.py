@@ -156,61 +156,41 @@ def _panels(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: no co
 
 
 @numba.njit(cache=True, inline="always")
+def _axpy(OUT, o0, n, C, i0, j0, ct, Y, y0, K, E):  # pragma: no cover - compiled
+    """``OUT[o0 + r, e] += sum_{k < K} c(r, k) · Y[y0 + k, e]`` for ``r < n``, ``e < E``, with the coefficient
+    ``c(r, k) = C[i0 + r, j0 + k]``, or ``C[j0 + k, i0 + r]`` when ``ct`` (given transposed): the register panels,
+    a plain loop when rows of ``OUT`` or ``Y`` are strided, and the last ``E % W`` columns in a plain loop."""
+    if n <= 0 or K <= 0 or E <= 0:
+        return
+    it = OUT.itemsize
+    cr = C.strides[1 if ct else 0] // it       # coefficient strides along r and along k
+    ck = C.strides[0 if ct else 1] // it
+    e0 = 0
+    if OUT.strides[1] == it and Y.strides[1] == it:
+        os_ = OUT.strides[0] // it
+        ys = Y.strides[0] // it
+        _panels(OUT, o0 * os_, os_, n, C, i0 * cr + j0 * ck, cr, ck, Y, y0 * ys, ys, K, E)
+        e0 = E - E % (8 if it == 4 else 4)
+    for e in range(e0, E):
+        for r in range(n):
+            acc = OUT[o0 + r, e]
+            for k in range(K):
+                acc += (C[j0 + k, i0 + r] if ct else C[i0 + r, j0 + k]) * Y[y0 + k, e]
+            OUT[o0 + r, e] = acc
+
+
+@numba.njit(cache=True, inline="always")
 def axpy_at(OUT, on, C, c0, Y, y0, yn):  # pragma: no cover - compiled
     """``OUT[i, e] += sum_{j < yn} C[i, c0 + j] · Y[y0 + j, e]`` for ``i < on``, ``e < Y.shape[1]`` (the engine's
     ``_axpy_at``, on register panels). ``OUT``, ``C``, ``Y``: 2-D float32 or float64; ``OUT`` distinct from both."""
-    E = Y.shape[1]
-    if on <= 0 or yn <= 0 or E == 0:
-        return
-    it = OUT.itemsize
-    if OUT.strides[1] != it or Y.strides[1] != it:
-        for i in range(on):
-            for j in range(yn):
-                p = C[i, c0 + j]
-                for e in range(E):
-                    OUT[i, e] += p * Y[y0 + j, e]
-        return
-    os_ = OUT.strides[0] // it
-    crs = C.strides[0] // it
-    cjs = C.strides[1] // it
-    ys = Y.strides[0] // it
-    _panels(OUT, 0, os_, on, C, c0 * cjs, crs, cjs, Y, y0 * ys, ys, yn, E)
-    W = 8 if it == 4 else 4
-    for e in range(E - E % W, E):
-        for i in range(on):
-            acc = OUT[i, e]
-            for j in range(yn):
-                acc += C[i, c0 + j] * Y[y0 + j, e]
-            OUT[i, e] = acc
+    _axpy(OUT, 0, on, C, 0, c0, False, Y, y0, yn, Y.shape[1])
 
 
 @numba.njit(cache=True, inline="always")
 def axpy_t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
     """``OUT[o0 + r, e] += sum_{j0 <= j < j1} CT[j, o0 + r] · Y[y0 + j, e]`` for ``r < n`` (the engine's
     ``_axpy_t`` with any ``n``: the coefficients given transposed, key-major)."""
-    E = Y.shape[1]
-    if n <= 0 or j1 <= j0 or E == 0:
-        return
-    it = OUT.itemsize
-    if OUT.strides[1] != it or Y.strides[1] != it:
-        for r in range(n):
-            for j in range(j0, j1):
-                p = CT[j, o0 + r]
-                for e in range(E):
-                    OUT[o0 + r, e] += p * Y[y0 + j, e]
-        return
-    os_ = OUT.strides[0] // it
-    crs = CT.strides[1] // it
-    cjs = CT.strides[0] // it
-    ys = Y.strides[0] // it
-    _panels(OUT, o0 * os_, os_, n, CT, o0 * crs + j0 * cjs, crs, cjs, Y, (y0 + j0) * ys, ys, j1 - j0, E)
-    W = 8 if it == 4 else 4
-    for e in range(E - E % W, E):
-        for r in range(n):
-            acc = OUT[o0 + r, e]
-            for j in range(j0, j1):
-                acc += CT[j, o0 + r] * Y[y0 + j, e]
-            OUT[o0 + r, e] = acc
+    _axpy(OUT, o0, n, CT, o0, j0, True, Y, y0 + j0, j1 - j0, Y.shape[1])
 
 
 @numba.njit(cache=True, inline="always")
@@ -218,23 +198,4 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
     """``OUT[i, :ne] += sum_{j < yn} C[i, j] · Y[j, :ne]`` for ``i < on`` (``OUT (>= on, >= ne)``,
     ``C (>= on, >= yn)``, ``Y (>= yn, >= ne)``, one float dtype; rows of ``OUT`` and ``Y`` with unit stride,
     else a plain loop; ``OUT`` distinct from ``C`` and ``Y``)."""
-    if on <= 0 or yn <= 0 or ne <= 0:
-        return
-    it = OUT.itemsize
-    if OUT.strides[1] != it or Y.strides[1] != it:
-        for i in range(on):
-            for j in range(yn):
-                p = C[i, j]
-                for e in range(ne):
-                    OUT[i, e] += p * Y[j, e]
-        return
-    crs = C.strides[0] // it
-    cjs = C.strides[1] // it
-    _panels(OUT, 0, OUT.strides[0] // it, on, C, 0, crs, cjs, Y, 0, Y.strides[0] // it, yn, ne)
-    W = 8 if it == 4 else 4
-    for e in range(ne - ne % W, ne):
-        for i in range(on):
-            acc = OUT[i, e]
-            for j in range(yn):
-                acc += C[i, j] * Y[j, e]
-            OUT[i, e] = acc
+    _axpy(OUT, 0, on, C, 0, 0, False, Y, 0, yn, ne)
