@@ -27,10 +27,18 @@ def test_values_and_gradient_match_torch(dtype, tol):
     torch.testing.assert_close(a.double(), b, rtol=2 * tol, atol=torch.finfo(dtype).tiny)   # g * phi rounds again
 
 
-def test_special_values():
-    x = torch.tensor([float("nan"), float("inf"), -float("inf"), -1e4, 3e38], dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_special_values(dtype):
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -1e4, 3e38, -0.0], dtype=dtype)
+    # whole vectors (8 float32 / 4 float64 at a time) hold the first copy and most of the second; its last
+    # element (-0.0) is the one left after them
+    x = torch.cat([special, torch.linspace(-3, 3, 13, dtype=dtype), special])
+    assert x.numel() % 8 == 1 and x.numel() % 4 == 1
     y = elu_plus_one(x)
-    assert torch.isnan(y[0]) and torch.isposinf(y[1]) and y[2] == 0 and y[3] == 0 and y[4] == x[4]
+    for off in (0, 19):
+        s = y[off:off + 6]
+        assert torch.isnan(s[0]) and torch.isposinf(s[1]) and s[2] == 0 and s[3] == 0 and s[4] == x[4] + 1
+        assert s[5] == 1
     assert elu_plus_one(torch.empty(0, 7)).shape == (0, 7)
 
 

@@ -100,9 +100,34 @@ def test_vectorised_exp_against_numpy(dtype, lo, hi, rtol):
     run(got, dtype(1.5))
     want = np.exp((x - dtype(1.5)).astype(np.float64))      # the argument rounded as the kernel rounds it
     np.testing.assert_allclose(got, want, rtol=rtol, atol=0)   # reassociated, float32 reached 4.1e-7
-    special = np.array([-1e4, -np.inf, np.nan, 0.0], dtype=dtype)
-    run(special, dtype(0.0))
-    assert special[0] == 0 and special[1] == 0 and np.isnan(special[2]) and special[3] == 1
+    special = np.array([-1e4, -np.inf, np.nan, 0.0, np.inf, 1e4, 700.0 if dtype == np.float32 else 1e3], dtype=dtype)
+    for n in (1, 2, 3):   # the specials in whole vectors (8 float32 / 4 float64) and in the rest after them
+        got = np.tile(special, n)
+        run(got, dtype(0.0))
+        for s in got.reshape(n, -1):
+            assert s[0] == 0 and s[1] == 0 and np.isnan(s[2]) and s[3] == 1
+            assert np.isposinf(s[4]) and np.isposinf(s[5]) and np.isposinf(s[6])   # above the highest argument
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_vectorised_exp_equals_its_loops_bit_for_bit(dtype):
+    """``exp_row`` runs whole vectors through IR (``_exp_at``) and the rest through numba loops (``_exp_loops``):
+    both are the same arithmetic, so a value does not depend on where in a row it falls."""
+    import numba
+
+    from attnkit_kernelized._vexp import _exp_loops
+
+    @numba.njit
+    def both(x, c, cst, is32):
+        a, b = x.copy(), x.copy()
+        nbuf = np.empty(x.shape[0], dtype=np.int32)
+        exp_row(a, c, nbuf, cst, is32)
+        _exp_loops(b, c, nbuf, cst, is32)
+        return a, b
+
+    x = np.concatenate([np.linspace(-800, 800, 4001), [np.nan, np.inf, -np.inf, 88.7, 88.71, 709.7, 709.71]])
+    a, b = both(x.astype(dtype), dtype(0.25), constants(np.dtype(dtype)), dtype == np.float32)
+    assert np.array_equal(a.view(f"i{a.itemsize}"), b.view(f"i{b.itemsize}"))
 
 
 @pytest.mark.parametrize("with_padding", [False, True])

@@ -20,31 +20,16 @@ from torch import Tensor
 
 from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, dynamic, rows
-from .._vexp import HALF, constants, exp_row
+from .._vexp import HALF, constants, elu1_row
 
 _ITEM = 4096   # elements per parallel work item
-_BUF = 512     # elements per exp buffer (in L1)
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+@numba.njit(cache=True, nogil=True)
 def _elu_rows(x, out, cst, is32, i0, i1):  # pragma: no cover - compiled
     """``out[i] = x[i] + 1 if x[i] > 0 else exp(x[i])`` for ``i0 <= i < i1`` (flat arrays; NaN stays NaN)."""
-    one = cst[HALF] + cst[HALF]
-    zero = cst[HALF] - cst[HALF]
-    buf = np.empty(_BUF, dtype=x.dtype)
-    nbuf = np.empty(_BUF, dtype=np.int32)
-    for b0 in range(i0, i1, _BUF):
-        n = min(_BUF, i1 - b0)
-        xs = x[b0:b0 + n]
-        e = buf[:n]
-        for j in range(n):
-            v = xs[j]
-            e[j] = zero if v > zero else v      # exp of the rest only (no overflow for large x; NaN stays NaN)
-        exp_row(e, zero, nbuf[:n], cst, is32)
-        o = out[b0:b0 + n]
-        for j in range(n):
-            v = xs[j]
-            o[j] = v + one if v > zero else e[j]
+    nbuf = np.empty(8, dtype=np.int32)
+    elu1_row(out[i0:i1], x[i0:i1], cst[HALF] + cst[HALF], nbuf, cst, is32)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)

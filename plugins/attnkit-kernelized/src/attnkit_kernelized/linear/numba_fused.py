@@ -7,9 +7,9 @@ q: 16 MiB of fresh pages at L = 8,192, H = 8, D = 64, float32) and the product
 kept, so here each sequence is walked once in blocks of ``chunk`` positions, and per block:
 
 * the block's query and key features ``elu(s x) + 1`` (``s`` the square root of the attention scale, 1
-  without one) go into buffers that stay in cache, the exponential of the non-positive part by
-  :func:`attnkit_kernelized._vexp.exp_row`, as :mod:`.numba_elu` computes it (the same values); a padded key's
-  row is 0, whatever it holds;
+  without one) go into buffers that stay in cache, by :func:`attnkit_kernelized._vexp.elu1_row` over the
+  block's rows as one flat run, as :mod:`.numba_elu` computes them (the same values); a padded key's row is 0,
+  whatever it holds;
 * the causal product :func:`attnkit_kernelized._tiles.causal_block` that the unfused
   :func:`.numba_ops._causal_rows` runs too (normalised, 0 where the denominator is 0):
   ``out = x S`` from the earlier blocks' state, the causal triangle, ``S += y^T v``,
@@ -30,25 +30,10 @@ from .._busy import kernel_thread_count
 from .._numba import FASTMATH, arr, dynamic, rows
 from .._ops import define
 from .._tiles import causal_block_normalised
-from .._vexp import HALF, constants, exp_row
+from .._vexp import HALF, constants, elu1_row
 from .numba_ops import MAX_BLOCK
 
 _FM = FASTMATH
-
-
-@numba.njit(cache=True, fastmath=_FM, inline="always")
-def _elu_block(dst, src, scale, n, e, nbuf, one, zero, cst, is32):  # pragma: no cover - compiled
-    """``dst[j] = elu(scale * src[j]) + 1`` for ``j < n`` (flat: a block's rows in one pass; ``e``, ``nbuf``:
-    scratch of at least ``n``). One exp_row over the whole block: with one per row of D (64) the whole kernel
-    took 40.8 against 35.2 ms (L = 8,192, H = 8, one thread, CPU time; session 26)."""
-    for j in range(n):
-        v = src[j] * scale
-        dst[j] = v
-        e[j] = zero if v > zero else v       # exp of the rest only (no overflow for large x; NaN stays NaN)
-    exp_row(e[:n], zero, nbuf, cst, is32)
-    for j in range(n):
-        v = dst[j]
-        dst[j] = v + one if v > zero else e[j]
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
@@ -61,7 +46,6 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
     E = V.shape[2]
     has_pad = pad.shape[1] > 0
     zero = cst[HALF] - cst[HALF]
-    one = cst[HALF] + cst[HALF]
     xf = np.empty(chunk * M, dtype=Q.dtype)    # the block's query features (flat, and as rows: xb)
     yf = np.empty(chunk * M, dtype=Q.dtype)    # the block's key features
     xb = xf.reshape((chunk, M))
@@ -72,8 +56,7 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
     A = np.empty((chunk, chunk), dtype=Q.dtype)
     ob = np.empty((chunk, E), dtype=Q.dtype)
     db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
-    eb = np.empty(chunk * M, dtype=Q.dtype)
-    nbuf = np.empty(chunk * M, dtype=np.int32)
+    nbuf = np.empty(8, dtype=np.int32)        # elu1_row's scratch
     for n in range(n0, n1):
         vn = V[n]; outn = out[n]
         S = S0[n].copy()
@@ -82,8 +65,8 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
             c1 = min(c0 + chunk, L)
             T = c1 - c0
             # ---- features of the block
-            _elu_block(xf, Qf[n, c0 * M:c1 * M], scale, T * M, eb, nbuf, one, zero, cst, is32)
-            _elu_block(yf, Kf[n, c0 * M:c1 * M], scale, T * M, eb, nbuf, one, zero, cst, is32)
+            elu1_row(xf, Qf[n, c0 * M:c1 * M], scale, nbuf, cst, is32)
+            elu1_row(yf, Kf[n, c0 * M:c1 * M], scale, nbuf, cst, is32)
             if has_pad:
                 for t in range(T):
                     if pad[n, c0 + t]:
