@@ -13,7 +13,7 @@ from attnkit.numba_pool import kernel_threads, run_items, run_parallel, start_po
 
 from ._busy import kernel_thread_count
 
-__all__ = ["FASTMATH", "kernel_threads", "threads", "dynamic", "rows", "arr", "check_float"]
+__all__ = ["FASTMATH", "kernel_threads", "threads", "dynamic", "rows", "arr", "check_float", "output"]
 
 
 start_pool()   # keeps torch's thread count (launching numba's OpenMP pool reset it; attnkit.numba_pool)
@@ -21,6 +21,17 @@ start_pool()   # keeps torch's thread count (launching numba's OpenMP pool reset
 # reassociation lets LLVM vectorise the short reductions; no NaN/inf
 # assumptions, so zeros from masked positions and NaN inputs behave exactly
 FASTMATH = {"reassoc", "contract", "nsz"}
+
+
+def output(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array for a kernel's output, to hand to torch with ``torch.from_numpy``.
+
+    Allocated by NumPy, not ``torch.empty``: on Linux NumPy asks the kernel for transparent huge pages
+    (``madvise``) for 4 MiB and more, torch only under ``THP_MEM_ALLOC_ENABLE=1``. An output of 32 MiB or more
+    comes from a fresh ``mmap`` on every call (glibc), and its first touch faulted 8,192 4-KiB pages: linear's
+    fused forward at L = 16,384 (H = 8, D = 64, float32, 2 threads) took 44 ms with a torch output and 34 ms with
+    this one (528 faults; session 37, docs/benchmarks.md)."""
+    return np.empty(shape, dtype=dtype)
 
 
 def threads() -> int:

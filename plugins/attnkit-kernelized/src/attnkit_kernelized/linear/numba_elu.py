@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, dynamic, rows
+from .._numba import FASTMATH, arr, dynamic, output, rows
 from .._vexp import HALF, constants, elu1_row
 
 _ITEM = 4096   # elements per parallel work item
@@ -69,22 +69,21 @@ class _EluPlusOne(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
         xa = arr(x).reshape(-1)
-        phi = torch.empty(x.shape, dtype=x.dtype)
+        pa = output((xa.size,), xa.dtype)
         if xa.size:
-            _run(_elu_rows, _elu_team, xa.size, xa, phi.numpy().reshape(-1), constants(xa.dtype),
-                 xa.dtype == np.float32)
+            _run(_elu_rows, _elu_team, xa.size, xa, pa, constants(xa.dtype), xa.dtype == np.float32)
+        phi = torch.from_numpy(pa).view(x.shape)
         ctx.save_for_backward(phi)
         return phi
 
     @staticmethod
     def backward(ctx, g: Tensor) -> Tensor:
         (phi,) = ctx.saved_tensors
-        dx = torch.empty(phi.shape, dtype=phi.dtype)
         pa = phi.numpy().reshape(-1)
+        da = output((pa.size,), pa.dtype)
         if pa.size:
-            _run(_elu_back_rows, _elu_back_team, pa.size, arr(g.to(phi.dtype)).reshape(-1), pa,
-                 dx.numpy().reshape(-1))
-        return dx
+            _run(_elu_back_rows, _elu_back_team, pa.size, arr(g.to(phi.dtype)).reshape(-1), pa, da)
+        return torch.from_numpy(da).view(phi.shape)
 
 
 def elu_plus_one(x: Tensor) -> Tensor:

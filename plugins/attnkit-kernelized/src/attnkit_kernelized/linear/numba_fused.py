@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, dynamic, rows
+from .._numba import FASTMATH, arr, dynamic, output, rows
 from .._ops import define
 from .._tiles import causal_block_normalised
 from .._vexp import HALF, constants, elu1_row
@@ -101,16 +101,17 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, scale: float, pad: Tensor | None, S0
     npdt = X.dtype
     S0a = np.zeros((N, D, E), dtype=npdt) if S0 is None else arr(S0.to(dt)).reshape(N, D, E)
     z0a = np.zeros((N, D), dtype=npdt) if z0 is None else arr(z0.to(dt)).reshape(N, D)
-    out = torch.empty(B, H, L, E, dtype=dt)
+    outa = output((N, L, E), npdt)
     S = np.empty((N, D, E), dtype=npdt)
     z = np.empty((N, D), dtype=npdt)
     args = (X, Kx, V, padn, npdt.type(scale), constants(npdt), npdt == np.float32,
-            max(1, min(int(chunk), MAX_BLOCK)), S0a, z0a, out.numpy().reshape(N, L, E), S, z)
+            max(1, min(int(chunk), MAX_BLOCK)), S0a, z0a, outa, S, z)
     if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
         rows(_fused_rows, N, *args)
     else:
         dynamic(_fused_team, *args)
-    return out, torch.from_numpy(S).view(B, H, D, E), torch.from_numpy(z).view(B, H, D)
+    return (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, D, E),
+            torch.from_numpy(z).view(B, H, D))
 
 
 def _fused_fake(q, k, v, scale, pad, S0, z0, chunk):

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, dynamic, rows
+from .._numba import FASTMATH, arr, dynamic, output, rows
 from .._tiles import axpy_rows
 from .._vexp import HALF, constants, exp_row
 
@@ -205,8 +205,8 @@ class _QueryFeatures(torch.autograd.Function):
         B, H, L, D = q.shape
         M = w.shape[0]
         X = arr(q).reshape(B * H * L, D)
-        phi = torch.empty(B, H, L, M, dtype=q.dtype)
-        P = phi.numpy().reshape(B * H * L, M)
+        P = output((B * H * L, M), X.dtype)
+        phi = torch.from_numpy(P).view(B, H, L, M)
         cst = constants(X.dtype)
         _run_rows(_query_rows, _query_team, X.shape[0], X, arr(w.t()), P, cst, X.dtype == np.float32)
         ctx.save_for_backward(phi, w)
@@ -219,12 +219,12 @@ class _QueryFeatures(torch.autograd.Function):
         phi, w = ctx.saved_tensors
         B, H, L, M = phi.shape
         D = w.shape[1]
-        dq = torch.empty(B, H, L, D, dtype=phi.dtype)
         PHI = phi.numpy().reshape(-1, M)
+        dq = output((PHI.shape[0], D), PHI.dtype)
         no_pad = np.zeros(0, dtype=np.bool_)
         _run_rows(_back_rows, _back_team, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
-                  np.zeros((1, D), dtype=PHI.dtype), no_pad, PHI.dtype.type(0), dq.numpy().reshape(-1, D))
-        return dq, None
+                  np.zeros((1, D), dtype=PHI.dtype), no_pad, PHI.dtype.type(0), dq)
+        return torch.from_numpy(dq).view(B, H, L, D), None
 
 
 class _KeyFeatures(torch.autograd.Function):
@@ -235,12 +235,13 @@ class _KeyFeatures(torch.autograd.Function):
         X = arr(k).reshape(B * H, L, D)
         padn = (np.zeros((B * H, 0), dtype=np.bool_) if pad is None
                 else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(B * H, L)))
-        phi = torch.empty(B, H, L, M, dtype=k.dtype)
+        P = output((B * H, L, M), X.dtype)
+        phi = torch.from_numpy(P).view(B, H, L, M)
         hi = np.empty((B * H, M), dtype=X.dtype)
         lo = np.empty(B * H, dtype=X.dtype)
         cst = constants(X.dtype)
         args = (X, arr(w.t()), padn, X.dtype.type(0.5 * scale), cst, X.dtype == np.float32,
-                phi.numpy().reshape(B * H, L, M), hi, lo)
+                P, hi, lo)
         if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
             rows(_key_rows, B * H, *args)
         else:
@@ -259,12 +260,12 @@ class _KeyFeatures(torch.autograd.Function):
         phi, w, k = ctx.saved_tensors
         B, H, L, M = phi.shape
         D = w.shape[1]
-        dk = torch.empty(B, H, L, D, dtype=phi.dtype)
         PHI = phi.numpy().reshape(-1, M)
+        dk = output((PHI.shape[0], D), PHI.dtype)
         # 0 at padded keys, whatever they hold (NaN, Inf): phi is 0 there and the row is skipped
         _run_rows(_back_rows, _back_team, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
-                  arr(k).reshape(-1, D), ctx.padn, PHI.dtype.type(ctx.scale), dk.numpy().reshape(-1, D))
-        return dk, None, None, None
+                  arr(k).reshape(-1, D), ctx.padn, PHI.dtype.type(ctx.scale), dk)
+        return torch.from_numpy(dk).view(B, H, L, D), None, None, None
 
 
 def positive_features(q: Tensor, k: Tensor, w: Tensor, scale: float, pad: Tensor | None

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, dynamic, rows
+from .._numba import FASTMATH, arr, dynamic, output, rows
 from .._ops import define
 from .._tiles import causal_block_normalised
 from .._vexp import HALF, constants, exp_row
@@ -177,19 +177,19 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor
     npdt = X.dtype
     S0a = np.zeros((N, M, E), dtype=npdt) if S0 is None else arr(S0.to(dt)).reshape(N, M, E)
     z0a = np.zeros((N, M), dtype=npdt) if z0 is None else arr(z0.to(dt)).reshape(N, M)
-    out = torch.empty(B, H, L, E, dtype=dt)
+    outa = output((N, L, E), npdt)
     S = np.empty((N, M, E), dtype=npdt)
     z = np.empty((N, M), dtype=npdt)
     hi = np.empty((N, M), dtype=npdt)
     lo = np.empty(N, dtype=npdt)
     args = (X, Kx, V, arr(w.to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt), npdt == np.float32,
-            max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a, out.numpy().reshape(N, L, E), S, z, hi, lo)
+            max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a, outa, S, z, hi, lo)
     if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
         rows(_fused_rows, N, *args)
     else:
         dynamic(_fused_team, *args)
-    return (out, torch.from_numpy(S).view(B, H, M, E), torch.from_numpy(z).view(B, H, M),
-            torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H))
+    return (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, M, E),
+            torch.from_numpy(z).view(B, H, M), torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H))
 
 
 def _fused_fake(q, k, v, w, scale, pad, S0, z0, chunk, bound):
