@@ -1,0 +1,109 @@
+"""A/B in one process: the sparse plugin's content-based mechanisms at a git revision against the working tree.
+
+Runs in separate processes minutes apart drift by 25-35% on the development VM; here the plugin's package as
+it was at ``--rev`` is exported (``git archive``) as ``attnkit_sparse_base`` (its custom operators under that
+namespace), both versions of the module are built with the same options (those of ``bench_lucidrains.py``)
+and called alternately, the order flipped each round, on fresh inputs each call. Reported: each side's
+median and the median (quartiles) of the per-round ratio ``base / work`` (above 1: the working tree is
+faster). The core package (``attnkit``) is the working tree's for both sides.
+
+    python plugins/attnkit-sparse/benchmarks/ab_revision.py --rev e947eeb --mechanism routing \\
+        --length 16384 --mode fwdbwd --rounds 15
+
+Nothing here is a test: figures for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import attnkit
+
+PKG = "plugins/attnkit-sparse/src/attnkit_sparse"
+MODULES = {"routing": "routing.attention", "lsh": "lsh.attention"}
+
+
+def export(rev: str, dest: Path) -> None:
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
+    data = subprocess.check_output(["git", "-C", str(root), "archive", rev, PKG])
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+    (dest / PKG).rename(dest / "attnkit_sparse_base")
+    ops = dest / "attnkit_sparse_base" / "engine" / "numba_ops.py"
+    ops.write_text(ops.read_text().replace('NAMESPACE = "attnkit_sparse"', 'NAMESPACE = "attnkit_sparse_base"'))
+
+
+def options(mech: str, L: int) -> dict:
+    if mech == "lsh":
+        return {"bucket_size": 64, "n_hashes": 4, "seed": 0}
+    return {"num_clusters": max(1, L // 128), "num_heads": 8, "head_dim": 64}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rev", required=True)
+    p.add_argument("--mechanism", choices=sorted(MODULES), default="routing")
+    p.add_argument("--length", type=int, default=16384)
+    p.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwdbwd")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="attnkit-ab-"))
+    export(args.rev, tmp)
+    sys.path.insert(0, str(tmp))
+    mech, L, grad = args.mechanism, args.length, args.mode == "fwdbwd"
+    ref = attnkit.build(mech, **options(mech, L))     # the working tree's, for its spec and class name
+    mods = {}
+    for side, pkg in (("base", "attnkit_sparse_base"), ("work", "attnkit_sparse")):
+        cls = getattr(importlib.import_module(f"{pkg}.{MODULES[mech]}"), type(ref).__name__)
+        torch.manual_seed(0)
+        m = cls(**options(mech, L))
+        m.spec = ref.spec            # built outside the registry: the spec declares routing's auxiliary loss
+        m.train(grad)
+        mods[side] = m
+    shared = mech == "lsh"
+
+    def run(m: torch.nn.Module) -> float:
+        q, k, v = (torch.randn(1, 8, L, 64, requires_grad=grad) for _ in range(3))
+        if shared:
+            k = q
+        t0 = time.perf_counter()
+        if grad:
+            out = m(q, k, v)
+            out.backward(torch.ones_like(out))
+            attnkit.clear_aux_losses(m)
+        else:
+            with torch.no_grad():
+                m(q, k, v)
+        return time.perf_counter() - t0
+
+    for m in mods.values():
+        run(m)
+        run(m)
+    ts: dict[str, list[float]] = {"base": [], "work": []}
+    for r in range(args.rounds):
+        for side in (("base", "work") if r % 2 == 0 else ("work", "base")):
+            ts[side].append(run(mods[side]))
+    rat = sorted(a / b for a, b in zip(ts["base"], ts["work"], strict=True))
+    n = len(rat)
+    print(f"# {mech} module {args.mode}, L = {L}, B = 1, H = 8, D = E = 64, float32, {args.threads} thread(s), "
+          f"base {args.rev} against the working tree")
+    print(f"base {statistics.median(ts['base']) * 1e3:.1f} ms, work {statistics.median(ts['work']) * 1e3:.1f} ms "
+          f"(medians of {args.rounds}); per-round base/work: median {statistics.median(rat):.3f}, "
+          f"quartiles {rat[n // 4]:.3f}-{rat[(3 * n) // 4]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
