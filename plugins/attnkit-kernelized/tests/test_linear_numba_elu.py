@@ -68,3 +68,27 @@ def test_the_numba_module_uses_it_and_equals_the_torch_backend(monkeypatch, scal
     for x, y in zip(torch.autograd.grad((a * gy).sum(), (q, k, v)), torch.autograd.grad((b * gy).sum(), (q, k, v)),
                     strict=True):
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_row_kernel_on_strided_rows_and_a_short_scratch(dtype):
+    """``elu1_row`` on a strided row runs the loops in pieces of its scratch (3 elements here): the same values as on
+    the contiguous row, nothing written past ``dst``'s end."""
+    import numba
+    import numpy as np
+
+    from attnkit_kernelized._vexp import constants, elu1_row
+
+    @numba.njit
+    def run(dst, src, scale, nbuf, cst, is32):
+        elu1_row(dst, src, scale, nbuf, cst, is32)
+
+    npdt = torch.empty(0, dtype=dtype).numpy().dtype
+    x = np.random.default_rng(0).standard_normal(2 * 37).astype(npdt) * 4
+    cst, is32 = constants(npdt), npdt == np.float32
+    want = np.full(37 + 5, -7, dtype=npdt)
+    run(want[:37], np.ascontiguousarray(x[::2]), npdt.type(0.5), np.empty(8, dtype=np.int32), cst, is32)
+    got = np.full(37 + 5, -7, dtype=npdt)
+    run(got[:37], x[::2], npdt.type(0.5), np.empty(3, dtype=np.int32), cst, is32)
+    np.testing.assert_array_equal(got, want)
+    assert (got[37:] == -7).all()

@@ -216,24 +216,27 @@ def exp_row(row, c, nbuf, cst, is32):  # pragma: no cover - compiled
 @numba.njit(cache=True)
 def elu1_row(dst, src, scale, nbuf, cst, is32):  # pragma: no cover - compiled
     """``dst[j] = elu(scale · src[j]) + 1`` for ``j < len(src)`` (1-D, one float dtype, ``dst`` at least as long;
-    ``nbuf``: int32 scratch of at least ``W`` = 8 elements): ``v + 1`` where ``v = scale · src[j] > 0``, else
-    ``exp(v)`` (:func:`_exp_vector`; 0 at or below the lowest argument, NaN stays NaN). Whole vectors in one
-    pass (:func:`_elu1_at`), the rest by :func:`_exp_loops`."""
+    ``nbuf``: int32 scratch, any length >= 1; 8 (``W``) is enough for rows with unit stride): ``v + 1`` where
+    ``v = scale · src[j] > 0``, else ``exp(v)`` (:func:`_exp_vector`; 0 at or below the lowest argument, NaN
+    stays NaN). Whole vectors in one pass (:func:`_elu1_at`); the rest, and strided rows, by
+    :func:`_exp_loops` in pieces of ``len(nbuf)``."""
     n = src.shape[0]
     W = 8 if is32 else 4
     it = src.itemsize
     nv = n - n % W if src.strides[0] == it and dst.strides[0] == it else 0
     for j in range(0, nv, W):
         _elu1_at(dst, j, src, j, scale)
-    if nv < n:
-        zero = cst[HALF] - cst[HALF]
-        one = cst[HALF] + cst[HALF]
-        t = dst[nv:n]
-        for j in range(n - nv):
-            v = src[nv + j] * scale
+    zero = cst[HALF] - cst[HALF]
+    one = cst[HALF] + cst[HALF]
+    nb = nbuf.shape[0]
+    for b0 in range(nv, n, nb):      # the rest (or a strided row) in pieces of the scratch's length
+        m = min(nb, n - b0)
+        t = dst[b0:b0 + m]
+        for j in range(m):
+            v = src[b0 + j] * scale
             t[j] = zero if v > zero else v
-        _exp_loops(t, zero, nbuf[:n - nv], cst, is32)
-        for j in range(n - nv):
-            v = src[nv + j] * scale
+        _exp_loops(t, zero, nbuf[:m], cst, is32)
+        for j in range(m):
+            v = src[b0 + j] * scale
             if v > zero:
                 t[j] = v + one
