@@ -158,7 +158,7 @@ def _float_array(a) -> bool:  # noqa: ANN001
 @intrinsic
 def _exp_at(typingctx, row, j, c):  # noqa: ANN001, ANN202
     """``row[j:j+W] = exp(row[j:j+W] - c)`` (``W`` = 8 float32, 4 float64; ``row`` 1-D with unit stride)."""
-    if not _float_array(row) or c != row.dtype:
+    if not _float_array(row) or not isinstance(c, (types.Float, types.Integer)):   # cast to row's dtype
         return None
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
@@ -176,7 +176,8 @@ def _exp_at(typingctx, row, j, c):  # noqa: ANN001, ANN202
 @intrinsic
 def _elu1_at(typingctx, dst, d, src, s, scale):  # noqa: ANN001, ANN202
     """``dst[d:d+W] = elu(scale · src[s:s+W]) + 1``: ``v + 1`` where ``v > 0``, else ``exp(v)`` (NaN stays NaN)."""
-    if not (_float_array(dst) and _float_array(src)) or not (dst.dtype == src.dtype == scale):
+    if not (_float_array(dst) and _float_array(src)) or dst.dtype != src.dtype or not isinstance(
+            scale, (types.Float, types.Integer)):   # the scale is cast to the arrays' dtype
         return None
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
