@@ -11,7 +11,7 @@ session 37), ``full, hot rows`` (every position below 256: all rows in cache), a
 
 Nothing here is a test: figures for docs/benchmarks.md.
 """
-# ruff: noqa: E701, E702, E501, E401, E402, I001, F401, B023
+# ruff: noqa: E701, E702, E501, B023
 import statistics
 import time
 
@@ -19,11 +19,13 @@ import numba
 import numpy as np
 import torch
 
-from attnkit.numba_prefetch import _prefetch as prefetch
 from attnkit.numba_panel import axpy_at, axpy_t
-from attnkit_sparse._gathered import gather_query_grad, gather_kv, zero_kv
-from attnkit_sparse.engine._numba_kernels import FASTMATH, _exp_into, constants, _HALF, _SC
+from attnkit.numba_pool import kernel_threads, run_items, start_pool
+from attnkit.numba_prefetch import prefetch_row
+from attnkit_sparse._gathered import gather_kv, gather_query_grad, zero_kv
+from attnkit_sparse.engine._numba_kernels import _HALF, _SC, FASTMATH, _exp_into, constants
 from attnkit_sparse.routing._fused import backward_seq
+
 
 def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
     @numba.njit(fastmath=FASTMATH, nogil=True)
@@ -50,26 +52,19 @@ def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
                 for e in range(E):
                     c_[e] = zero; acc += gp[e] * op[e]
                 dl[p] = acc
-        rowq = n * L * D
         for c in range(C):
             qn = nq[n, c]; kn = nk[n, c]
             pq = qi[n, c]; pk = ki[n, c]
             if PF == 1 and c + 1 < C:
                 nq1 = qi[n, c + 1]; nk1 = ki[n, c + 1]
                 for j in range(nk[n, c + 1]):
-                    b = rowq + nk1[j] * D
-                    for x in range(0, D, 16):
-                        prefetch(k, b + x); prefetch(v, b + x)
+                    prefetch_row(ks, nk1[j]); prefetch_row(vs, nk1[j])
                 for i in range(nq[n, c + 1]):
-                    b = rowq + nq1[i] * D
-                    for x in range(0, D, 16):
-                        prefetch(q, b + x); prefetch(g, b + x)
+                    prefetch_row(qs, nq1[i]); prefetch_row(gs, nq1[i])
             if GATH:
                 for j in range(kn):
                     if PF >= 2 and j + PD < kn:
-                        b = rowq + pk[j + PD] * D
-                        for x in range(0, D, 16):
-                            prefetch(k, b + x); prefetch(v, b + x)
+                        prefetch_row(ks, pk[j + PD]); prefetch_row(vs, pk[j + PD])
                     gather_kv(Kb, Vb, j, ks[pk[j]], vs[pk[j]])
                     zero_kv(dKb, dVb, j, zero)
             for q0 in range(0, qn, BQ):
@@ -79,9 +74,7 @@ def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
                     for i in range(bn):
                         p = pb[i]
                         if PF >= 2 and i + PD < bn:
-                            b = rowq + pb[i + PD] * D
-                            for x in range(0, D, 16):
-                                prefetch(q, b + x); prefetch(g, b + x)
+                            prefetch_row(qs, pb[i + PD]); prefetch_row(gs, pb[i + PD])
                         gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
                         lrow[i] = lse[n, p]; drow[i] = dl[p]
                 if PROD:
@@ -113,9 +106,7 @@ def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
                 if SCAT:
                     for i in range(bn):
                         if PF == 3 and i + PD < bn:
-                            b = rowq + pb[i + PD] * D
-                            for x in range(0, D, 16):
-                                prefetch(dq, b + x)
+                            prefetch_row(dqn, pb[i + PD])
                         dst = dqn[pb[i]]; src = dQb[i]
                         for d in range(D):
                             dst[d] += src[d] * sc
@@ -123,9 +114,7 @@ def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
                 for j in range(kn):
                     p = pk[j]
                     if PF == 3 and j + PD < kn:
-                        b = rowq + pk[j + PD] * D
-                        for x in range(0, D, 16):
-                            prefetch(dk, b + x); prefetch(dv, b + x)
+                        prefetch_row(dkn, pk[j + PD]); prefetch_row(dvn, pk[j + PD])
                     dst = dkn[p]; src = dKb[j]
                     for d in range(D):
                         dst[d] += src[d]
@@ -145,7 +134,6 @@ qi = np.stack([np.sort(rng.permutation(L).reshape(C, W), axis=1) for _ in range(
 ki = np.stack([np.sort(rng.permutation(L).reshape(C, W), axis=1) for _ in range(N)]).astype(np.int64)
 nq = np.full((N, C), W, np.int64); nk = np.full((N, C), W, np.int64)
 cst = constants(np.float32, 0.125)
-from attnkit.numba_pool import run_items, start_pool, kernel_threads
 start_pool()
 variants = {"real": None, "full": (1,1,1,1,1), "full+pf8": (1,1,1,1,1,2), "full+pf8+scat": (1,1,1,1,1,3,8), "full, hot rows": (1,1,1,1,1), "no exp": (0,1,1,1,1), "no products": (1,0,1,1,1), "no gather": (1,1,0,1,1),
             "no scatter": (1,1,1,0,1), "no init": (1,1,1,1,0), "exp only": (1,0,0,0,0), "products only": (0,1,0,0,0), "none": (0,0,0,0,0)}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from attnkit.numba_prefetch import prefetch_row
+from attnkit.numba_prefetch import prefetch_ahead
 
 from .._gathered import (
     gather_kv,
@@ -42,8 +42,6 @@ from .._gathered import (
 )
 from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
 
-#: rows ahead a gather (or a scatter-add) prefetches (as routing's: the bucket order is known in advance)
-AHEAD = 8
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf):  # pragma: no cover - compiled
@@ -114,9 +112,9 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
                         gather_kv(Kb, Vb, j, ks[p], vs[p])
             for i in range(qn):
                 p = pr[a + i]
-                if i + AHEAD < qn:
-                    pa = pr[a + i + AHEAD]
-                    prefetch_row(qs, pa); prefetch_row(ks, pa); prefetch_row(vs, pa)
+                end = a + qn   # the chunk's rows, in the sorted order known in advance
+                prefetch_ahead(qs, pr, a + i, end); prefetch_ahead(ks, pr, a + i, end)
+                prefetch_ahead(vs, pr, a + i, end)
                 pq[i] = p
                 pk[kp + i] = p
                 qi = qs[p]
@@ -131,8 +129,7 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
             tile_softmax_pv(ST, kn, cs, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one, ninf)
             for i in range(qn):    # merge into the position's running (m, l, out)
                 p = pq[i]
-                if i + AHEAD < qn:
-                    prefetch_row(on, pq[i + AHEAD])
+                prefetch_ahead(on, pq, i, qn)
                 merge_row(on, mn, ln, p, O[i], mx[i], csum[i], first, s1, zero)
                 if last:
                     normalise_row(on, mn, ln, lse[n], p, s1, zero, one, ninf)
@@ -193,9 +190,9 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
             kn = kp + qn
             for i in range(qn):
                 p = pr[a + i]
-                if i + AHEAD < qn:
-                    pa = pr[a + i + AHEAD]
-                    prefetch_row(qs, pa); prefetch_row(gs, pa); prefetch_row(ks, pa); prefetch_row(vs, pa)
+                end = a + qn
+                prefetch_ahead(qs, pr, a + i, end); prefetch_ahead(gs, pr, a + i, end)
+                prefetch_ahead(ks, pr, a + i, end); prefetch_ahead(vs, pr, a + i, end)
                 pq[i] = p
                 pk[kp + i] = p
                 gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
@@ -215,8 +212,7 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
             tile_backward(ST, DT, kn, cs, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
                           zero, one)
             for i in range(qn):
-                if i + AHEAD < qn:
-                    prefetch_row(dqn, pq[i + AHEAD])
+                prefetch_ahead(dqn, pq, i, qn)
                 dst = dqn[pq[i]]; src = dQb[i]
                 if first:
                     for d in range(D):
@@ -230,8 +226,7 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
                 add = (not first) or c == c0
                 for j in range(cs):
                     p = pk[j]
-                    if j + AHEAD < cs:
-                        prefetch_row(tk, pk[j + AHEAD]); prefetch_row(tv, pk[j + AHEAD])
+                    prefetch_ahead(tk, pk, j, cs); prefetch_ahead(tv, pk, j, cs)
                     dst = tk[p]; src = dKb[j]
                     dstv = tv[p]; srcv = dVb[j]
                     if add:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from attnkit.numba_prefetch import prefetch_row
+from attnkit.numba_prefetch import prefetch_ahead
 
 from .._gathered import (
     gather_kv,
@@ -52,11 +52,6 @@ def _causal(ST, pk, pq, kn, qn, ninf):  # pragma: no cover - compiled
             if pj > pq[i]:
                 row[i] = ninf
 
-
-#: rows ahead a gather (or a scatter-add) prefetches: the positions are the cluster's list, known in advance
-#: (measured at L = 16,384, clusters of 128: 4, 8 and 16 alike, 13% off the backward; the next cluster's rows
-#: all at once: nothing)
-AHEAD = 8
 
 #: queries per score tile: a cluster's queries run in blocks of this many against all its keys, so the
 #: tiles a product streams (``dO``, the scaled queries, a score row) stay in the core's first-level cache
@@ -109,15 +104,13 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
             continue
         pq = qi[n, c]; pk = ki[n, c]
         for j in range(kn):
-            if j + AHEAD < kn:
-                prefetch_row(ks, pk[j + AHEAD]); prefetch_row(vs, pk[j + AHEAD])
+            prefetch_ahead(ks, pk, j, kn); prefetch_ahead(vs, pk, j, kn)
             gather_kv(Kb, Vb, j, ks[pk[j]], vs[pk[j]])
         for q0 in range(0, qn, BQ):
             bn = min(BQ, qn - q0)
             pb = pq[q0:q0 + bn]
             for i in range(bn):
-                if i + AHEAD < bn:
-                    prefetch_row(qs, pb[i + AHEAD])
+                prefetch_ahead(qs, pb, i, bn)
                 qr = qs[pb[i]]
                 for d in range(D):
                     QT[d, i] = qr[d] * sc
@@ -130,8 +123,7 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
                 _causal(ST, pk, pb, kb, bn, ninf)
             tile_softmax_pv(ST, kb, BQ, bn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one, ninf)
             for i in range(bn):    # merge into the position's running (m, l, out)
-                if i + AHEAD < bn:
-                    prefetch_row(on, pb[i + AHEAD])
+                prefetch_ahead(on, pb, i, bn)
                 merge_row(on, mn, ln, pb[i], O[i], mx[i], csum[i], False, s1, zero)
     for p in range(L):
         normalise_row(on, mn, ln, lse[n], p, s1, zero, one, ninf)
@@ -186,8 +178,7 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
             continue
         pq = qi[n, c]; pk = ki[n, c]
         for j in range(kn):
-            if j + AHEAD < kn:
-                prefetch_row(ks, pk[j + AHEAD]); prefetch_row(vs, pk[j + AHEAD])
+            prefetch_ahead(ks, pk, j, kn); prefetch_ahead(vs, pk, j, kn)
             gather_kv(Kb, Vb, j, ks[pk[j]], vs[pk[j]])
             zero_kv(dKb, dVb, j, zero)
         for q0 in range(0, qn, BQ):
@@ -195,8 +186,7 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
             pb = pq[q0:q0 + bn]
             for i in range(bn):
                 p = pb[i]
-                if i + AHEAD < bn:
-                    prefetch_row(qs, pb[i + AHEAD]); prefetch_row(gs, pb[i + AHEAD])
+                prefetch_ahead(qs, pb, i, bn); prefetch_ahead(gs, pb, i, bn)
                 gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
                 lrow[i] = lse[n, p]
                 drow[i] = dl[p]
@@ -214,15 +204,13 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
             tile_backward(ST, DT, kb, BQ, bn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
                           zero, one)
             for i in range(bn):
-                if i + AHEAD < bn:
-                    prefetch_row(dqn, pb[i + AHEAD])
+                prefetch_ahead(dqn, pb, i, bn)
                 dst = dqn[pb[i]]; src = dQb[i]
                 for d in range(D):
                     dst[d] += src[d] * sc
         for j in range(kn):
             p = pk[j]
-            if j + AHEAD < kn:
-                prefetch_row(dkn, pk[j + AHEAD]); prefetch_row(dvn, pk[j + AHEAD])
+            prefetch_ahead(dkn, pk, j, kn); prefetch_ahead(dvn, pk, j, kn)
             dst = dkn[p]; src = dKb[j]
             for d in range(D):
                 dst[d] += src[d]
