@@ -47,15 +47,25 @@ def steps(K, a: dict) -> dict:
         "forward": lambda: run_parallel(K.forward, a["q"], a["k"], a["v"], a["H"], a["kv_count"], a["kv_idx"],
                                         a["kv_tile"], a["bank"], a["span"], bq, bk, a["cst"], a["f32"],
                                         items=a["N"] * a["nq"]),
-        "dkdv+ds": lambda: run_parallel(K.backward_dkdv, a["q"], a["k"], a["v"], a["g"], *stats, a["q_count"],
-                                        a["q_idx"], a["q_tile"], a["q_slot"], a["bank"], bq, bk, a["cst"], a["f32"],
-                                        a["ds"], a["ds_off"], a["qT"], a["gT"], items=a["N"] * a["nk"]),
-        "dq_from_ds": lambda: run_parallel(K.backward_dq_from_ds, a["k"], a["ds"], a["ds_off"], a["L"], a["H"],
-                                           a["kv_count"], a["kv_idx"], bq, bk, items=a["N"] * a["nq"]),
-        "dq_recompute": lambda: run_parallel(K.backward_dq, a["q"], a["k"], a["v"], a["g"], *stats, a["kv_count"],
-                                             a["kv_idx"], a["kv_tile"], a["bank"], bq, bk, a["cst"], a["f32"],
-                                             items=a["N"] * a["nq"]),
     }
+    dkdv = (a["q"], a["k"], a["v"], a["g"], *stats, a["q_count"], a["q_idx"], a["q_tile"], a["q_slot"], a["bank"], bq,
+            bk, a["cst"], a["f32"], a["ds"], a["ds_off"], a["qT"], a["gT"])
+    if "qlo" in inspect.signature(K.backward_dkdv.py_func).parameters:  # session 38: ranges of query blocks
+        def dkdv_ds():
+            dk, dv = np.zeros_like(a["k"]), np.zeros_like(a["v"])
+            run_parallel(K.backward_dkdv, *dkdv, dk, dv, 0, a["nq"], items=a["N"] * a["nk"])
+
+        out["dkdv+ds"] = dkdv_ds
+        out["dq_from_ds"] = lambda: run_parallel(K.backward_dq_from_ds, a["k"], a["ds"], a["ds_off"],
+                                                 np.empty_like(a["q"]), 0, a["nq"], a["H"], a["kv_count"],
+                                                 a["kv_idx"], bq, bk, items=a["N"] * a["nq"])
+    else:  # before: the whole range, and dQ recomputed when the buffer did not fit
+        out["dkdv+ds"] = lambda: run_parallel(K.backward_dkdv, *dkdv, items=a["N"] * a["nk"])
+        out["dq_from_ds"] = lambda: run_parallel(K.backward_dq_from_ds, a["k"], a["ds"], a["ds_off"], a["L"], a["H"],
+                                                 a["kv_count"], a["kv_idx"], bq, bk, items=a["N"] * a["nq"])
+        out["dq_recompute"] = lambda: run_parallel(K.backward_dq, a["q"], a["k"], a["v"], a["g"], *stats,
+                                                   a["kv_count"], a["kv_idx"], a["kv_tile"], a["bank"], bq, bk,
+                                                   a["cst"], a["f32"], items=a["N"] * a["nq"])
     if hasattr(K, "backward_heads"):
         span = (a["span"],) if "span" in inspect.signature(K.backward_heads.py_func).parameters else ()
         out["fused heads"] = lambda: run_parallel(K.backward_heads, a["q"], a["k"], a["v"], a["g"], *stats,

@@ -19,6 +19,7 @@ from attnkit.positions import Positions
 from attnkit_sparse import engine
 from attnkit_sparse.engine import attend, available_backends, plan, reference_attend, why_unavailable
 from attnkit_sparse.engine import flex as flex_backend
+from attnkit_sparse.engine.plan import check_block_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -359,14 +360,50 @@ def test_numba_custom_op_passes_opcheck():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
-def test_numba_backward_without_the_ds_buffer(monkeypatch):
-    """Above DS_BUFFER_MAX_BYTES the backward recomputes the probabilities for dQ: same gradients."""
+@pytest.mark.parametrize("budget_tiles", [0, 3])
+def test_numba_backward_in_passes_when_the_ds_buffer_is_over_budget(monkeypatch, budget_tiles):
+    """Above DS_BUFFER_MAX_BYTES the two-kernel backward runs in passes over ranges of query blocks, each with a
+    dS buffer of its own blocks (one block per pass at a budget of 0): same gradients as the reference, and more
+    than one pass ran."""
     from attnkit_sparse.engine import numba_ops
-    monkeypatch.setattr(numba_ops, "DS_BUFFER_MAX_BYTES", 0)
     monkeypatch.setattr(numba_ops, "FUSED_BACKWARD", False)
+    ranges = []
+    real = numba_ops.K.backward_dq_from_ds
+    monkeypatch.setattr(numba_ops.K, "backward_dq_from_ds",
+                        lambda *a: ranges.append((a[4], a[5])) or real(*a))
     for case in ("causal_window", "random_per_head", "empty_rows", "block_16x32"):
         L, S, make, kw = CASES[case]
+        tile = check_block_size(kw.get("block_size", 16))
+        budget = budget_tiles * B * H * tile[0] * tile[1] * 8  # float64 inputs
+        monkeypatch.setattr(numba_ops, "DS_BUFFER_MAX_BYTES", budget)
+        ranges.clear()
         agree("numba", *inputs(L, S), make(), **kw)
+        nq = -(-L // tile[0])
+        lo = [r[0] for r in ranges]
+        assert len(ranges) > 1 and lo[0] == 0 and ranges[-1][1] == nq, (case, ranges)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), "the passes cover the blocks in order"
+        if budget_tiles == 0:
+            assert all(b - a == 1 for a, b in ranges), "a budget of 0: one query block per pass"
+
+
+def test_ds_passes_hold_the_budget():
+    """``_passes``: contiguous ranges covering every query block, each within the budget unless it is one block,
+    each buffer sized for the most tiles a pattern row visits in it."""
+    from attnkit_sparse.engine import numba_ops
+    counts = torch.tensor([[1, 2, 3, 0, 5, 1], [2, 2, 1, 4, 1, 0]])
+    for budget in (0, 1, 4, 6, 100):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(numba_ops, "DS_BUFFER_MAX_BYTES", budget)
+            passes = numba_ops._passes(counts, 1)
+        assert passes[0][0] == 0 and passes[-1][1] == 6
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(passes, passes[1:]))
+        for lo, hi, tiles in passes:
+            assert tiles == int(counts[:, lo:hi].sum(-1).max())
+            if hi - lo > 1:
+                assert int(counts.max(0).values[lo:hi].sum()) <= budget
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(numba_ops, "DS_BUFFER_MAX_BYTES", 100)
+        assert numba_ops._passes(counts, 1) == [(0, 6, 12)]
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -20,16 +20,16 @@ Arrays: ``q (N, L, D)``, ``k (N, S, D)``, ``v (N, S, E)`` with N = B·H (row
   ran at about half the speed (the product 96 -> 69 ms, the forward 219 -> 190 ms
   of one thread at L = 16,384, causal window 256; session 25). Stores ``out``
   and ``lse = m + log(l)`` per row.
-* :func:`backward_dq`: ``prange`` over N x NQ: recomputes ``P = exp(scale·QKᵀ −
-  lse)`` from the saved log-sum-exp (FlashAttention-2), ``dP = dO Vᵀ``,
-  ``dS = P (dP − Δ)``, ``dQ += scale · dS K``.
 * :func:`backward_dkdv`: ``prange`` over N x NK key blocks via the transposed
-  index: ``dV += Pᵀ dO``, ``dK += scale · dSᵀ Q``. Each worker owns the rows
-  it writes, so no two threads write the same rows. It can keep ``scale·dS``
-  per tile (``ds``, key-major as computed, at the tile's slot of the query-major index); then
-  :func:`backward_dq_from_ds` gives ``dQ`` with one product per tile instead
-  of :func:`backward_dq`'s three and an ``exp`` (5 tile products in the
-  backward instead of 7, for memory ``tiles·BQ·BK``).
+  index: recomputes ``P = exp(scale·QKᵀ − lse)`` from the saved log-sum-exp
+  (FlashAttention-2), ``dV += Pᵀ dO``, ``dS = P (dP − Δ)``, ``dK += scale · dSᵀ Q``.
+  Each worker owns the rows it writes, so no two threads write the same rows.
+  It keeps ``scale·dS`` per tile (``ds``, key-major as computed, at the tile's
+  slot of the query-major index); :func:`backward_dq_from_ds` then gives ``dQ``
+  with one product per tile (5 tile products in the backward, for memory
+  ``tiles·BQ·BK``). Both take a range of query blocks, so a dS buffer too
+  large for memory is filled and read in passes over query-block ranges.
+* :func:`backward_heads`: both in one kernel per sequence, no dS buffer.
 
 ``exp`` is evaluated a row of a tile at a time by a polynomial with an exact
 power-of-two scaling through an integer view (:func:`_exp_into`), in two loops
@@ -337,98 +337,48 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
     return out, lse
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _probs(Sc, rn, cn, lse_rows, sc, zrow, nbuf, cst, is32):  # pragma: no cover - compiled
-    """``Sc[i, j] = exp(sc · Sc[i, j] − lse_rows[i])`` in place (rows of query i); ``zrow`` holds zeros."""
-    for i in range(rn):
-        row = Sc[i, :cn]
-        _exp_into(row, sc, zrow[:cn], lse_rows[i], row, nbuf, cst, is32)
-
-
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def backward_dq(q, k, v, do, lse, delta, H, kv_count, kv_idx, kv_tile, bank, bq, bk, cst,
-                is32):  # pragma: no cover - compiled
-    N, L, D = q.shape
-    S = k.shape[1]
-    Bp, Hp, NQ = kv_count.shape
-    dq = np.zeros((N, L, D), dtype=q.dtype)
-    zero = cst[_HALF] - cst[_HALF]   # float32 for float32 (cst[_SC] * 0 would be float64)
-    sc = cst[_SC]
-    for it in numba.prange(N * NQ):
-        n = it // NQ; qb = it % NQ
-        bi = (n // H) % Bp; hi = (n % H) % Hp
-        q0 = qb * bq
-        qn = min(bq, L - q0)
-        qs = q[n]; ks = k[n]; vs = v[n]; dos = do[n]
-        E = vs.shape[1]
-        KT = np.zeros((D, bk), dtype=q.dtype)
-        VT = np.zeros((E, bk), dtype=q.dtype)
-        Sc = np.empty((bq, bk), dtype=q.dtype)
-        dP = np.empty((bq, bk), dtype=q.dtype)
-        zrow = np.zeros(bk, dtype=q.dtype)
-        nbuf = np.empty(bk, dtype=np.int32)
-        acc = np.zeros((bq, D), dtype=q.dtype)
-        lr = lse[n, q0:q0 + qn]
-        dl = delta[n, q0:q0 + qn]
-        for c in range(kv_count[bi, hi, qb]):
-            kb = kv_idx[bi, hi, qb, c]; t = kv_tile[bi, hi, qb, c]
-            k0 = kb * bk
-            kn = min(bk, S - k0)
-            _transpose(ks, k0, kn, KT)
-            _transpose(vs, k0, kn, VT)
-            _dots(qs, q0, qn, KT, Sc, zero)
-            if t >= 0:
-                _apply_tile_mask(Sc, qn, kn, bank, t, False)
-            _probs(Sc, qn, kn, lr, sc, zrow, nbuf, cst, is32)
-            _dots(dos, q0, qn, VT, dP, zero)
-            for i in range(qn):
-                di = dl[i]
-                for j in range(kn):
-                    dP[i, j] = Sc[i, j] * (dP[i, j] - di) * sc
-            _axpy(acc, qn, dP, ks, k0, kn)
-        dq[n, q0:q0 + qn] = acc[:qn]
-    return dq
+def backward_dq_from_ds(k, ds, ds_off, dq, qlo, qhi, H, kv_count, kv_idx, bq, bk):  # pragma: no cover - compiled
+    """``dQ = sum over visited tiles of (scale·dS) K`` for the query blocks ``qlo <= qb < qhi``, from the tiles
+    :func:`backward_dkdv` kept in ``ds`` for the same blocks (key-major ``(BK, BQ)`` tiles, as that kernel
+    computes them: no transposed copy); writes the blocks' rows of ``dq`` ``(N, L, D)``.
 
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def backward_dq_from_ds(k, ds, ds_off, L, H, kv_count, kv_idx, bq, bk):  # pragma: no cover - compiled
-    """``dQ = sum over visited tiles of (scale·dS) K`` from the tiles :func:`backward_dkdv` kept in ``ds``
-    (key-major ``(BK, BQ)`` tiles, as that kernel computes them: no transposed copy).
-
-    ``ds`` is compact: the tiles of query block ``qb`` start at ``ds_off[b', h', qb]`` (an exclusive
-    cumulative sum of ``kv_count``), so the buffer holds visited tiles only, never NQ x max(count)."""
+    ``ds`` is compact: the tiles of query block ``qb`` start at ``ds_off[b', h', qb] - ds_off[b', h', qlo]``
+    (``ds_off`` is an exclusive cumulative sum of ``kv_count``), so the buffer holds visited tiles only, never
+    NQ x max(count)."""
     N, S, D = k.shape
+    L = dq.shape[1]
     Bp, Hp, NQ = kv_count.shape
-    dq = np.zeros((N, L, D), dtype=k.dtype)
-    for it in numba.prange(N * NQ):
-        n = it // NQ; qb = it % NQ
+    nr = qhi - qlo
+    for it in numba.prange(N * nr):
+        n = it // nr; qb = qlo + it % nr
         bi = (n // H) % Bp; hi = (n % H) % Hp
         q0 = qb * bq
         qn = min(bq, L - q0)
         ks = k[n]
         acc = np.zeros((bq, D), dtype=k.dtype)
+        base = ds_off[bi, hi, qb] - ds_off[bi, hi, qlo]
         for c in range(kv_count[bi, hi, qb]):
             k0 = kv_idx[bi, hi, qb, c] * bk
-            dst = ds[n, ds_off[bi, hi, qb] + c]          # key-major (BK, BQ)
+            dst = ds[n, base + c]          # key-major (BK, BQ)
             kn = min(bk, S - k0)
             for g in range(0, qn, 4):
                 _axpy_t(acc, g, min(4, qn - g), dst, ks, k0, 0, kn)
         dq[n, q0:q0 + qn] = acc[:qn]
-    return dq
 
 
 @numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, bank, bq, bk, cst, is32,
-                  ds, ds_off, qT, doT):  # pragma: no cover - compiled
-    """``dK``, ``dV`` (and ``scale·dS`` per tile into ``ds`` when it is not empty). ``qT``, ``doT``: ``q`` and ``do``
-    transposed, ``(N, D, L)`` and ``(N, E, L)``, so a tile's transposed block is a copy of contiguous row pieces
-    instead of a scalar transpose per tile."""
+                  ds, ds_off, qT, doT, dk, dv, qlo, qhi):  # pragma: no cover - compiled
+    """``dK``, ``dV`` from the query blocks ``qlo <= qb < qhi``, added to ``dk`` ``(N, S, D)`` and ``dv``
+    ``(N, S, E)``, and ``scale·dS`` per tile of those blocks into ``ds`` (compact from block ``qlo``, as
+    :func:`backward_dq_from_ds` reads it). ``qT``, ``doT``: ``q`` and ``do`` transposed, ``(N, D, L)`` and
+    ``(N, E, L)``, so a tile's transposed block is a copy of contiguous row pieces instead of a scalar transpose
+    per tile."""
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]
     Bp, Hp, NK = q_count.shape
-    dk = np.zeros((N, S, D), dtype=q.dtype)
-    dv = np.zeros((N, S, E), dtype=q.dtype)
     zero = cst[_HALF] - cst[_HALF]   # float32 for float32 (cst[_SC] * 0 would be float64)
     sc = cst[_SC]
     for it in numba.prange(N * NK):
@@ -446,6 +396,8 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
         dva = np.zeros((bk, E), dtype=q.dtype)
         for c in range(q_count[bi, hi, kb]):
             qb = q_idx[bi, hi, kb, c]; t = q_tile[bi, hi, kb, c]
+            if qb < qlo or qb >= qhi:
+                continue
             q0 = qb * bq
             qn = min(bq, L - q0)
             for d in range(D):
@@ -472,16 +424,15 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
                 for i in range(qn):
                     dPT[j, i] = ST[j, i] * (dPT[j, i] - dl[i]) * sc
             _axpy(dka, kn, dPT, qs, q0, qn)
-            if ds.shape[0]:  # keep scale·dS for dQ, key-major as computed, at the tile's slot in kv_idx
-                dst = ds[n, ds_off[bi, hi, qb] + q_slot[bi, hi, kb, c]]
-                for j in range(kn):
-                    dj = dst[j, :qn]
-                    sj = dPT[j, :qn]
-                    for i in range(qn):
-                        dj[i] = sj[i]
-        dk[n, k0:k0 + kn] = dka[:kn]
-        dv[n, k0:k0 + kn] = dva[:kn]
-    return dk, dv
+            # keep scale·dS for dQ, key-major as computed, at the tile's slot in kv_idx
+            dst = ds[n, ds_off[bi, hi, qb] - ds_off[bi, hi, qlo] + q_slot[bi, hi, kb, c]]
+            for j in range(kn):
+                dj = dst[j, :qn]
+                sj = dPT[j, :qn]
+                for i in range(qn):
+                    dj[i] = sj[i]
+        dk[n, k0:k0 + kn] += dka[:kn]
+        dv[n, k0:k0 + kn] += dva[:kn]
 
 
 

@@ -28,8 +28,9 @@ from .plan import BlockPlan
 
 NAMESPACE = "attnkit_sparse"
 
-#: the backward keeps scale·dS per tile (tiles·BQ·BK floats) for dQ when it fits in this many bytes;
-#: above it, dQ recomputes the probabilities instead (two more tile products and an exp per tile)
+#: the two-kernel backward keeps scale·dS per tile (tiles·BQ·BK floats) for dQ in a buffer of at most this many
+#: bytes; when the tiles need more, both kernels run in passes over ranges of query blocks that fit (a query
+#: block's tiles at least)
 DS_BUFFER_MAX_BYTES = 1 << 30
 
 #: one fused backward kernel per sequence (``backward_heads``: dQ from each dS tile while it is in cache,
@@ -108,22 +109,39 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
         return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
                 torch.from_numpy(dv).view(B, H, S, E))
     # compact dS buffer: the visited tiles of each query block one after another (a pattern with a few
-    # global rows visits NK tiles there and few elsewhere; NQ x max(count) would grow like L^2)
+    # global rows visits NK tiles there and few elsewhere; NQ x max(count) would grow like L^2), filled and read
+    # in passes over ranges of query blocks whose tiles fit in DS_BUFFER_MAX_BYTES (one pass as a rule)
     counts = kv_count.to(torch.int64)
     ds_off = (counts.cumsum(-1) - counts).contiguous()
-    tiles = int(counts.sum(-1).max()) if counts.numel() else 0
-    keep_ds = B * H * tiles * bq * bk * q.element_size() <= DS_BUFFER_MAX_BYTES
-    ds = np.empty((B * H, tiles, bk, bq) if keep_ds else (0, 1, 1, 1), dtype=qa.dtype)
-    off_a = _arr(ds_off)
-    dk, dv = _run(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, _arr(q_count), _arr(q_idx),
-                  _arr(q_tile), _arr(q_slot), bank_a, bq, bk, cst, f32, ds, off_a, qT, gT)
-    if keep_ds:
-        dq = _run(K.backward_dq_from_ds, B * H * nq, ka, ds, off_a, L, H, _arr(kv_count), _arr(kv_idx), bq, bk)
-    else:
-        dq = _run(K.backward_dq, B * H * nq, qa, ka, va, ga, *stats, _arr(kv_count), _arr(kv_idx),
-                  _arr(kv_tile), bank_a, bq, bk, cst, f32)
+    off_a, kvc_a, kvi_a = _arr(ds_off), _arr(kv_count), _arr(kv_idx)
+    qc_a, qi_a, qt_a, qs_a = _arr(q_count), _arr(q_idx), _arr(q_tile), _arr(q_slot)
+    dq = np.empty((B * H, L, D), dtype=qa.dtype)  # every query block's rows are written by its pass
+    dk = np.zeros((B * H, S, D), dtype=qa.dtype)
+    dv = np.zeros((B * H, S, E), dtype=qa.dtype)
+    tile_bytes = B * H * bq * bk * q.element_size()
+    for lo, hi, tiles in _passes(counts.reshape(-1, nq), tile_bytes):
+        ds = np.empty((B * H, tiles, bk, bq), dtype=qa.dtype)
+        _run(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, qc_a, qi_a, qt_a, qs_a, bank_a, bq,
+             bk, cst, f32, ds, off_a, qT, gT, dk, dv, lo, hi)
+        _run(K.backward_dq_from_ds, B * H * (hi - lo), ka, ds, off_a, dq, lo, hi, H, kvc_a, kvi_a, bq, bk)
     return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
             torch.from_numpy(dv).view(B, H, S, E))
+
+
+def _passes(counts: Tensor, tile_bytes: int) -> list[tuple[int, int, int]]:
+    """Ranges ``[lo, hi)`` of query blocks whose dS tiles fit in :data:`DS_BUFFER_MAX_BYTES`, in order, each with
+    the tiles its buffer holds (the most any pattern row of ``counts`` ``(B'·H', NQ)`` visits in the range).
+    ``tile_bytes``: bytes of one tile over all B·H sequences. A range holds one query block at least."""
+    nq = counts.shape[-1]
+    per_block = counts.max(0).values.tolist() if counts.numel() else [0] * nq
+    out, lo, held = [], 0, 0
+    for qb, c in enumerate(per_block):
+        if qb > lo and (held + c) * tile_bytes > DS_BUFFER_MAX_BYTES:
+            out.append((lo, qb))
+            lo, held = qb, 0
+        held += c
+    out.append((lo, nq))
+    return [(a, b, int(counts[:, a:b].sum(-1).max()) if counts.numel() else 0) for a, b in out]
 
 
 def _backward_fake(q, k, v, out, lse, g, g_lse, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank, bq, bk,
