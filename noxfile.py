@@ -217,18 +217,22 @@ def suite(session: nox.Session) -> None:
     it, each plugin with only the core, then integration, the triton kernels and attnkit-transformers.
 
     Between the steps that must see only the core, the venv is put back to the distributions it had after the
-    core's install (:func:`_back_to`). A failed step is reported and the next one runs; the session fails at the
+    core's install (:func:`_back_to`), keeping only what the next step declares (:func:`_dependencies`). A failed step is reported and the next one runs; the session fails at the
     end with the list.
     """
     install(session, "-e", f"{CORE}[testing]", *XDIST)
     core = _installed(session)
     steps: list[tuple[str, Callable[[], None]]] = [("core", lambda: _core_tests(session))]
+    needs: dict[str, list[Path]] = {"core": []}  # what each step installs (whose dependencies it declares)
     if Path(LAB, "pyproject.toml").exists():
         steps.append(("lab", lambda: _lab_tests(session)))
+        needs["lab"] = [Path(LAB)]
     steps += [(name, lambda name=name: _plugin_tests(session, name)) for name in PLUGINS]
+    needs.update({name: [ROOT / "plugins" / name] for name in PLUGINS})
     steps.append(("integration", lambda: _integration_tests(session)))
+    needs["integration"] = [p for paths in needs.values() for p in paths]
     failed = []
-    for name, step in steps:
+    for i, (name, step) in enumerate(steps):
         session.log(f"suite: {name}")
         try:
             step()
@@ -236,7 +240,7 @@ def suite(session: nox.Session) -> None:
             failed.append(name)
         finally:
             if name != "integration":
-                _back_to(session, core)
+                _back_to(session, core, keep=_dependencies(session, needs[steps[i + 1][0]]))
     if failed:
         session.error(f"suite: {len(failed)} of {len(steps)} steps failed: {', '.join(failed)}")
 
@@ -250,11 +254,13 @@ def _installed(session: nox.Session) -> dict[str, str]:
     return json.loads(str(out).strip().splitlines()[-1])
 
 
-def _back_to(session: nox.Session, core: dict[str, str]) -> None:
-    """Uninstall every distribution the venv did not have in ``core``; fail if one of ``core``'s was removed or
-    changed version (a step's install must not change what the next step sees)."""
+def _back_to(session: nox.Session, core: dict[str, str], keep: frozenset[str] = frozenset()) -> None:
+    """Uninstall every distribution the venv did not have in ``core``, except those in ``keep`` (normalised
+    names: the dependencies the next step declares, which its install would bring back at the same pinned
+    versions); fail if one of ``core``'s was removed or changed version (a step's install must not change what
+    the next step sees)."""
     now = _installed(session)
-    extra = sorted(set(now) - set(core))
+    extra = sorted(n for n in set(now) - set(core) if _norm(n) not in keep)
     if extra:
         session.run("python", "-m", "pip", "uninstall", "-q", "-y", *extra)
         now = _installed(session)
@@ -262,6 +268,47 @@ def _back_to(session: nox.Session, core: dict[str, str]) -> None:
     if changed:
         session.error(f"the venv no longer has the core's distributions as installed: {changed} "
                       f"(expected {[f'{n}=={core[n]}' for n in changed]}, found {[now.get(n) for n in changed]})")
+
+
+def _norm(name: str) -> str:
+    """A distribution name in its normalised form (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+#: run in the venv: the installed distributions that the requirements in argv[1] (a JSON list) pull in,
+#: directly or through the requirements of what they pull in (markers evaluated without extras)
+_CLOSURE = """
+import importlib.metadata as m, json, re, sys
+from pip._vendor.packaging.requirements import Requirement
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+todo, seen = [norm(Requirement(r).name) for r in json.loads(sys.argv[1])], set()
+while todo:
+    n = todo.pop()
+    if n in seen:
+        continue
+    seen.add(n)
+    try:
+        reqs = m.distribution(n).requires or []
+    except m.PackageNotFoundError:
+        continue
+    for r in map(Requirement, reqs):
+        if r.marker is None or r.marker.evaluate({"extra": ""}):
+            todo.append(norm(r.name))
+print(json.dumps(sorted(seen)))
+"""
+
+
+def _dependencies(session: nox.Session, paths: list[Path]) -> frozenset[str]:
+    """The installed distributions that the packages at ``paths`` declare as dependencies, with theirs; never
+    this repository's own packages (each step installs those itself, editable). Between two plugin steps that
+    both need numba, numba, llvmlite and numpy then stay instead of being uninstalled and installed again,
+    and a plugin that uses a package it does not declare still finds it missing."""
+    reqs = [r for p in paths for r in _pyproject(p).get("project", {}).get("dependencies", [])]
+    if not reqs:
+        return frozenset()
+    out = session.run("python", "-c", _CLOSURE, json.dumps(reqs), silent=True, log=False, stderr=None)
+    names = json.loads(str(out).strip().splitlines()[-1])
+    return frozenset(n for n in names if not n.startswith("attnkit"))
 
 
 def _with_kernels() -> list[str]:
