@@ -217,8 +217,8 @@ def suite(session: nox.Session) -> None:
     it, each plugin with only the core, then integration, the triton kernels and attnkit-transformers.
 
     Between the steps that must see only the core, the venv is put back to the distributions it had after the
-    core's install (:func:`_back_to`), keeping only what the next step declares (:func:`_dependencies`). A failed step is reported and the next one runs; the session fails at the
-    end with the list.
+    core's install (:func:`_back_to`), but for what the next step declares (:func:`_dependencies`). A failed step
+    is reported and the next one runs; the session fails at the end with the list.
     """
     install(session, "-e", f"{CORE}[testing]", *XDIST)
     core = _installed(session)
