@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.numba_pool import kernel_threads, run_parallel, start_pool
@@ -32,13 +31,8 @@ start_pool()
 
 from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
 
-#: the backward keeps t_ij = e_ij (dP_ij - Δ_i) of the band (B·H·L·(far + block) floats) for dQ and the
-#: span gradient when it fits in this many bytes (5 tile products instead of 7); above, dQ recomputes them
-T_BUFFER_MAX_BYTES = 512 << 20
-
-#: the backward in one query-major kernel (:func:`._numba_kernels.backward_fused`) instead of key-major dK / dV
-#: and then dQ; FUSED_CHUNKS: query-block chunks per row (None: about 4 work items per thread)
-FUSED_BACKWARD = True
+#: the backward is one query-major kernel (:func:`._numba_kernels.backward_fused`); FUSED_CHUNKS: query-block
+#: chunks per row (None: about 4 work items per thread); FUSED_BLOCK: query rows per block (None: the forward's)
 FUSED_CHUNKS: int | None = None
 FUSED_BLOCK: int | None = None
 #: the forward keeps each row's scores over its reach (B·H·L·(far + 1) floats) for the fused backward when they fit
@@ -82,7 +76,7 @@ class _SpanBand(torch.autograd.Function):
         f32 = q.dtype == torch.float32
         nq = -(-L // bq)
         fmax = int(far.max()) if far.numel() else 0
-        save = FUSED_BACKWARD and grad and B * H * L * (fmax + 1) * q.element_size() <= SCORES_MAX_BYTES
+        save = grad and B * H * L * (fmax + 1) * q.element_size() <= SCORES_MAX_BYTES
         sbuf = np.empty((B * H, L, fmax + 1) if save else (1, 1, 1), dtype=cst.dtype)
         out, lse = _run(K.forward, B * H * nq, _flat(qs), _flat(k), _flat(v), _flat(zf),
                         _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32, _np(far), save, sbuf)
@@ -105,51 +99,21 @@ class _SpanBand(torch.autograd.Function):
         g = g.contiguous()
         cst = K.constants(_np(qs).dtype, ramp, scale)
         f32 = qs.dtype == torch.float32
-        if FUSED_BACKWARD:
-            sbuf = ctx.sbuf if ctx.sbuf is not None else np.empty((1, 1, 1), dtype=cst.dtype)
-            bq = FUSED_BLOCK or bq
-            nqb = -(-L // bq)
-            nc = FUSED_CHUNKS or min(nqb, max(1, -(-4 * kernel_threads() // (B * H))))
-            cb = -(-nqb // nc)
-            dq_a, dk_a, dv_a, dz_a, spk, spv = _run(K.backward_fused, B * H * -(-nqb // cb), _flat(qs), _flat(k),
-                                                    _flat(v), _flat(out), _flat(g), _np(lse), _flat(zf), _flat(lo),
-                                                    _np(far), _np(kp), _np(xs), H, bq, cb, cst, f32,
-                                                    ctx.sbuf is not None, sbuf)
-            if spk.shape[0] > B * H and spk.shape[1] > 0:
-                _run(K.add_spill, B * H, dk_a, dv_a, spk, spv, bq, cb)
-            dq = torch.from_numpy(dq_a).view(B, H, L, D) if ctx.needs_input_grad[0] else None
-            dk = torch.from_numpy(dk_a).view(B, H, L, D) if ctx.needs_input_grad[1] else None
-            dv = torch.from_numpy(dv_a).view(B, H, L, E) if ctx.needs_input_grad[2] else None
-            dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape) if ctx.needs_input_grad[3] else None
-            return dq, dk, dv, dz, None, None, None, None, None, None
-        delta = (g * out).sum(-1)
-        args = (_flat(qs), _flat(k), _flat(v), _flat(g), _np(lse), _flat(delta), _flat(zf))
-        dq = dz = dk = dv = None
-        want_qz = ctx.needs_input_grad[0] or ctx.needs_input_grad[3]
-        want_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        nq = -(-L // bq)
-        keep, tbuf, kl = False, np.empty((1, 1, 1, 1), dtype=args[0].dtype), np.zeros((1, 1), dtype=np.int64)
-        if want_qz and want_kv and bk % bq == 0:
-            # the first key each query block reaches, and the widest block: t is kept per block row
-            lo_p = F.pad(lo.reshape(B * H, L).to(torch.int64), (0, nq * bq - L), value=L)
-            kl_t = lo_p.view(B * H, nq, bq).amin(-1)
-            ends = torch.clamp(torch.arange(1, nq + 1) * bq, max=L)
-            width = int((ends - kl_t).amax())
-            if B * H * nq * bq * width * qs.element_size() <= T_BUFFER_MAX_BYTES:
-                keep, tbuf, kl = True, np.empty((B * H, nq, bq, width), dtype=args[0].dtype), _np(kl_t)
-        if want_kv:
-            dk_a, dv_a = _run(K.backward_dkdv, B * H * -(-L // bk), *args, _np(far), _np(kp), _np(xs), H, bq, bk,
-                              cst, f32, keep, tbuf, kl)
-            dk = torch.from_numpy(dk_a).view(B, H, L, D)
-            dv = torch.from_numpy(dv_a).view(B, H, L, E)
-        if want_qz:
-            if keep:
-                dq_a, dz_a = _run(K.backward_dq_from_t, B * H * nq, args[1], tbuf, kl, args[6], _flat(lo), _np(kp),
-                                  _np(xs), H, bq, cst)
-            else:
-                dq_a, dz_a = _run(K.backward_dq, B * H * nq, *args, _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32)
-            dq = torch.from_numpy(dq_a).view(B, H, L, D)
-            dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape)
+        sbuf = ctx.sbuf if ctx.sbuf is not None else np.empty((1, 1, 1), dtype=cst.dtype)
+        bq = FUSED_BLOCK or bq
+        nqb = -(-L // bq)
+        nc = FUSED_CHUNKS or min(nqb, max(1, -(-4 * kernel_threads() // (B * H))))
+        cb = -(-nqb // nc)
+        dq_a, dk_a, dv_a, dz_a, spk, spv = _run(K.backward_fused, B * H * -(-nqb // cb), _flat(qs), _flat(k),
+                                                _flat(v), _flat(out), _flat(g), _np(lse), _flat(zf), _flat(lo),
+                                                _np(far), _np(kp), _np(xs), H, bq, cb, cst, f32,
+                                                ctx.sbuf is not None, sbuf)
+        if spk.shape[0] > B * H and spk.shape[1] > 0:
+            _run(K.add_spill, B * H, dk_a, dv_a, spk, spv, bq, cb)
+        dq = torch.from_numpy(dq_a).view(B, H, L, D) if ctx.needs_input_grad[0] else None
+        dk = torch.from_numpy(dk_a).view(B, H, L, D) if ctx.needs_input_grad[1] else None
+        dv = torch.from_numpy(dv_a).view(B, H, L, E) if ctx.needs_input_grad[2] else None
+        dz = torch.from_numpy(dz_a).view(B, H, L).sum_to_size(zshape) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, dz, None, None, None, None, None, None
 
 
