@@ -103,7 +103,9 @@ def pytest(session: nox.Session, *args: str, parallel: bool = False, env: dict[s
     session's).
     """
     spread = ("-n", str(WORKERS), "--dist", dist) if parallel and WORKERS > 1 else ()
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *spread, *args, *session.posargs, env=env)
+    # the ten slowest tests of each run in the log: where a CI run's time went, without a second run
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "--durations=10", *spread, *args, *session.posargs,
+                env=env)
 
 
 @nox.session
