@@ -53,8 +53,7 @@ def test_sampler_without_proc_stat_never_engages():
 
 
 @pytest.fixture
-def two_threads(monkeypatch):
-    monkeypatch.setattr(_busy, "_ENABLED", True)   # conftest turns the mode off for every other test
+def two_threads():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
