@@ -5,7 +5,9 @@ it was at ``--rev`` is exported (``git archive``) as ``attnkit_sparse_base`` (it
 namespace), both versions of the module are built with the same options (those of ``bench_lucidrains.py``)
 and called alternately, the order flipped each round, on fresh inputs each call. Reported: each side's
 median and the median (quartiles) of the per-round ratio ``base / work`` (above 1: the working tree is
-faster). The core package (``attnkit``) is the working tree's for both sides.
+faster). The core package (``attnkit``) is the working tree's for both sides, except with ``--core-helpers``:
+the core's numba helper modules (``attnkit.numba_prefetch``, ``attnkit.numba_panel``) as they were at ``--rev``
+then go into the exported package, and its kernels import those copies (for A/B runs of a change to them).
 
     python plugins/attnkit-sparse/benchmarks/ab_revision.py --rev e947eeb --mechanism routing \\
         --length 16384 --mode fwdbwd --rounds 15
@@ -34,14 +36,30 @@ PKG = "plugins/attnkit-sparse/src/attnkit_sparse"
 MODULES = {"routing": "routing.attention", "lsh": "lsh.attention"}
 
 
-def export(rev: str, dest: Path) -> None:
+CORE_HELPERS = ("numba_prefetch", "numba_panel")
+
+
+def export(rev: str, dest: Path, core_helpers: bool = False) -> None:
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
     data = subprocess.check_output(["git", "-C", str(root), "archive", rev, PKG])
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(dest, filter="data")
-    (dest / PKG).rename(dest / "attnkit_sparse_base")
-    ops = dest / "attnkit_sparse_base" / "engine" / "numba_ops.py"
+    base = dest / "attnkit_sparse_base"
+    (dest / PKG).rename(base)
+    ops = base / "engine" / "numba_ops.py"
     ops.write_text(ops.read_text().replace('NAMESPACE = "attnkit_sparse"', 'NAMESPACE = "attnkit_sparse_base"'))
+    if not core_helpers:
+        return
+    for name in CORE_HELPERS:
+        src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:packages/attnkit/src/attnkit/{name}.py"],
+                             capture_output=True, text=True)
+        if src.returncode == 0:
+            (base / f"_core_{name}.py").write_text(src.stdout)
+    for path in base.rglob("*.py"):
+        text = path.read_text()
+        for name in CORE_HELPERS:
+            text = text.replace(f"from attnkit.{name} import", f"from attnkit_sparse_base._core_{name} import")
+        path.write_text(text)
 
 
 def options(mech: str, L: int) -> dict:
@@ -58,10 +76,12 @@ def main() -> None:
     p.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwdbwd")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--core-helpers", action="store_true",
+                   help="the base side uses the core's numba helper modules as they were at --rev")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-ab-"))
-    export(args.rev, tmp)
+    export(args.rev, tmp, args.core_helpers)
     sys.path.insert(0, str(tmp))
     mech, L, grad = args.mechanism, args.length, args.mode == "fwdbwd"
     ref = attnkit.build(mech, **options(mech, L))     # the working tree's, for its spec and class name
@@ -99,7 +119,7 @@ def main() -> None:
     rat = sorted(a / b for a, b in zip(ts["base"], ts["work"], strict=True))
     n = len(rat)
     print(f"# {mech} module {args.mode}, L = {L}, B = 1, H = 8, D = E = 64, float32, {args.threads} thread(s), "
-          f"base {args.rev} against the working tree")
+          f"base {args.rev}{' (with its core helpers)' if args.core_helpers else ''} against the working tree")
     print(f"base {statistics.median(ts['base']) * 1e3:.1f} ms, work {statistics.median(ts['work']) * 1e3:.1f} ms "
           f"(medians of {args.rounds}); per-round base/work: median {statistics.median(rat):.3f}, "
           f"quartiles {rat[n // 4]:.3f}-{rat[(3 * n) // 4]:.3f}")

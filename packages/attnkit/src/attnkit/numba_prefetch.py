@@ -11,6 +11,10 @@ clusters of 128): 194 ms without, 168 ms prefetching the gathered rows 8 ahead, 
 it adds gradients to as well, against 132 ms with every row in cache (session 37, docs/benchmarks.md).
 Prefetching the next cluster's rows all at once, instead, gained nothing.
 
+The two helpers are plain numba functions, not ``inline="always"``: LLVM still inlines them into the calling
+kernel (the prefetch instructions sit in the kernel's loop), but numba's own passes no longer copy them into
+every call site, which cost routing's and lsh's first compile 4-7 s each (session 38, docs/benchmarks.md).
+
 Imported only by plugins' numba kernel modules (it imports numba and llvmlite, which ``import attnkit``
 never does).
 """
@@ -51,7 +55,7 @@ def _prefetch(typingctx, A, i):  # noqa: ANN001, ANN202
     return types.void(A, types.intp), codegen
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def prefetch_row(A, r):  # pragma: no cover - compiled
     """Prefetch every cache line of row ``r`` of the 2-D array ``A`` (any dtype, rows contiguous: unit stride along
     a row). Nothing happens for ``r`` outside ``[0, A.shape[0])``."""
@@ -68,7 +72,7 @@ def prefetch_row(A, r):  # pragma: no cover - compiled
     _prefetch(A, base + n - 1)   # the last line, when the row does not start on a line
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def prefetch_ahead(A, positions, j, n):  # pragma: no cover - compiled
     """In a loop over ``j < n`` that reads (or adds to) row ``positions[j]`` of ``A``: prefetch row
     ``positions[j + AHEAD]`` when ``j + AHEAD < n`` (:func:`prefetch_row`)."""
