@@ -93,7 +93,7 @@ class _SpanBand(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         qs, k, v, zf, lo, far, kp, xs, out, lse = ctx.saved_tensors
-        scale, ramp, bq, bk, zshape = ctx.meta
+        scale, ramp, bq, _, zshape = ctx.meta   # the key tile is the forward's alone
         B, H, L, D = qs.shape
         E = v.shape[-1]
         g = g.contiguous()

@@ -133,7 +133,7 @@ def _passes(counts: Tensor, tile_bytes: int) -> list[tuple[int, int, int]]:
     the tiles its buffer holds (the most any pattern row of ``counts`` ``(B'·H', NQ)`` visits in the range).
     ``tile_bytes``: bytes of one tile over all B·H sequences. A range holds one query block at least."""
     nq = counts.shape[-1]
-    per_block = counts.max(0).values.tolist() if counts.numel() else [0] * nq
+    per_block = counts.max(0).values.tolist()
     out, lo, held = [], 0, 0
     for qb, c in enumerate(per_block):
         if qb > lo and (held + c) * tile_bytes > DS_BUFFER_MAX_BYTES:
@@ -141,7 +141,7 @@ def _passes(counts: Tensor, tile_bytes: int) -> list[tuple[int, int, int]]:
             lo, held = qb, 0
         held += c
     out.append((lo, nq))
-    return [(a, b, int(counts[:, a:b].sum(-1).max()) if counts.numel() else 0) for a, b in out]
+    return [(a, b, int(counts[:, a:b].sum(-1).max())) for a, b in out]
 
 
 def _backward_fake(q, k, v, out, lse, g, g_lse, kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank, bq, bk,

@@ -110,9 +110,9 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
                         p = pr[a - cs + j]
                         pk[j] = p
                         gather_kv(Kb, Vb, j, ks[p], vs[p])
+            end = a + qn   # the chunk's rows, in the sorted order known in advance
             for i in range(qn):
                 p = pr[a + i]
-                end = a + qn   # the chunk's rows, in the sorted order known in advance
                 prefetch_ahead(qs, pr, a + i, end); prefetch_ahead(ks, pr, a + i, end)
                 prefetch_ahead(vs, pr, a + i, end)
                 pq[i] = p
@@ -188,9 +188,9 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
                     gather_kv(Kb, Vb, j, ks[p], vs[p])
                     zero_kv(dKb, dVb, j, zero)
             kn = kp + qn
+            end = a + qn
             for i in range(qn):
                 p = pr[a + i]
-                end = a + qn
                 prefetch_ahead(qs, pr, a + i, end); prefetch_ahead(gs, pr, a + i, end)
                 prefetch_ahead(ks, pr, a + i, end); prefetch_ahead(vs, pr, a + i, end)
                 pq[i] = p
