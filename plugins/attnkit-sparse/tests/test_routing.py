@@ -305,6 +305,42 @@ def test_nearest_cluster_is_the_first_argmax():
     assert torch.equal(_nearest(s.float()), s.float().argmax(2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 2, 37, 4, 2), (1, 3, 3000, 24, 1)])   # (B, H, L, clusters, centroid heads)
+def test_route_per_sequence_equals_the_product_path(dtype, shape, monkeypatch):
+    """The per-sequence routing kernel (scores on register panels tile by tile, nearest centroids, selection:
+    :func:`route_seq`) routes exactly as torch's product over all sequences followed by the nearest-centroid and
+    top-w kernels: the same positions and used slots, the same nearest centroid at every real position, with
+    padding (NaN keys there), a NaN query at a real position (nearest 0, never routed), a duplicated centroid
+    (tied scores: the first cluster is nearest), lengths not a multiple of the score tile and shared or per-head
+    centroids."""
+    import attnkit_sparse.routing.clusters as clusters
+    from attnkit_sparse.routing._numba import TILE
+    B, H, L, C, hc = shape
+    assert L % TILE
+    g = torch.Generator().manual_seed(L)
+    q = torch.randn(B, H, L, 8, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, H, L, 8, generator=g, dtype=torch.float64).to(dtype)
+    mu = clusters.unit(torch.randn(hc, C, 8, generator=g, dtype=torch.float64)).to(dtype)
+    mu[:, 2] = mu[:, 1]                                                  # tied scores: cluster 1 is nearest
+    kpm = torch.ones(B, L, dtype=torch.bool)
+    kpm[0, -5:] = False
+    k[0, :, -5:] = float("nan")
+    q[-1, -1, 7] = float("nan")
+    got = {}
+    for per_seq in (True, False):
+        monkeypatch.setattr(clusters, "PER_SEQUENCE", per_seq)
+        got[per_seq] = route(q, k, mu, kpm, nearest=True)
+    for a, b in zip(got[True][:4], got[False][:4]):
+        assert torch.equal(a, b)
+    for a, b in zip(got[True][4], got[False][4]):
+        assert torch.equal(a[:, :, :-5], b[:, :, :-5]) and torch.equal(a[1:], b[1:])
+    near_q = got[True][4][0]
+    assert int(near_q[-1, -1, 7]) == 0
+    assert not (got[True][0][-1, -1] == 7)[got[True][1][-1, -1]].any()   # the NaN query is never routed
+    assert not (near_q == 2).any() and (near_q == 1).any()               # ties go to the first cluster
+
+
 def _top_w_torch(s, inv, real, H, widths, W):
     """The plain torch expression of :func:`top_w_ascending`: masked scaled scores, ``topk``, ascending positions."""
     N, C, L = s.shape

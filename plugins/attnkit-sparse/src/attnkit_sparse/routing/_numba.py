@@ -1,8 +1,14 @@
-"""numba kernels of routing's CPU path around the engine (:mod:`.gather`): routed gathers and the clusters'
-combination, each with its gradient. ``N = B·H`` sequences of ``L`` positions, ``M = C·W`` routed rows each
-(cluster ``c``'s ``W`` slots one after another); ``idx`` int64 ``(N, M)`` is the position of each routed row.
-A position may be routed by several clusters or by none, so the gradient of a gather is a scatter-add;
-each work item owns one sequence, so no two threads write the same rows.
+"""numba kernels of routing's CPU path.
+
+* The routing itself: :func:`route_seq` (one sequence's scores, nearest centroids and selection),
+  :func:`top_w_ascending` (the selection over a buffer of scores), both through :func:`select_row`;
+  :func:`argmax_clusters` (nearest centroids over that buffer).
+* The commitment term: :func:`commit_sums`, :func:`commit_grad`.
+* Around the engine (:mod:`.gather`): routed gathers and the clusters' combination, each with its
+  gradient. ``N = B·H`` sequences of ``L`` positions, ``M = C·W`` routed rows each (cluster ``c``'s ``W``
+  slots one after another); ``idx`` int64 ``(N, M)`` is the position of each routed row. A position may
+  be routed by several clusters or by none, so the gradient of a gather is a scatter-add; each work
+  item owns one sequence, so no two threads write the same rows.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import math
 
 import numba
 import numpy as np
+
+from attnkit.numba_panel import axpy_at
 
 _FM = {"reassoc", "contract", "nsz"}
 
@@ -165,18 +173,71 @@ def _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc):  # pragma: no co
     return m
 
 
+@numba.njit(cache=True, nogil=True)
+def select_row(row, iv, rl, w, st, vals, smp, cand, cv, out_i, out_ok):  # pragma: no cover - compiled
+    """One cluster's routed positions from its raw scores ``row`` ``(L,)``: the values ``row[l]·iv[l]`` (``-inf``
+    where ``rl[l]`` is False or the value is NaN) into ``vals``, and the positions of the ``min(w, finite values)``
+    largest, ascending (ties at the w-th value: the lowest positions), into ``out_i`` with ``out_ok`` True.
+
+    A threshold from a sample of the row (every ``st``-th value, into ``smp``) picks about ``2w`` candidates in
+    one pass (into ``cand``, their values into ``cv``; both hold ``8w + 64``); the exact ``w``-th value is
+    selected among them (``np.partition``). When the sample's guess does not give between ``w`` and ``8w + 64``
+    candidates, the whole row is partitioned instead.
+
+    A plain call (not inlined), so :func:`top_w_ascending` and :func:`route_seq` share one build of it."""
+    L = row.shape[0]
+    ms = smp.shape[0]
+    cap = cand.shape[0]
+    ninf = -np.inf
+    for p in range(L):
+        x = row[p] * iv[p]
+        vals[p] = x if (rl[p] and x == x) else ninf
+    if w <= 0:
+        return
+    k = (2 * w + st - 1) // st + 1          # sample rank of the guess: about 2w values above it
+    nc = -1
+    if k < ms and L > 4 * cap:
+        for j in range(ms):
+            smp[j] = vals[j * st]
+        guess = np.partition(smp, ms - k)[ms - k]
+        if guess > ninf:
+            cnt = 0
+            for p in range(L):
+                if vals[p] >= guess:
+                    if cnt < cap:
+                        cand[cnt] = p
+                    cnt += 1
+            if w <= cnt <= cap:
+                nc = cnt
+    if nc >= 0:
+        for j in range(nc):
+            cv[j] = vals[cand[j]]
+        t = np.partition(cv[:nc], nc - w)[nc - w]
+        g = 0
+        for j in range(nc):
+            g += 1 if cv[j] > t else 0
+    else:
+        nf = 0
+        for p in range(L):
+            nf += 1 if vals[p] > ninf else 0
+        w = min(w, nf)
+        if w <= 0:
+            return
+        t = np.partition(vals.copy(), L - w)[L - w]
+        g = 0
+        for p in range(L):
+            g += 1 if vals[p] > t else 0
+    _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc)
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
     """Each cluster's routed positions: for row ``(n, c)`` of the scores ``s`` ``(N, C, L)``, the values
     ``s[n, c, l]·inv[n, l]`` (``-inf`` where ``real[b, l]`` is False or the value is NaN; ``b = n // H`` modulo
     ``real``'s rows), the positions of its ``w = min(widths[b], finite values)`` largest, ascending (ties at
     the w-th value: the lowest positions), into int64 ``idx`` ``(N, C, W)`` and bool ``ok`` (``False`` and
-    position 0 in the unused slots).
-
-    A threshold from a sample of the row (every ``L // 512``-th value) picks about ``2w`` candidates in one
-    pass; the exact ``w``-th value is selected among them (``np.partition``). When the sample's guess does not
-    give between ``w`` and ``8w + 64`` candidates, the whole row is partitioned instead. Work items of up to 8
-    rows of one sequence share their scratch buffers."""
+    position 0 in the unused slots): :func:`select_row` per row. Work items of up to 8 rows of one sequence
+    share their scratch buffers."""
     N, C, L = s.shape
     idx = np.zeros((N, C, W), dtype=np.int64)
     ok = np.zeros((N, C, W), dtype=np.bool_)
@@ -190,56 +251,97 @@ def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
         n = it // nci
         b = n // H
         w0 = min(widths[b % widths.shape[0]], W)
-        rl = real[b % Rb]
-        iv = inv[n]
-        ninf = -np.inf
         vals = np.empty(L, dtype=s.dtype)
         smp = np.empty(ms, dtype=s.dtype)
         cand = np.empty(cap, dtype=np.int64)
         cv = np.empty(cap, dtype=s.dtype)
         for c in range((it % nci) * per, min(C, (it % nci + 1) * per)):
-            row = s[n, c]
-            for p in range(L):
-                x = row[p] * iv[p]
-                vals[p] = x if (rl[p] and x == x) else ninf
-            w = w0
-            if w <= 0:
-                continue
-            k = (2 * w + st - 1) // st + 1          # sample rank of the guess: about 2w values above it
-            nc = -1
-            if k < ms and L > 4 * cap:
-                for j in range(ms):
-                    smp[j] = vals[j * st]
-                guess = np.partition(smp, ms - k)[ms - k]
-                if guess > ninf:
-                    cnt = 0
-                    for p in range(L):
-                        if vals[p] >= guess:
-                            if cnt < cap:
-                                cand[cnt] = p
-                            cnt += 1
-                    if w <= cnt <= cap:
-                        nc = cnt
-            if nc >= 0:
-                for j in range(nc):
-                    cv[j] = vals[cand[j]]
-                t = np.partition(cv[:nc], nc - w)[nc - w]
-                g = 0
-                for j in range(nc):
-                    g += 1 if cv[j] > t else 0
-            else:
-                nf = 0
-                for p in range(L):
-                    nf += 1 if vals[p] > ninf else 0
-                w = min(w, nf)
-                if w <= 0:
-                    continue
-                t = np.partition(vals.copy(), L - w)[L - w]
-                g = 0
-                for p in range(L):
-                    g += 1 if vals[p] > t else 0
-            _take_ascending(vals, L, t, w, g, idx[n, c], ok[n, c], cand, nc)
+            select_row(s[n, c], inv[n], real[b % Rb], w0, st, vals, smp, cand, cv, idx[n, c], ok[n, c])
     return idx, ok
+
+
+#: positions per score tile of :func:`route_seq` (a ``(C, TILE)`` tile: 32 KiB for 128 clusters in float32)
+TILE = 64
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
+def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: no cover - compiled
+    """Sequence ``n``'s routing in one call (``nogil``: the caller hands sequences to threads).
+
+    The raw scores ``s[n] = μ_h x_nᵀ`` ``(C, L)`` (``μ`` ``(H', C, D)``, head ``h = n % H`` modulo ``H'``), a tile
+    of :data:`TILE` positions at a time on register panels (:func:`attnkit.numba_panel.axpy_at`), with the
+    inverse norms ``inv[n, l] = 1 / max(‖x_l‖, 1e-12)`` and, when ``near`` has rows, each position's nearest
+    centroid (the first largest raw score) while its tile is in cache. Then :func:`select_row` per cluster, on
+    the sequence's scores just written (still in the last-level cache): its routed positions into ``idx[n]``,
+    ``ok[n]`` (zeros on entry)."""
+    N, L, D = x.shape
+    C = mu.shape[1]
+    mh = mu[(n % H) % mu.shape[0]]
+    dt = x.dtype
+    zero = np.zeros(1, dtype=dt)[0]
+    XT = np.zeros((D, TILE), dtype=dt)
+    ST = np.empty((C, TILE), dtype=dt)
+    best = np.empty(TILE, dtype=dt)
+    arg = np.empty(TILE, dtype=np.int32)
+    xs = x[n]
+    sn = s[n]
+    iv = inv[n]
+    want = near.shape[0] > 0
+    for l0 in range(0, L, TILE):
+        tn = min(TILE, L - l0)
+        for i in range(tn):
+            r = xs[l0 + i]
+            acc = zero
+            for d in range(D):
+                v = r[d]
+                acc += v * v
+                XT[d, i] = v
+            nr = math.sqrt(acc)
+            iv[l0 + i] = 1.0 / (nr if (nr > 1e-12 or nr != nr) else 1e-12)   # a NaN norm stays NaN (as clamp)
+        for i in range(tn, TILE):
+            for d in range(D):
+                XT[d, i] = zero
+        for c in range(C):
+            row = ST[c]
+            for i in range(TILE):
+                row[i] = zero
+        axpy_at(ST, C, mh, 0, XT, 0, D)
+        for c in range(C):
+            row = ST[c]
+            dst = sn[c, l0:l0 + tn]
+            for i in range(tn):
+                dst[i] = row[i]
+        if want:    # the first c of the largest score: the maximum (NaN ignored unless c = 0 is NaN), then its first c
+            r0 = ST[0]
+            for i in range(TILE):
+                best[i] = r0[i]
+                arg[i] = -1
+            for c in range(1, C):
+                row = ST[c]
+                for i in range(TILE):
+                    bi = best[i]
+                    vi = row[i]
+                    best[i] = vi if vi > bi else bi
+            for c in range(C):
+                row = ST[c]
+                c32 = np.int32(c)
+                for i in range(TILE):
+                    a = arg[i]
+                    arg[i] = c32 if (a < 0 and row[i] == best[i]) else a
+            for i in range(tn):
+                near[n, l0 + i] = arg[i] if arg[i] >= 0 else 0
+    b = n // H
+    w0 = min(widths[b % widths.shape[0]], W)
+    rl = real[b % real.shape[0]]
+    st = max(1, L // 512)
+    ms = (L + st - 1) // st
+    cap = 8 * W + 64
+    vals = np.empty(L, dtype=dt)
+    smp = np.empty(ms, dtype=dt)
+    cand = np.empty(cap, dtype=np.int64)
+    cv = np.empty(cap, dtype=dt)
+    for c in range(C):
+        select_row(sn[c], iv, rl, w0, st, vals, smp, cand, cv, idx[n, c], ok[n, c])
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)

@@ -68,17 +68,37 @@ def _scores_buffer(B: int, H: int, C: int, L: int, dtype: torch.dtype) -> Tensor
     return _BUFFERS.buf
 
 
+#: "auto" (the scores, nearest centroids and selection of one sequence in one kernel call, sequences handed to
+#: threads, when the ``B·H`` sequences spread evenly over them: ``N % threads == 0`` or ``N >= 4·threads``), True
+#: (always) or False (never: torch's product over all sequences, then the nearest-centroid and selection kernels)
+PER_SEQUENCE: str | bool = "auto"
+
+
+def _per_sequence(N: int) -> bool:
+    if PER_SEQUENCE != "auto":
+        return bool(PER_SEQUENCE)
+    from attnkit.numba_pool import kernel_threads
+    t = kernel_threads()
+    return N % t == 0 or N >= 4 * t
+
+
 def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None, widths: Tensor, W: int,
                  nearest: bool) -> tuple[Any, ...]:
     """:func:`route` on CPU (float32, float64): the scores ``μ_c·x`` of the raw rows (one product, no unit copy of
     q and k), each scaled by ``1/max(‖x‖, 1e-12)`` inside the kernel that picks each cluster's ``w`` largest in
-    ascending position order (:func:`._numba.top_w_ascending`: a sampled threshold, one pass, no sort, no
-    ``topk`` over the whole row)."""
-    from attnkit.numba_pool import run_parallel, start_pool
+    ascending position order (:func:`._numba.select_row`: a sampled threshold, one pass, no sort, no ``topk``
+    over the whole row).
 
-    from ._numba import top_w_ascending
+    Per sequence (:data:`PER_SEQUENCE`): one call of :func:`._numba.route_seq` computes a sequence's scores
+    on register panels, its nearest centroids and its selection, so the sequence's 8 MiB of scores (16K
+    positions, 128 clusters) are read back from the cache instead of memory. Otherwise torch's product over all
+    sequences into a reused buffer, :func:`_nearest` and :func:`._numba.top_w_ascending`."""
+    from attnkit.numba_pool import run_items, run_parallel, start_pool
+
+    from ._numba import route_seq, top_w_ascending
     B, H, L, D = q.shape
     C = centroids.shape[1]
+    N = B * H
     start_pool()
     if key_padding_mask is None:
         real = np.ones((1, L), dtype=np.bool_)
@@ -87,14 +107,28 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
     wd = widths.to(torch.int64).contiguous().numpy()
     out: list[Any] = []
     near = []
+    per_seq = _per_sequence(N)
     for x in (q, k):
         xd = x.detach()
-        inv = torch.linalg.vector_norm(xd, dim=-1).clamp_(min=1e-12).reciprocal_()       # (B, H, L)
-        s = torch.matmul(centroids.to(xd.dtype), xd.transpose(-1, -2), out=_scores_buffer(B, H, C, L, xd.dtype))
-        if nearest:
-            near.append(_nearest(s))
-        idx, ok = run_parallel(top_w_ascending, s.contiguous().view(B * H, C, L).numpy(),
-                               inv.contiguous().view(B * H, L).numpy(), real, H, wd, W, items=B * H * -(-C // 8))
+        s = _scores_buffer(B, H, C, L, xd.dtype)
+        if per_seq:
+            xa = xd.contiguous().view(N, L, D).numpy()
+            mu = centroids.to(xd.dtype).contiguous().numpy()
+            sa = s.view(N, C, L).numpy()
+            inv_a = np.empty((N, L), dtype=xa.dtype)
+            near_a = np.empty((N, L) if nearest else (0, 0), dtype=np.int64)
+            idx, ok = np.zeros((N, C, W), dtype=np.int64), np.zeros((N, C, W), dtype=np.bool_)
+            head, tail = (xa, mu, real, H, wd, W), (sa, inv_a, near_a, idx, ok)
+            run_items(lambda n, a=head, b=tail: route_seq(*a, n, *b), N)
+            if nearest:
+                near.append(torch.from_numpy(near_a).view(B, H, L))
+        else:
+            inv = torch.linalg.vector_norm(xd, dim=-1).clamp_(min=1e-12).reciprocal_()       # (B, H, L)
+            s = torch.matmul(centroids.to(xd.dtype), xd.transpose(-1, -2), out=s)
+            if nearest:
+                near.append(_nearest(s))
+            idx, ok = run_parallel(top_w_ascending, s.contiguous().view(N, C, L).numpy(),
+                                   inv.contiguous().view(N, L).numpy(), real, H, wd, W, items=N * -(-C // 8))
         out += [torch.from_numpy(idx).view(B, H, C, W), torch.from_numpy(ok).view(B, H, C, W)]
     if nearest:
         return out[0], out[1], out[2], out[3], (near[0], near[1])
