@@ -32,6 +32,16 @@ CAUSAL_PATTERNS = ("local", "dilated", "block-local", "global", "random", "longf
 STREAMING_PATTERNS = ("local", "dilated", "strided", "fixed")
 
 
+def spread_evenly(n: int, threads: int | None = None) -> bool:
+    """Whether ``n`` work items (the ``B·H`` sequences) spread evenly over ``threads`` (None: the kernels' thread
+    count, :func:`attnkit.numba_pool.kernel_threads`): ``n % threads == 0`` or ``n >= 4·threads``. Then one item
+    per sequence keeps every thread busy, and the CPU paths take their per-sequence kernels."""
+    if threads is None:
+        from attnkit.numba_pool import kernel_threads
+        threads = kernel_threads()
+    return n % threads == 0 or n >= 4 * threads
+
+
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
     """``value`` when it is an int >= ``minimum`` (not a bool), else InvalidInputError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

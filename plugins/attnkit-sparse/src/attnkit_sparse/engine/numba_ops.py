@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.numba_pool import kernel_threads, run_parallel, start_pool
+from attnkit.numba_pool import run_parallel, start_pool
 
+from ..base import spread_evenly
 from .plan import BlockPlan
 
 NAMESPACE = "attnkit_sparse"
@@ -41,8 +42,7 @@ FUSED_BACKWARD: str | bool = "auto"
 def _fused(n: int) -> bool:
     if FUSED_BACKWARD != "auto":
         return bool(FUSED_BACKWARD)
-    t = kernel_threads()
-    return n % t == 0 or n >= 4 * t
+    return spread_evenly(n)
 
 
 start_pool()

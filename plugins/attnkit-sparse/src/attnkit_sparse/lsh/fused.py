@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..base import spread_evenly
+
 __all__ = ["attend_rounds", "BLOCKS"]
 
 #: chunk blocks per sequence and round: "auto" (1 when the sequences spread evenly over the threads, then
@@ -33,7 +35,7 @@ BLOCKS: str | int = "auto"
 def _blocks(N: int, nq: int, threads: int) -> int:
     if BLOCKS != "auto":
         return max(1, min(int(BLOCKS), nq))
-    if N % threads == 0 or N >= 4 * threads:
+    if spread_evenly(N, threads):
         return 1
     return max(1, min(nq, -(-2 * threads // N)))
 

@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from attnkit.numba_panel import axpy_at
+from .._gathered import tile_scores
 
 _FM = {"reassoc", "contract", "nsz"}
 
@@ -269,7 +269,7 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
     """Sequence ``n``'s routing in one call (``nogil``: the caller hands sequences to threads).
 
     The raw scores ``s[n] = μ_h x_nᵀ`` ``(C, L)`` (``μ`` ``(H', C, D)``, head ``h = n % H`` modulo ``H'``), a tile
-    of :data:`TILE` positions at a time on register panels (:func:`attnkit.numba_panel.axpy_at`), with the
+    of :data:`TILE` positions at a time on register panels (:func:`.._gathered.tile_scores`), with the
     inverse norms ``inv[n, l] = 1 / max(‖x_l‖, 1e-12)`` and, when ``near`` has rows, each position's nearest
     centroid (the first largest raw score) while its tile is in cache. Then :func:`select_row` per cluster, on
     the sequence's scores just written (still in the last-level cache): its routed positions into ``idx[n]``,
@@ -301,11 +301,7 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
         for i in range(tn, TILE):
             for d in range(D):
                 XT[d, i] = zero
-        for c in range(C):
-            row = ST[c]
-            for i in range(TILE):
-                row[i] = zero
-        axpy_at(ST, C, mh, 0, XT, 0, D)
+        tile_scores(ST, C, TILE, mh, XT, D, zero)       # ST = μ_h XTᵀ: the fused paths' zeroed product
         for c in range(C):
             row = ST[c]
             dst = sn[c, l0:l0 + tn]

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..base import spread_evenly
+
 __all__ = ["route", "cluster_width", "unit"]
 
 
@@ -77,9 +79,7 @@ PER_SEQUENCE: str | bool = "auto"
 def _per_sequence(N: int) -> bool:
     if PER_SEQUENCE != "auto":
         return bool(PER_SEQUENCE)
-    from attnkit.numba_pool import kernel_threads
-    t = kernel_threads()
-    return N % t == 0 or N >= 4 * t
+    return spread_evenly(N)
 
 
 def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None, widths: Tensor, W: int,

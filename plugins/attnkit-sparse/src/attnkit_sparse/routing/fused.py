@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..base import spread_evenly
+
 __all__ = ["attend_clusters", "use_fused", "FUSED"]
 
 #: "auto" (fused when the ``B·H`` sequences spread evenly over the threads: ``N % threads == 0`` or
@@ -36,9 +38,7 @@ def use_fused(N: int, W: int) -> bool:
     """Whether ``N = B·H`` sequences with clusters of ``W`` slots run on the fused kernels (:data:`FUSED`)."""
     if FUSED != "auto":
         return bool(FUSED)
-    from attnkit.numba_pool import kernel_threads
-    t = kernel_threads()
-    return (N % t == 0 or N >= 4 * t) and W <= MAX_WIDTH
+    return spread_evenly(N) and W <= MAX_WIDTH
 
 
 def _np(x: Tensor) -> Any:
