@@ -75,6 +75,27 @@ def test_run_items_nested_calls_do_not_deadlock():
     assert sorted(out) == sorted(list(range(3)) * 6)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("items", [0, 1, 5, 64])
+def test_run_ranges_covers_every_item_once_in_contiguous_ranges(threads, items):
+    from attnkit.numba_pool import RANGES_PER_THREAD, run_ranges
+    calls = []
+    lock = threading.Lock()
+
+    def kernel(tag, i0, i1):
+        assert tag == "arg", "the leading arguments come first"
+        with lock:
+            calls.append((i0, i1))
+
+    run_ranges(kernel, items, "arg", threads=threads)
+    calls.sort()
+    covered = [i for a, b in calls for i in range(a, b)]
+    assert covered == list(range(items))
+    assert all(a < b for a, b in calls), "no empty range is handed out"
+    expected = 0 if items == 0 else 1 if threads == 1 else min(items, threads * RANGES_PER_THREAD)
+    assert len(calls) == expected
+
+
 def test_start_pool_keeps_torch_thread_count():
     """Launching numba's OpenMP pool reset torch's thread count to the core count; start_pool restores it (a fresh
     interpreter: the pool launches once per process). Skipped where numba is not installed (the core's own venv)."""

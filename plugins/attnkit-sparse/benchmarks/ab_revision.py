@@ -1,4 +1,4 @@
-"""A/B in one process: the sparse plugin's content-based mechanisms at a git revision against the working tree.
+"""A/B in one process: a sparse plugin mechanism at a git revision against the working tree.
 
 Runs in separate processes minutes apart drift by 25-35% on the development VM; here the plugin's package as
 it was at ``--rev`` is exported (``git archive``) as ``attnkit_sparse_base`` (its custom operators under that
@@ -11,6 +11,10 @@ then go into the exported package, and its kernels import those copies (for A/B 
 
     python plugins/attnkit-sparse/benchmarks/ab_revision.py --rev e947eeb --mechanism routing \\
         --length 16384 --mode fwdbwd --rounds 15
+
+The content-based ``routing`` and ``lsh`` run with ``bench_lucidrains.py``'s options; the position-based
+``local`` (window 256) and ``bigbird`` (the defaults) run on the block-sparse engine, ``--causal`` for a causal
+call.
 
 Nothing here is a test: figures for docs/benchmarks.md.
 """
@@ -33,7 +37,8 @@ import torch
 import attnkit
 
 PKG = "plugins/attnkit-sparse/src/attnkit_sparse"
-MODULES = {"routing": "routing.attention", "lsh": "lsh.attention"}
+MODULES = {"routing": "routing.attention", "lsh": "lsh.attention", "local": "patterns.local",
+           "bigbird": "patterns.random_"}
 
 
 CORE_HELPERS = ("numba_prefetch", "numba_panel")
@@ -65,6 +70,10 @@ def export(rev: str, dest: Path, core_helpers: bool = False) -> None:
 def options(mech: str, L: int) -> dict:
     if mech == "lsh":
         return {"bucket_size": 64, "n_hashes": 4, "seed": 0}
+    if mech == "local":
+        return {"window": 256}
+    if mech == "bigbird":
+        return {}
     return {"num_clusters": max(1, L // 128), "num_heads": 8, "head_dim": 64}
 
 
@@ -75,6 +84,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwdbwd")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--causal", action="store_true", help="call with causal=True")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--core-helpers", action="store_true",
                    help="the base side uses the core's numba helper modules as they were at --rev")
@@ -99,14 +109,15 @@ def main() -> None:
         q, k, v = (torch.randn(1, 8, L, 64, requires_grad=grad) for _ in range(3))
         if shared:
             k = q
+        kw = {"causal": True} if args.causal else {}
         t0 = time.perf_counter()
         if grad:
-            out = m(q, k, v)
+            out = m(q, k, v, **kw)
             out.backward(torch.ones_like(out))
             attnkit.clear_aux_losses(m)
         else:
             with torch.no_grad():
-                m(q, k, v)
+                m(q, k, v, **kw)
         return time.perf_counter() - t0
 
     for m in mods.values():
@@ -118,7 +129,8 @@ def main() -> None:
             ts[side].append(run(mods[side]))
     rat = sorted(a / b for a, b in zip(ts["base"], ts["work"], strict=True))
     n = len(rat)
-    print(f"# {mech} module {args.mode}, L = {L}, B = 1, H = 8, D = E = 64, float32, {args.threads} thread(s), "
+    mode = args.mode + (" causal" if args.causal else "")
+    print(f"# {mech} module {mode}, L = {L}, B = 1, H = 8, D = E = 64, float32, {args.threads} thread(s), "
           f"base {args.rev}{' (with its core helpers)' if args.core_helpers else ''} against the working tree")
     print(f"base {statistics.median(ts['base']) * 1e3:.1f} ms, work {statistics.median(ts['work']) * 1e3:.1f} ms "
           f"(medians of {args.rounds}); per-round base/work: median {statistics.median(rat):.3f}, "

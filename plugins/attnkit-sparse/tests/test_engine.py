@@ -369,8 +369,13 @@ def test_numba_backward_in_passes_when_the_ds_buffer_is_over_budget(monkeypatch,
     monkeypatch.setattr(numba_ops, "FUSED_BACKWARD", False)
     ranges = []
     real = numba_ops.K.backward_dq_from_ds
-    monkeypatch.setattr(numba_ops.K, "backward_dq_from_ds",
-                        lambda *a: ranges.append((a[4], a[5])) or real(*a))
+
+    def dq_pass(*a):  # called once per range of work items: a pass's (qlo, qhi) once
+        if not ranges or ranges[-1] != (a[4], a[5]):
+            ranges.append((a[4], a[5]))
+        real(*a)
+
+    monkeypatch.setattr(numba_ops.K, "backward_dq_from_ds", dq_pass)
     for case in ("causal_window", "random_per_head", "empty_rows", "block_16x32"):
         L, S, make, kw = CASES[case]
         tile = check_block_size(kw.get("block_size", 16))
@@ -408,17 +413,17 @@ def test_ds_passes_hold_the_budget():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_numba_backward_one_kernel_per_sequence_and_the_two_kernel_path(monkeypatch, fused):
-    """Both backward paths (``backward_heads``: dQ, dK, dV per sequence in one kernel; ``backward_dkdv`` then dQ from
+    """Both backward paths (``backward_sequence``: dQ, dK, dV per sequence in one call; ``backward_dkdv`` then dQ from
     the dS buffer) match the reference, ragged lengths, padding and empty rows included."""
     from attnkit_sparse.engine import numba_ops
     monkeypatch.setattr(numba_ops, "FUSED_BACKWARD", fused)
     calls = []
-    for name in ("backward_heads", "backward_dkdv"):
+    for name in ("backward_sequence", "backward_dkdv"):
         kernel = getattr(numba_ops.K, name)
         monkeypatch.setattr(numba_ops.K, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     for L, S, make, kw in CASES.values():
         agree("numba", *inputs(L, S), make(), **kw)
-    assert calls and set(calls) == {"backward_heads" if fused else "backward_dkdv"}
+    assert calls and set(calls) == {"backward_sequence" if fused else "backward_dkdv"}
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])

@@ -5,7 +5,12 @@ Arrays: ``q (N, L, D)``, ``k (N, S, D)``, ``v (N, S, E)`` with N = B·H (row
 ``n`` is batch ``n // H``, head ``n % H``); the plan's index arrays (see
 :mod:`.plan`) with a leading ``(B', H')`` indexed by ``b % B'``, ``h % H'``.
 
-* :func:`forward`: ``prange`` over N x NQ query blocks. The query block is
+Every kernel is a serial ``nogil`` function over a range of work items; :mod:`.numba_ops` runs ranges on
+threads (:func:`attnkit.numba_pool.run_items`). A ``parallel=True`` build of the same loop took about three
+times as long to compile (numba's parfor passes; 24-36 s against 9-14 s for :func:`forward`, session 35) and ran
+no faster (``benchmarks/exp_engine_serial_builds.py``; docs/benchmarks.md, "CI time").
+
+* :func:`forward`: work items are the N x NQ query blocks. The query block is
   scaled and transposed once (``(D, BQ)``); per visited key block the scores
   are computed key-major, ``Sᵀ = K Qᵀ`` (:func:`_dots`: axpy rows, 4 rows x 4
   terms per pass, vectorised over the contiguous row with ``reassoc``; no
@@ -20,7 +25,7 @@ Arrays: ``q (N, L, D)``, ``k (N, S, D)``, ``v (N, S, E)`` with N = B·H (row
   ran at about half the speed (the product 96 -> 69 ms, the forward 219 -> 190 ms
   of one thread at L = 16,384, causal window 256; session 25). Stores ``out``
   and ``lse = m + log(l)`` per row.
-* :func:`backward_dkdv`: ``prange`` over N x NK key blocks via the transposed
+* :func:`backward_dkdv`: work items are the N x NK key blocks, via the transposed
   index: recomputes ``P = exp(scale·QKᵀ − lse)`` from the saved log-sum-exp
   (FlashAttention-2), ``dV += Pᵀ dO``, ``dS = P (dP − Δ)``, ``dK += scale · dSᵀ Q``.
   Each worker owns the rows it writes, so no two threads write the same rows.
@@ -29,7 +34,7 @@ Arrays: ``q (N, L, D)``, ``k (N, S, D)``, ``v (N, S, E)`` with N = B·H (row
   with one product per tile (5 tile products in the backward, for memory
   ``tiles·BQ·BK``). Both take a range of query blocks, so a dS buffer too
   large for memory is filled and read in passes over query-block ranges.
-* :func:`backward_heads`: both in one kernel per sequence, no dS buffer.
+* :func:`backward_sequence`: both for one sequence in one call, no dS buffer.
 
 ``exp`` is evaluated a row of a tile at a time by a polynomial with an exact
 power-of-two scaling through an integer view (:func:`_exp_into`), in two loops
@@ -242,19 +247,21 @@ def _apply_tile_mask(Sc, rn, cn, bank, t, transposed):  # pragma: no cover - com
                     Sc[i, j] = ninf
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32):  # pragma: no cover
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32, out, lse, i0,
+            i1):  # pragma: no cover - compiled
+    """The work items ``i0 <= it < i1`` (``it = n·NQ + qb``: sequence ``n``, query block ``qb``) of the forward:
+    writes their rows of ``out`` ``(N, L, E)`` and ``lse`` ``(N, L)``. A serial ``nogil`` function; the caller
+    runs ranges of items on threads (:func:`attnkit.numba_pool.run_items`)."""
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]
     Bp, Hp, NQ = kv_count.shape
-    out = np.empty((N, L, E), dtype=q.dtype)
-    lse = np.empty((N, L), dtype=q.dtype)
     zero = cst[_HALF] - cst[_HALF]
     one = cst[cst.shape[0] - 1]   # the polynomial's constant term, 1 in the array's float type
     sc = cst[_SC]
     ninf = cst[_NINF]
-    for it in numba.prange(N * NQ):
+    for it in range(i0, i1):
         n = it // NQ; qb = it % NQ
         bi = (n // H) % Bp; hi_ = (n % H) % Hp
         q0 = qb * bq
@@ -334,23 +341,23 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
                 for e in range(E):
                     o[e] = zero
                 lse[n, q0 + i] = -ninf
-    return out, lse
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def backward_dq_from_ds(k, ds, ds_off, dq, qlo, qhi, H, kv_count, kv_idx, bq, bk):  # pragma: no cover - compiled
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def backward_dq_from_ds(k, ds, ds_off, dq, qlo, qhi, H, kv_count, kv_idx, bq, bk, i0,
+                        i1):  # pragma: no cover - compiled
     """``dQ = sum over visited tiles of (scale·dS) K`` for the query blocks ``qlo <= qb < qhi``, from the tiles
     :func:`backward_dkdv` kept in ``ds`` for the same blocks (key-major ``(BK, BQ)`` tiles, as that kernel
     computes them: no transposed copy); writes the blocks' rows of ``dq`` ``(N, L, D)``.
 
     ``ds`` is compact: the tiles of query block ``qb`` start at ``ds_off[b', h', qb] - ds_off[b', h', qlo]``
     (``ds_off`` is an exclusive cumulative sum of ``kv_count``), so the buffer holds visited tiles only, never
-    NQ x max(count)."""
+    NQ x max(count). Runs the work items ``i0 <= it < i1`` (``it = n·(qhi - qlo) + qb - qlo``)."""
     N, S, D = k.shape
     L = dq.shape[1]
     Bp, Hp, NQ = kv_count.shape
     nr = qhi - qlo
-    for it in numba.prange(N * nr):
+    for it in range(i0, i1):
         n = it // nr; qb = qlo + it % nr
         bi = (n // H) % Bp; hi = (n % H) % Hp
         q0 = qb * bq
@@ -367,21 +374,21 @@ def backward_dq_from_ds(k, ds, ds_off, dq, qlo, qhi, H, kv_count, kv_idx, bq, bk
         dq[n, q0:q0 + qn] = acc[:qn]
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
 def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, bank, bq, bk, cst, is32,
-                  ds, ds_off, qT, doT, dk, dv, qlo, qhi):  # pragma: no cover - compiled
+                  ds, ds_off, qT, doT, dk, dv, qlo, qhi, i0, i1):  # pragma: no cover - compiled
     """``dK``, ``dV`` from the query blocks ``qlo <= qb < qhi``, added to ``dk`` ``(N, S, D)`` and ``dv``
     ``(N, S, E)``, and ``scale·dS`` per tile of those blocks into ``ds`` (compact from block ``qlo``, as
     :func:`backward_dq_from_ds` reads it). ``qT``, ``doT``: ``q`` and ``do`` transposed, ``(N, D, L)`` and
     ``(N, E, L)``, so a tile's transposed block is a copy of contiguous row pieces instead of a scalar transpose
-    per tile."""
+    per tile. Runs the work items ``i0 <= it < i1`` (``it = n·NK + kb``: sequence ``n``, key block ``kb``)."""
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]
     Bp, Hp, NK = q_count.shape
     zero = cst[_HALF] - cst[_HALF]   # float32 for float32 (cst[_SC] * 0 would be float64)
     sc = cst[_SC]
-    for it in numba.prange(N * NK):
+    for it in range(i0, i1):
         n = it // NK; kb = it % NK
         bi = (n // H) % Bp; hi = (n % H) % Hp
         k0 = kb * bk
@@ -437,10 +444,13 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def _backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, bank, bq, bk, cst, is32, dqs, dks,
+def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, bank, bq, bk, cst, is32, dqs, dks,
                        dvs):  # pragma: no cover - compiled
-    """:func:`backward_heads` for one sequence (a function of its own: the same loops inlined in the
-    ``prange`` body compiled to code twice as slow, measured)."""
+    """``dQ``, ``dK``, ``dV`` of one sequence in one pass (the caller runs one call per sequence, on threads, when
+    the ``N = B·H`` sequences spread evenly over them). Besides :func:`backward_dkdv`'s key-major ``dK``, ``dV``
+    it adds ``scale·dS K`` into the sequence's ``dQ`` rows while the ``dS`` tile is in cache (no ``ds`` buffer
+    written and read back, no second kernel). Key blocks ascending: the sums run in a fixed order
+    (deterministic). Writes every row of ``dqs``, ``dks``, ``dvs``."""
     L, D = qs.shape
     S = ks.shape[0]
     E = vs.shape[1]
@@ -508,25 +518,3 @@ def _backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, b
                 ri = dqs[q0 + i]
                 for d in range(D):
                     ri[d] += dqaT[d, i]
-
-
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def backward_heads(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, bank, bq, bk, cst, is32,
-                   qT, doT):  # pragma: no cover - compiled
-    """``dQ``, ``dK``, ``dV`` in one pass, ``prange`` over the N = B·H sequences: a worker owns a whole
-    sequence, so besides :func:`backward_dkdv`'s key-major ``dK``, ``dV`` it adds ``scale·dS K`` into that
-    sequence's ``dQ`` rows while the ``dS`` tile is in cache (no ``ds`` buffer written and read back, no
-    second kernel). Key blocks ascending: the sums run in a fixed order (deterministic). Meant for
-    ``N`` large enough against the threads (one chunk of sequences per thread)."""
-    N, L, D = q.shape
-    S = k.shape[1]
-    E = v.shape[2]
-    Bp, Hp, NK = q_count.shape
-    dq = np.empty((N, L, D), dtype=q.dtype)
-    dk = np.empty((N, S, D), dtype=q.dtype)
-    dv = np.empty((N, S, E), dtype=q.dtype)
-    for n in numba.prange(N):
-        bi = (n // H) % Bp; hi = (n % H) % Hp
-        _backward_sequence(q[n], k[n], v[n], do[n], qT[n], doT[n], lse[n], delta[n], q_count[bi, hi],
-                           q_idx[bi, hi], q_tile[bi, hi], bank, bq, bk, cst, is32, dq[n], dk[n], dv[n])
-    return dq, dk, dv

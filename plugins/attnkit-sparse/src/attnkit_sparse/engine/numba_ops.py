@@ -2,16 +2,17 @@
 
 ``attnkit_sparse::numba_block_attention(q, k, v, <plan tensors>, H, BQ, BK, scale) -> (out, lse)``
 runs :func:`._numba_kernels.forward`; its registered autograd runs
-``attnkit_sparse::numba_block_attention_backward`` (the two backward kernels,
+``attnkit_sparse::numba_block_attention_backward`` (one kernel per sequence, or the two-kernel backward,
 recomputing probabilities from the saved log-sum-exp), and fake
 implementations give ``torch.compile`` the output shapes, so a compiled model
 sees one operator. The kernels take float32 and float64 CPU tensors; :func:`attend`
 runs float16 and bfloat16 inputs on float32 copies and casts the output back (autograd
 through the casts gives the gradients in the input dtype; the log-sum-exp stays float32).
 
-Threads: numba's pool follows ``torch.get_num_threads()`` at every call (capped
-by numba's own maximum); its idle threads sleep (``OMP_WAIT_POLICY=PASSIVE``
-while the pool starts) instead of spinning on the cores torch needs next.
+Threads: the kernels are serial ``nogil`` functions over ranges of work items, run on
+``torch.get_num_threads()`` threads (:func:`attnkit.numba_pool.run_items`, capped by numba's maximum): the
+calling thread and shared helper threads take the next range when they finish one, so a thread slowed by
+another process on the cores takes fewer ranges.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.numba_pool import run_parallel, start_pool
+from attnkit.numba_pool import run_items, run_ranges, start_pool
 
 from ..base import spread_evenly
 from .plan import BlockPlan
@@ -34,7 +35,7 @@ NAMESPACE = "attnkit_sparse"
 #: block's tiles at least)
 DS_BUFFER_MAX_BYTES = 1 << 30
 
-#: one fused backward kernel per sequence (``backward_heads``: dQ from each dS tile while it is in cache,
+#: one fused backward call per sequence (``backward_sequence``: dQ from each dS tile while it is in cache,
 #: no dS buffer) when the B·H sequences spread evenly over the threads: "auto", True or False
 FUSED_BACKWARD: str | bool = "auto"
 
@@ -50,9 +51,10 @@ start_pool()
 from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
 
 
-def _run(kernel: Any, items: int, *args: Any) -> Any:
-    """Run a parallel kernel on torch's thread count, one chunk of the ``items`` work items per thread."""
-    return run_parallel(kernel, *args, items=items)
+def _run(kernel: Any, items: int, *args: Any) -> None:
+    """``kernel(*args, i0, i1)`` over the work items ``0 <= i < items``, in contiguous ranges on torch's thread
+    count (:func:`attnkit.numba_pool.run_ranges`; the kernels release the GIL)."""
+    run_ranges(kernel, items, *args)
 
 
 def _arr(x: Tensor) -> np.ndarray:
@@ -78,8 +80,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, 
     E = v.shape[-1]
     nq = kv_count.shape[-1]
     cst = K.constants(_arr(q).dtype, scale)
-    out, lse = _run(K.forward, B * H * nq, _seq(q), _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx),
-                    _arr(kv_tile), _arr(bank), _arr(span), bq, bk, cst, q.dtype == torch.float32)
+    qa = _seq(q)
+    out = np.empty((B * H, L, E), dtype=qa.dtype)
+    lse = np.empty((B * H, L), dtype=qa.dtype)
+    _run(K.forward, B * H * nq, qa, _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx), _arr(kv_tile), _arr(bank),
+         _arr(span), bq, bk, cst, q.dtype == torch.float32, out, lse)
     return torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(lse).view(B, H, L)
 
 
@@ -104,8 +109,19 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     nq = kv_idx.shape[-2]
     qT, gT = np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1))
     if _fused(B * H):
-        dq, dk, dv = _run(K.backward_heads, B * H, qa, ka, va, ga, *stats, _arr(q_count), _arr(q_idx), _arr(q_tile),
-                          bank_a, bq, bk, cst, f32, qT, gT)
+        dq = np.empty((B * H, L, D), dtype=qa.dtype)
+        dk = np.empty((B * H, S, D), dtype=qa.dtype)
+        dv = np.empty((B * H, S, E), dtype=qa.dtype)
+        lse_a, delta_a = stats[:2]
+        qc_a, qi_a, qt_a = _arr(q_count), _arr(q_idx), _arr(q_tile)
+        bp, hp = qc_a.shape[:2]
+
+        def sequence(n: int) -> None:
+            i = ((n // H) % bp, (n % H) % hp)
+            K.backward_sequence(qa[n], ka[n], va[n], ga[n], qT[n], gT[n], lse_a[n], delta_a[n], qc_a[i], qi_a[i],
+                                qt_a[i], bank_a, bq, bk, cst, f32, dq[n], dk[n], dv[n])
+
+        run_items(sequence, B * H)
         return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
                 torch.from_numpy(dv).view(B, H, S, E))
     # compact dS buffer: the visited tiles of each query block one after another (a pattern with a few
