@@ -75,10 +75,19 @@ def test_run_items_nested_calls_do_not_deadlock():
     assert sorted(out) == sorted(list(range(3)) * 6)
 
 
+def _ranges_on(monkeypatch, where):
+    import attnkit.numba_pool as pool
+    if where == "omp" and pool._omp_parallel() is None:
+        pytest.skip("torch's libgomp is not loaded here (torch built with another thread pool, or not Linux)")
+    monkeypatch.setattr(pool, "KERNEL_TEAM", where)
+
+
+@pytest.mark.parametrize("where", ["python", "omp"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("items", [0, 1, 5, 64])
-def test_run_ranges_covers_every_item_once_in_contiguous_ranges(threads, items):
+def test_run_ranges_covers_every_item_once_in_contiguous_ranges(monkeypatch, where, threads, items):
     from attnkit.numba_pool import RANGES_PER_THREAD, run_ranges
+    _ranges_on(monkeypatch, where)
     calls = []
     lock = threading.Lock()
 
@@ -94,6 +103,62 @@ def test_run_ranges_covers_every_item_once_in_contiguous_ranges(threads, items):
     assert all(a < b for a, b in calls), "no empty range is handed out"
     expected = 0 if items == 0 else 1 if threads == 1 else min(items, threads * RANGES_PER_THREAD)
     assert len(calls) == expected
+
+
+@pytest.mark.parametrize("where", ["python", "omp"])
+def test_run_ranges_runs_ranges_at_the_same_time_and_reraises(monkeypatch, where):
+    """Two ranges run at once on two threads (a barrier both must reach), and the first error comes back to the
+    caller; a call from inside a range finishes (no deadlock)."""
+    from attnkit.numba_pool import run_ranges
+    _ranges_on(monkeypatch, where)
+    barrier = threading.Barrier(2, timeout=10)
+    ids = set()
+
+    def kernel(i0, i1):
+        ids.add(threading.get_native_id())
+        if i0 < 2:
+            barrier.wait()
+
+    run_ranges(kernel, 8, threads=2)
+    assert len(ids) == 2
+
+    def failing(i0, i1):
+        if i0 == 0:
+            raise ValueError("range 0")
+
+    with pytest.raises(ValueError, match="range 0"):
+        run_ranges(failing, 8, threads=2)
+    seen = []
+    lock = threading.Lock()
+
+    def inner(i0, i1):
+        with lock:
+            seen.extend(range(i0, i1))
+
+    run_ranges(lambda i0, i1: run_ranges(inner, 3, threads=2), 4, threads=2)
+    assert sorted(seen) == sorted(list(range(3)) * 4)
+
+
+@pytest.mark.parametrize("where", ["python", "omp"])
+def test_run_items_on_a_team_runs_every_item_once(monkeypatch, where):
+    from attnkit.numba_pool import run_items
+    _ranges_on(monkeypatch, where)
+    seen = []
+    lock = threading.Lock()
+
+    def work(i):
+        with lock:
+            seen.append(i)
+
+    run_items(work, 37, threads=2, team=True)
+    assert sorted(seen) == list(range(37))
+
+
+def test_run_ranges_rejects_an_unknown_setting(monkeypatch):
+    import attnkit.numba_pool as pool
+    monkeypatch.setattr(pool, "KERNEL_TEAM", "gpu")
+    with pytest.raises(ValueError, match="KERNEL_TEAM.*'auto', 'omp' or 'python', got 'gpu'"):
+        pool.run_ranges(lambda i0, i1: None, 4, threads=2)
 
 
 def test_start_pool_keeps_torch_thread_count():

@@ -9,8 +9,9 @@ items are handed out one at a time to the calling thread and a few Python
 helper threads, so a thread the operating system deschedules (another process
 on the cores) simply takes fewer items instead of holding a share the others
 wait for (numba's OpenMP layer splits a ``prange`` statically among its threads).
-:func:`run_ranges` does the same for a kernel that takes a range of its work items: a serial build
-compiles in about a third of the time of a ``parallel=True`` one (numba's parfor passes).
+:func:`run_ranges` hands out ranges of a serial kernel's work items the same way, on a team of torch's own
+OpenMP pool where torch's libgomp is loaded (else on those Python threads): a serial build compiles in about a
+third of the time of a ``parallel=True`` one (numba's parfor passes).
 """
 
 from __future__ import annotations
@@ -156,13 +157,13 @@ class _Items:
             raise self.error
 
 
-def run_items(work: Callable[[int], Any], items: int, *, threads: int | None = None) -> None:
+def run_items(work: Callable[[int], Any], items: int, *, threads: int | None = None, team: bool = False) -> None:
     """Call ``work(i)`` for every ``i`` in ``range(items)`` on ``threads`` threads, one item at a time.
 
-    The calling thread works too, beside ``threads - 1`` shared helper threads; each takes the next
+    The calling thread works too, beside ``threads - 1`` other threads; each takes the next
     item when it finishes one, so a thread that the operating system deschedules (another process
     on the cores) takes fewer items and nobody waits for a fixed share it holds. The work must
-    release the GIL (a ``nogil=True`` numba kernel) to run in parallel. Helpers that start after
+    release the GIL (a ``nogil=True`` numba kernel) to run in parallel. Threads that start after
     the last item was handed out return at once, so a call made from inside ``work`` cannot deadlock.
 
     Args:
@@ -170,6 +171,8 @@ def run_items(work: Callable[[int], Any], items: int, *, threads: int | None = N
         items: how many items.
         threads: threads to use (None: :func:`kernel_threads`); at most ``items``; 1 runs every item in
             the calling thread.
+        team: the other threads are a team of torch's OpenMP pool where there is one (:data:`KERNEL_TEAM`);
+            False: shared Python helper threads.
 
     Raises:
         The first exception ``work`` raised (no further items are handed out after it).
@@ -179,6 +182,10 @@ def run_items(work: Callable[[int], Any], items: int, *, threads: int | None = N
     if threads == 1:
         for i in range(items):
             work(i)
+        return
+    omp = _team() if team else None
+    if omp is not None:
+        _on_omp_team(work, items, threads, omp)
         return
     call = _Items(work, items)
     pool = _helper_pool(threads - 1)
@@ -191,23 +198,116 @@ def run_items(work: Callable[[int], Any], items: int, *, threads: int | None = N
 #: contiguous ranges of work items per thread that :func:`run_ranges` cuts a call into
 RANGES_PER_THREAD = 4
 
+#: which threads :func:`run_ranges` (and :func:`run_items` with ``team=True``) run on: ``"auto"`` (a team of
+#: torch's OpenMP pool where torch's libgomp is loaded, else Python helper threads), ``"omp"`` or ``"python"``.
+#: Set by the environment variable ``ATTNKIT_KERNEL_TEAM``. Why torch's team: after a torch operation ran on
+#: torch's OpenMP pool, the pool's idle worker spins for a few milliseconds, and Python helper threads share the
+#: cores with it (the sparse engine's 1K forward right after a matmul: 18-19 ms on helper threads, 13-14 ms on the
+#: team; session 40, 2 cores).
+KERNEL_TEAM = os.environ.get("ATTNKIT_KERNEL_TEAM", "auto")
+
+_omp: Any = None            # (GOMP_parallel, its callback type) once looked up; False when there is none
+_omp_lock = threading.Lock()
+
+
+def _omp_parallel() -> Any:
+    """torch's libgomp ``GOMP_parallel`` through ctypes, or None (no libgomp of torch's loaded: another OS, a
+    torch built with another thread pool).
+
+    Why torch's OpenMP team: after any torch operation that ran on its OpenMP pool (a projection's matmul, even
+    ``torch.ceil`` on a few thousand values), the pool's idle worker spins for a few milliseconds. Python helper
+    threads then share the cores with it: the sparse engine's 1K forward right after a matmul took 18-19 ms
+    against 13-14 ms (session 40, 2 cores). A team of torch's pool picks the spinning worker itself, as numba's
+    ``prange`` kernels did (numba's OpenMP layer resolves to the same library), at no compile cost."""
+    global _omp
+    with _omp_lock:
+        if _omp is None:
+            _omp = False
+            try:
+                import ctypes
+
+                lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+                with open("/proc/self/maps", encoding="utf-8") as maps:
+                    paths = {line.split()[-1] for line in maps if "libgomp" in line}
+                ours = sorted(p for p in paths if p.startswith(lib_dir))
+                if ours:
+                    lib = ctypes.CDLL(ours[0])
+                    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+                    fn = lib.GOMP_parallel
+                    fn.argtypes = [callback, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+                    fn.restype = None
+                    _omp = (fn, callback)
+            except (OSError, AttributeError):
+                _omp = False
+        return _omp or None
+
+
+def _on_omp_team(work: Callable[[int], Any], items: int, threads: int, omp: Any) -> None:
+    """:func:`run_items`'s hand-out on a team of ``threads`` threads of torch's OpenMP pool (the calling thread
+    is one of them); the first error is re-raised in the caller."""
+    fn, callback = omp
+    lock = threading.Lock()
+    state: list[Any] = [0, None]   # the next item, the first error
+
+    def body(_data: Any) -> None:
+        while True:
+            with lock:
+                if state[1] is not None or state[0] >= items:
+                    return
+                i = state[0]
+                state[0] += 1
+            try:
+                work(i)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+                with lock:
+                    if state[1] is None:
+                        state[1] = e
+
+    fn(callback(body), None, threads, 0)
+    if state[1] is not None:
+        raise state[1]
+
 
 def run_ranges(kernel: Callable[..., Any], items: int, *args: Any, threads: int | None = None) -> None:
     """Call ``kernel(*args, i0, i1)`` over contiguous ranges ``[i0, i1)`` that cover ``range(items)``, on threads.
 
     For a serial ``nogil`` numba kernel whose loop runs over the work items ``i0 <= i < i1`` and writes its
-    results into arrays among ``args`` (each item its own rows). The items are cut into about
-    :data:`RANGES_PER_THREAD` ranges per thread, handed out one at a time by :func:`run_items` (a thread slowed
-    by another process takes fewer); one thread makes a single call over every item.
+    results into arrays among ``args`` (each item its own rows): a serial build compiles in about a third of the
+    time of a ``parallel=True`` one (numba's parfor passes). The items are cut into about
+    :data:`RANGES_PER_THREAD` ranges per thread, handed out one at a time (a thread slowed by another process
+    takes fewer), to a team of torch's OpenMP pool where there is one (see :data:`KERNEL_TEAM`), else to
+    :func:`run_items`'s Python threads; one thread makes a single call over every item.
 
     Args:
         kernel: called as ``kernel(*args, i0, i1)``; what it returns is ignored.
         items: how many work items (0: no call).
         *args: the kernel's leading arguments.
         threads: threads to use (None: :func:`kernel_threads`).
+
+    Raises:
+        The first exception a call of ``kernel`` raised (no further ranges are handed out after it).
     """
     threads = kernel_threads() if threads is None else max(1, threads)
     if items <= 0:
         return
     ranges = 1 if threads == 1 else min(items, threads * RANGES_PER_THREAD)
-    run_items(lambda r: kernel(*args, r * items // ranges, (r + 1) * items // ranges), ranges, threads=threads)
+    if ranges == 1:
+        kernel(*args, 0, items)
+        return
+
+    def work(r: int) -> None:
+        kernel(*args, r * items // ranges, (r + 1) * items // ranges)
+
+    run_items(work, ranges, threads=threads, team=True)
+
+
+def _team() -> Any:
+    """torch's ``GOMP_parallel`` per :data:`KERNEL_TEAM`, or None for Python helper threads."""
+    if KERNEL_TEAM not in ("auto", "omp", "python"):
+        raise ValueError(f"attnkit.numba_pool.KERNEL_TEAM (or ATTNKIT_KERNEL_TEAM): expected 'auto', 'omp' or "
+                         f"'python', got {KERNEL_TEAM!r}")
+    omp = _omp_parallel() if KERNEL_TEAM != "python" else None
+    if KERNEL_TEAM == "omp" and omp is None:
+        raise RuntimeError("attnkit.numba_pool.KERNEL_TEAM='omp': torch's libgomp is not loaded in this process "
+                           "(torch built with another thread pool, or not Linux); use 'auto' or 'python'")
+    return omp

@@ -6,9 +6,9 @@ Arrays: ``q (N, L, D)``, ``k (N, S, D)``, ``v (N, S, E)`` with N = B·H (row
 :mod:`.plan`) with a leading ``(B', H')`` indexed by ``b % B'``, ``h % H'``.
 
 Every kernel is a serial ``nogil`` function over a range of work items; :mod:`.numba_ops` runs ranges on
-threads (:func:`attnkit.numba_pool.run_items`). A ``parallel=True`` build of the same loop took about three
+threads (:func:`attnkit.numba_pool.run_ranges`). A ``parallel=True`` build of the same loop took about three
 times as long to compile (numba's parfor passes; 24-36 s against 9-14 s for :func:`forward`, session 35) and ran
-no faster (``benchmarks/exp_engine_serial_builds.py``; docs/benchmarks.md, "CI time").
+no faster (docs/benchmarks.md, "CI time, session 40").
 
 * :func:`forward`: work items are the N x NQ query blocks. The query block is
   scaled and transposed once (``(D, BQ)``); per visited key block the scores
@@ -252,7 +252,7 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
             i1):  # pragma: no cover - compiled
     """The work items ``i0 <= it < i1`` (``it = n·NQ + qb``: sequence ``n``, query block ``qb``) of the forward:
     writes their rows of ``out`` ``(N, L, E)`` and ``lse`` ``(N, L)``. A serial ``nogil`` function; the caller
-    runs ranges of items on threads (:func:`attnkit.numba_pool.run_items`)."""
+    runs ranges of items on threads (:func:`attnkit.numba_pool.run_ranges`)."""
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]

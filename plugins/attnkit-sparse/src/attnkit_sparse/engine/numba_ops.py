@@ -10,9 +10,9 @@ runs float16 and bfloat16 inputs on float32 copies and casts the output back (au
 through the casts gives the gradients in the input dtype; the log-sum-exp stays float32).
 
 Threads: the kernels are serial ``nogil`` functions over ranges of work items, run on
-``torch.get_num_threads()`` threads (:func:`attnkit.numba_pool.run_items`, capped by numba's maximum): the
-calling thread and shared helper threads take the next range when they finish one, so a thread slowed by
-another process on the cores takes fewer ranges.
+``torch.get_num_threads()`` threads (:func:`attnkit.numba_pool.run_ranges`, capped by numba's maximum, on a team
+of torch's OpenMP pool): each thread takes the next range when it finishes one, so a thread slowed by another
+process on the cores takes fewer ranges.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.numba_pool import run_items, run_ranges, start_pool
+from attnkit.numba_pool import run_ranges, start_pool
 
 from ..base import spread_evenly
 from .plan import BlockPlan
@@ -116,12 +116,13 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
         qc_a, qi_a, qt_a = _arr(q_count), _arr(q_idx), _arr(q_tile)
         bp, hp = qc_a.shape[:2]
 
-        def sequence(n: int) -> None:
-            i = ((n // H) % bp, (n % H) % hp)
-            K.backward_sequence(qa[n], ka[n], va[n], ga[n], qT[n], gT[n], lse_a[n], delta_a[n], qc_a[i], qi_a[i],
-                                qt_a[i], bank_a, bq, bk, cst, f32, dq[n], dk[n], dv[n])
+        def sequences(n0: int, n1: int) -> None:
+            for n in range(n0, n1):
+                i = ((n // H) % bp, (n % H) % hp)
+                K.backward_sequence(qa[n], ka[n], va[n], ga[n], qT[n], gT[n], lse_a[n], delta_a[n], qc_a[i],
+                                    qi_a[i], qt_a[i], bank_a, bq, bk, cst, f32, dq[n], dk[n], dv[n])
 
-        run_items(sequence, B * H)
+        run_ranges(sequences, B * H)
         return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
                 torch.from_numpy(dv).view(B, H, S, E))
     # compact dS buffer: the visited tiles of each query block one after another (a pattern with a few
