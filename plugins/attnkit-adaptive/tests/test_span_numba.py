@@ -194,7 +194,8 @@ def test_fused_backward_equals_reference(qkv, monkeypatch, saved, chunks, bwd_bl
     _check_poisoned_against_reference(_span([11.7, 13.2, 0.4], ramp=2.5, block_size=4), qkv, 37)
     names = [c[0] for c in calls]
     assert names[0] == "forward" and names[1] == "backward_fused"
-    assert calls[0][1][-2] is saved and calls[1][1][-2] is saved  # the forward kept the scores; the backward read them
+    # the forward kept the scores (its `save`), the backward read them (its `have_s`)
+    assert calls[0][1][-4] is saved and calls[1][1][-8] is saved
     if chunks:
         assert "add_spill" in names, names
 
@@ -236,4 +237,4 @@ def test_forward_keeps_no_scores_without_a_gradient(qkv, monkeypatch):
         span_band_attention_numba(q, k, v, z, 2.0, scale=0.3, block_size=4)
     span_band_attention_numba(q.detach(), k.detach(), v.detach(), z.detach(), 2.0, scale=0.3, block_size=4)
     span_band_attention_numba(q, k, v, z, 2.0, scale=0.3, block_size=4)
-    assert [c[1][-2] for c in calls] == [False, False, True]
+    assert [c[1][-4] for c in calls] == [False, False, True]  # the forward's `save`

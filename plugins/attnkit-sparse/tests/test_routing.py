@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import proj_sum, rand
@@ -362,7 +363,15 @@ def test_top_w_kernel_equals_topk_with_padding_nan_and_ties(dtype, L):
     """The routing kernel's top-w per cluster, ascending, against ``topk`` + ``sort``: padded positions and NaN
     never routed, a batch element with fewer real positions than its width, unused slots position 0 and not ok;
     with ties (integer scores), the routed values are the top-w values and ties go to the lowest positions."""
+    from attnkit.numba_pool import run_ranges
     from attnkit_sparse.routing._numba import top_w_ascending
+
+    def top_w(s, inv, real, H, widths, W):   # as routing runs it: ranges of sequences on two threads
+        N, C, _ = s.shape
+        idx, ok = np.zeros((N, C, W), dtype=np.int64), np.zeros((N, C, W), dtype=np.bool_)
+        run_ranges(top_w_ascending, N * -(-C // 8), s, inv, real, H, widths, W, idx, ok, threads=2)
+        return idx, ok
+
     H, C, W = 2, 3, 16
     s = torch.randn(2 * H, C, L, dtype=torch.float64, generator=torch.Generator().manual_seed(L)).to(dtype)
     s[0, 1, 5] = float("nan")
@@ -371,14 +380,14 @@ def test_top_w_kernel_equals_topk_with_padding_nan_and_ties(dtype, L):
     real[1, L // 2:] = False
     real[1, :3] = False
     widths = torch.tensor([W, 5])
-    idx, ok = top_w_ascending(s.numpy(), inv.numpy(), real.numpy(), H, widths.numpy(), W)
+    idx, ok = top_w(s.numpy(), inv.numpy(), real.numpy(), H, widths.numpy(), W)
     want_i, want_ok, _ = _top_w_torch(s, inv, real, H, widths, W)
     assert torch.equal(torch.from_numpy(ok), want_ok)
     assert torch.equal(torch.from_numpy(idx), want_i)
     # ties: integer scores, so the w-th value is shared by many positions
     t = torch.randint(0, 6, (2 * H, C, L), generator=torch.Generator().manual_seed(3)).to(dtype)
     one = torch.ones(2 * H, L, dtype=dtype)
-    idx, ok = top_w_ascending(t.numpy(), one.numpy(), real.numpy(), H, widths.numpy(), W)
+    idx, ok = top_w(t.numpy(), one.numpy(), real.numpy(), H, widths.numpy(), W)
     idx, ok = torch.from_numpy(idx), torch.from_numpy(ok)
     _, want_ok, x = _top_w_torch(t, one, real, H, widths, W)
     assert torch.equal(ok, want_ok)

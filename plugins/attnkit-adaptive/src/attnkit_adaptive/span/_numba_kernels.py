@@ -17,7 +17,11 @@ The element test, the same arithmetic as the plain reference
 ``m = min(num / R, 1)`` and the span gradient flows where ``num <= R`` (the
 clamp passes its gradient at its bounds, as torch's does).
 
-* :func:`forward`: ``prange`` over N x query blocks of ``bq`` rows (with ``save``, each row's scaled scores over
+Every kernel is a serial ``nogil`` function over a range of work items; :mod:`.numba_band` runs ranges on
+threads (:func:`attnkit.numba_pool.run_ranges`): a ``parallel=True`` build of the same loops took about three
+times as long to compile (numba's parfor passes).
+
+* :func:`forward`: work items are the N x query blocks of ``bq`` rows (with ``save``, each row's scaled scores over
   its reach are kept for :func:`backward_fused`). The
   block's keys ``[min lo, q0 + bq)`` are visited in tiles of ``bk``; inside a
   tile each group of 4 query rows computes only the columns some row of the
@@ -246,18 +250,18 @@ def _group_cols(los, q0, g, gn, t0, kn):  # pragma: no cover - compiled
     return max(glo - t0, 0), min(q0 + g + gn - t0, kn)
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32, far, save, sbuf):  # pragma: no cover - compiled
-    """With ``save``, also keeps every row's scaled scores (``-inf`` where the pair does not count) over its own
-    reach, ``sbuf[n, i, j - i + far[n]] = s_ij`` for ``lo_i <= j <= i`` (``sbuf (N, L, max far + 1)``), for
-    :func:`backward_fused` (which then skips its ``Q Kᵀ`` product)."""
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32, far, save, sbuf, out, lse, i0,
+            i1):  # pragma: no cover - compiled
+    """The work items ``i0 <= it < i1`` (``it = n·NQ + qb``: row ``n``, query block ``qb``): their rows of ``out``
+    ``(N, L, E)`` and ``lse`` ``(N, L)``. With ``save``, also keeps every row's scaled scores (``-inf`` where the
+    pair does not count) over its own reach, ``sbuf[n, i, j - i + far[n]] = s_ij`` for ``lo_i <= j <= i``
+    (``sbuf (N, L, max far + 1)``), for :func:`backward_fused` (which then skips its ``Q Kᵀ`` product)."""
     N, L, D = q.shape
     E = v.shape[2]
     NQ = (L + bq - 1) // bq
-    out = np.empty((N, L, E), dtype=q.dtype)
-    lse = np.empty((N, L), dtype=q.dtype)
     R = cst[_RAMP]; ninf = cst[_NINF]; zero = R * 0
-    for it in numba.prange(N * NQ):
+    for it in range(i0, i1):
         n = it // NQ; qb = it % NQ
         kpb = kp[(n // H) % kp.shape[0]]
         q0 = qb * bq
@@ -343,7 +347,6 @@ def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32, far, save, sbuf):  # p
                 for e in range(E):
                     o[e] = zero
                 lse[n, q0 + r] = -ninf  # exp(s - inf) = 0: a row with no key has no gradient
-    return out, lse
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -469,9 +472,9 @@ def _saved_rows(Sb, Pb, mrow_, red, ebuf, sn, g, gn, q0, wo, c0, c1, fn, los, xs
         dzn[i] = gz / R
 
 
-@numba.njit(parallel=True, cache=True, fastmath=FASTMATH, nogil=True)
-def backward_fused(q, k, v, o, do, lse, z, lo, far, kp, xs, H, bq, cb, cst, is32, have_s,
-                   sbuf):  # pragma: no cover - compiled
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def backward_fused(q, k, v, o, do, lse, z, lo, far, kp, xs, H, bq, cb, cst, is32, have_s, sbuf, dq, dk, dv, dz,
+                   spk, spv, i0, i1):  # pragma: no cover - compiled
     """``dQ``, ``dK``, ``dV`` and ``dz`` in one query-major pass (FlashAttention-2's order), no kept ``t``.
 
     Work item: a chunk of ``cb`` query blocks of one row ``n``, in order. Each block recomputes its scores and
@@ -484,7 +487,9 @@ def backward_fused(q, k, v, o, do, lse, z, lo, far, kp, xs, H, bq, cb, cst, is32
     :func:`add_spill` adds them afterwards, in chunk order (deterministic, no atomics).
     With ``have_s`` the scaled scores come from the forward's ``sbuf`` (see :func:`forward`) instead of ``Q Kᵀ``:
     4 tile products per block instead of 5.
-    Returns ``dq, dk, dv, dz, spill_k, spill_v``."""
+    Runs the work items ``i0 <= it < i1`` (``it = n·NC + chunk``) and writes their rows of ``dq`` ``(N, L, D)``,
+    ``dz`` ``(N, L)``, of ``dk``, ``dv`` (the keys the chunk owns) and their spill rows ``spk`` ``(N·NC, SP, D)``,
+    ``spv`` ``(N·NC, SP, E)`` (zeros on entry; ``SP`` = the largest ``far``)."""
     N, L, D = q.shape
     E = v.shape[2]
     NQ = (L + bq - 1) // bq
@@ -494,14 +499,8 @@ def backward_fused(q, k, v, o, do, lse, z, lo, far, kp, xs, H, bq, cb, cst, is32
         fmax = max(fmax, far[n])
     SP = fmax
     WM = fmax + bq + 8                                    # the widest window, plus the score products' rounding
-    dq = np.empty((N, L, D), dtype=q.dtype)
-    dk = np.empty((N, L, D), dtype=q.dtype)
-    dv = np.empty((N, L, E), dtype=q.dtype)
-    dz = np.empty((N, L), dtype=q.dtype)
-    spk = np.zeros((N * NC, SP, D), dtype=q.dtype)
-    spv = np.zeros((N * NC, SP, E), dtype=q.dtype)
     R = cst[_RAMP]; sc = cst[_SC]; zero = R * 0
-    for it in numba.prange(N * NC):
+    for it in range(i0, i1):
         n = it // NC; ch = it % NC
         kpb = kp[(n // H) % kp.shape[0]]
         qs = q[n]; ks = k[n]; vs = v[n]; os_ = o[n]; dos = do[n]; zs = z[n]; los = lo[n]; lses = lse[n]
@@ -596,17 +595,17 @@ def backward_fused(q, k, v, o, do, lse, z, lo, far, kp, xs, H, bq, cb, cst, is32
             if wo < cs:   # keys before the chunk: its spill rows
                 _dkdv_keys(spk[it], spv[it], cs - SP, wo, cs, wo, q0, qn, fn, Pb, Sb, qs, dos, D, E)
             _dkdv_keys(dks, dvs, 0, max(wo, cs), q0 + qn, wo, q0, qn, fn, Pb, Sb, qs, dos, D, E)
-    return dq, dk, dv, dz, spk, spv
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def add_spill(dk, dv, spk, spv, bq, cb):  # pragma: no cover - compiled
-    """Add :func:`backward_fused`'s spill rows into ``dk`` / ``dv``: per row ``n``, the chunks in order."""
+@numba.njit(cache=True, nogil=True)
+def add_spill(dk, dv, spk, spv, bq, cb, i0, i1):  # pragma: no cover - compiled
+    """Add :func:`backward_fused`'s spill rows into ``dk`` / ``dv``: per row ``i0 <= n < i1``, the chunks in
+    order."""
     N, L, D = dk.shape
     E = dv.shape[2]
     SP = spk.shape[1]
     NC = spk.shape[0] // N
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         for ch in range(1, NC):
             it = n * NC + ch
             cs = ch * cb * bq

@@ -9,9 +9,9 @@ reaches (``i - j < z_i + R``), so the cost is
 ``O(L · (z + R) · D)``; no score matrix and no band of whole blocks is
 materialised. Kernels: :mod:`._numba_kernels`. float32 and float64, CPU.
 
-Threads: numba's pool follows ``torch.get_num_threads()`` at every call; its
-idle threads sleep (``OMP_WAIT_POLICY=PASSIVE`` while the pool starts) rather
-than spin on the cores torch needs next.
+Threads: the kernels are serial ``nogil`` functions over ranges of work items, run on
+``torch.get_num_threads()`` threads (:func:`attnkit.numba_pool.run_ranges`, a team of torch's OpenMP pool); a
+thread slowed by another process on the cores takes fewer ranges.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.numba_pool import kernel_threads, run_parallel, start_pool
+from attnkit.numba_pool import kernel_threads, run_ranges, start_pool
 
 __all__ = ["span_band_attention_numba"]
 
@@ -40,9 +40,9 @@ FUSED_BLOCK: int | None = None
 SCORES_MAX_BYTES = 512 << 20
 
 
-def _run(kernel: Any, items: int, *args: Any) -> Any:
-    """Run a parallel kernel on torch's thread count, one chunk of the ``items`` work items per thread."""
-    return run_parallel(kernel, *args, items=items)
+def _run(kernel: Any, items: int, *args: Any) -> None:
+    """``kernel(*args, i0, i1)`` over the work items ``0 <= i < items``, in ranges on torch's thread count."""
+    run_ranges(kernel, items, *args)
 
 
 def _np(x: Tensor) -> np.ndarray:
@@ -78,8 +78,10 @@ class _SpanBand(torch.autograd.Function):
         fmax = int(far.max()) if far.numel() else 0
         save = grad and B * H * L * (fmax + 1) * q.element_size() <= SCORES_MAX_BYTES
         sbuf = np.empty((B * H, L, fmax + 1) if save else (1, 1, 1), dtype=cst.dtype)
-        out, lse = _run(K.forward, B * H * nq, _flat(qs), _flat(k), _flat(v), _flat(zf),
-                        _flat(lo), _np(kp), _np(xs), H, bq, bk, cst, f32, _np(far), save, sbuf)
+        out = np.empty((B * H, L, E), dtype=cst.dtype)
+        lse = np.empty((B * H, L), dtype=cst.dtype)
+        _run(K.forward, B * H * nq, _flat(qs), _flat(k), _flat(v), _flat(zf), _flat(lo), _np(kp), _np(xs), H, bq, bk,
+             cst, f32, _np(far), save, sbuf, out, lse)
         out_t = torch.from_numpy(out).view(B, H, L, E)
         nan_z = torch.isnan(zf)
         if bool(nan_z.any()):  # a NaN span (dynamic-span predicts it from a NaN query): NaN in, NaN out
@@ -104,11 +106,16 @@ class _SpanBand(torch.autograd.Function):
         nqb = -(-L // bq)
         nc = FUSED_CHUNKS or min(nqb, max(1, -(-4 * kernel_threads() // (B * H))))
         cb = -(-nqb // nc)
-        dq_a, dk_a, dv_a, dz_a, spk, spv = _run(K.backward_fused, B * H * -(-nqb // cb), _flat(qs), _flat(k),
-                                                _flat(v), _flat(out), _flat(g), _np(lse), _flat(zf), _flat(lo),
-                                                _np(far), _np(kp), _np(xs), H, bq, cb, cst, f32,
-                                                ctx.sbuf is not None, sbuf)
-        if spk.shape[0] > B * H and spk.shape[1] > 0:
+        chunks = -(-nqb // cb)
+        sp = int(far.max()) if far.numel() else 0     # spill rows per chunk: the widest reach
+        dt = cst.dtype
+        dq_a, dk_a, dv_a = (np.empty((B * H, L, D), dt), np.empty((B * H, L, D), dt), np.empty((B * H, L, E), dt))
+        dz_a = np.empty((B * H, L), dt)
+        spk, spv = np.zeros((B * H * chunks, sp, D), dt), np.zeros((B * H * chunks, sp, E), dt)
+        _run(K.backward_fused, B * H * chunks, _flat(qs), _flat(k), _flat(v), _flat(out), _flat(g), _np(lse),
+             _flat(zf), _flat(lo), _np(far), _np(kp), _np(xs), H, bq, cb, cst, f32, ctx.sbuf is not None, sbuf,
+             dq_a, dk_a, dv_a, dz_a, spk, spv)
+        if chunks > 1 and sp > 0:
             _run(K.add_spill, B * H, dk_a, dv_a, spk, spv, bq, cb)
         dq = torch.from_numpy(dq_a).view(B, H, L, D) if ctx.needs_input_grad[0] else None
         dk = torch.from_numpy(dk_a).view(B, H, L, D) if ctx.needs_input_grad[1] else None

@@ -54,15 +54,14 @@ def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
     return out
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def counting_sort(lab, nlab):  # pragma: no cover - compiled
-    """Stable sort of each row of ``lab`` int64 ``(N, L)`` (labels in ``[0, nlab)``) -> ``perm`` (sorted index ->
-    position, ties by position) and ``inv`` (position -> sorted index), int64 ``(N, L)``: one counting pass,
-    a prefix sum over the labels and one placing pass per row."""
+@numba.njit(cache=True, nogil=True)
+def counting_sort(lab, nlab, perm, inv, i0, i1):  # pragma: no cover - compiled
+    """Stable sort of the rows ``i0 <= n < i1`` of ``lab`` int64 ``(N, L)`` (labels in ``[0, nlab)``) into ``perm``
+    (sorted index -> position, ties by position) and ``inv`` (position -> sorted index), int64 ``(N, L)``: one
+    counting pass, a prefix sum over the labels and one placing pass per row. A serial ``nogil`` function; the
+    caller runs ranges of rows on threads (:func:`attnkit.numba_pool.run_ranges`)."""
     N, L = lab.shape
-    perm = np.empty((N, L), dtype=np.int64)
-    inv = np.empty((N, L), dtype=np.int64)
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         start = np.zeros(nlab + 1, dtype=np.int64)
         row = lab[n]
         for i in range(L):
@@ -75,4 +74,3 @@ def counting_sort(lab, nlab):  # pragma: no cover - compiled
             start[c] = j + 1
             perm[n, j] = i
             inv[n, i] = j
-    return perm, inv

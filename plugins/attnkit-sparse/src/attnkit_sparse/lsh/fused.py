@@ -47,12 +47,12 @@ def _items(kernel: Any, args: tuple, tail: tuple, N: int, R: int, nq: int) -> No
     t = kernel_threads()
     nb = _blocks(N, nq, t)
     if nb == 1:
-        run_items(lambda n: kernel(*args, n, 0, R, 0, nq, *tail), N, threads=t)
+        run_items(lambda n: kernel(*args, n, 0, R, 0, nq, *tail), N, threads=t, team=True)
         return
     edges = [nq * b // nb for b in range(nb + 1)]
     for r in range(R):
         run_items(lambda i, r=r: kernel(*args, i // nb, r, r + 1, edges[i % nb], edges[i % nb + 1], *tail),
-                  N * nb, threads=t)
+                  N * nb, threads=t, team=True)
 
 
 def _np(x: Tensor) -> Any:

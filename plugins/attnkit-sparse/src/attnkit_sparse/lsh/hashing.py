@@ -130,14 +130,14 @@ def sort_rounds_inverse(bk: Tensor, key_padding_mask: Tensor | None) -> tuple[Te
         last = bk.max() + 1 if bk.numel() else 0
         bk = torch.where(key_padding_mask.to(bk.device)[:, None, None, :], bk, last)
     if bk.device.type == "cpu" and bk.numel() and _numba_ok():
-        from attnkit.numba_pool import run_parallel, start_pool
+        from attnkit.numba_pool import run_ranges
 
         from ._numba import counting_sort
-        start_pool()
         B, H, R, L = bk.shape
         flat = bk.reshape(B * H * R, L).contiguous()
-        perm, inv = run_parallel(counting_sort, flat.numpy(), int(flat.max()) + 1, items=B * H * R)
-        return torch.from_numpy(perm).view(bk.shape), torch.from_numpy(inv).view(bk.shape)
+        perm, inv = torch.empty_like(flat, dtype=torch.int64), torch.empty_like(flat, dtype=torch.int64)
+        run_ranges(counting_sort, B * H * R, flat.numpy(), int(flat.max()) + 1, perm.numpy(), inv.numpy())
+        return perm.view(bk.shape), inv.view(bk.shape)
     perm = bk.argsort(dim=-1, stable=True)                               # ties (one bucket) by position
     inv = torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device).expand_as(perm))
     return perm, inv

@@ -31,5 +31,5 @@ def labels(x: Tensor, rot: Tensor, C: int, out: Tensor, *, rows_per_item: int = 
     step = max(1, int(rows_per_item))
     start_pool()
     run_items(lambda i: hash_rows(flat, rmat, C, L, o, i * step, min(n, (i + 1) * step)), -(-n // step),
-              threads=kernel_threads())
+              threads=kernel_threads(), team=True)
     return out

@@ -9,6 +9,11 @@
   slots one after another); ``idx`` int64 ``(N, M)`` is the position of each routed row. A position may
   be routed by several clusters or by none, so the gradient of a gather is a scatter-add; each work
   item owns one sequence, so no two threads write the same rows.
+
+Every kernel but :func:`route_seq` is a serial ``nogil`` function of its inputs, the output arrays it fills
+(the caller allocates them; zeros where a docstring says so) and a range ``i0 <= item < i1`` of its work
+items; the callers run ranges on threads (:func:`attnkit.numba_pool.run_ranges`). ``parallel=True`` builds of
+the same loops compiled two to five times slower (numba's parfor passes).
 """
 
 from __future__ import annotations
@@ -23,14 +28,14 @@ from .._gathered import tile_scores
 _FM = {"reassoc", "contract", "nsz"}
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def gather_rows(x, idx):  # pragma: no cover - compiled
-    """``x`` ``(N, L, F)``, ``idx`` ``(N, M)`` -> ``(N, M, F)``: ``out[n, j] = x[n, idx[n, j]]``."""
+@numba.njit(cache=True, nogil=True)
+def gather_rows(x, idx, out, i0, i1):  # pragma: no cover - compiled
+    """``x`` ``(N, L, F)``, ``idx`` ``(N, M)`` -> ``out`` ``(N, M, F)``: ``out[n, j] = x[n, idx[n, j]]``. Work items:
+    blocks of 512 routed rows of one sequence."""
     N, L, F = x.shape
     M = idx.shape[1]
-    out = np.empty((N, M, F), dtype=x.dtype)
     nblk = (M + 511) // 512
-    for item in numba.prange(N * nblk):
+    for item in range(i0, i1):
         n = item // nblk
         j0 = (item % nblk) * 512
         for j in range(j0, min(M, j0 + 512)):
@@ -38,15 +43,14 @@ def gather_rows(x, idx):  # pragma: no cover - compiled
             dst = out[n, j]
             for f in range(F):
                 dst[f] = src[f]
-    return out
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
-def scatter_rows(g, idx, L):  # pragma: no cover - compiled
-    """The gradient of :func:`gather_rows`: ``out[n, i] = Σ_{j: idx[n, j] = i} g[n, j]`` ``(N, L, F)``."""
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
+def scatter_rows(g, idx, L, out, i0, i1):  # pragma: no cover - compiled
+    """The gradient of :func:`gather_rows`: ``out[n, i] = Σ_{j: idx[n, j] = i} g[n, j]`` ``(N, L, F)``. Work items:
+    the sequences."""
     N, M, F = g.shape
-    out = np.empty((N, L, F), dtype=g.dtype)
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         o = out[n]
         for i in range(L):
             oi = o[i]
@@ -57,18 +61,16 @@ def scatter_rows(g, idx, L):  # pragma: no cover - compiled
             src = g[n, j]
             for f in range(F):
                 oi[f] += src[f]
-    return out
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
-def combine_forward(out_s, lse_s, idx, L):  # pragma: no cover - compiled
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
+def combine_forward(out_s, lse_s, idx, L, out, w, i0, i1):  # pragma: no cover - compiled
     """The routed rows combined by their log-sum-exp per position: ``out`` ``(N, L, E)`` =
     ``Σ_j w_j out_s[j]`` over the rows ``j`` routed to the position, ``w = softmax(lse)`` among them (rows with
-    ``lse = -inf`` weigh 0; a position with no finite row gives 0), and ``w`` ``(N, M)``."""
+    ``lse = -inf`` weigh 0; a position with no finite row gives 0), and ``w`` ``(N, M)``. Work items: the
+    sequences."""
     N, M, E = out_s.shape
-    out = np.empty((N, L, E), dtype=out_s.dtype)
-    w = np.empty((N, M), dtype=out_s.dtype)
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         m = np.full(L, -np.inf)
         den = np.zeros(L)
         o = out[n]
@@ -103,18 +105,16 @@ def combine_forward(out_s, lse_s, idx, L):  # pragma: no cover - compiled
             d = den[idx[n, j]]
             if d > 0:
                 w[n, j] = w[n, j] / d
-    return out, w
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
-def combine_backward(g, out, out_s, w, idx):  # pragma: no cover - compiled
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
+def combine_backward(g, out, out_s, w, idx, d_out, d_lse, i0, i1):  # pragma: no cover - compiled
     """The gradient of :func:`combine_forward` by routed row: ``d out_s[j] = w_j g_p`` and
-    ``d lse_s[j] = w_j (g_p·out_s[j] − g_p·out_p)`` for ``p = idx[j]``."""
+    ``d lse_s[j] = w_j (g_p·out_s[j] − g_p·out_p)`` for ``p = idx[j]``, into ``d_out`` ``(N, M, E)`` and
+    ``d_lse`` ``(N, M)``. Work items: blocks of 512 routed rows of one sequence."""
     N, M, E = out_s.shape
-    d_out = np.empty((N, M, E), dtype=out_s.dtype)
-    d_lse = np.empty((N, M), dtype=out_s.dtype)
     nblk = (M + 511) // 512
-    for item in numba.prange(N * nblk):
+    for item in range(i0, i1):
         n = item // nblk
         j0 = (item % nblk) * 512
         for j in range(j0, min(M, j0 + 512)):
@@ -129,17 +129,16 @@ def combine_backward(g, out, out_s, w, idx):  # pragma: no cover - compiled
                 dst[e] = wj * gp[e]
                 acc += gp[e] * (src[e] - op[e])
             d_lse[n, j] = wj * acc
-    return d_out, d_lse
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def argmax_clusters(s):  # pragma: no cover - compiled
-    """``s`` ``(N, C, L)`` -> int64 ``(N, L)``: the first ``c`` with the largest ``s[n, c, l]`` (rows of ``-inf``: 0),
-    a vertical pass over the contiguous ``L`` for each ``c``."""
+@numba.njit(cache=True, nogil=True)
+def argmax_clusters(s, out, i0, i1):  # pragma: no cover - compiled
+    """``s`` ``(N, C, L)`` -> ``out`` int64 ``(N, L)``, zeros on entry: the first ``c`` with the largest
+    ``s[n, c, l]`` (rows of ``-inf``: 0), a vertical pass over the contiguous ``L`` for each ``c``. Work items:
+    blocks of 512 positions of one sequence."""
     N, C, L = s.shape
-    out = np.zeros((N, L), dtype=np.int64)
     nblk = (L + 511) // 512
-    for item in numba.prange(N * nblk):
+    for item in range(i0, i1):
         n = item // nblk
         l0 = (item % nblk) * 512
         l1 = min(L, l0 + 512)
@@ -151,7 +150,6 @@ def argmax_clusters(s):  # pragma: no cover - compiled
                 if row[j] > best[j]:
                     best[j] = row[j]
                     arg[j] = c
-    return out
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -230,24 +228,22 @@ def select_row(row, iv, rl, w, st, vals, smp, cand, cv, out_i, out_ok):  # pragm
     _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc)
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
+@numba.njit(cache=True, nogil=True)
+def top_w_ascending(s, inv, real, H, widths, W, idx, ok, i0, i1):  # pragma: no cover - compiled
     """Each cluster's routed positions: for row ``(n, c)`` of the scores ``s`` ``(N, C, L)``, the values
     ``s[n, c, l]·inv[n, l]`` (``-inf`` where ``real[b, l]`` is False or the value is NaN; ``b = n // H`` modulo
     ``real``'s rows), the positions of its ``w = min(widths[b], finite values)`` largest, ascending (ties at
-    the w-th value: the lowest positions), into int64 ``idx`` ``(N, C, W)`` and bool ``ok`` (``False`` and
-    position 0 in the unused slots): :func:`select_row` per row. Work items of up to 8 rows of one sequence
-    share their scratch buffers."""
+    the w-th value: the lowest positions), into int64 ``idx`` ``(N, C, W)`` and bool ``ok``, zeros on entry
+    (``False`` and position 0 in the unused slots): :func:`select_row` per row. Work items of up to 8 rows of
+    one sequence share their scratch buffers."""
     N, C, L = s.shape
-    idx = np.zeros((N, C, W), dtype=np.int64)
-    ok = np.zeros((N, C, W), dtype=np.bool_)
     Rb = real.shape[0]
     st = max(1, L // 512)
     ms = (L + st - 1) // st
     cap = 8 * W + 64
     per = 8
     nci = (C + per - 1) // per
-    for it in numba.prange(N * nci):
+    for it in range(i0, i1):
         n = it // nci
         b = n // H
         w0 = min(widths[b % widths.shape[0]], W)
@@ -257,7 +253,6 @@ def top_w_ascending(s, inv, real, H, widths, W):  # pragma: no cover - compiled
         cv = np.empty(cap, dtype=s.dtype)
         for c in range((it % nci) * per, min(C, (it % nci + 1) * per)):
             select_row(s[n, c], inv[n], real[b % Rb], w0, st, vals, smp, cand, cv, idx[n, c], ok[n, c])
-    return idx, ok
 
 
 #: positions per score tile of :func:`route_seq` (a ``(C, TILE)`` tile: 32 KiB for 128 clusters in float32)
@@ -340,17 +335,14 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
         select_row(sn[c], iv, rl, w0, st, vals, smp, cand, cv, idx[n, c], ok[n, c])
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
-def commit_sums(x, near, real, H, C, eps):  # pragma: no cover - compiled
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
+def commit_sums(x, near, real, H, C, eps, sums, counts, sq, i0, i1):  # pragma: no cover - compiled
     """Per sequence ``n`` of ``x`` ``(N, L, D)``: the sums ``(N, C, D)`` of the unit rows ``x̂ = x / max(‖x‖, eps)``
-    by nearest cluster ``near`` ``(N, L)``, their counts ``(N, C)`` and ``Σ ‖x̂‖²`` ``(N,)``, over the real
-    positions (``real[b, l]``, ``b = n // H`` modulo its rows)."""
+    by nearest cluster ``near`` ``(N, L)``, their counts ``(N, C)`` and ``Σ ‖x̂‖²`` ``(N,)`` (zeros on entry), over
+    the real positions (``real[b, l]``, ``b = n // H`` modulo its rows)."""
     N, L, D = x.shape
     Rb = real.shape[0]
-    sums = np.zeros((N, C, D), dtype=x.dtype)
-    counts = np.zeros((N, C), dtype=x.dtype)
-    sq = np.zeros(N, dtype=x.dtype)
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         rl = real[(n // H) % Rb]
         acc = 0.0
         for p in range(L):
@@ -369,17 +361,15 @@ def commit_sums(x, near, real, H, C, eps):  # pragma: no cover - compiled
             counts[n, c] += 1.0
             acc += n2 * inv * inv
         sq[n] = acc
-    return sums, counts, sq
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FM)
-def commit_grad(x, near, real, H, mu, coef, eps):  # pragma: no cover - compiled
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
+def commit_grad(x, near, real, H, mu, coef, eps, out, i0, i1):  # pragma: no cover - compiled
     """The gradient in ``x`` ``(N, L, D)`` of ``coef·Σ_l ‖x̂_l − μ_c(l)‖²`` (centroids ``mu`` ``(H, C, D)`` constant,
     head ``n % H``): ``2·coef·(x̂ − μ)`` through ``x̂ = x / max(‖x‖, eps)``; 0 at padded positions."""
     N, L, D = x.shape
     Rb = real.shape[0]
-    out = np.empty_like(x)
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         rl = real[(n // H) % Rb]
         mh = mu[n % H]
         for p in range(L):
@@ -407,4 +397,3 @@ def commit_grad(x, near, real, H, mu, coef, eps):  # pragma: no cover - compiled
             else:
                 for d in range(D):
                     o[d] = o[d] * inv
-    return out

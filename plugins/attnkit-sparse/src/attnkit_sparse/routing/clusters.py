@@ -40,12 +40,13 @@ def _nearest(s: Tensor) -> Tensor:
     if s.device.type == "cpu" and s.dtype in (torch.float32, torch.float64):
         from ..engine import why_unavailable
         if why_unavailable("numba", "cpu") is None:
-            from attnkit.numba_pool import run_parallel, start_pool
+            from attnkit.numba_pool import run_ranges
 
             from ._numba import argmax_clusters
-            start_pool()
             a = s.detach().contiguous().view(B * H, C, L).numpy()
-            return torch.from_numpy(run_parallel(argmax_clusters, a, items=B * H * -(-L // 512))).view(B, H, L)
+            out = np.zeros((B * H, L), dtype=np.int64)
+            run_ranges(argmax_clusters, B * H * -(-L // 512), a, out)
+            return torch.from_numpy(out).view(B, H, L)
     return s.argmax(2)
 
 
@@ -93,7 +94,7 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
     on register panels, its nearest centroids and its selection, so the sequence's 8 MiB of scores (16K
     positions, 128 clusters) are read back from the cache instead of memory. Otherwise torch's product over all
     sequences into a reused buffer, :func:`_nearest` and :func:`._numba.top_w_ascending`."""
-    from attnkit.numba_pool import run_items, run_parallel, start_pool
+    from attnkit.numba_pool import run_items, run_ranges, start_pool
 
     from ._numba import route_seq, top_w_ascending
     B, H, L, D = q.shape
@@ -119,7 +120,7 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
             near_a = np.empty((N, L) if nearest else (0, 0), dtype=np.int64)
             idx, ok = np.zeros((N, C, W), dtype=np.int64), np.zeros((N, C, W), dtype=np.bool_)
             head, tail = (xa, mu, real, H, wd, W), (sa, inv_a, near_a, idx, ok)
-            run_items(lambda n, a=head, b=tail: route_seq(*a, n, *b), N)
+            run_items(lambda n, a=head, b=tail: route_seq(*a, n, *b), N, team=True)
             if nearest:
                 near.append(torch.from_numpy(near_a).view(B, H, L))
         else:
@@ -127,8 +128,9 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
             s = torch.matmul(centroids.to(xd.dtype), xd.transpose(-1, -2), out=s)
             if nearest:
                 near.append(_nearest(s))
-            idx, ok = run_parallel(top_w_ascending, s.contiguous().view(N, C, L).numpy(),
-                                   inv.contiguous().view(N, L).numpy(), real, H, wd, W, items=N * -(-C // 8))
+            idx, ok = np.zeros((N, C, W), dtype=np.int64), np.zeros((N, C, W), dtype=np.bool_)
+            run_ranges(top_w_ascending, N * -(-C // 8), s.contiguous().view(N, C, L).numpy(),
+                       inv.contiguous().view(N, L).numpy(), real, H, wd, W, idx, ok)
         out += [torch.from_numpy(idx).view(B, H, C, W), torch.from_numpy(ok).view(B, H, C, W)]
     if nearest:
         return out[0], out[1], out[2], out[3], (near[0], near[1])

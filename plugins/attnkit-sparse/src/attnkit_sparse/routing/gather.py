@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,10 +19,11 @@ def _np(x: Tensor) -> Any:
     return x.detach().contiguous().numpy()
 
 
-def _run(kernel: Any, items: int, *args: Any) -> Any:
-    from attnkit.numba_pool import run_parallel, start_pool
-    start_pool()
-    return run_parallel(kernel, *args, items=items)
+def _run(kernel: Any, items: int, *args: Any) -> None:
+    """``kernel(*args, i0, i1)`` over the work items ``0 <= i < items``, in ranges on torch's thread count (the
+    kernels are serial ``nogil`` functions that write into arrays among ``args``)."""
+    from attnkit.numba_pool import run_ranges
+    run_ranges(kernel, items, *args)
 
 
 class _Gather(torch.autograd.Function):
@@ -31,13 +33,19 @@ class _Gather(torch.autograd.Function):
         ctx.save_for_backward(idx)
         ctx.L = x.shape[1]
         N, M = idx.shape
-        return torch.from_numpy(_run(gather_rows, N * -(-M // 512), _np(x), _np(idx)))
+        xa = _np(x)
+        out = np.empty((N, M, xa.shape[2]), dtype=xa.dtype)
+        _run(gather_rows, N * -(-M // 512), xa, _np(idx), out)
+        return torch.from_numpy(out)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
         from ._numba import scatter_rows
         (idx,) = ctx.saved_tensors
-        return torch.from_numpy(_run(scatter_rows, idx.shape[0], _np(g), idx.numpy(), ctx.L)), None
+        ga = _np(g)
+        out = np.empty((ga.shape[0], ctx.L, ga.shape[2]), dtype=ga.dtype)
+        _run(scatter_rows, idx.shape[0], ga, idx.numpy(), ctx.L, out)
+        return torch.from_numpy(out), None
 
 
 def gather_routed(x: Tensor, idx: Tensor) -> Tensor:
@@ -51,8 +59,10 @@ class _Combine(torch.autograd.Function):
     def forward(ctx: Any, out_s: Tensor, lse_s: Tensor, idx: Tensor, L: int) -> Tensor:
         from ._numba import combine_forward
         os_ = out_s.detach().contiguous()
-        out, w = _run(combine_forward, idx.shape[0], os_.numpy(), _np(lse_s), _np(idx), L)
-        out, w = torch.from_numpy(out), torch.from_numpy(w)
+        N, M, E = os_.shape
+        out = torch.empty(N, L, E, dtype=os_.dtype)
+        w = torch.empty(N, M, dtype=os_.dtype)
+        _run(combine_forward, N, os_.numpy(), _np(lse_s), _np(idx), L, out.numpy(), w.numpy())
         ctx.save_for_backward(out, os_, w, idx)
         return out
 
@@ -61,9 +71,11 @@ class _Combine(torch.autograd.Function):
         from ._numba import combine_backward
         out, out_s, w, idx = ctx.saved_tensors
         N, M = idx.shape
-        d_out, d_lse = _run(combine_backward, N * -(-M // 512), _np(g), out.numpy(), out_s.numpy(), w.numpy(),
-                            idx.contiguous().numpy())
-        return torch.from_numpy(d_out), torch.from_numpy(d_lse), None, None
+        d_out = torch.empty_like(out_s)
+        d_lse = torch.empty(N, M, dtype=out_s.dtype)
+        _run(combine_backward, N * -(-M // 512), _np(g), out.numpy(), out_s.numpy(), w.numpy(),
+             idx.contiguous().numpy(), d_out.numpy(), d_lse.numpy())
+        return d_out, d_lse, None, None
 
 
 def combine_routed(out_s: Tensor, lse_s: Tensor, idx: Tensor, L: int) -> Tensor:
@@ -83,11 +95,14 @@ class _Commitment(torch.autograd.Function):
         n = torch.zeros(H, C, dtype=q.dtype)
         sq = torch.zeros((), dtype=q.dtype)
         for x, nr in ((q, near_q), (k, near_k)):
-            s, c, t = _run(commit_sums, B * H, _np(x).reshape(B * H, L, D), _np(nr).reshape(B * H, L), real, H, C,
-                           _EPS)
-            S += torch.from_numpy(s).view(B, H, C, D).sum(0)
-            n += torch.from_numpy(c).view(B, H, C).sum(0)
-            sq += torch.from_numpy(t).sum()
+            s = torch.zeros(B, H, C, D, dtype=q.dtype)
+            c = torch.zeros(B, H, C, dtype=q.dtype)
+            t = torch.zeros(B * H, dtype=q.dtype)
+            _run(commit_sums, B * H, _np(x).reshape(B * H, L, D), _np(nr).reshape(B * H, L), real, H, C, _EPS,
+                 s.view(B * H, C, D).numpy(), c.view(B * H, C).numpy(), t.numpy())
+            S += s.sum(0)
+            n += c.sum(0)
+            sq += t.sum()
         raw = sq - 2 * (mu * S).sum() + (n * (mu * mu).sum(-1)).sum()
         ctx.save_for_backward(q, k, near_q, near_k, mu)
         ctx.real = real
@@ -103,9 +118,10 @@ class _Commitment(torch.autograd.Function):
         mua = _np(mu)
         grads = []
         for x, nr in ((q, near_q), (k, near_k)):
-            grads.append(torch.from_numpy(_run(commit_grad, B * H, _np(x).reshape(B * H, L, D),
-                                               _np(nr).reshape(B * H, L), ctx.real, H, mua, coef, _EPS))
-                         .view(B, H, L, D))
+            gx = torch.empty(B, H, L, D, dtype=x.dtype)
+            _run(commit_grad, B * H, _np(x).reshape(B * H, L, D), _np(nr).reshape(B * H, L), ctx.real, H, mua, coef,
+                 _EPS, gx.view(B * H, L, D).numpy())
+            grads.append(gx)
         return grads[0], grads[1], None, None, None, None
 
 
