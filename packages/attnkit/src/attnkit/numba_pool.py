@@ -211,14 +211,10 @@ _omp_lock = threading.Lock()
 
 
 def _omp_parallel() -> Any:
-    """torch's libgomp ``GOMP_parallel`` through ctypes, or None (no libgomp of torch's loaded: another OS, a
-    torch built with another thread pool).
-
-    Why torch's OpenMP team: after any torch operation that ran on its OpenMP pool (a projection's matmul, even
-    ``torch.ceil`` on a few thousand values), the pool's idle worker spins for a few milliseconds. Python helper
-    threads then share the cores with it: the sparse engine's 1K forward right after a matmul took 18-19 ms
-    against 13-14 ms (session 40, 2 cores). A team of torch's pool picks the spinning worker itself, as numba's
-    ``prange`` kernels did (numba's OpenMP layer resolves to the same library), at no compile cost."""
+    """torch's libgomp ``GOMP_parallel`` through ctypes (looked up once), or None (no libgomp of torch's loaded:
+    another OS, a torch built with another thread pool). A team of torch's pool takes its spinning worker
+    itself (see :data:`KERNEL_TEAM`), as numba's ``prange`` kernels do (numba's OpenMP layer resolves to the
+    same library)."""
     global _omp
     with _omp_lock:
         if _omp is None:
