@@ -213,8 +213,8 @@ _omp_lock = threading.Lock()
 def _omp_parallel() -> Any:
     """torch's libgomp ``GOMP_parallel`` through ctypes (looked up once), or None (no libgomp of torch's loaded:
     another OS, a torch built with another thread pool). A team of torch's pool takes its spinning worker
-    itself (see :data:`KERNEL_TEAM`), as numba's ``prange`` kernels do (numba's OpenMP layer resolves to the
-    same library)."""
+    itself (see :data:`KERNEL_TEAM`), as numba's ``prange`` kernels apparently do (two busy threads with them,
+    three with Python helper threads)."""
     global _omp
     with _omp_lock:
         if _omp is None:
