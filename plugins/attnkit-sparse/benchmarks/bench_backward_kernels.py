@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from attnkit import masks  # noqa: E402
-from attnkit.numba_pool import run_parallel  # noqa: E402
+from attnkit.numba_pool import run_parallel, run_ranges  # noqa: E402
 from attnkit_sparse.engine import _numba_kernels as NEW  # noqa: E402
 from attnkit_sparse.engine import numba_ops, plan  # noqa: E402
 
@@ -43,13 +43,24 @@ def steps(K, a: dict) -> dict:
     """name -> thunk for each backward kernel of module ``K`` (the arrays in ``a``)."""
     bq, bk = a["bq"], a["bk"]
     stats = (a["lse"], a["delta"], a["H"])
-    out = {
-        "forward": lambda: run_parallel(K.forward, a["q"], a["k"], a["v"], a["H"], a["kv_count"], a["kv_idx"],
-                                        a["kv_tile"], a["bank"], a["span"], bq, bk, a["cst"], a["f32"],
-                                        items=a["N"] * a["nq"]),
-    }
+    fwd = (a["q"], a["k"], a["v"], a["H"], a["kv_count"], a["kv_idx"], a["kv_tile"], a["bank"], a["span"], bq, bk,
+           a["cst"], a["f32"])
     dkdv = (a["q"], a["k"], a["v"], a["g"], *stats, a["q_count"], a["q_idx"], a["q_tile"], a["q_slot"], a["bank"], bq,
             bk, a["cst"], a["f32"], a["ds"], a["ds_off"], a["qT"], a["gT"])
+    if "i1" in inspect.signature(K.forward.py_func).parameters:  # session 40: serial kernels over ranges of items
+        def dkdv_ranges():
+            dk, dv = np.zeros_like(a["k"]), np.zeros_like(a["v"])
+            run_ranges(K.backward_dkdv, a["N"] * a["nk"], *dkdv, dk, dv, 0, a["nq"])
+
+        return {
+            "forward": lambda: run_ranges(K.forward, a["N"] * a["nq"], *fwd, np.empty_like(a["v"]),
+                                          np.empty_like(a["lse"])),
+            "dkdv+ds": dkdv_ranges,
+            "dq_from_ds": lambda: run_ranges(K.backward_dq_from_ds, a["N"] * a["nq"], a["k"], a["ds"], a["ds_off"],
+                                             np.empty_like(a["q"]), 0, a["nq"], a["H"], a["kv_count"], a["kv_idx"],
+                                             bq, bk),
+        }   # the per-sequence backward: "op auto" below
+    out = {"forward": lambda: run_parallel(K.forward, *fwd, items=a["N"] * a["nq"])}
     if "qlo" in inspect.signature(K.backward_dkdv.py_func).parameters:  # session 38: ranges of query blocks
         def dkdv_ds():
             dk, dv = np.zeros_like(a["k"]), np.zeros_like(a["v"])
