@@ -22,14 +22,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.numba_pool import kernel_threads, run_ranges, start_pool
+from attnkit.numba_pool import kernel_threads, run_ranges
+
+from . import _numba_kernels as K
 
 __all__ = ["span_band_attention_numba"]
-
-
-start_pool()
-
-from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
 
 #: the backward is one query-major kernel (:func:`._numba_kernels.backward_fused`); FUSED_CHUNKS: query-block
 #: chunks per row (None: about 4 work items per thread); FUSED_BLOCK: query rows per block (None: the forward's)

@@ -17,15 +17,14 @@ process on the cores takes fewer ranges.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.numba_pool import run_ranges, start_pool
+from attnkit.numba_pool import run_ranges
 
 from ..base import spread_evenly
+from . import _numba_kernels as K
 from .plan import BlockPlan
 
 NAMESPACE = "attnkit_sparse"
@@ -45,16 +44,6 @@ def _fused(n: int) -> bool:
         return bool(FUSED_BACKWARD)
     return spread_evenly(n)
 
-
-start_pool()
-
-from . import _numba_kernels as K  # noqa: E402  -- after the pool started with passive threads
-
-
-def _run(kernel: Any, items: int, *args: Any) -> None:
-    """``kernel(*args, i0, i1)`` over the work items ``0 <= i < items``, in contiguous ranges on torch's thread
-    count (:func:`attnkit.numba_pool.run_ranges`; the kernels release the GIL)."""
-    run_ranges(kernel, items, *args)
 
 
 def _arr(x: Tensor) -> np.ndarray:
@@ -83,8 +72,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, 
     qa = _seq(q)
     out = np.empty((B * H, L, E), dtype=qa.dtype)
     lse = np.empty((B * H, L), dtype=qa.dtype)
-    _run(K.forward, B * H * nq, qa, _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx), _arr(kv_tile), _arr(bank),
-         _arr(span), bq, bk, cst, q.dtype == torch.float32, out, lse)
+    run_ranges(K.forward, B * H * nq, qa, _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx), _arr(kv_tile),
+               _arr(bank), _arr(span), bq, bk, cst, q.dtype == torch.float32, out, lse)
     return torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(lse).view(B, H, L)
 
 
@@ -138,9 +127,9 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     tile_bytes = B * H * bq * bk * q.element_size()
     for lo, hi, tiles in _passes(counts.reshape(-1, nq), tile_bytes):
         ds = np.empty((B * H, tiles, bk, bq), dtype=qa.dtype)
-        _run(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, qc_a, qi_a, qt_a, qs_a, bank_a, bq,
-             bk, cst, f32, ds, off_a, qT, gT, dk, dv, lo, hi)
-        _run(K.backward_dq_from_ds, B * H * (hi - lo), ka, ds, off_a, dq, lo, hi, H, kvc_a, kvi_a, bq, bk)
+        run_ranges(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, qc_a, qi_a, qt_a, qs_a,
+                   bank_a, bq, bk, cst, f32, ds, off_a, qT, gT, dk, dv, lo, hi)
+        run_ranges(K.backward_dq_from_ds, B * H * (hi - lo), ka, ds, off_a, dq, lo, hi, H, kvc_a, kvi_a, bq, bk)
     return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
             torch.from_numpy(dv).view(B, H, S, E))
 

@@ -42,8 +42,7 @@ def _blocks(N: int, nq: int, threads: int) -> int:
 
 def _items(kernel: Any, args: tuple, tail: tuple, N: int, R: int, nq: int) -> None:
     """Call ``kernel(*args, n, r0, r1, c0, c1, *tail)`` over every (sequence, round, chunk) once."""
-    from attnkit.numba_pool import kernel_threads, run_items, start_pool
-    start_pool()
+    from attnkit.numba_pool import kernel_threads, run_items
     t = kernel_threads()
     nb = _blocks(N, nq, t)
     if nb == 1:

@@ -19,7 +19,7 @@ def labels(x: Tensor, rot: Tensor, C: int, out: Tensor, *, rows_per_item: int = 
     written out; the rows are handed to the threads ``rows_per_item`` at a time
     (:func:`attnkit.numba_pool.run_items`: a thread slowed by another process takes fewer).
     """
-    from attnkit.numba_pool import kernel_threads, run_items, start_pool
+    from attnkit.numba_pool import run_items
 
     from ._numba import hash_rows
 
@@ -29,7 +29,5 @@ def labels(x: Tensor, rot: Tensor, C: int, out: Tensor, *, rows_per_item: int = 
     o = out.view(B * H, rot.shape[0], L).numpy()
     n = B * H * L
     step = max(1, int(rows_per_item))
-    start_pool()
-    run_items(lambda i: hash_rows(flat, rmat, C, L, o, i * step, min(n, (i + 1) * step)), -(-n // step),
-              threads=kernel_threads(), team=True)
+    run_items(lambda i: hash_rows(flat, rmat, C, L, o, i * step, min(n, (i + 1) * step)), -(-n // step), team=True)
     return out

@@ -94,13 +94,12 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
     on register panels, its nearest centroids and its selection, so the sequence's 8 MiB of scores (16K
     positions, 128 clusters) are read back from the cache instead of memory. Otherwise torch's product over all
     sequences into a reused buffer, :func:`_nearest` and :func:`._numba.top_w_ascending`."""
-    from attnkit.numba_pool import run_items, run_ranges, start_pool
+    from attnkit.numba_pool import run_items, run_ranges
 
     from ._numba import route_seq, top_w_ascending
     B, H, L, D = q.shape
     C = centroids.shape[1]
     N = B * H
-    start_pool()
     if key_padding_mask is None:
         real = np.ones((1, L), dtype=np.bool_)
     else:

@@ -46,9 +46,8 @@ def _np(x: Tensor) -> Any:
 
 
 def _items(work: Any, N: int) -> None:
-    from attnkit.numba_pool import kernel_threads, run_items, start_pool
-    start_pool()
-    run_items(work, N, threads=kernel_threads(), team=True)
+    from attnkit.numba_pool import run_items
+    run_items(work, N, team=True)
 
 
 class _Fused(torch.autograd.Function):

@@ -12,18 +12,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.numba_pool import run_ranges
+
 __all__ = ["gather_routed", "combine_routed"]
 
 
 def _np(x: Tensor) -> Any:
     return x.detach().contiguous().numpy()
-
-
-def _run(kernel: Any, items: int, *args: Any) -> None:
-    """``kernel(*args, i0, i1)`` over the work items ``0 <= i < items``, in ranges on torch's thread count (the
-    kernels are serial ``nogil`` functions that write into arrays among ``args``)."""
-    from attnkit.numba_pool import run_ranges
-    run_ranges(kernel, items, *args)
 
 
 class _Gather(torch.autograd.Function):
@@ -35,7 +30,7 @@ class _Gather(torch.autograd.Function):
         N, M = idx.shape
         xa = _np(x)
         out = np.empty((N, M, xa.shape[2]), dtype=xa.dtype)
-        _run(gather_rows, N * -(-M // 512), xa, _np(idx), out)
+        run_ranges(gather_rows, N * -(-M // 512), xa, _np(idx), out)
         return torch.from_numpy(out)
 
     @staticmethod
@@ -44,7 +39,7 @@ class _Gather(torch.autograd.Function):
         (idx,) = ctx.saved_tensors
         ga = _np(g)
         out = np.empty((ga.shape[0], ctx.L, ga.shape[2]), dtype=ga.dtype)
-        _run(scatter_rows, idx.shape[0], ga, idx.numpy(), ctx.L, out)
+        run_ranges(scatter_rows, idx.shape[0], ga, idx.numpy(), ctx.L, out)
         return torch.from_numpy(out), None
 
 
@@ -62,7 +57,7 @@ class _Combine(torch.autograd.Function):
         N, M, E = os_.shape
         out = torch.empty(N, L, E, dtype=os_.dtype)
         w = torch.empty(N, M, dtype=os_.dtype)
-        _run(combine_forward, N, os_.numpy(), _np(lse_s), _np(idx), L, out.numpy(), w.numpy())
+        run_ranges(combine_forward, N, os_.numpy(), _np(lse_s), _np(idx), L, out.numpy(), w.numpy())
         ctx.save_for_backward(out, os_, w, idx)
         return out
 
@@ -73,8 +68,8 @@ class _Combine(torch.autograd.Function):
         N, M = idx.shape
         d_out = torch.empty_like(out_s)
         d_lse = torch.empty(N, M, dtype=out_s.dtype)
-        _run(combine_backward, N * -(-M // 512), _np(g), out.numpy(), out_s.numpy(), w.numpy(),
-             idx.contiguous().numpy(), d_out.numpy(), d_lse.numpy())
+        run_ranges(combine_backward, N * -(-M // 512), _np(g), out.numpy(), out_s.numpy(), w.numpy(),
+                   idx.contiguous().numpy(), d_out.numpy(), d_lse.numpy())
         return d_out, d_lse, None, None
 
 
@@ -98,8 +93,8 @@ class _Commitment(torch.autograd.Function):
             s = torch.zeros(B, H, C, D, dtype=q.dtype)
             c = torch.zeros(B, H, C, dtype=q.dtype)
             t = torch.zeros(B * H, dtype=q.dtype)
-            _run(commit_sums, B * H, _np(x).reshape(B * H, L, D), _np(nr).reshape(B * H, L), real, H, C, _EPS,
-                 s.view(B * H, C, D).numpy(), c.view(B * H, C).numpy(), t.numpy())
+            run_ranges(commit_sums, B * H, _np(x).reshape(B * H, L, D), _np(nr).reshape(B * H, L), real, H, C, _EPS,
+                       s.view(B * H, C, D).numpy(), c.view(B * H, C).numpy(), t.numpy())
             S += s.sum(0)
             n += c.sum(0)
             sq += t.sum()
@@ -119,8 +114,8 @@ class _Commitment(torch.autograd.Function):
         grads = []
         for x, nr in ((q, near_q), (k, near_k)):
             gx = torch.empty(B, H, L, D, dtype=x.dtype)
-            _run(commit_grad, B * H, _np(x).reshape(B * H, L, D), _np(nr).reshape(B * H, L), ctx.real, H, mua, coef,
-                 _EPS, gx.view(B * H, L, D).numpy())
+            run_ranges(commit_grad, B * H, _np(x).reshape(B * H, L, D), _np(nr).reshape(B * H, L), ctx.real, H, mua,
+                       coef, _EPS, gx.view(B * H, L, D).numpy())
             grads.append(gx)
         return grads[0], grads[1], None, None, None, None
 
