@@ -154,6 +154,18 @@ def test_run_items_on_a_team_runs_every_item_once(monkeypatch, where):
     assert sorted(seen) == list(range(37))
 
 
+def test_kernel_team_omp_without_torchs_libgomp_says_so(monkeypatch):
+    import attnkit.numba_pool as pool
+    monkeypatch.setattr(pool, "_omp", False)          # as where torch's libgomp is not loaded
+    monkeypatch.setattr(pool, "KERNEL_TEAM", "omp")
+    with pytest.raises(RuntimeError, match="KERNEL_TEAM='omp'.*libgomp is not loaded.*'auto' or 'python'"):
+        pool.run_ranges(lambda i0, i1: None, 4, threads=2)
+    monkeypatch.setattr(pool, "KERNEL_TEAM", "auto")  # auto falls back to Python threads
+    seen = []
+    pool.run_ranges(lambda i0, i1: seen.extend(range(i0, i1)), 4, threads=2)
+    assert sorted(seen) == [0, 1, 2, 3]
+
+
 def test_run_ranges_rejects_an_unknown_setting(monkeypatch):
     import attnkit.numba_pool as pool
     monkeypatch.setattr(pool, "KERNEL_TEAM", "gpu")
