@@ -36,6 +36,9 @@ def _cases(which: str):
             yield "linear", attnkit.build("linear", num_heads=H, head_dim=D, backend="numba"), L, True, False
             yield ("performer", attnkit.build("performer", num_heads=H, head_dim=D, num_features=256,
                                               backend="numba"), L, True, False)
+        for L in (1024, 4096):   # token loops (the gated recurrence, the delta rule): slower, shorter lengths
+            yield "rfa", attnkit.build("rfa", num_heads=H, head_dim=D, backend="numba"), L, True, False
+            yield "fast-weight", attnkit.build("fast-weight", num_heads=H, head_dim=D, backend="numba"), L, True, False
     elif which == "sparse":
         for L in (1024, 8192):
             yield "local w256", attnkit.build("local", window=256, backend="numba"), L, True, False

@@ -12,8 +12,8 @@ process's threads cannot all have a core (``foreign + threads > cores + margin``
 cores other processes used, averaged since the last sample). If so, torch runs on one thread for the
 call (``torch.set_num_threads(1)``, restored after; with OpenMP builds this setting belongs to the
 calling thread); the numba kernels keep the thread count torch had
-(:func:`kernel_thread_count`), because they hand their sequences out one at a time
-(:func:`attnkit.numba_pool.run_items`), which a descheduled thread does not hold up.
+(:func:`kernel_thread_count`), because they hand ranges of their sequences out one at a time
+(:func:`attnkit.numba_pool.run_ranges`), which a descheduled thread does not hold up.
 
 The decision costs one read of ``/proc/stat`` per :data:`WINDOW` seconds (cached in between) and
 never changes a result: the same operations run, on fewer threads. ``ATTNKIT_KERNELIZED_BUSY=off``

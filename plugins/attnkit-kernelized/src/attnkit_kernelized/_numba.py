@@ -1,7 +1,12 @@
-"""What the numba kernels share: the thread pool, dynamic scheduling, fastmath flags, array views.
+"""What the numba kernels share: running a serial kernel over ranges of sequences on threads, fastmath flags,
+array views.
 
-Importing this module imports numba and starts its thread pool; only the
-``numba_ops`` modules import it, on the first use of the numba backend.
+Every kernel of the plugin is a serial ``nogil`` build that computes the work items ``i0 <= i < i1`` (sequences of
+the B*H, or blocks of elements) into outputs its caller allocated; :func:`rows` hands ranges of them to a team of
+torch's OpenMP pool (:func:`attnkit.numba_pool.run_ranges`). A serial build compiles in about a third of the time
+of a ``parallel=True`` one (numba's parfor passes), and torch's own threads do the work instead of a second pool
+beside them (docs/benchmarks.md, "CI time, session 41"). Only the ``numba_ops`` modules import this module, on
+the first use of the numba backend.
 """
 
 from __future__ import annotations
@@ -9,14 +14,11 @@ from __future__ import annotations
 import numpy as np
 from torch import Tensor
 
-from attnkit.numba_pool import kernel_threads, run_items, run_parallel, start_pool
+from attnkit.numba_pool import kernel_threads, run_ranges
 
 from ._busy import kernel_thread_count
 
-__all__ = ["FASTMATH", "kernel_threads", "threads", "dynamic", "rows", "arr", "check_float", "output"]
-
-
-start_pool()   # keeps torch's thread count (launching numba's OpenMP pool reset it; attnkit.numba_pool)
+__all__ = ["FASTMATH", "kernel_threads", "threads", "rows", "arr", "check_float", "output"]
 
 # reassociation lets LLVM vectorise the short reductions; no NaN/inf
 # assumptions, so zeros from masked positions and NaN inputs behave exactly
@@ -47,22 +49,19 @@ def _cap(n: int) -> int:
     return max(1, min(n, numba.config.NUMBA_NUM_THREADS))
 
 
-def dynamic(fn, *args):
-    """Run a parallel kernel on :func:`threads` threads, numba's parallel chunk size 1
-    (:func:`attnkit.numba_pool.run_parallel`; numba's OpenMP layer still splits the sequences statically)."""
-    return run_parallel(fn, *args, threads=threads())
+def rows(kernel, n: int, *args, item: int = 1) -> None:
+    """Run a serial ``nogil`` kernel ``kernel(*args, i0, i1)`` over ``n`` work items on :func:`threads` threads.
 
-
-def rows(kernel, n: int, *args) -> None:
-    """Run a serial ``nogil`` kernel ``kernel(*args, n0, n1)`` (sequences ``n0 <= i < n1`` of ``n``) on
-    :func:`threads` threads, handing out blocks of sequences one at a time
-    (:func:`attnkit.numba_pool.run_items`): a thread the operating system deschedules takes fewer
-    blocks, and the others never wait for a share it holds. Each sequence is computed by one thread with
-    the same code, so the result does not depend on the thread count or the order."""
+    The items (a sequence of the B*H each, or, with ``item > 1``, elements in blocks of ``item``: the kernel then
+    gets element bounds ``i0 <= i < i1`` that are multiples of ``item`` but the last) are cut into about four
+    contiguous ranges per thread and handed out one at a time (:func:`attnkit.numba_pool.run_ranges`): a thread
+    the operating system deschedules takes fewer, and the others never wait for a share it holds. Each item is
+    computed by one thread with the same code, so the result does not depend on the thread count or the order."""
     t = threads()
-    per = max(1, n // (4 * t))                    # at least ~4 blocks per thread; one sequence when n is small
-    blocks = -(-n // per)
-    run_items(lambda b: kernel(*args, b * per, min(n, (b + 1) * per)), blocks, threads=t)
+    if item == 1:
+        run_ranges(kernel, n, *args, threads=t)
+        return
+    run_ranges(lambda *a: kernel(*a[:-2], a[-2] * item, min(n, a[-1] * item)), -(-n // item), *args, threads=t)
 
 
 def arr(x: Tensor) -> np.ndarray:

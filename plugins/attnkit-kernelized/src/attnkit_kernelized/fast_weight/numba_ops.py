@@ -3,7 +3,8 @@
 
 :func:`_delta_forward` runs ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``,
 ``out_t = S_t^T q_t`` position by position from a state ``S0`` (one pass over
-the M x E state per position), parallel over the B*H sequences, saving the
+the M x E state per position) for a range of the B*H sequences
+(:func:`attnkit_kernelized._numba.rows` runs ranges on threads), saving the
 state every ``chunk`` positions; :func:`_delta_backward` walks the positions in
 reverse, recomputing each chunk's states from its checkpoint (memory
 O(L/chunk · M·E) instead of O(L·M·E)), and returns the gradients of q, k, v,
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._numba import FASTMATH, arr, check_float, dynamic
+from .._numba import FASTMATH, arr, check_float, rows
 from .._ops import define
 from ..common import DEFAULT_CHUNK
 
@@ -39,10 +40,12 @@ def _residual(r, vt, kt, S):  # pragma: no cover - compiled
             r[e] -= km * S[m, e]
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
-    """Delta rule per position from S0; returns out (N, L, E) and the states at chunk starts and at the end
-    (N, C+1, M, E).
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _delta_forward(q, k, v, beta, chunk, S0, i0, i1):  # pragma: no cover - compiled
+    """Delta rule per position from S0 for the sequences ``i0 <= n < i1``; returns their out (i1 - i0, L, E) and
+    states at chunk starts and at the end (i1 - i0, C+1, M, E), arrays of its own: writing into arrays the caller
+    passed in (even only a copy at each sequence's end) ran this loop 3x slower (session 41, 8 x 512 positions,
+    M = 128, E = 64, one thread: 26 against 7 ms), so the caller copies them into place.
 
     One pass over the state per position: while row m of S takes position t's write, the same row gives
     t's read-out and ``r`` of position t + 1 (``v_{t+1} - S_t^T k_{t+1}``), four rows at a time (independent
@@ -51,10 +54,10 @@ def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
     N, L, M = q.shape
     E = v.shape[2]
     n_chunks = (L + chunk - 1) // chunk
-    out = np.empty((N, L, E), dtype=q.dtype)
-    ckpt = np.empty((N, n_chunks + 1, M, E), dtype=q.dtype)
+    out = np.empty((i1 - i0, L, E), dtype=q.dtype)
+    ckpt = np.empty((i1 - i0, n_chunks + 1, M, E), dtype=q.dtype)
     M4 = M - M % 4
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         S = S0[n].copy()
         r = np.empty(E, dtype=q.dtype)           # r_t = v_t - S_{t-1}^T k_t
         rn = np.empty(E, dtype=q.dtype)          # r_{t+1}, accumulated during position t's pass
@@ -62,11 +65,11 @@ def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
             _residual(r, v[n, 0], k[n, 0], S)
         for t in range(L):
             if t % chunk == 0:
-                ckpt[n, t // chunk] = S
+                ckpt[n - i0, t // chunk] = S
             kt = k[n, t]
             qt = q[n, t]
             b = beta[n, t]
-            ot = out[n, t]
+            ot = out[n - i0, t]
             tn = min(t + 1, L - 1)                # past the last position: computed, never used
             kn = k[n, tn]
             for e in range(E):
@@ -97,23 +100,20 @@ def _delta_forward(q, k, v, beta, chunk, S0):  # pragma: no cover - compiled
                     ot[e] += qm * a
                     rn[e] -= nm * a
             r, rn = rn, r
-        ckpt[n, n_chunks] = S
+        ckpt[n - i0, n_chunks] = S
     return out, ckpt
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk):  # pragma: no cover - compiled
-    """Gradients of :func:`_delta_forward` w.r.t. q, k, v, beta and S0, given those of the output and of the
-    final state (dSL): a reverse sweep recomputing each chunk's states from its checkpoint."""
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk, dq, dk, dv, db, dS0, i0,
+                    i1):  # pragma: no cover - compiled
+    """Gradients of :func:`_delta_forward` w.r.t. q, k, v, beta and S0 of the sequences ``i0 <= n < i1``, given
+    those of the output and of the final state (dSL), written into dq, dk, dv, db, dS0: a reverse sweep recomputing
+    each chunk's states from its checkpoint."""
     N, L, M = q.shape
     E = v.shape[2]
     n_chunks = (L + chunk - 1) // chunk
-    dq = np.empty((N, L, M), dtype=q.dtype)
-    dk = np.empty((N, L, M), dtype=q.dtype)
-    dv = np.empty((N, L, E), dtype=q.dtype)
-    db = np.empty((N, L), dtype=q.dtype)
-    dS0 = np.empty((N, M, E), dtype=q.dtype)
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         G = dSL[n].copy()                                 # dLoss/dS_t
         states = np.empty((chunk + 1, M, E), dtype=q.dtype)  # S_{c0-1} .. S_{c1-1} of one chunk
         R = np.empty((chunk + 1, E), dtype=q.dtype)       # r_t of the chunk (and one past its end)
@@ -187,7 +187,6 @@ def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk):  # pragma: no cover 
                         G[m, e] = g - c * gk[e]
                     dk[n, t, m] = b * (s1 - s2)
         dS0[n] = G
-    return dq, dk, dv, db, dS0
 
 
 # ------------------------------------------------------------------ operators
@@ -203,8 +202,13 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
     arrays = [_seq(t) for t in (phi_q, phi_k, v, beta, S0)]
     check_float(*arrays)
     q, k, w, b, S0n = arrays
-    out, ckpt = dynamic(_delta_forward, q, k, w, b, int(chunk), S0n)
-    nc = ckpt.shape[1]
+    N, nc, dt = B * H, -(-L // int(chunk)) + 1, q.dtype
+    out, ckpt = np.empty((N, L, E), dtype=dt), np.empty((N, nc, M, E), dtype=dt)
+
+    def part(i0: int, i1: int) -> None:
+        out[i0:i1], ckpt[i0:i1] = _delta_forward(q, k, w, b, int(chunk), S0n, i0, i1)
+
+    rows(part, N)
     return (torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(ckpt[:, -1].copy()).view(B, H, M, E),
             torch.from_numpy(ckpt).view(B, H, nc, M, E))
 
@@ -219,7 +223,8 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
                    chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     arrays = [_seq(t) for t in (phi_q, phi_k, v, beta, ckpt, dout, dS)]
     check_float(*arrays)
-    grads = dynamic(_delta_backward, *arrays, int(chunk))
+    grads = [np.empty(a.shape, dtype=a.dtype) for a in (arrays[0], arrays[1], arrays[2], arrays[3], arrays[6])]
+    rows(_delta_backward, arrays[0].shape[0], *arrays, int(chunk), *grads)
     return tuple(torch.from_numpy(a).view(t.shape) for a, t in zip(grads, (phi_q, phi_k, v, beta, dS)))
 
 

@@ -18,11 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, dynamic, output, rows
+from .._numba import FASTMATH, arr, output, rows
 from .._vexp import HALF, constants, elu1_row
 
-_ITEM = 4096   # elements per parallel work item
+_ITEM = 4096   # elements per work item (rows hands out ranges of them; fewer than this: one call, no thread)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -40,38 +39,13 @@ def _elu_back_rows(g, phi, dx, i0, i1):  # pragma: no cover - compiled
         dx[i] = g[i] * p if p < 1 else g[i]
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _elu_team(x, out, cst, is32):  # pragma: no cover - compiled
-    n = x.shape[0]
-    for b in numba.prange((n + _ITEM - 1) // _ITEM):
-        i = np.int64(b)
-        _elu_rows(x, out, cst, is32, i * _ITEM, min(n, (i + 1) * _ITEM))
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _elu_back_team(g, phi, dx):  # pragma: no cover - compiled
-    n = g.shape[0]
-    for b in numba.prange((n + _ITEM - 1) // _ITEM):
-        i = np.int64(b)
-        _elu_back_rows(g, phi, dx, i * _ITEM, min(n, (i + 1) * _ITEM))
-
-
-def _run(kernel, team, n: int, *args) -> None:
-    """``team(*args)`` on numba's threads, or on a busy machine (see .._busy) ``kernel(*args, i0, i1)`` over
-    blocks of ``_ITEM`` elements handed out by Python threads."""
-    if kernel_thread_count() is not None:
-        rows(lambda b0, b1: kernel(*args, b0 * _ITEM, min(n, b1 * _ITEM)), -(-n // _ITEM))
-    else:
-        dynamic(team, *args)
-
-
 class _EluPlusOne(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
         xa = arr(x).reshape(-1)
         pa = output((xa.size,), xa.dtype)
         if xa.size:
-            _run(_elu_rows, _elu_team, xa.size, xa, pa, constants(xa.dtype), xa.dtype == np.float32)
+            rows(_elu_rows, xa.size, xa, pa, constants(xa.dtype), xa.dtype == np.float32, item=_ITEM)
         phi = torch.from_numpy(pa).view(x.shape)
         ctx.save_for_backward(phi)
         return phi
@@ -82,7 +56,7 @@ class _EluPlusOne(torch.autograd.Function):
         pa = phi.numpy().reshape(-1)
         da = output((pa.size,), pa.dtype)
         if pa.size:
-            _run(_elu_back_rows, _elu_back_team, pa.size, arr(g.to(phi.dtype)).reshape(-1), pa, da)
+            rows(_elu_back_rows, pa.size, arr(g.to(phi.dtype)).reshape(-1), pa, da, item=_ITEM)
         return torch.from_numpy(da).view(phi.shape)
 
 

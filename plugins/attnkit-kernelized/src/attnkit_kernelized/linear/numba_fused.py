@@ -26,8 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, dynamic, output, rows
+from .._numba import FASTMATH, arr, output, rows
 from .._ops import define
 from .._tiles import causal_block_normalised
 from .._vexp import HALF, constants, elu1_row
@@ -78,13 +77,6 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
         z_out[n] = z
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _fused_team(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out):  # pragma: no cover - compiled
-    for n in numba.prange(Q.shape[0]):   # int64: one compile of the row kernel per dtype
-        i = np.int64(n)
-        _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out, i, i + 1)
-
-
 def _fused(q: Tensor, k: Tensor, v: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
            z0: Tensor | None, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
     B, H, L, D = q.shape
@@ -106,10 +98,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, scale: float, pad: Tensor | None, S0
     z = np.empty((N, D), dtype=npdt)
     args = (X, Kx, V, padn, npdt.type(scale), constants(npdt), npdt == np.float32,
             max(1, min(int(chunk), MAX_BLOCK)), S0a, z0a, outa, S, z)
-    if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
-        rows(_fused_rows, N, *args)
-    else:
-        dynamic(_fused_team, *args)
+    rows(_fused_rows, N, *args)
     return (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, D, E),
             torch.from_numpy(z).view(B, H, D))
 

@@ -17,15 +17,11 @@ denominator; the backward pass is three more products
 of the N = B*H (serial, ``nogil``, ``nopython``, ``cache=True``), each into
 arrays of its own, copied into the caller's at its end (writing into argument
 arrays lets LLVM assume they alias the inputs and vectorise the tiles less:
-measured 2x slower). Two ways run it over the sequences: :func:`_causal_team`,
-a numba ``prange`` with one sequence per iteration (numba's OpenMP threads, the
-default), and, while the machine is busy (:mod:`attnkit_kernelized._busy`),
-:func:`attnkit_kernelized._numba.rows`: blocks of sequences handed out one at a
-time to the calling thread and Python helper threads, so a thread another
-process deschedules takes fewer and nobody waits for a fixed share (numba's
-OpenMP layer splits a ``prange`` statically). Each sequence is computed by one
-thread with the same loop either way (the two builds may round in the last bits
-differently; neither depends on the thread count or the order).
+measured 2x slower). :func:`attnkit_kernelized._numba.rows` runs it over the
+sequences: ranges of them handed out one at a time to a team of torch's OpenMP
+threads, so a thread another process deschedules takes fewer and nobody waits
+for a fixed share. Each sequence is computed by one thread with the same loop
+(the result depends neither on the thread count nor on the order).
 
 The kernel walks each sequence in chunks of ``chunk`` positions, so a chunk's
 inputs stay in L1/L2 while they are reused. Every product is
@@ -57,8 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, check_float, dynamic, rows
+from .._numba import FASTMATH, arr, check_float, rows
 from .._ops import call_linear_attention, define, define_linear_attention
 from .._tiles import axpy_rows, causal_block, divide_row
 from ..common import DEFAULT_CHUNK
@@ -178,21 +173,6 @@ def _full_rows(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_o
         z_out[n] = z
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _causal_team(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den, S_out,
-                 z_out):  # pragma: no cover - compiled
-    for n in numba.prange(x.shape[0]):   # prange's index is unsigned: int64 reuses the row kernel Python calls
-        i = np.int64(n)
-        _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out, i, i + 1)
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _full_team(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out):  # pragma: no cover - compiled
-    for n in numba.prange(x.shape[0]):   # int64, as above: one compile of the row kernel per dtype
-        i = np.int64(n)
-        _full_rows(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out, i, i + 1)
-
-
 # ------------------------------------------------------------------ operators
 _MODES = ("causal", "reverse", "full")
 
@@ -227,17 +207,11 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
     den = np.zeros((N, L if with_den else 0), dtype=dt)
     S_ = np.empty((N, DX, DW), dtype=dt)
     z = np.empty((N, DX), dtype=dt)
-    if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
-        if mode == "full":
-            rows(_full_rows, N, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), S0a, z0a, out, den, S_, z)
-        else:
-            rows(_causal_rows, N, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), S0a,
-                 z0a, out, den, S_, z)
-    elif mode == "full":                      # idle: numba's OpenMP team, one sequence per prange iteration
-        dynamic(_full_team, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), S0a, z0a, out, den, S_, z)
+    if mode == "full":
+        rows(_full_rows, N, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), S0a, z0a, out, den, S_, z)
     else:
-        dynamic(_causal_team, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), S0a, z0a,
-                out, den, S_, z)
+        rows(_causal_rows, N, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), S0a, z0a,
+             out, den, S_, z)
     return (torch.from_numpy(out), torch.from_numpy(den), torch.from_numpy(S_),
             torch.from_numpy(z))
 

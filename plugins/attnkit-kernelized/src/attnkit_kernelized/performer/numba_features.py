@@ -35,8 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, dynamic, output, rows
+from .._numba import FASTMATH, arr, output, rows
 from .._tiles import axpy_rows
 from .._vexp import HALF, constants, exp_row
 
@@ -44,7 +43,7 @@ from .._vexp import HALF, constants, exp_row
 _FM = FASTMATH
 
 _BLOCK = 16   # rows per projection block (a (16, M) buffer stays in L1/L2 while it is exponentiated)
-_ITEM = 64    # rows per parallel work item of the row-wise kernels
+_ITEM = 64    # rows per work item of the row-wise kernels (rows hands out ranges of them)
 
 
 @numba.njit(cache=True, fastmath=_FM, inline="always")
@@ -166,39 +165,6 @@ def _back_rows(G, PHI, W, X, pad, scale, DX, r0, r1):  # pragma: no cover - comp
                     out[d] = o[d]
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _query_team(X, WT, P, cst, is32):  # pragma: no cover - compiled
-    R = X.shape[0]
-    for b in numba.prange((R + _ITEM - 1) // _ITEM):
-        i = np.int64(b)
-        _query_rows(X, WT, P, cst, is32, i * _ITEM, min(R, (i + 1) * _ITEM))
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _key_team(X, WT, pad, s2h, cst, is32, P, hi, lo):  # pragma: no cover - compiled
-    for n in numba.prange(X.shape[0]):
-        i = np.int64(n)
-        _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, i, i + 1)
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _back_team(G, PHI, W, X, pad, scale, DX):  # pragma: no cover - compiled
-    R = G.shape[0]
-    for b in numba.prange((R + _ITEM - 1) // _ITEM):
-        i = np.int64(b)
-        _back_rows(G, PHI, W, X, pad, scale, DX, i * _ITEM, min(R, (i + 1) * _ITEM))
-
-
-def _run_rows(kernel, team, R: int, *args) -> None:
-    """``team(*args)`` on numba's threads, or while the machine is busy (see .._busy) ``kernel(*args, r0, r1)``
-    over blocks of ``_ITEM`` rows handed out by Python threads."""
-    if kernel_thread_count() is not None:
-        blocks = -(-R // _ITEM)
-        rows(lambda b0, b1: kernel(*args, b0 * _ITEM, min(R, b1 * _ITEM)), blocks)
-    else:
-        dynamic(team, *args)
-
-
 class _QueryFeatures(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, w: Tensor) -> Tensor:
@@ -208,7 +174,7 @@ class _QueryFeatures(torch.autograd.Function):
         P = output((B * H * L, M), X.dtype)
         phi = torch.from_numpy(P).view(B, H, L, M)
         cst = constants(X.dtype)
-        _run_rows(_query_rows, _query_team, X.shape[0], X, arr(w.t()), P, cst, X.dtype == np.float32)
+        rows(_query_rows, X.shape[0], X, arr(w.t()), P, cst, X.dtype == np.float32, item=_ITEM)
         ctx.save_for_backward(phi, w)
         return phi
 
@@ -222,8 +188,8 @@ class _QueryFeatures(torch.autograd.Function):
         PHI = phi.numpy().reshape(-1, M)
         dq = output((PHI.shape[0], D), PHI.dtype)
         no_pad = np.zeros(0, dtype=np.bool_)
-        _run_rows(_back_rows, _back_team, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
-                  np.zeros((1, D), dtype=PHI.dtype), no_pad, PHI.dtype.type(0), dq)
+        rows(_back_rows, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
+              np.zeros((1, D), dtype=PHI.dtype), no_pad, PHI.dtype.type(0), dq, item=_ITEM)
         return torch.from_numpy(dq).view(B, H, L, D), None
 
 
@@ -242,10 +208,7 @@ class _KeyFeatures(torch.autograd.Function):
         cst = constants(X.dtype)
         args = (X, arr(w.t()), padn, X.dtype.type(0.5 * scale), cst, X.dtype == np.float32,
                 P, hi, lo)
-        if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
-            rows(_key_rows, B * H, *args)
-        else:
-            dynamic(_key_team, *args)
+        rows(_key_rows, B * H, *args)
         hi_t, lo_t = torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H)
         ctx.mark_non_differentiable(hi_t, lo_t)
         ctx.save_for_backward(phi, w, k)
@@ -263,8 +226,8 @@ class _KeyFeatures(torch.autograd.Function):
         PHI = phi.numpy().reshape(-1, M)
         dk = output((PHI.shape[0], D), PHI.dtype)
         # 0 at padded keys, whatever they hold (NaN, Inf): phi is 0 there and the row is skipped
-        _run_rows(_back_rows, _back_team, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
-                  arr(k).reshape(-1, D), ctx.padn, PHI.dtype.type(ctx.scale), dk)
+        rows(_back_rows, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
+              arr(k).reshape(-1, D), ctx.padn, PHI.dtype.type(ctx.scale), dk, item=_ITEM)
         return torch.from_numpy(dk).view(B, H, L, D), None, None, None
 
 

@@ -32,8 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._busy import kernel_thread_count
-from .._numba import FASTMATH, arr, dynamic, output, rows
+from .._numba import FASTMATH, arr, output, rows
 from .._ops import define
 from .._tiles import causal_block_normalised
 from .._vexp import HALF, constants, exp_row
@@ -154,14 +153,6 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
         hi[n] = hb
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _fused_team(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi,
-                lo):  # pragma: no cover - compiled
-    for n in numba.prange(Q.shape[0]):   # int64: one compile of the row kernel per dtype
-        i = np.int64(n)
-        _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, i, i + 1)
-
-
 def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
            z0: Tensor | None, chunk: int, bound: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, H, L, D = q.shape
@@ -184,10 +175,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor
     lo = np.empty(N, dtype=npdt)
     args = (X, Kx, V, arr(w.to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt), npdt == np.float32,
             max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a, outa, S, z, hi, lo)
-    if kernel_thread_count() is not None:   # busy machine (see .._busy): sequences handed out by Python threads
-        rows(_fused_rows, N, *args)
-    else:
-        dynamic(_fused_team, *args)
+    rows(_fused_rows, N, *args)
     return (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, M, E),
             torch.from_numpy(z).view(B, H, M), torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H))
 

@@ -4,8 +4,9 @@ The recurrence (the caller folds RFA's input gate ``1 - g_t`` into ``k``)::
 
     S_t = g_t S_{t-1} + k_t v_t^T,   z_t = g_t z_{t-1} + k_t,   num_t = S_t^T q_t,   den_t = z_t . q_t
 
-:func:`_gated_forward` runs it position by position from a state ``(S0, z0)``,
-parallel over the B*H sequences, saving the state every ``chunk`` positions;
+:func:`_gated_forward` runs it position by position from a state ``(S0, z0)``
+for a range of the B*H sequences (:func:`attnkit_kernelized._numba.rows` runs
+ranges on threads), saving the state every ``chunk`` positions;
 :func:`_gated_backward` walks the positions in reverse, recomputing each
 chunk's states from its checkpoint (memory O(L/chunk · M·E) instead of
 O(L·M·E)), and returns the gradient of every gate (``<dS_t, S_{t-1}> +
@@ -22,28 +23,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._numba import FASTMATH, arr, check_float, dynamic
+from .._numba import FASTMATH, arr, check_float, rows
 from .._ops import define
 from ..common import DEFAULT_CHUNK, normalize
 
 _FASTMATH = FASTMATH
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _gated_forward(q, k, v, g, chunk, S0, z0):  # pragma: no cover - compiled
-    """S_t = g_t S_{t-1} + k_t v_t^T, z_t = g_t z_{t-1} + k_t from (S0, z0); num_t = S_t^T q_t, den_t = z_t . q_t.
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _gated_forward(q, k, v, g, chunk, S0, z0, num, den, ckS, ckz, i0, i1):  # pragma: no cover - compiled
+    """S_t = g_t S_{t-1} + k_t v_t^T, z_t = g_t z_{t-1} + k_t from (S0, z0); num_t = S_t^T q_t, den_t = z_t . q_t,
+    for the sequences ``i0 <= n < i1``.
 
-    Returns num (N, L, E), den (N, L) and the states (S, z) at every chunk start
-    and at the end, (N, C+1, M, E) and (N, C+1, M), for the backward pass.
+    Writes num (N, L, E), den (N, L) and the states (S, z) at every chunk start
+    and at the end, ckS (N, C+1, M, E) and ckz (N, C+1, M), for the backward pass.
     """
     N, L, M = q.shape
     E = v.shape[2]
     n_chunks = (L + chunk - 1) // chunk
-    num = np.empty((N, L, E), dtype=q.dtype)
-    den = np.empty((N, L), dtype=q.dtype)
-    ckS = np.empty((N, n_chunks + 1, M, E), dtype=q.dtype)
-    ckz = np.empty((N, n_chunks + 1, M), dtype=q.dtype)
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         S = S0[n].copy()
         z = z0[n].copy()
         zero = np.zeros(1, dtype=q.dtype)
@@ -71,23 +69,18 @@ def _gated_forward(q, k, v, g, chunk, S0, z0):  # pragma: no cover - compiled
             den[n, t] = d
         ckS[n, n_chunks] = S
         ckz[n, n_chunks] = z
-    return num, den, ckS, ckz
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _gated_backward(q, k, v, g, ckS, ckz, dnum, dden, dSL, dzL, chunk):  # pragma: no cover - compiled
-    """Gradients of :func:`_gated_forward` w.r.t. q, k, v, g and (S0, z0), given those of the outputs and of the
-    final state (dSL, dzL): a reverse sweep recomputing each chunk's states from its checkpoint."""
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _gated_backward(q, k, v, g, ckS, ckz, dnum, dden, dSL, dzL, chunk, dq, dk, dv, dg, dS0, dz0, i0,
+                    i1):  # pragma: no cover - compiled
+    """Gradients of :func:`_gated_forward` w.r.t. q, k, v, g and (S0, z0) of the sequences ``i0 <= n < i1``, given
+    those of the outputs and of the final state (dSL, dzL), written into dq, dk, dv, dg, dS0, dz0: a reverse sweep
+    recomputing each chunk's states from its checkpoint."""
     N, L, M = q.shape
     E = v.shape[2]
     n_chunks = (L + chunk - 1) // chunk
-    dq = np.empty((N, L, M), dtype=q.dtype)
-    dk = np.empty((N, L, M), dtype=q.dtype)
-    dv = np.empty((N, L, E), dtype=q.dtype)
-    dg = np.empty((N, L), dtype=q.dtype)
-    dS0 = np.empty((N, M, E), dtype=q.dtype)
-    dz0 = np.empty((N, M), dtype=q.dtype)
-    for n in numba.prange(N):
+    for n in range(i0, i1):
         G = dSL[n].copy()                                    # dLoss/dS_t
         gz = dzL[n].copy()                                   # dLoss/dz_t
         Ss = np.empty((chunk + 1, M, E), dtype=q.dtype)      # S_{c0-1} .. S_{c1-1}
@@ -150,7 +143,6 @@ def _gated_backward(q, k, v, g, ckS, ckz, dnum, dden, dSL, dzL, chunk):  # pragm
                     gz[m] *= gt
         dS0[n] = G
         dz0[n] = gz
-    return dq, dk, dv, dg, dS0, dz0
 
 
 # ------------------------------------------------------------------ operators
@@ -166,8 +158,10 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, g: Tensor, S0: Tensor, z0:
     arrays = [_seq(t) for t in (phi_q, phi_k, v, g, S0, z0)]
     check_float(*arrays)
     q, k, w, gn, S0n, z0n = arrays
-    num, den, ckS, ckz = dynamic(_gated_forward, q, k, w, gn, int(chunk), S0n, z0n)
-    nc = ckS.shape[1]
+    N, nc, dt = B * H, -(-L // int(chunk)) + 1, q.dtype
+    num, den = np.empty((N, L, E), dtype=dt), np.empty((N, L), dtype=dt)
+    ckS, ckz = np.empty((N, nc, M, E), dtype=dt), np.empty((N, nc, M), dtype=dt)
+    rows(_gated_forward, N, q, k, w, gn, int(chunk), S0n, z0n, num, den, ckS, ckz)
     return (torch.from_numpy(num).view(B, H, L, E), torch.from_numpy(den).view(B, H, L),
             torch.from_numpy(ckS[:, -1].copy()).view(B, H, M, E), torch.from_numpy(ckz[:, -1].copy()).view(B, H, M),
             torch.from_numpy(ckS).view(B, H, nc, M, E), torch.from_numpy(ckz).view(B, H, nc, M))
@@ -186,7 +180,9 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, g: Tensor, ckS: Tens
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     arrays = [_seq(t) for t in (phi_q, phi_k, v, g, ckS, ckz, dnum, dden, dS, dz)]
     check_float(*arrays)
-    grads = dynamic(_gated_backward, *arrays, int(chunk))
+    grads = [np.empty(a.shape, dtype=a.dtype) for a in (arrays[0], arrays[1], arrays[2], arrays[3], arrays[8],
+                                                         arrays[9])]
+    rows(_gated_backward, arrays[0].shape[0], *arrays, int(chunk), *grads)
     return tuple(torch.from_numpy(a).view(t.shape) for a, t in zip(grads, (phi_q, phi_k, v, g, dS, dz)))
 
 
