@@ -239,29 +239,13 @@ def _omp_parallel() -> Any:
 
 
 def _on_omp_team(work: Callable[[int], Any], items: int, threads: int, omp: Any) -> None:
-    """:func:`run_items`'s hand-out on a team of ``threads`` threads of torch's OpenMP pool (the calling thread
-    is one of them); the first error is re-raised in the caller."""
+    """:func:`run_items`'s hand-out (:class:`_Items`) on a team of ``threads`` threads of torch's OpenMP pool (the
+    calling thread is one of them); ``GOMP_parallel`` returns when every team thread has, and the first error is
+    re-raised in the caller."""
     fn, callback = omp
-    lock = threading.Lock()
-    state: list[Any] = [0, None]   # the next item, the first error
-
-    def body(_data: Any) -> None:
-        while True:
-            with lock:
-                if state[1] is not None or state[0] >= items:
-                    return
-                i = state[0]
-                state[0] += 1
-            try:
-                work(i)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
-                with lock:
-                    if state[1] is None:
-                        state[1] = e
-
-    fn(callback(body), None, threads, 0)
-    if state[1] is not None:
-        raise state[1]
+    call = _Items(work, items)
+    fn(callback(lambda _data: call.run()), None, threads, 0)
+    call.wait()
 
 
 def run_ranges(kernel: Callable[..., Any], items: int, *args: Any, threads: int | None = None) -> None:

@@ -223,8 +223,9 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
                    chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     arrays = [_seq(t) for t in (phi_q, phi_k, v, beta, ckpt, dout, dS)]
     check_float(*arrays)
-    grads = [np.empty(a.shape, dtype=a.dtype) for a in (arrays[0], arrays[1], arrays[2], arrays[3], arrays[6])]
-    rows(_delta_backward, arrays[0].shape[0], *arrays, int(chunk), *grads)
+    q, k, w, b, *_, dSL = arrays
+    grads = [np.empty_like(a) for a in (q, k, w, b, dSL)]   # dq, dk, dv, dbeta, dS0
+    rows(_delta_backward, q.shape[0], *arrays, int(chunk), *grads)
     return tuple(torch.from_numpy(a).view(t.shape) for a, t in zip(grads, (phi_q, phi_k, v, beta, dS)))
 
 

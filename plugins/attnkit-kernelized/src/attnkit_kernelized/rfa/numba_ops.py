@@ -180,9 +180,9 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, g: Tensor, ckS: Tens
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     arrays = [_seq(t) for t in (phi_q, phi_k, v, g, ckS, ckz, dnum, dden, dS, dz)]
     check_float(*arrays)
-    grads = [np.empty(a.shape, dtype=a.dtype) for a in (arrays[0], arrays[1], arrays[2], arrays[3], arrays[8],
-                                                         arrays[9])]
-    rows(_gated_backward, arrays[0].shape[0], *arrays, int(chunk), *grads)
+    q, k, w, gn, *_, dSL, dzL = arrays
+    grads = [np.empty_like(a) for a in (q, k, w, gn, dSL, dzL)]   # dq, dk, dv, dg, dS0, dz0
+    rows(_gated_backward, q.shape[0], *arrays, int(chunk), *grads)
     return tuple(torch.from_numpy(a).view(t.shape) for a, t in zip(grads, (phi_q, phi_k, v, g, dS, dz)))
 
 
