@@ -1,6 +1,7 @@
 """The register panels of :mod:`attnkit.numba_panel` (tested here: the core itself does not depend on numba)
 against float64 numpy products: every row and column remainder, offsets into the operands, strided
-coefficients, non-unit output strides (the plain-loop fallback), empty sums."""
+coefficients, non-unit output strides (the plain-loop fallback), empty sums; its register-tile transpose
+against numpy's, exactly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numba
 import numpy as np
 import pytest
 
-from attnkit.numba_panel import axpy_at, axpy_rows, axpy_t
+from attnkit.numba_panel import axpy_at, axpy_rows, axpy_t, transpose
 
 
 @numba.njit(cache=True)
@@ -97,3 +98,39 @@ def test_strided_operands(dt: type) -> None:
     OUT2 = np.zeros((11, 37), dtype=dt)
     _at(OUT2, 11, C, 0, Yc, 0, 19)
     np.testing.assert_allclose(OUT2, ref, **_tol(dt))
+
+
+@numba.njit(cache=True)
+def _transpose(OUT, X, nr, nc):  # pragma: no cover - compiled
+    transpose(OUT, X, nr, nc)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (1, 1), (3, 3), (4, 4), (8, 8), (13, 37), (32, 256), (17, 64)])
+def test_transpose_matches_numpy(dt: type, shape: tuple[int, int]) -> None:
+    """Whole tiles of either dtype and every edge: ``OUT[:nc, :nr] = X[:nr, :nc].T`` bit for bit (a move, no
+    arithmetic), NaN and inf carried as they are; rows and columns of ``OUT`` beyond them keep their values."""
+    nr, nc = shape
+    rng = np.random.default_rng(nr * 100 + nc)
+    X = rng.standard_normal((nr + 2, nc + 3)).astype(dt)
+    X.flat[::7] = np.nan
+    X.flat[3::11] = np.inf
+    OUT = rng.standard_normal((nc + 1, nr + 4)).astype(dt)
+    ref = OUT.copy()
+    ref[:nc, :nr] = X[:nr, :nc].T
+    _transpose(OUT, X, nr, nc)
+    np.testing.assert_array_equal(OUT, ref)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_transpose_views(dt: type) -> None:
+    """Row-reversed and row-sliced views (negative and long row strides: the tiles), and a column-strided source
+    (the plain loop)."""
+    rng = np.random.default_rng(5)
+    Y = rng.standard_normal((40, 24)).astype(dt)
+    OUT = np.zeros((24, 32), dtype=dt)
+    _transpose(OUT, Y[3:35][::-1], 32, 24)                       # reversed rows: negative stride
+    np.testing.assert_array_equal(OUT, Y[3:35][::-1].T)
+    OUT2 = np.zeros((12, 40), dtype=dt)
+    _transpose(OUT2, Y[:, ::2], 40, 12)                          # column stride 2: the plain loop
+    np.testing.assert_array_equal(OUT2, Y[:, ::2].T)

@@ -1,4 +1,5 @@
-"""Register-blocked products for the plugins' numba kernels: ``OUT += C @ Y`` with the output held in vector registers.
+"""Register-blocked products for the plugins' numba kernels: ``OUT += C @ Y`` with the output held in vector registers,
+and :func:`transpose`, a block transposed through registers.
 
 Imported only by plugins' numba kernel modules (it imports numba and llvmlite, which ``import attnkit`` never
 does: the core does not depend on numba; the plugins that use it do).
@@ -24,6 +25,17 @@ coefficients ``C`` may have any strides, so the same panel serves ``C`` row-majo
 key-major (:func:`axpy_t`). ``OUT`` must not overlap ``C`` or ``Y``: the output block is read once before
 the sum and written once after it. Column counts that are not a multiple of the vector width finish in a
 plain loop, so any ``E`` works; float32 and float64 only (the kernels' dtypes).
+
+:func:`transpose` (``OUT[j, i] = X[i, j]``) moves ``W x W`` tiles (8 x 8 float32, 4 x 4 float64) through a network
+of shuffles in registers: 0.15 ns per float32 element against 0.58 for the numba loop that gathers a column
+(``(32, 256)`` blocks, one thread, development VM; docs/benchmarks.md, "Session 42"). The kernelized plugin turns
+each block of key features into the ``(M, T)`` layout its products read with it.
+
+A note for kernels written around these helpers: an element updated by a comparison,
+``m[i] = x if x > m[i] else m[i]``, is vectorised by LLVM into masked stores (``vmaskmovps``), which AMD's cores
+run several times slower than plain stores (0.72 against 0.10-0.14 ns per element on the development VM); write
+``m[i] = np.fmax(m[i], x)`` (the same result where ``m[i]`` is never NaN). ``benchmarks/scan_masked_stores.py``
+lists the kernels whose code still stores through a mask.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["axpy_at", "axpy_t", "axpy_rows"]
+__all__ = ["axpy_at", "axpy_t", "axpy_rows", "transpose"]
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -199,3 +211,90 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
     ``C (>= on, >= yn)``, ``Y (>= yn, >= ne)``, one float dtype; rows of ``OUT`` and ``Y`` with unit stride,
     else a plain loop; ``OUT`` distinct from ``C`` and ``Y``)."""
     _axpy(OUT, 0, on, C, 0, 0, False, Y, 0, yn, ne)
+
+
+# ---- transposes: a tile of W x W elements through registers ---------------------------------------------------
+# A numba loop that gathers a column (``OUT[j, i] = X[i, j]``) moves one element per load and store: the
+# kernelized plugin's causal blocks spent 8 of 57 ms of the performer's causal product at L = 8,192 on it. Here
+# ``W`` rows (``W`` = 8 float32, 4 float64) are loaded as vectors, transposed by a network of shuffles in
+# registers (unpack pairs of rows, then pairs of pairs, then halves: ``log2(W)`` stages) and stored as ``W``
+# vectors.
+
+def _transpose_network(builder: ir.IRBuilder, rows: list, W: int) -> list:
+    """The ``W`` vectors of a ``W x W`` tile transposed: stage ``s`` interleaves blocks of ``2**s`` elements of
+    rows ``i`` and ``i + 2**s`` (the usual unpack / shuffle / permute network, written as ``shufflevector``)."""
+    cur = list(rows)
+    step = 1
+    while step < W:
+        nxt = [None] * W
+        for i in range(W):
+            if i & step:
+                continue
+            a, b = cur[i], cur[i + step]
+            # lo: each even block of `step` elements of a followed by the same block of b; hi: the odd blocks
+            lo, hi = [], []
+            for blk in range(0, W // step, 2):
+                lo += [blk * step + e for e in range(step)] + [W + blk * step + e for e in range(step)]
+                hi += [(blk + 1) * step + e for e in range(step)] + [W + (blk + 1) * step + e for e in range(step)]
+            mask_lo = ir.Constant(ir.VectorType(_I32, W), lo)
+            mask_hi = ir.Constant(ir.VectorType(_I32, W), hi)
+            nxt[i] = builder.shuffle_vector(a, b, mask_lo)
+            nxt[i + step] = builder.shuffle_vector(a, b, mask_hi)
+        cur = nxt
+        step *= 2
+    return cur
+
+
+@intrinsic
+def _tile_t(typingctx, OUT, o, os_, X, x, xs):  # noqa: ANN001, ANN202
+    """``OUT[o + j·os + i] = X[x + i·xs + j]`` for ``i, j < W`` (``W`` = 8 float32, 4 float64; element offsets
+    and row strides from each array's data pointer; rows of ``W`` elements with unit stride)."""
+    for a in (OUT, X):
+        if not isinstance(a, types.Array) or a.dtype not in (types.float32, types.float64):
+            return None
+    if OUT.dtype != X.dtype:
+        return None
+    sig = types.void(OUT, types.intp, types.intp, X, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        aout, ov, osv, ax, xv, xsv = args
+        ft = context.get_value_type(signature.args[0].dtype)
+        W = 8 if signature.args[0].dtype == types.float32 else 4
+        pvt = ir.VectorType(ft, W).as_pointer()
+        pout = builder.gep(context.make_array(signature.args[0])(context, builder, aout).data, [ov])
+        px = builder.gep(context.make_array(signature.args[3])(context, builder, ax).data, [xv])
+        rows = [builder.load(builder.bitcast(builder.gep(px, [builder.mul(xsv, _const(i))]), pvt), align=1)
+                for i in range(W)]
+        cols = _transpose_network(builder, rows, W)
+        for j, v in enumerate(cols):
+            builder.store(v, builder.bitcast(builder.gep(pout, [builder.mul(osv, _const(j))]), pvt), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(cache=True)
+def transpose(OUT, X, nr, nc):  # pragma: no cover - compiled
+    """``OUT[j, i] = X[i, j]`` for ``i < nr``, ``j < nc`` (``X (>= nr, >= nc)``, ``OUT (>= nc, >= nr)``, one float
+    dtype, distinct arrays): tiles of ``W x W`` through registers where rows of both have unit stride (``W`` = 8
+    float32, 4 float64), the edges and strided rows by a plain loop."""
+    it = OUT.itemsize
+    W = 8 if it == 4 else 4
+    r0 = 0
+    c0 = 0
+    if OUT.strides[1] == it and X.strides[1] == it:
+        os_ = OUT.strides[0] // it
+        xs = X.strides[0] // it
+        r0 = nr - nr % W
+        c0 = nc - nc % W
+        for i in range(0, r0, W):
+            for j in range(0, c0, W):
+                _tile_t(OUT, j * os_ + i, os_, X, i * xs + j, xs)
+    for i in range(r0):              # the last columns of the tiled rows
+        xr = X[i]
+        for j in range(c0, nc):
+            OUT[j, i] = xr[j]
+    for j in range(nc):              # the last rows
+        orow = OUT[j]
+        for i in range(r0, nr):
+            orow[i] = X[i, j]
