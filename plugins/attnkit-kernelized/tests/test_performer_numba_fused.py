@@ -160,9 +160,11 @@ def test_lane_maxima_equal_the_sequential_loop(n):
     x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     assert both(x) == (x.max(), x.min())
     if n > 1:
-        x[n // 2] = np.nan             # ignored, as by the sequential loop: a NaN only at row[0] wins
+        x[n // 2] = np.nan             # NaN entries are ignored, wherever they stand
         assert both(x) == (np.nanmax(x), np.nanmin(x))
-    x[0] = np.nan
+        x[0] = np.nan
+        assert both(x) == (np.nanmax(x), np.nanmin(x))
+    x[:] = np.nan                      # NaN only when every entry is
     assert all(np.isnan(both(x)))
 
 

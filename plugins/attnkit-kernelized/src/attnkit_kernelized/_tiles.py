@@ -5,7 +5,9 @@
 panels of 4 output rows x 2 vectors held in registers across the whole sum (LLVM IR through a numba
 intrinsic). It replaced "axpy rows" written as numba loops (4 output rows and 4 terms per pass over a
 row, which loads and stores the output rows every four terms): one thread, linear's fused forward at
-L = 8,192 went from 43-44 ms to 35 ms (docs/benchmarks.md, "Register panels").
+L = 8,192 went from 43-44 ms to 35 ms (docs/benchmarks.md, "Register panels"). :func:`transpose` is
+:func:`attnkit.numba_panel.transpose` (8 x 8 tiles through registers), which turns a block of key features
+into the ``(M, T)`` layout the products read.
 
 :func:`causal_block` is one block of the causal product built from it (the state's part, the causal
 triangle, the denominator, the state update): the one copy of that loop, used by the unfused product
@@ -17,11 +19,11 @@ from __future__ import annotations
 
 import numba
 
-from attnkit.numba_panel import axpy_rows
+from attnkit.numba_panel import axpy_rows, transpose
 
 from ._numba import FASTMATH
 
-__all__ = ["axpy_rows", "divide_row", "causal_block", "causal_block_normalised"]
+__all__ = ["axpy_rows", "transpose", "divide_row", "causal_block", "causal_block_normalised"]
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -92,10 +94,7 @@ def causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, 
     """:func:`causal_block` of the fused no-grad kernels of ``linear`` and ``performer``: the features ready in
     ``xb`` / ``yb`` ``(>= T, M)``, ``yb`` transposed into ``yT``, the normalised output written to
     ``outn[c0:c0+T]``. ``ob (>= T, E)`` and ``db (>= T)`` are scratch."""
-    for j in range(M):      # transposed (gathering along a column ran 2x faster than scattering rows)
-        d_ = yT[j]
-        for t in range(T):
-            d_[t] = yb[t, j]
+    transpose(yT, yb, T, M)
     c1 = c0 + T
     causal_block(xb[:T], vn[c0:c1], yT, A, ob, db, S, z, T, M, E, zero, True, True)
     for t in range(T):

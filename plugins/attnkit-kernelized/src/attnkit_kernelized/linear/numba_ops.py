@@ -55,7 +55,7 @@ from torch import Tensor
 
 from .._numba import FASTMATH, arr, check_float, rows
 from .._ops import call_linear_attention, define, define_linear_attention
-from .._tiles import axpy_rows, causal_block, divide_row
+from .._tiles import axpy_rows, causal_block, divide_row, transpose
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
@@ -93,16 +93,11 @@ def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den,
                     ws = wn[c1 - 1 - t]; wd = wb[t]
                     for e in range(E):
                         wd[e] = ws[e]
-                    ys = yn[c1 - 1 - t]
-                    for m in range(M):
-                        yT[m, t] = ys[m]
+                transpose(yT, yn[c0:c1][::-1], T, M)
                 xc = xb[:T]; wc = wb[:T]
             else:
                 xc = xn[c0:c1]; wc = wn[c0:c1]
-                for t in range(T):
-                    ys = yn[c0 + t]
-                    for m in range(M):
-                        yT[m, t] = ys[m]
+                transpose(yT, yn[c0:c1], T, M)
             # ---- out = x S + the causal triangle (normalised with ``normalize``), den, then the state
             causal_block(xc, wc, yT, A, ob, db, S, z, T, M, E, zero, with_den, normalize)
             # ---- the chunk's results out (back in position order in reverse mode)
@@ -134,10 +129,7 @@ def _full_rows(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_o
         for c0 in range(0, S_, chunk):
             c1 = min(c0 + chunk, S_)
             T = c1 - c0
-            for t in range(T):
-                ys = yn[c0 + t]
-                for m in range(M):
-                    yT[m, t] = ys[m]
+            transpose(yT, yn[c0:c1], T, M)
             axpy_rows(S, yT, wn[c0:c1], M, T, E)
             if with_den:
                 for m in range(M):

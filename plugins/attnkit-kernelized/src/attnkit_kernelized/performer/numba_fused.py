@@ -45,8 +45,13 @@ _LANES = 16
 
 @numba.njit(cache=True, fastmath=_FM, inline="always")
 def _row_max(row, lanes):  # pragma: no cover - compiled
-    """``max(row)`` through ``lanes`` (16) running maxima: a ``select`` reduction vectorises only with ``nnan``,
-    which the kernels do not assume. NaN as the sequential loop gives it (a NaN at ``row[0]`` only)."""
+    """``max(row)`` ignoring NaN (NaN only when every entry is), through ``lanes`` (16) running maxima: a
+    reduction vectorises only with ``nnan``, which the kernels do not assume.
+
+    The lanes are updated by ``np.fmax``, not by ``lanes[i] = x if x > a else a``: LLVM turns that
+    select-and-store into a masked store (``vmaskmovps``), which AMD's cores execute about 7x slower than a
+    plain store (0.72 against 0.10 ns per element in a loop of that form, development VM); ``fmax`` stores
+    every lane."""
     n = row.shape[0]
     x0 = row[0]
     for i in range(_LANES):
@@ -55,19 +60,18 @@ def _row_max(row, lanes):  # pragma: no cover - compiled
     for b in range(0, nl, _LANES):
         seg = row[b:]
         for i in range(_LANES):
-            x = seg[i]; a = lanes[i]
-            lanes[i] = x if x > a else a
+            lanes[i] = np.fmax(lanes[i], seg[i])
     m = x0
     for i in range(_LANES):
-        m = lanes[i] if lanes[i] > m else m
+        m = np.fmax(m, lanes[i])
     for j in range(nl, n):
-        m = row[j] if row[j] > m else m
+        m = np.fmax(m, row[j])
     return m
 
 
 @numba.njit(cache=True, fastmath=_FM, inline="always")
 def _row_min(row, lanes):  # pragma: no cover - compiled
-    """``min(row)``, as :func:`_row_max`."""
+    """``min(row)`` ignoring NaN, as :func:`_row_max`."""
     n = row.shape[0]
     x0 = row[0]
     for i in range(_LANES):
@@ -76,14 +80,53 @@ def _row_min(row, lanes):  # pragma: no cover - compiled
     for b in range(0, nl, _LANES):
         seg = row[b:]
         for i in range(_LANES):
-            x = seg[i]; a = lanes[i]
-            lanes[i] = x if x < a else a
+            lanes[i] = np.fmin(lanes[i], seg[i])
     m = x0
     for i in range(_LANES):
-        m = lanes[i] if lanes[i] < m else m
+        m = np.fmin(m, lanes[i])
     for j in range(nl, n):
-        m = row[j] if row[j] < m else m
+        m = np.fmin(m, row[j])
     return m
+
+
+# The block's features are two calls, not inlined into the kernel: inlined, the key pass's bookkeeping (the
+# per-feature maximum and the minimum) cost about 7 ms of the kernel's ~120 at L = 8,192 (H = 8, M = 256, two
+# threads) against about 2 ms as a call: the larger loop body slowed the code around it.
+
+@numba.njit(cache=True, fastmath=_FM, nogil=True)
+def _query_block(xb, X, WT, T, lanes, nbuf, cst, is32, zero):  # pragma: no cover - compiled
+    """``xb[t] = exp(p - max p)`` with ``p = X[t] WT`` for ``t < T`` (the block's query features)."""
+    _project(xb, X, WT, T, zero)
+    for t in range(T):
+        row = xb[t]
+        exp_row(row, _row_max(row, lanes), nbuf, cst, is32)
+
+
+@numba.njit(cache=True, fastmath=_FM, nogil=True)
+def _key_block(yb, X, WT, T, pad, s2h, h, low, lanes, nbuf, cst, is32, zero):  # pragma: no cover - compiled
+    """``yb[t] = exp(p - s2h |X[t]|^2)`` with ``p = X[t] WT`` for ``t < T`` (the block's key features; 0 where
+    ``pad[t]``, whatever ``X[t]`` holds; ``pad`` may be empty: no padding). Updates ``h[j]``, the largest key
+    exponent of feature ``j``, and returns ``low`` lowered to the smallest exponent of the block's real keys."""
+    D = X.shape[1]
+    M = WT.shape[1]
+    has_pad = pad.shape[0] > 0
+    _project(yb, X, WT, T, zero)
+    for t in range(T):
+        row = yb[t]
+        if has_pad and pad[t]:
+            for j in range(M):
+                row[j] = zero
+        else:
+            kr = X[t]
+            sq = zero
+            for d in range(D):
+                sq += kr[d] * kr[d]
+            c = s2h * sq
+            for j in range(M):
+                h[j] = np.fmax(h[j], row[j] - c)    # fmax: a plain store (see _row_max)
+            low = min(low, _row_min(row, lanes) - c)
+            exp_row(row, c, nbuf, cst, is32)
+    return low
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
@@ -122,28 +165,9 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
             c1 = min(c0 + chunk, L)
             T = c1 - c0
             # ---- features of the block: queries shifted by their row maximum, keys by |k'|^2/2
-            _project(xb, qn[c0:], WT, T, zero)
-            for t in range(T):
-                row = xb[t]
-                exp_row(row, _row_max(row, lanes), nbuf, cst, is32)
-            _project(yb, kn[c0:], WT, T, zero)
-            for t in range(T):
-                row = yb[t]
-                if has_pad and pad[n, c0 + t]:
-                    for j in range(M):
-                        row[j] = zero
-                else:
-                    kr = kn[c0 + t]
-                    sq = zero
-                    for d in range(D):
-                        sq += kr[d] * kr[d]
-                    c = s2h * sq
-                    for j in range(M):
-                        xc = row[j] - c
-                        hj = h[j]
-                        h[j] = xc if xc > hj else hj
-                    low = min(low, _row_min(row, lanes) - c)
-                    exp_row(row, c, nbuf, cst, is32)
+            _query_block(xb, qn[c0:], WT, T, lanes, nbuf, cst, is32, zero)
+            low = _key_block(yb, kn[c0:], WT, T, pad[n, c0:] if has_pad else pad[n], s2h, h, low, lanes, nbuf, cst,
+                             is32, zero)
             if low < -bound or _row_max(h, lanes) > bound:
                 break               # the caller discards the result (hi, lo show why)
             causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero)
