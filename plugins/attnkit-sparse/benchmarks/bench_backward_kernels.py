@@ -43,9 +43,11 @@ def steps(K, a: dict) -> dict:
     """name -> thunk for each backward kernel of module ``K`` (the arrays in ``a``)."""
     bq, bk = a["bq"], a["bk"]
     stats = (a["lse"], a["delta"], a["H"])
-    fwd = (a["q"], a["k"], a["v"], a["H"], a["kv_count"], a["kv_idx"], a["kv_tile"], a["bank"], a["span"], bq, bk,
+    # session 42: the kernels read the element masks key-major, (P, BK, BQ)
+    bank = a["bankT"] if "bankT" in inspect.signature(K._apply_tile_mask.py_func).parameters else a["bank"]
+    fwd = (a["q"], a["k"], a["v"], a["H"], a["kv_count"], a["kv_idx"], a["kv_tile"], bank, a["span"], bq, bk,
            a["cst"], a["f32"])
-    dkdv = (a["q"], a["k"], a["v"], a["g"], *stats, a["q_count"], a["q_idx"], a["q_tile"], a["q_slot"], a["bank"], bq,
+    dkdv = (a["q"], a["k"], a["v"], a["g"], *stats, a["q_count"], a["q_idx"], a["q_tile"], a["q_slot"], bank, bq,
             bk, a["cst"], a["f32"], a["ds"], a["ds_off"], a["qT"], a["gT"])
     if "i1" in inspect.signature(K.forward.py_func).parameters:  # session 40: serial kernels over ranges of items
         def dkdv_ranges():
@@ -75,12 +77,12 @@ def steps(K, a: dict) -> dict:
         out["dq_from_ds"] = lambda: run_parallel(K.backward_dq_from_ds, a["k"], a["ds"], a["ds_off"], a["L"], a["H"],
                                                  a["kv_count"], a["kv_idx"], bq, bk, items=a["N"] * a["nq"])
         out["dq_recompute"] = lambda: run_parallel(K.backward_dq, a["q"], a["k"], a["v"], a["g"], *stats,
-                                                   a["kv_count"], a["kv_idx"], a["kv_tile"], a["bank"], bq, bk,
+                                                   a["kv_count"], a["kv_idx"], a["kv_tile"], bank, bq, bk,
                                                    a["cst"], a["f32"], items=a["N"] * a["nq"])
     if hasattr(K, "backward_heads"):
         span = (a["span"],) if "span" in inspect.signature(K.backward_heads.py_func).parameters else ()
         out["fused heads"] = lambda: run_parallel(K.backward_heads, a["q"], a["k"], a["v"], a["g"], *stats,
-                                                  a["q_count"], a["q_idx"], a["q_tile"], a["bank"], *span, bq, bk,
+                                                  a["q_count"], a["q_idx"], a["q_tile"], bank, *span, bq, bk,
                                                   a["cst"], a["f32"], a["qT"], a["gT"], items=a["N"])
     return out
 
@@ -115,6 +117,7 @@ def main() -> None:
              nk=p.q_count.shape[-1], bq=bq, bk=bk, cst=NEW.constants(np.float32, D ** -0.5), f32=True,
              kv_count=arr(p.kv_count), kv_idx=arr(p.kv_idx), kv_tile=arr(p.kv_tile), q_count=arr(p.q_count),
              q_idx=arr(p.q_idx), q_tile=arr(p.q_tile), q_slot=arr(p.q_slot), bank=arr(p.bank), span=arr(p.span),
+             bankT=arr(p.bank.transpose(-1, -2).contiguous()),
              ds=np.empty((B * H, tiles, bk, bq), np.float32), ds_off=arr((counts.cumsum(-1) - counts).contiguous()),
              qT=np.ascontiguousarray(qa.transpose(0, 2, 1)), gT=np.ascontiguousarray(ga.transpose(0, 2, 1)))
     fns = {f"new {n}": f for n, f in steps(NEW, a).items()}

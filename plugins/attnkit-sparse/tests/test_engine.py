@@ -459,3 +459,34 @@ def test_numba_op_traces_in_torch_compile_fullgraph():
     want = torch.autograd.grad((reference_attend(q, k, v, m, scale=0.25) ** 2).sum(), (q, k, v))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_numba_tile_mask_sets_forbidden_scores_to_minus_inf_whatever_they_hold(dtype):
+    """The numba kernels' tile mask (unconditional ``fmin`` stores, not masked stores): a forbidden score becomes
+    -inf whether it held a number, +-inf or NaN; an allowed one keeps its value bit for bit (NaN and +-inf
+    included); rows past ``kn`` and columns past ``qn`` are not touched."""
+    import numba
+    import numpy as np
+
+    from attnkit_sparse.engine import _numba_kernels as K
+
+    @numba.njit
+    def apply(ST, kn, qn, bankT, t, cst):
+        K._apply_tile_mask(ST, kn, qn, bankT, t, cst)
+
+    rng = np.random.default_rng(0)
+    kn, qn = 7, 13
+    ST = rng.standard_normal((9, 16)).astype(dtype)
+    ST[1, ::3] = np.nan
+    ST[2, ::4] = np.inf
+    ST[3, 1::4] = -np.inf
+    bankT = rng.random((2, 9, 16)) < 0.5                      # entry 1 is the one applied
+    before = ST.copy()
+    apply(ST, kn, qn, bankT, 1, K.constants(np.dtype(dtype), 0.5))
+    keep = bankT[1, :kn, :qn]
+    inner = ST[:kn, :qn]
+    assert (inner[~keep] == -np.inf).all()
+    np.testing.assert_array_equal(inner[keep], before[:kn, :qn][keep])      # NaN compares equal here
+    np.testing.assert_array_equal(ST[kn:], before[kn:])
+    np.testing.assert_array_equal(ST[:, qn:], before[:, qn:])

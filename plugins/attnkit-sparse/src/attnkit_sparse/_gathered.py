@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 import numba
+import numpy as np
 
 from attnkit.numba_panel import axpy_at, axpy_t
 
@@ -90,7 +91,7 @@ def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, 
         row = ST[j]
         for i in range(width):
             x = row[i]
-            mx[i] = x if x > mx[i] else mx[i]
+            mx[i] = np.fmax(mx[i], x)      # fmax, not a select: see attnkit.numba_panel (masked stores)
     for i in range(width):    # an all-masked column keeps 0 as its shift (its exps are all 0)
         shift[i] = mx[i] if mx[i] > ninf else zero
         csum[i] = zero

@@ -231,20 +231,20 @@ def _axpy_t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _apply_tile_mask(Sc, rn, cn, bank, t, transposed):  # pragma: no cover - compiled
-    """``-inf`` where the bank entry ``t`` forbids a pair (``Sc`` is ``(rows, cols)``, transposed for key-major)."""
-    ninf = -np.inf
-    if transposed:
-        for i in range(rn):
-            for j in range(cn):
-                if not bank[t, j, i]:
-                    Sc[i, j] = ninf
-    else:
-        for i in range(rn):
-            bt = bank[t, i]
-            for j in range(cn):
-                if not bt[j]:
-                    Sc[i, j] = ninf
+def _apply_tile_mask(ST, kn, qn, bankT, t, cst):  # pragma: no cover - compiled
+    """``-inf`` where the bank entry ``t`` forbids a pair, in a key-major tile ``ST[:kn, :qn]`` (``bankT`` the bank
+    key-major too, ``(P, BK, BQ)``), whatever the score holds (NaN included); allowed scores stay as they are.
+
+    ``fmin(s, NaN)`` is ``s`` and ``fmin(s, -inf)`` is ``-inf``, so every score is stored unconditionally: the
+    conditional form (``if not allowed: ST[j, i] = -inf``) compiles to masked stores, which took 1.25 ns per
+    element on the development VM against 0.20 here (docs/benchmarks.md, "Session 42")."""
+    drop = cst[_NINF]
+    keep = drop - drop        # NaN in the array's dtype
+    for j in range(kn):
+        r = ST[j]
+        b = bankT[t, j]
+        for i in range(qn):
+            r[i] = np.fmin(r[i], keep if b[i] else drop)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
@@ -252,7 +252,8 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
             i1):  # pragma: no cover - compiled
     """The work items ``i0 <= it < i1`` (``it = n·NQ + qb``: sequence ``n``, query block ``qb``) of the forward:
     writes their rows of ``out`` ``(N, L, E)`` and ``lse`` ``(N, L)``. A serial ``nogil`` function; the caller
-    runs ranges of items on threads (:func:`attnkit.numba_pool.run_ranges`)."""
+    runs ranges of items on threads (:func:`attnkit.numba_pool.run_ranges`). ``bank``: the plan's element masks
+    key-major, ``(P, BK, BQ)`` (as the backward kernels read it too)."""
     N, L, D = q.shape
     S = k.shape[1]
     E = v.shape[2]
@@ -288,19 +289,14 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
             kn = min(bk, S - k0)
             _dots(ks, k0, kn, QT, ST, zero)
             if t >= 0:
-                bt = bank[t]
-                for i in range(qn):
-                    bi_ = bt[i]
-                    for j in range(kn):
-                        if not bi_[j]:
-                            ST[j, i] = ninf
+                _apply_tile_mask(ST, kn, qn, bank, t, cst)
             for i in range(bq):
                 mx[i] = m[i]
             for j in range(kn):
                 r = ST[j]
                 for i in range(bq):
                     x = r[i]
-                    mx[i] = x if x > mx[i] else mx[i]
+                    mx[i] = np.fmax(mx[i], x)      # fmax, not a select: see attnkit.numba_panel (masked stores)
             for i in range(bq):       # exp(m_old - m_new); an all-masked column keeps 0 as its shift
                 s_ = mx[i] if mx[i] > ninf else zero
                 alpha[i] = m[i] - s_
@@ -419,7 +415,7 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
                     dst[i] = src[i]
             _dots(ks, k0, kn, QT, ST, zero)
             if t >= 0:
-                _apply_tile_mask(ST, kn, qn, bank, t, True)
+                _apply_tile_mask(ST, kn, qn, bank, t, cst)
             lr = lse[n, q0:q0 + qn]
             dl = delta[n, q0:q0 + qn]
             for j in range(kn):
@@ -497,7 +493,7 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
                     dst[i] = src[i]
             _dots(ks, k0, kn, QT, ST, zero)
             if t >= 0:
-                _apply_tile_mask(ST, kn, qn, bank, t, True)
+                _apply_tile_mask(ST, kn, qn, bank, t, cst)
             lr = lr_all[q0:q0 + qn]
             dl = dl_all[q0:q0 + qn]
             for j in range(kn):

@@ -61,6 +61,13 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
                          f"{q.device}")
 
 
+def _key_major(bank: Tensor) -> np.ndarray:
+    """The plan's element masks ``(P, BQ, BK)`` as the kernels read them, key-major ``(P, BK, BQ)``: a tile's
+    scores are key-major, and a mask read along them is applied without masked stores
+    (:func:`._numba_kernels._apply_tile_mask`). A copy per call (P·BQ·BK bytes)."""
+    return _arr(bank.transpose(-1, -2).contiguous())
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor,
              q_idx: Tensor, q_tile: Tensor, q_slot: Tensor, bank: Tensor, span: Tensor, bq: int, bk: int,
              scale: float) -> tuple[Tensor, Tensor]:
@@ -73,7 +80,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, 
     out = np.empty((B * H, L, E), dtype=qa.dtype)
     lse = np.empty((B * H, L), dtype=qa.dtype)
     run_ranges(K.forward, B * H * nq, qa, _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx), _arr(kv_tile),
-               _arr(bank), _arr(span), bq, bk, cst, q.dtype == torch.float32, out, lse)
+               _key_major(bank), _arr(span), bq, bk, cst, q.dtype == torch.float32, out, lse)
     return torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(lse).view(B, H, L)
 
 
@@ -94,7 +101,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     f32 = q.dtype == torch.float32
     qa, ka, va, ga = _seq(q), _seq(k), _seq(v), _seq(g)
     stats = (_arr(lse.reshape(B * H, L)), _arr(delta.reshape(B * H, L)), H)
-    bank_a = _arr(bank)
+    bank_a = _key_major(bank)
     nq = kv_idx.shape[-2]
     qT, gT = np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1))
     if _fused(B * H):

@@ -47,6 +47,7 @@ from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
 def _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf):  # pragma: no cover - compiled
     """``-inf`` in the key-major scores ``ST`` ``(kn, ·)`` where key ``j`` may not be seen by query ``i``."""
     if causal or padded:
+        keep = ninf - ninf    # NaN in the scores' dtype
         for j in range(kn):
             pj = pk[j]
             row = ST[j]
@@ -54,10 +55,9 @@ def _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf):  # pragma: no
                 for i in range(qn):
                     row[i] = ninf
                 continue
-            for i in range(qn):
+            for i in range(qn):     # unconditional stores (fmin(s, NaN) is s): see routing's _causal
                 pi = pq[i]
-                if pj == pi or (causal and pj > pi):
-                    row[i] = ninf
+                row[i] = np.fmin(row[i], ninf if (pj == pi or (causal and pj > pi)) else keep)
     else:   # a round is a permutation: a position meets itself only on its own chunk's diagonal
         for i in range(qn):
             ST[kp + i, i] = ninf

@@ -44,13 +44,15 @@ from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _causal(ST, pk, pq, kn, qn, ninf):  # pragma: no cover - compiled
-    """``-inf`` in the key-major scores ``ST`` where key position ``pk[j]`` is after query position ``pq[i]``."""
+    """``-inf`` in the key-major scores ``ST`` where key position ``pk[j]`` is after query position ``pq[i]``.
+    Stored unconditionally (``fmin(s, NaN)`` is ``s``): a conditional store compiles to slow masked stores (see
+    :func:`attnkit_sparse.engine._numba_kernels._apply_tile_mask`)."""
+    keep = ninf - ninf        # NaN in the scores' dtype
     for j in range(kn):
         pj = pk[j]
         row = ST[j]
         for i in range(qn):
-            if pj > pq[i]:
-                row[i] = ninf
+            row[i] = np.fmin(row[i], ninf if pj > pq[i] else keep)
 
 
 #: queries per score tile: a cluster's queries run in blocks of this many against all its keys, so the
