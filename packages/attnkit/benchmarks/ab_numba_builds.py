@@ -71,12 +71,14 @@ def _time_case(mod, L: int, causal: bool, shared: bool, repeats: int) -> tuple[f
     return fwd, _median_seconds(step, repeats, cpu) * 1e3
 
 
-def child(which: str, repeats: int, threads: int) -> None:
+def child(which: str, repeats: int, threads: int, only: list[str], lengths: list[int]) -> None:
     import torch
 
     torch.manual_seed(0)
     torch.set_num_threads(threads)
     for label, mod, L, causal, shared in _cases(which):
+        if (only and label not in only) or (lengths and L not in lengths):
+            continue
         fwd, fwdbwd = _time_case(mod, L, causal, shared, repeats)
         print(json.dumps({"case": label, "L": L, "fwd_ms": round(fwd, 2), "fwdbwd_ms": round(fwdbwd, 2)}),
               flush=True)
@@ -89,10 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="processes per tree, alternated")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per case (median reported)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in the children")
+    p.add_argument("--only", nargs="*", default=[], metavar="CASE",
+                   help="run only these cases of the set (their labels, e.g. linear performer)")
+    p.add_argument("--lengths", nargs="*", type=int, default=[], metavar="L", help="run only these lengths")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.which, args.repeats, args.threads)
+        child(args.which, args.repeats, args.threads, args.only, args.lengths)
         return 0
     if len(args.trees) != 2:
         p.error(f"trees: expected two repository roots (A and B), got {len(args.trees)}")
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(os.environ, NUMBA_CACHE_DIR=cache,
                        PYTHONPATH=os.pathsep.join(str(root / s) for s in SRC))
             out = subprocess.run([sys.executable, __file__, "--child", "--set", args.which, "--repeats",
-                                  str(args.repeats), "--threads", str(args.threads)],
+                                  str(args.repeats), "--threads", str(args.threads), "--only", *args.only,
+                                  "--lengths", *map(str, args.lengths)],
                                  env=env, capture_output=True, text=True, check=True)
             for line in out.stdout.splitlines():
                 print(tag, line, flush=True)
