@@ -4,7 +4,7 @@ integer forms), with the source lines they come from.
 A loop that updates an array element by a comparison, ``m[i] = x if x > m[i] else m[i]`` (or stores only under a
 condition, ``if not keep[j]: s[j] = -inf``), is vectorised by LLVM into masked stores. AMD's cores run those
 several times slower than plain stores: on the development VM (AMD EPYC, Zen 3, AVX2) such a running maximum
-took 0.72 ns per element against 0.10 for the same loop writing to another array and 0.14 with ``np.fmax``
+took 0.76 ns per element against 0.08 for the same loop writing to another array and 0.13 with ``np.fmax``
 (docs/benchmarks.md, "Session 42"). This script runs each mechanism's numba backend on tiny inputs (forward,
 backward and a no-grad forward, causal and not), then reads the assembly of every numba kernel the run compiled
 in the ``attnkit`` packages, and prints each kernel with masked stores and the source lines they come from.

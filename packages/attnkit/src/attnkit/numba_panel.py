@@ -27,13 +27,13 @@ the sum and written once after it. Column counts that are not a multiple of the 
 plain loop, so any ``E`` works; float32 and float64 only (the kernels' dtypes).
 
 :func:`transpose` (``OUT[j, i] = X[i, j]``) moves ``W x W`` tiles (8 x 8 float32, 4 x 4 float64) through a network
-of shuffles in registers: 0.15 ns per float32 element against 0.58 for the numba loop that gathers a column
+of shuffles in registers: 0.21 ns per float32 element against 0.57 for the numba loop that gathers a column
 (``(32, 256)`` blocks, one thread, development VM; docs/benchmarks.md, "Session 42"). The kernelized plugin turns
 each block of key features into the ``(M, T)`` layout its products read with it.
 
 A note for kernels written around these helpers: an element updated by a comparison,
 ``m[i] = x if x > m[i] else m[i]``, is vectorised by LLVM into masked stores (``vmaskmovps``), which AMD's cores
-run several times slower than plain stores (0.72 against 0.10-0.14 ns per element on the development VM); write
+run several times slower than plain stores (0.76 against 0.08-0.13 ns per element on the development VM); write
 ``m[i] = np.fmax(m[i], x)`` (the same result where ``m[i]`` is never NaN). ``benchmarks/scan_masked_stores.py``
 lists the kernels whose code still stores through a mask.
 """

@@ -49,9 +49,9 @@ def _row_max(row, lanes):  # pragma: no cover - compiled
     reduction vectorises only with ``nnan``, which the kernels do not assume.
 
     The lanes are updated by ``np.fmax``, not by ``lanes[i] = x if x > a else a``: LLVM turns that
-    select-and-store into a masked store (``vmaskmovps``), which AMD's cores execute about 7x slower than a
-    plain store (0.72 against 0.10 ns per element in a loop of that form, development VM); ``fmax`` stores
-    every lane."""
+    select-and-store into a masked store (``vmaskmovps``), which AMD's cores execute about 6x slower than a
+    plain store (0.76 against 0.13 ns per element with ``fmax``, development VM; bench_store_patterns.py);
+    ``fmax`` stores every lane."""
     n = row.shape[0]
     x0 = row[0]
     for i in range(_LANES):
@@ -89,9 +89,10 @@ def _row_min(row, lanes):  # pragma: no cover - compiled
     return m
 
 
-# The block's features are two calls, not inlined into the kernel: inlined, the key pass's bookkeeping (the
-# per-feature maximum and the minimum) cost about 7 ms of the kernel's ~120 at L = 8,192 (H = 8, M = 256, two
-# threads) against about 2 ms as a call: the larger loop body slowed the code around it.
+# The block's features are two calls, not inlined into the kernel: in a copy of the kernel with parts switched
+# off (session 42), the key pass's bookkeeping (the per-feature maximum and the minimum) cost about 7 ms of the
+# kernel's ~120 at L = 8,192 (H = 8, M = 256, two threads) inlined, against about 2 ms as a call: the larger loop
+# body slowed the code around it.
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
 def _query_block(xb, X, WT, T, lanes, nbuf, cst, is32, zero):  # pragma: no cover - compiled

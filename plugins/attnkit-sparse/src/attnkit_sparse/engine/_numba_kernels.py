@@ -236,7 +236,7 @@ def _apply_tile_mask(ST, kn, qn, bankT, t, cst):  # pragma: no cover - compiled
     key-major too, ``(P, BK, BQ)``), whatever the score holds (NaN included); allowed scores stay as they are.
 
     ``fmin(s, NaN)`` is ``s`` and ``fmin(s, -inf)`` is ``-inf``, so every score is stored unconditionally: the
-    conditional form (``if not allowed: ST[j, i] = -inf``) compiles to masked stores, which took 1.25 ns per
+    conditional form (``if not allowed: ST[j, i] = -inf``) compiles to masked stores, which took 1.39 ns per
     element on the development VM against 0.20 here (docs/benchmarks.md, "Session 42")."""
     drop = cst[_NINF]
     keep = drop - drop        # NaN in the array's dtype
