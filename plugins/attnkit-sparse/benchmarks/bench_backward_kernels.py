@@ -105,7 +105,7 @@ def main() -> None:
     p = plan(m, B, H, L, L, block_size=64)
     bq, bk = p.block_size
     out, lse = numba_ops.numba_block_attention(q, k, v, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx,
-                                               p.q_tile, p.q_slot, p.bank, p.span, bq, bk, D ** -0.5)
+                                               p.q_tile, p.q_slot, p.key_major_bank(), p.span, bq, bk, D ** -0.5)
     delta = (g * out).sum(-1)
     arr = numba_ops._arr
     counts = p.kv_count.to(torch.int64)
@@ -117,7 +117,7 @@ def main() -> None:
              nk=p.q_count.shape[-1], bq=bq, bk=bk, cst=NEW.constants(np.float32, D ** -0.5), f32=True,
              kv_count=arr(p.kv_count), kv_idx=arr(p.kv_idx), kv_tile=arr(p.kv_tile), q_count=arr(p.q_count),
              q_idx=arr(p.q_idx), q_tile=arr(p.q_tile), q_slot=arr(p.q_slot), bank=arr(p.bank), span=arr(p.span),
-             bankT=arr(p.bank.transpose(-1, -2).contiguous()),
+             bankT=arr(p.key_major_bank()),
              ds=np.empty((B * H, tiles, bk, bq), np.float32), ds_off=arr((counts.cumsum(-1) - counts).contiguous()),
              qT=np.ascontiguousarray(qa.transpose(0, 2, 1)), gT=np.ascontiguousarray(ga.transpose(0, 2, 1)))
     fns = {f"new {n}": f for n, f in steps(NEW, a).items()}

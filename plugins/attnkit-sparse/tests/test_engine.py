@@ -354,8 +354,8 @@ def test_numba_custom_op_passes_opcheck():
     from attnkit_sparse.engine import numba_ops
     q, k, v = (t.requires_grad_() for t in inputs(20, 20))
     p = plan(masks.causal(), B, H, 20, 20, block_size=8)
-    args = (q, k, v, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx, p.q_tile, p.q_slot, p.bank, p.span, 8, 8,
-            0.5)
+    args = (q, k, v, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx, p.q_tile, p.q_slot, p.key_major_bank(),
+            p.span, 8, 8, 0.5)
     torch.library.opcheck(numba_ops.numba_block_attention, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
@@ -448,7 +448,7 @@ def test_numba_op_traces_in_torch_compile_fullgraph():
 
     def loss(q, k, v):
         out, _ = numba_ops.numba_block_attention(q, k, v, p.kv_count, p.kv_idx, p.kv_tile, p.q_count, p.q_idx,
-                                                 p.q_tile, p.q_slot, p.bank, p.span, 16, 16, 0.25)
+                                                 p.q_tile, p.q_slot, p.key_major_bank(), p.span, 16, 16, 0.25)
         return (out * out).sum()
 
     # no on-disk compile caches: an entry compiled against an older schema of the operator (this machine's

@@ -1,6 +1,7 @@
 """The ``numba`` backend: CPU block-sparse kernels behind one ``torch.library`` custom operator.
 
 ``attnkit_sparse::numba_block_attention(q, k, v, <plan tensors>, H, BQ, BK, scale) -> (out, lse)``
+(the plan's bank as the kernels read it, key-major: :meth:`.plan.BlockPlan.key_major_bank`)
 runs :func:`._numba_kernels.forward`; its registered autograd runs
 ``attnkit_sparse::numba_block_attention_backward`` (one kernel per sequence, or the two-kernel backward,
 recomputing probabilities from the saved log-sum-exp), and fake
@@ -61,13 +62,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
                          f"{q.device}")
 
 
-def _key_major(bank: Tensor) -> np.ndarray:
-    """The plan's element masks ``(P, BQ, BK)`` as the kernels read them, key-major ``(P, BK, BQ)``: a tile's
-    scores are key-major, and a mask read along them is applied without masked stores
-    (:func:`._numba_kernels._apply_tile_mask`). A copy per call (P·BQ·BK bytes)."""
-    return _arr(bank.transpose(-1, -2).contiguous())
-
-
 def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, kv_tile: Tensor, q_count: Tensor,
              q_idx: Tensor, q_tile: Tensor, q_slot: Tensor, bank: Tensor, span: Tensor, bq: int, bk: int,
              scale: float) -> tuple[Tensor, Tensor]:
@@ -80,7 +74,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, 
     out = np.empty((B * H, L, E), dtype=qa.dtype)
     lse = np.empty((B * H, L), dtype=qa.dtype)
     run_ranges(K.forward, B * H * nq, qa, _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx), _arr(kv_tile),
-               _key_major(bank), _arr(span), bq, bk, cst, q.dtype == torch.float32, out, lse)
+               _arr(bank), _arr(span), bq, bk, cst, q.dtype == torch.float32, out, lse)
     return torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(lse).view(B, H, L)
 
 
@@ -101,7 +95,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     f32 = q.dtype == torch.float32
     qa, ka, va, ga = _seq(q), _seq(k), _seq(v), _seq(g)
     stats = (_arr(lse.reshape(B * H, L)), _arr(delta.reshape(B * H, L)), H)
-    bank_a = _key_major(bank)
+    bank_a = _arr(bank)
     nq = kv_idx.shape[-2]
     qT, gT = np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1))
     if _fused(B * H):
@@ -211,6 +205,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     out, lse = numba_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
-                                   plan.q_tile, plan.q_slot, plan.bank, plan.span, bq, bk, float(scale))
+                                   plan.q_tile, plan.q_slot, plan.key_major_bank(), plan.span, bq, bk,
+                                   float(scale))
     out = out.to(dtype)
     return (out, lse) if return_lse else out

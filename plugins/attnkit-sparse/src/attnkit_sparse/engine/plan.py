@@ -107,6 +107,7 @@ class BlockPlan:
     attended_pairs: int
     _numpy: dict[str, Any] | None = field(default=None, repr=False)
     _int8_bank: Tensor | None = field(default=None, repr=False)
+    _key_major: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
 
     @property
     def num_blocks(self) -> tuple[int, int]:
@@ -129,6 +130,14 @@ class BlockPlan:
             names = ("kv_count", "kv_idx", "kv_tile", "q_count", "q_idx", "q_tile", "q_slot", "bank", "span")
             self._numpy = {n: getattr(self, n).contiguous().numpy() for n in names}
         return self._numpy
+
+    def key_major_bank(self) -> Tensor:
+        """The bank key-major, contiguous ``(P, BK, BQ)``: what the numba kernels read (their tiles' scores are
+        key-major, and a mask read along them is applied without masked stores). Cached with the bank it was made
+        from, so a reused plan transposes it once and a plan copied with another bank makes its own."""
+        if self._key_major is None or self._key_major[0] is not self.bank:
+            self._key_major = (self.bank, self.bank.transpose(-1, -2).contiguous())
+        return self._key_major[1]
 
     def int8_bank(self) -> Tensor:
         """The bank as contiguous int8 with at least one entry (what the triton kernels read; cached, so a
