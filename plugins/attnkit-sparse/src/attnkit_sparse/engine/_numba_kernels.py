@@ -55,6 +55,8 @@ import math
 import numba
 import numpy as np
 
+from attnkit.numba_panel import transpose
+
 # reassociation lets LLVM vectorise the reductions; no NaN/inf assumptions (masked scores are -inf)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -115,16 +117,6 @@ def _exp_into(x, scl, sub, off, out, nbuf, cst, is32):  # pragma: no cover - com
         for j in range(n):
             e = np.int64(nbuf[j])
             ol[j] = (ol[j] + (e << 52)) if e > -1000 and e < 2000 else (0 if e <= -1000 else 0x7FF8000000000000)
-
-
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _transpose(X, x0, xn, OUT):  # pragma: no cover - compiled
-    """``OUT[d, j] = X[x0 + j, d]`` for ``j < xn`` (a tile of rows, transposed into a ``(D, block)`` buffer)."""
-    D = X.shape[1]
-    for j in range(xn):
-        xj = X[x0 + j]
-        for d in range(D):
-            OUT[d, j] = xj[d]
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -262,14 +254,22 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
     one = cst[cst.shape[0] - 1]   # the polynomial's constant term, 1 in the array's float type
     sc = cst[_SC]
     ninf = cst[_NINF]
+    NK = (S + bk - 1) // bk
+    # the sequence's values transposed, a key block at a time when a tile first needs it (so once per key
+    # block and sequence, not once per tile); rows padded off a power-of-two stride (cache sets)
+    VTs = np.empty((E, NK * bk + 16), dtype=q.dtype)
+    have = np.zeros(NK, dtype=np.bool_)
+    cur = -1
     for it in range(i0, i1):
         n = it // NQ; qb = it % NQ
         bi = (n // H) % Bp; hi_ = (n % H) % Hp
         q0 = qb * bq
         qn = min(bq, L - q0)
         qs = q[n]; ks = k[n]; vs = v[n]
+        if n != cur:
+            cur = n
+            have[:] = False
         accT = np.zeros((E, bq), dtype=q.dtype)      # the output block transposed: a row per value column
-        VT = np.empty((E, bk), dtype=q.dtype)        # the key block's values transposed
         QT = np.zeros((D, bq), dtype=q.dtype)        # the query block, scaled and transposed
         for i in range(qn):
             qi = qs[q0 + i]
@@ -324,8 +324,10 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
             else:
                 c0 = 0; c1 = kn
             if c1 > c0:                       # accT += Vᵀ P over those keys: axpy rows along the queries
-                _transpose(vs, k0, kn, VT)
-                _axpy_off(accT, E, VT, c0, ST[c0:], c1 - c0)
+                if not have[kb]:
+                    have[kb] = True
+                    transpose(VTs[:, k0:k0 + kn], vs[k0:k0 + kn], kn, E)
+                _axpy_off(accT, E, VTs, k0 + c0, ST[c0:], c1 - c0)
         for i in range(qn):
             o = out[n, q0 + i]
             if lsum[i] > 0 or lsum[i] != lsum[i]:
@@ -476,7 +478,7 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
             b = dva[j]
             for e in range(E):
                 b[e] = zero
-        _transpose(ks, k0, kn, KT)
+        transpose(KT, ks[k0:k0 + kn], kn, D)
         for c in range(qc[kb]):
             qb = qi[kb, c]; t = qt[kb, c]
             q0 = qb * bq
