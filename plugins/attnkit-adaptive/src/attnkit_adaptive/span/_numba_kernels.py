@@ -61,6 +61,8 @@ import math
 import numba
 import numpy as np
 
+from attnkit.numba_panel import transpose
+
 # reassociation lets LLVM vectorise the reductions. No "arcp": m = num / R is a true division, as the
 # reference's, so the weights and the span-gradient test agree to the last bit; masked scores are -inf
 FASTMATH = {"reassoc", "contract", "nsz"}
@@ -202,16 +204,6 @@ def _mm4_inline(OUT, o0, n, A, a0, B, b0, t0, t1, e0, e1):  # pragma: no cover -
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _transpose(X, x0, xn, OUT):  # pragma: no cover - compiled
-    """``OUT[d, j] = X[x0 + j, d]`` for ``j < xn``: a tile of rows, transposed into a ``(D, tile)`` buffer."""
-    D = X.shape[1]
-    for j in range(xn):
-        xj = X[x0 + j]
-        for d in range(D):
-            OUT[d, j] = xj[d]
-
-
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _zero(OUT, o0, n, c0, c1, zero):  # pragma: no cover - compiled
     for r in range(o0, o0 + n):
         o = OUT[r, c0:c1]
@@ -283,7 +275,7 @@ def forward(q, k, v, z, lo, kp, xs, H, bq, bk, cst, is32, far, save, sbuf, out, 
         gc1 = np.zeros(bq // 4 + 1, dtype=np.int64)
         for t0 in range(klo, q0 + qn, bk):
             kn = min(bk, q0 + qn - t0)
-            _transpose(ks, t0, kn, KT)
+            transpose(KT, ks[t0:t0 + kn], kn, ks.shape[1])
             xk_t = xs[t0:t0 + kn]; kp_t = kpb[t0:t0 + kn]
             for g in range(0, qn, 4):
                 gn = min(4, qn - g)
@@ -525,8 +517,8 @@ def backward_fused(q, k, v, o, do, lse, z, lo, far, kp, xs, H, bq, cb, cst, is32
             wo = klo
             W = q0 + qn - wo
             if not have_s:
-                _transpose(ks, wo, W, KT)
-            _transpose(vs, wo, W, VT)
+                transpose(KT, ks[wo:wo + W], W, ks.shape[1])
+            transpose(VT, vs[wo:wo + W], W, vs.shape[1])
             for r in range(qn):
                 i = q0 + r
                 orow = os_[i]; drow = dos[i]
