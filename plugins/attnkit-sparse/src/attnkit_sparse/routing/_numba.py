@@ -277,7 +277,9 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
     XT = np.zeros((D, TILE), dtype=dt)
     ST = np.empty((C, TILE), dtype=dt)
     best = np.empty(TILE, dtype=dt)
+    best2 = np.empty(TILE, dtype=dt)
     arg = np.empty(TILE, dtype=np.int32)
+    arg2 = np.empty(TILE, dtype=np.int32)
     xs = x[n]
     sn = s[n]
     iv = inv[n]
@@ -303,24 +305,31 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
             for i in range(tn):
                 dst[i] = row[i]
         if want:    # the first c of the largest score: the maximum (NaN ignored unless c = 0 is NaN), then its first c
+            # Each pass reads one buffer and writes the other: a select stored back where it was read
+            # compiles to masked stores (slow on AMD's cores; attnkit.numba_panel), a store elsewhere does not.
+            b0, b1 = best, best2
             r0 = ST[0]
             for i in range(TILE):
-                best[i] = r0[i]
-                arg[i] = -1
+                b0[i] = r0[i]
             for c in range(1, C):
                 row = ST[c]
                 for i in range(TILE):
-                    bi = best[i]
+                    bi = b0[i]
                     vi = row[i]
-                    best[i] = vi if vi > bi else bi
+                    b1[i] = vi if vi > bi else bi
+                b0, b1 = b1, b0
+            a0, a1 = arg, arg2
+            for i in range(TILE):
+                a0[i] = -1
             for c in range(C):
                 row = ST[c]
                 c32 = np.int32(c)
                 for i in range(TILE):
-                    a = arg[i]
-                    arg[i] = c32 if (a < 0 and row[i] == best[i]) else a
+                    a = a0[i]
+                    a1[i] = c32 if (a < 0 and row[i] == b0[i]) else a
+                a0, a1 = a1, a0
             for i in range(tn):
-                near[n, l0 + i] = arg[i] if arg[i] >= 0 else 0
+                near[n, l0 + i] = a0[i] if a0[i] >= 0 else 0
     b = n // H
     w0 = min(widths[b % widths.shape[0]], W)
     rl = real[b % real.shape[0]]
