@@ -228,7 +228,6 @@ def elu1_row(dst, src, scale, nbuf, cst, is32):  # pragma: no cover - compiled
     for j in range(0, nv, W):
         _elu1_at(dst, j, src, j, scale)
     zero = cst[HALF] - cst[HALF]
-    one = cst[HALF] + cst[HALF]
     nb = nbuf.shape[0]
     for b0 in range(nv, n, nb):      # the rest (or a strided row) in pieces of the scratch's length
         m = min(nb, n - b0)
@@ -237,7 +236,6 @@ def elu1_row(dst, src, scale, nbuf, cst, is32):  # pragma: no cover - compiled
             v = src[b0 + j] * scale
             t[j] = zero if v > zero else v
         _exp_loops(t, zero, nbuf[:m], cst, is32)
-        for j in range(m):
-            v = src[b0 + j] * scale
-            if v > zero:
-                t[j] = v + one
+        for j in range(m):   # t = exp(min(v, 0)) is 1 where v > 0: + max(v, 0) gives v + 1 there (a plain store;
+            v = src[b0 + j] * scale      # a conditional one compiles to masked stores, see attnkit.numba_panel)
+            t[j] += np.fmax(v, zero)
