@@ -22,7 +22,7 @@ import torch
 from attnkit.numba_panel import axpy_at, axpy_t
 from attnkit.numba_pool import kernel_threads, run_items, start_pool
 from attnkit.numba_prefetch import prefetch_row
-from attnkit_sparse._gathered import gather_kv, gather_query_grad, zero_kv
+from attnkit_sparse._gathered import gather_kv, gather_query_grad, transpose_columns, zero_kv
 from attnkit_sparse.engine._numba_kernels import _HALF, _SC, FASTMATH, _exp_into, constants
 from attnkit_sparse.routing._fused import backward_seq
 
@@ -75,8 +75,9 @@ def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
                         p = pb[i]
                         if PF >= 2 and i + PD < bn:
                             prefetch_row(qs, pb[i + PD]); prefetch_row(gs, pb[i + PD])
-                        gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
+                        gather_query_grad(Qb, Gb, i, qs[p], gs[p], sc)
                         lrow[i] = lse[n, p]; drow[i] = dl[p]
+                    transpose_columns(QT, Qb, bn, zero); transpose_columns(GT, Gb, bn, zero)
                 if PROD:
                     for j in range(kn):
                         row = ST[j]

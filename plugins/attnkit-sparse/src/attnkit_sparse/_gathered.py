@@ -4,8 +4,9 @@
 Both paths gather a group of queries (an lsh chunk of a round, a routing cluster) and its keys into small
 tiles, mask them by their own rule, and then run the same steps, which live here as inline numba helpers:
 
-- :func:`gather_kv`, :func:`gather_query_grad`: a position's rows copied into the tiles; :func:`zero_kv`:
-  a tile row of key and value gradients cleared;
+- :func:`gather_kv`, :func:`gather_query`, :func:`gather_query_grad`: a position's rows copied into the tiles
+  (queries scaled), :func:`transpose_columns`: the query (and output-gradient) tiles transposed in registers;
+  :func:`zero_kv`: a tile row of key and value gradients cleared;
 - :func:`tile_scores`: key-major scores ``Sᵀ = K (scale·Q)ᵀ`` ``(kn, width)``;
 - :func:`tile_softmax_pv`: one softmax per query column (row max, ``exp`` in place, sums) and ``O = P V``;
 - :func:`merge_row`, :func:`normalise_row`: a group's rows merged at their position into the running
@@ -26,7 +27,7 @@ import math
 import numba
 import numpy as np
 
-from attnkit.numba_panel import axpy_at, axpy_t
+from attnkit.numba_panel import axpy_at, axpy_t, transpose
 
 from .engine._numba_kernels import FASTMATH, _exp_into
 
@@ -54,18 +55,34 @@ def zero_kv(dKb, dVb, j, zero):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def gather_query_grad(QT, Qb, GT, Gb, i, qr, gr, sc):  # pragma: no cover - compiled
-    """Query ``i`` of a backward tile: ``scale·q`` as column ``i`` of ``QT`` and row ``i`` of ``Qb``, and the output
-    gradient ``gr`` as column ``i`` of ``GT`` and row ``i`` of ``Gb``."""
+def gather_query(Qb, i, qr, sc):  # pragma: no cover - compiled
+    """Row ``i`` of the query tile: ``scale·q`` from the row ``qr`` (a routed or sorted position's)."""
     qb = Qb[i]
     for d in range(qb.shape[0]):
-        x = qr[d] * sc
-        QT[d, i] = x
-        qb[d] = x
+        qb[d] = qr[d] * sc
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def gather_query_grad(Qb, Gb, i, qr, gr, sc):  # pragma: no cover - compiled
+    """Query ``i`` of a backward tile: ``scale·q`` as row ``i`` of ``Qb`` and the output gradient ``gr`` as row
+    ``i`` of ``Gb`` (:func:`transpose_columns` then makes their transposed copies)."""
+    gather_query(Qb, i, qr, sc)
     gb = Gb[i]
     for e in range(gb.shape[0]):
-        GT[e, i] = gr[e]
         gb[e] = gr[e]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def transpose_columns(XT, Xb, qn, zero):  # pragma: no cover - compiled
+    """``XT[:, :qn] = Xb[:qn]ᵀ`` through register tiles (:func:`attnkit.numba_panel.transpose`: the gathered rows
+    written as columns one element at a time, as before session 43, took 2-3x as long: docs/benchmarks.md,
+    "Session 42", the transpose rows), and the unused columns ``qn <=`` set to 0."""
+    transpose(XT, Xb, qn, Xb.shape[1])
+    width = XT.shape[1]
+    for d in range(XT.shape[0]):
+        xr = XT[d]
+        for i in range(qn, width):
+            xr[i] = zero
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")

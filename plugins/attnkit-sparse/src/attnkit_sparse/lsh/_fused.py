@@ -32,12 +32,14 @@ from attnkit.numba_prefetch import prefetch_ahead
 
 from .._gathered import (
     gather_kv,
+    gather_query,
     gather_query_grad,
     merge_row,
     normalise_row,
     tile_backward,
     tile_scores,
     tile_softmax_pv,
+    transpose_columns,
     zero_kv,
 )
 from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
@@ -79,6 +81,7 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
     sc = cst[_SC]
     ninf = cst[_NINF]
     QT = np.zeros((D, cs), dtype=dt)
+    Qr = np.empty((cs, D), dtype=dt)
     Kb = np.empty((2 * cs, D), dtype=dt)
     Vb = np.empty((2 * cs, E), dtype=dt)
     ST = np.empty((2 * cs, cs), dtype=dt)
@@ -117,13 +120,9 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
                 prefetch_ahead(vs, pr, a + i, end)
                 pq[i] = p
                 pk[kp + i] = p
-                qi = qs[p]
-                for d in range(D):
-                    QT[d, i] = qi[d] * sc
+                gather_query(Qr, i, qs[p], sc)
                 gather_kv(Kb, Vb, kp + i, ks[p], vs[p])
-            for i in range(qn, cs):
-                for d in range(D):
-                    QT[d, i] = zero
+            transpose_columns(QT, Qr, qn, zero)
             tile_scores(ST, kn, cs, Kb, QT, D, zero)
             _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf)
             tile_softmax_pv(ST, kn, cs, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one, ninf)
@@ -195,18 +194,16 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
                 prefetch_ahead(ks, pr, a + i, end); prefetch_ahead(vs, pr, a + i, end)
                 pq[i] = p
                 pk[kp + i] = p
-                gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
+                gather_query_grad(Qb, Gb, i, qs[p], gs[p], sc)
                 gather_kv(Kb, Vb, kp + i, ks[p], vs[p])
                 zero_kv(dKb, dVb, kp + i, zero)
                 lrow[i] = lse[n, p]
                 drow[i] = delta[n, p]
             for i in range(qn, cs):
-                for d in range(D):
-                    QT[d, i] = zero
-                for e in range(E):
-                    GT[e, i] = zero
                 lrow[i] = -ninf
                 drow[i] = zero
+            transpose_columns(QT, Qb, qn, zero)
+            transpose_columns(GT, Gb, qn, zero)
             tile_scores(ST, kn, cs, Kb, QT, D, zero)      # scores, key-major
             _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf)
             tile_backward(ST, DT, kn, cs, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,

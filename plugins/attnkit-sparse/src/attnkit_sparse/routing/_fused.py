@@ -31,12 +31,14 @@ from attnkit.numba_prefetch import prefetch_ahead
 
 from .._gathered import (
     gather_kv,
+    gather_query,
     gather_query_grad,
     merge_row,
     normalise_row,
     tile_backward,
     tile_scores,
     tile_softmax_pv,
+    transpose_columns,
     zero_kv,
 )
 from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
@@ -83,6 +85,7 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
     sc = cst[_SC]
     ninf = cst[_NINF]
     QT = np.zeros((D, BQ), dtype=dt)
+    Qr = np.empty((BQ, D), dtype=dt)
     Kb = np.empty((W, D), dtype=dt)
     Vb = np.empty((W, E), dtype=dt)
     ST = np.empty((W, BQ), dtype=dt)
@@ -113,12 +116,8 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
             pb = pq[q0:q0 + bn]
             for i in range(bn):
                 prefetch_ahead(qs, pb, i, bn)
-                qr = qs[pb[i]]
-                for d in range(D):
-                    QT[d, i] = qr[d] * sc
-            for i in range(bn, BQ):
-                for d in range(D):
-                    QT[d, i] = zero
+                gather_query(Qr, i, qs[pb[i]], sc)
+            transpose_columns(QT, Qr, bn, zero)
             kb = _seen(pk, kn, pb[bn - 1]) if causal else kn
             tile_scores(ST, kb, BQ, Kb, QT, D, zero)
             if causal:
@@ -189,16 +188,14 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
             for i in range(bn):
                 p = pb[i]
                 prefetch_ahead(qs, pb, i, bn); prefetch_ahead(gs, pb, i, bn)
-                gather_query_grad(QT, Qb, GT, Gb, i, qs[p], gs[p], sc)
+                gather_query_grad(Qb, Gb, i, qs[p], gs[p], sc)
                 lrow[i] = lse[n, p]
                 drow[i] = dl[p]
             for i in range(bn, BQ):
-                for d in range(D):
-                    QT[d, i] = zero
-                for e in range(E):
-                    GT[e, i] = zero
                 lrow[i] = -ninf
                 drow[i] = zero
+            transpose_columns(QT, Qb, bn, zero)
+            transpose_columns(GT, Gb, bn, zero)
             kb = _seen(pk, kn, pb[bn - 1]) if causal else kn
             tile_scores(ST, kb, BQ, Kb, QT, D, zero)      # scores, key-major
             if causal:
