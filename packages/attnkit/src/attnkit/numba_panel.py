@@ -273,11 +273,12 @@ def _tile_t(typingctx, OUT, o, os_, X, x, xs):  # noqa: ANN001, ANN202
     return sig, codegen
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def transpose(OUT, X, nr, nc):  # pragma: no cover - compiled
     """``OUT[j, i] = X[i, j]`` for ``i < nr``, ``j < nc`` (``X (>= nr, >= nc)``, ``OUT (>= nc, >= nr)``, one float
     dtype, distinct arrays): tiles of ``W x W`` through registers where rows of both have unit stride (``W`` = 8
-    float32, 4 float64), the edges and strided rows by a plain loop."""
+    float32, 4 float64), the edges and strided rows by a plain loop. ``nogil``: called from Python, threads run
+    it side by side (the sparse engine transposes each sequence's ``q`` and ``dO`` on its own thread)."""
     it = OUT.itemsize
     W = 8 if it == 4 else 4
     r0 = 0

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.numba_panel import transpose
 from attnkit.numba_pool import run_ranges
 
 from ..base import spread_evenly
@@ -97,11 +98,11 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     stats = (_arr(lse.reshape(B * H, L)), _arr(delta.reshape(B * H, L)), H)
     bank_a = _arr(bank)
     nq = kv_idx.shape[-2]
-    qT, gT = np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1))
     if _fused(B * H):
         dq = np.empty((B * H, L, D), dtype=qa.dtype)
         dk = np.empty((B * H, S, D), dtype=qa.dtype)
         dv = np.empty((B * H, S, E), dtype=qa.dtype)
+        qT, gT = np.empty((B * H, D, L), dtype=qa.dtype), np.empty((B * H, E, L), dtype=qa.dtype)
         lse_a, delta_a = stats[:2]
         qc_a, qi_a, qt_a = _arr(q_count), _arr(q_idx), _arr(q_tile)
         bp, hp = qc_a.shape[:2]
@@ -109,12 +110,17 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
         def sequences(n0: int, n1: int) -> None:
             for n in range(n0, n1):
                 i = ((n // H) % bp, (n % H) % hp)
+                # each sequence's q and dO transposed on its own thread, in registers (NumPy's strided copy
+                # of the whole batch ran on one thread before the kernels: docs/benchmarks.md, "Session 43")
+                transpose(qT[n], qa[n], L, D)
+                transpose(gT[n], ga[n], L, E)
                 K.backward_sequence(qa[n], ka[n], va[n], ga[n], qT[n], gT[n], lse_a[n], delta_a[n], qc_a[i],
                                     qi_a[i], qt_a[i], bank_a, bq, bk, cst, f32, dq[n], dk[n], dv[n])
 
         run_ranges(sequences, B * H)
         return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
                 torch.from_numpy(dv).view(B, H, S, E))
+    qT, gT = np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1))
     # compact dS buffer: the visited tiles of each query block one after another (a pattern with a few
     # global rows visits NK tiles there and few elsewhere; NQ x max(count) would grow like L^2), filled and read
     # in passes over ranges of query blocks whose tiles fit in DS_BUFFER_MAX_BYTES (one pass as a rule)
