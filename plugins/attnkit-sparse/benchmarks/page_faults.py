@@ -6,11 +6,14 @@ mechanism's own memory plus the three input gradients, ``3·B·H·L·D`` floats)
 ``--steps`` steps; reported: the median step, minor page faults per step (and the MiB of 4 KiB pages that is),
 system and user CPU seconds per step (``resource.getrusage``).
 
-With ``--numpy-alloc``, the steps alternate between torch's allocation and NumPy's for every
-``Tensor.new_empty`` (NumPy asks for transparent huge pages on 4 MiB and more), the order flipped each round.
+With ``--keep-freed-memory`` the run first calls :func:`attnkit.cpu_memory.keep_freed_memory` (process-wide, so
+compare it with a run without, alternated). With ``--numpy-alloc``, the steps alternate between torch's
+allocation and NumPy's for every ``Tensor.new_empty`` (NumPy asks for transparent huge pages on 4 MiB and more),
+the order flipped each round.
 
     python plugins/attnkit-sparse/benchmarks/page_faults.py --length 16384 --mechanisms sinkhorn lsh local routing
     python plugins/attnkit-sparse/benchmarks/page_faults.py --length 16384 --mechanisms sinkhorn --numpy-alloc
+    python plugins/attnkit-sparse/benchmarks/page_faults.py --length 16384 --keep-freed-memory
 
 Nothing here is a test: figures for docs/benchmarks.md ("Session 43").
 """
@@ -52,7 +55,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--numpy-alloc", action="store_true", help="alternate torch's and NumPy's new_empty")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="call attnkit.cpu_memory.keep_freed_memory() first (process-wide: compare separate runs)")
     args = p.parse_args()
+    if args.keep_freed_memory:
+        from attnkit.cpu_memory import keep_freed_memory
+        print(f"# keep_freed_memory(): {keep_freed_memory()}")
     torch.set_num_threads(args.threads)
     L = args.length
     torch_new_empty = torch.Tensor.new_empty

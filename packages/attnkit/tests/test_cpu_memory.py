@@ -1,0 +1,59 @@
+"""attnkit.cpu_memory.keep_freed_memory: the arguments checked, and in a fresh process (the setting is
+process-wide) a large block freed and allocated again comes back without page faults."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from attnkit.cpu_memory import MAX_RETAIN_MIB, keep_freed_memory
+from attnkit.errors import InvalidInputError
+
+GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+
+# faults while a 64 MiB tensor is allocated and filled a second time, after a first one was freed
+_CHILD = textwrap.dedent("""
+    import resource, sys
+    import torch
+    from attnkit.cpu_memory import keep_freed_memory
+    applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+    x = torch.empty(16 * 2**20, dtype=torch.float32); x.fill_(1.0); del x
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y = torch.empty(16 * 2**20, dtype=torch.float32); y.fill_(2.0)
+    print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+""")
+
+
+def _faults(mode: str) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, check=True,
+                         timeout=120).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.parametrize(("kw", "name"), [({"retain_mib": 0}, "retain_mib"), ({"retain_mib": MAX_RETAIN_MIB + 1},
+                                          "retain_mib"), ({"retain_mib": 1.5}, "retain_mib"),
+                                          ({"retain_mib": True}, "retain_mib"), ({"top_pad_mib": -1}, "top_pad_mib")])
+def test_bad_arguments_name_the_argument(kw: dict, name: str) -> None:
+    with pytest.raises(InvalidInputError, match=name):
+        keep_freed_memory(**kw)
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
+def test_a_freed_block_is_reused_without_faults() -> None:
+    applied, faults = _faults("keep")
+    assert applied == "True"
+    assert faults < 1024, f"{faults} page faults re-filling a 64 MiB block (16,384 4-KiB pages) after the call"
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[always]" not in thp.read_text():   # the control: without the call it faults each page
+        _, control = _faults("plain")
+        assert control > 8000, f"expected a fresh mmap (~16,384 faults) without the call, got {control}"
+
+
+@pytest.mark.skipif(GLIBC, reason="the non-glibc answer")
+def test_without_glibc_it_changes_nothing() -> None:
+    assert keep_freed_memory() is False
