@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
-import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -29,16 +25,10 @@ import torch
 
 import attnkit
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages" / "attnkit" / "benchmarks"))
+from ab_common import alternate, export, summary  # noqa: E402
+
 PKG = "plugins/attnkit-adaptive/src/attnkit_adaptive"
-
-
-def export(rev: str, dest: Path) -> None:
-    """The plugin's package at ``rev`` under ``dest/attnkit_adaptive_base`` (its imports are relative)."""
-    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
-    data = subprocess.check_output(["git", "-C", str(root), "archive", rev, PKG])
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="data")
-    (dest / PKG).rename(dest / "attnkit_adaptive_base")
 
 
 def main() -> None:
@@ -52,7 +42,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-ab-"))
-    export(args.rev, tmp)
+    export(args.rev, PKG, tmp, "attnkit_adaptive_base")
     sys.path.insert(0, str(tmp))
     L, grad = args.length, args.mode == "fwdbwd"
     opts = {"num_heads": 8, "max_span": L, "ramp": 32.0, "init_span": args.span, "backend": "numba"}
@@ -80,17 +70,10 @@ def main() -> None:
     for m in mods.values():
         run(m)
         run(m)
-    ts: dict[str, list[float]] = {"base": [], "work": []}
-    for r in range(args.rounds):
-        for side in (("base", "work") if r % 2 == 0 else ("work", "base")):
-            ts[side].append(run(mods[side]))
-    rat = sorted(a / b for a, b in zip(ts["base"], ts["work"], strict=True))
-    n = len(rat)
+    ts = alternate(lambda side: run(mods[side]), args.rounds)
     print(f"# adaptive-span (numba) {args.mode} causal, span {args.span:g}, L = {L}, B = 1, H = 8, D = E = 64, "
           f"float32, {args.threads} thread(s), base {args.rev} against the working tree")
-    print(f"base {statistics.median(ts['base']) * 1e3:.1f} ms, work {statistics.median(ts['work']) * 1e3:.1f} ms "
-          f"(medians of {args.rounds}); per-round base/work: median {statistics.median(rat):.3f}, "
-          f"quartiles {rat[n // 4]:.3f}-{rat[(3 * n) // 4]:.3f}")
+    print(summary(ts))
 
 
 if __name__ == "__main__":

@@ -21,30 +21,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
-import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages" / "attnkit" / "benchmarks"))
+from ab_common import alternate, export, summary  # noqa: E402
+
 PKG = "plugins/attnkit-kernelized/src/attnkit_kernelized"
-
-
-def export(rev: str, dest: Path) -> None:
-    """``PKG`` at ``rev`` into ``dest/attnkit_kernelized_base``, its operator namespace renamed."""
-    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
-    data = subprocess.check_output(["git", "-C", str(root), "archive", rev, PKG])
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="data")
-    (dest / PKG).rename(dest / "attnkit_kernelized_base")
-    ops = dest / "attnkit_kernelized_base" / "_ops.py"
-    ops.write_text(ops.read_text().replace('NAMESPACE = "attnkit_kernelized"',
-                                           'NAMESPACE = "attnkit_kernelized_base"'))
 
 
 def main() -> None:
@@ -59,7 +46,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-ab-"))
-    export(args.rev, tmp)
+    export(args.rev, PKG, tmp, "attnkit_kernelized_base", namespace_file="_ops.py")
     sys.path.insert(0, str(tmp))
     mech, L = args.mechanism, args.length
     torch.manual_seed(1)
@@ -93,17 +80,13 @@ def main() -> None:
     print(f"# {mech} {'fused kernel' if args.fused_only else 'module'} {args.mode}, L = {L}, B = 1, H = 8, "
           f"D = E = 64, float32, causal, {args.threads} thread(s), base {args.rev} against the working tree")
     print(f"largest difference of the outputs: {(a - b).abs().max().item():.3g}")
-    ts: dict[str, list[float]] = {"base": [], "work": []}
-    for r in range(args.rounds):
-        for side in (("base", "work") if r % 2 == 0 else ("work", "base")):
-            t0 = time.perf_counter()
-            calls[side]()
-            ts[side].append(time.perf_counter() - t0)
-    rat = sorted(x / y for x, y in zip(ts["base"], ts["work"], strict=True))
-    n = len(rat)
-    print(f"base {statistics.median(ts['base']) * 1e3:.2f} ms, work {statistics.median(ts['work']) * 1e3:.2f} ms "
-          f"(medians of {args.rounds}); per-round base/work: median {statistics.median(rat):.3f}, "
-          f"quartiles {rat[n // 4]:.3f}-{rat[(3 * n) // 4]:.3f}")
+
+    def timed(side: str) -> float:
+        t0 = time.perf_counter()
+        calls[side]()
+        return time.perf_counter() - t0
+
+    print(summary(alternate(timed, args.rounds), digits=2))
 
 
 if __name__ == "__main__":

@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
-import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +32,10 @@ from pathlib import Path
 import torch
 
 import attnkit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages" / "attnkit" / "benchmarks"))
+from ab_common import alternate, repo_root, summary  # noqa: E402
+from ab_common import export as export_package  # noqa: E402
 
 PKG = "plugins/attnkit-sparse/src/attnkit_sparse"
 MODULES = {"routing": "routing.attention", "lsh": "lsh.attention", "local": "patterns.local",
@@ -45,16 +46,10 @@ CORE_HELPERS = ("numba_prefetch", "numba_panel")
 
 
 def export(rev: str, dest: Path, core_helpers: bool = False) -> None:
-    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
-    data = subprocess.check_output(["git", "-C", str(root), "archive", rev, PKG])
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="data")
-    base = dest / "attnkit_sparse_base"
-    (dest / PKG).rename(base)
-    ops = base / "engine" / "numba_ops.py"
-    ops.write_text(ops.read_text().replace('NAMESPACE = "attnkit_sparse"', 'NAMESPACE = "attnkit_sparse_base"'))
+    base = export_package(rev, PKG, dest, "attnkit_sparse_base", namespace_file="engine/numba_ops.py")
     if not core_helpers:
         return
+    root = repo_root()
     for name in CORE_HELPERS:
         src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:packages/attnkit/src/attnkit/{name}.py"],
                              capture_output=True, text=True)
@@ -123,18 +118,11 @@ def main() -> None:
     for m in mods.values():
         run(m)
         run(m)
-    ts: dict[str, list[float]] = {"base": [], "work": []}
-    for r in range(args.rounds):
-        for side in (("base", "work") if r % 2 == 0 else ("work", "base")):
-            ts[side].append(run(mods[side]))
-    rat = sorted(a / b for a, b in zip(ts["base"], ts["work"], strict=True))
-    n = len(rat)
+    ts = alternate(lambda side: run(mods[side]), args.rounds)
     mode = args.mode + (" causal" if args.causal else "")
     print(f"# {mech} module {mode}, L = {L}, B = 1, H = 8, D = E = 64, float32, {args.threads} thread(s), "
           f"base {args.rev}{' (with its core helpers)' if args.core_helpers else ''} against the working tree")
-    print(f"base {statistics.median(ts['base']) * 1e3:.1f} ms, work {statistics.median(ts['work']) * 1e3:.1f} ms "
-          f"(medians of {args.rounds}); per-round base/work: median {statistics.median(rat):.3f}, "
-          f"quartiles {rat[n // 4]:.3f}-{rat[(3 * n) // 4]:.3f}")
+    print(summary(ts))
 
 
 if __name__ == "__main__":
