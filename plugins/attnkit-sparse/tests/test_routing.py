@@ -404,6 +404,82 @@ def test_top_w_kernel_equals_topk_with_padding_nan_and_ties(dtype, L):
             assert torch.equal(taken, ties[:len(taken)])                       # ties: the lowest positions
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_selection_parts_against_numpy(dtype):
+    """The parts of the top-w selection: the vector compare's bit mask (:func:`._mask_bits.ge_bits`) equals the
+    scalar test lane by lane (NaN, inf, ties at the threshold, float32 and float64 lanes); the sample's k-th
+    largest through the insertion buffer and past it, and the candidates' quickselect, equal
+    ``np.partition``'s value with repeated values, for every rank."""
+    import numba
+
+    from attnkit_sparse.routing._mask_bits import ge_bits
+    from attnkit_sparse.routing._numba import _SMALL_RANK, _kth_largest, _select_largest
+
+    @numba.njit
+    def bits_at(row, sc, j, t):
+        return ge_bits(row, sc, j, t)
+
+    rng = np.random.default_rng(0)
+    row = rng.integers(-3, 4, 64).astype(dtype)                 # ties at every threshold
+    sc = rng.choice(np.array([0.5, 1.0, 2.0], dtype=dtype), 64)
+    row[[3, 17]] = np.nan
+    row[5], sc[9] = np.inf, np.inf
+    lanes = 8 if dtype == np.float32 else 4
+    for t in (-2.0, 0.0, 1.0, 3.0, np.inf):
+        for j in range(0, 64 - lanes + 1, lanes):
+            want = sum(1 << i for i in range(lanes) if row[j + i] * sc[j + i] >= t)
+            assert bits_at(row, sc, j, t) == want
+    buf = np.empty(_SMALL_RANK, dtype=dtype)
+    work = np.empty(300, dtype=dtype)
+    for n in (1, 2, 7, 40, 300):
+        a = rng.integers(0, 5 if n > 2 else 2, n).astype(dtype)
+        a[0] = -np.inf
+        for k in sorted({1, min(n, 2), n // 2 + 1, min(n, _SMALL_RANK), min(n, _SMALL_RANK + 1), n}):
+            want = np.partition(a, n - k)[n - k]
+            assert _kth_largest(a, k, buf) == want
+            before = a.copy()
+            assert _select_largest(a, n, k, work) == want
+            assert np.array_equal(a, before)                        # the candidates' values are kept
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_select_row_candidate_capacity_boundary(dtype):
+    """:func:`select_row`'s candidate pass at the edge of its buffer: a row built so that the sample's threshold
+    admits exactly ``cap - 1``, ``cap``, ``cap + 1`` and ``cap + 40`` candidates (the last two: the whole-row
+    fallback), on a contiguous row and on a strided one (no vector compare), always the positions ``topk``
+    gives (ties at the w-th value: the lowest positions). The largest values lie at the last candidates, so a
+    pass that stopped early and kept what it had would miss them."""
+    from attnkit_sparse.routing._numba import _SMALL_RANK, CAND_SLACK, select_row
+    w, st = 8, 16
+    cap = 8 * w + 64
+    L = 4 * cap + 77                                   # above 4·cap: the sampled path; not a multiple of 32
+    ms = (L + st - 1) // st
+    k = (2 * w + st - 1) // st + 1
+    for extra in (cap - 1, cap, cap + 1, cap + 40):
+        row = np.zeros(L, dtype=dtype)
+        row[np.arange(k) * st] = 1.0                   # the sample's k-th largest: 1.0
+        free = np.setdiff1d(np.arange(L), np.arange(ms) * st)
+        hot = np.sort(np.random.default_rng(extra).choice(free, extra - k, replace=False))
+        row[hot] = 1.0 + np.arange(extra - k) // 2     # candidates (>= 1.0): the largest last, in tied pairs
+        for strided in (False, True):
+            r = np.repeat(row, 2)[::2] if strided else row
+            assert (r.strides[0] != r.itemsize) == strided
+            iv = np.ones(L, dtype=dtype)
+            iv[hot[-1]] = np.nan                       # a padded candidate (NaN scale): never routed
+            out_i, out_ok = np.zeros(w, dtype=np.int64), np.zeros(w, dtype=np.bool_)
+            select_row(r, iv, w, st, np.empty(L, dtype=dtype), np.empty(ms, dtype=dtype),
+                       np.empty(_SMALL_RANK, dtype=dtype), np.empty(cap + CAND_SLACK, dtype=np.int64),
+                       np.empty(cap + CAND_SLACK, dtype=dtype), out_i, out_ok)
+            x = torch.from_numpy(np.where(np.isnan(iv), -np.inf, row * iv))
+            top = x.topk(w).values
+            thr = top[-1]
+            above = (x > thr).nonzero().flatten()
+            ties = (x == thr).nonzero().flatten()[: w - len(above)]
+            want = torch.cat([above, ties]).sort().values
+            assert out_ok.all()
+            assert torch.equal(torch.from_numpy(out_i), want), (extra, strided)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_numba_commitment_equals_the_index_add_form_with_gradients(padded):
     """The CPU commitment term (:func:`attnkit_sparse.routing.gather.commitment`: sums, counts, value and gradient)

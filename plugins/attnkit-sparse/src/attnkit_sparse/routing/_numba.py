@@ -22,8 +22,10 @@ import math
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .._gathered import tile_scores
+from ._mask_bits import ge_bits
 
 _FM = {"reassoc", "contract", "nsz"}
 
@@ -154,14 +156,14 @@ def argmax_clusters(s, out, i0, i1):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc):  # pragma: no cover - compiled
-    """Write, in ascending position order, the positions of ``vals`` above ``t`` and the first ``w − g`` equal to
-    it (``g`` of them lie above ``t``), over the candidates ``cand[:nc]`` (ascending) or, with ``nc < 0``,
-    over every position; returns how many were written."""
+    """Write, in ascending position order, the positions above ``t`` and the first ``w − g`` equal to it (``g`` of
+    them lie above ``t``): with ``nc >= 0`` over the candidates ``cand[:nc]`` (ascending) whose values are
+    ``vals[:nc]``, with ``nc < 0`` over every position ``p`` (value ``vals[p]``); returns how many were written."""
     ties = w - g
     m = 0
     for c in range(nc if nc >= 0 else L):
         p = cand[c] if nc >= 0 else c
-        x = vals[p]
+        x = vals[c]
         if x > t or (x == t and ties > 0):
             if x == t:
                 ties -= 1
@@ -171,53 +173,154 @@ def _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc):  # pragma: no co
     return m
 
 
-@numba.njit(cache=True, nogil=True)
-def select_row(row, iv, rl, w, st, vals, smp, cand, cv, out_i, out_ok):  # pragma: no cover - compiled
-    """One cluster's routed positions from its raw scores ``row`` ``(L,)``: the values ``row[l]·iv[l]`` (``-inf``
-    where ``rl[l]`` is False or the value is NaN) into ``vals``, and the positions of the ``min(w, finite values)``
-    largest, ascending (ties at the w-th value: the lowest positions), into ``out_i`` with ``out_ok`` True.
+#: the largest sample rank :func:`_kth_largest` finds by insertion (above it: ``np.partition``)
+_SMALL_RANK = 32
+#: positions per step of :func:`select_row`'s candidate pass (their vector compares as one 32-bit mask)
+_CBLOCK = 32
+#: room past a candidate buffer's capacity: a step of the candidate pass may write that many entries past it
+CAND_SLACK = _CBLOCK
 
-    A threshold from a sample of the row (every ``st``-th value, into ``smp``) picks about ``2w`` candidates in
-    one pass (into ``cand``, their values into ``cv``; both hold ``8w + 64``); the exact ``w``-th value is
-    selected among them (``np.partition``). When the sample's guess does not give between ``w`` and ``8w + 64``
-    candidates, the whole row is partitioned instead.
+
+@numba.njit(cache=True, nogil=True)
+def _kth_largest(a, k, buf):  # pragma: no cover - compiled
+    """The ``k``-th largest of ``a`` (``1 <= k <= len(a)``, no NaN), counting repeats (``np.partition``'s value).
+    Up to :data:`_SMALL_RANK` through ``buf`` (that long): the ``k`` largest so far, descending; an element
+    enters only when it beats the current ``k``-th, so most of a sample costs one comparison."""
+    n = a.shape[0]
+    if k > buf.shape[0]:
+        return np.partition(a, n - k)[n - k]
+    for j in range(k):
+        buf[j] = -np.inf
+    for i in range(n):
+        x = a[i]
+        if x > buf[k - 1]:
+            j = k - 1
+            while j > 0 and buf[j - 1] < x:
+                buf[j] = buf[j - 1]
+                j -= 1
+            buf[j] = x
+    return buf[k - 1]
+
+
+@numba.njit(cache=True, nogil=True)
+def _select_largest(a, n, k, work):  # pragma: no cover - compiled
+    """The ``k``-th largest of ``a[:n]`` (``1 <= k <= n``, no NaN), counting repeats (``np.partition``'s value),
+    by quickselect on a copy in ``work`` (at least ``n`` long; ``a`` is left as it is). numba's ``np.partition``
+    allocates a copy on each call and took about 6 µs for the ~300 candidates of a 16K row (development VM)."""
+    for i in range(n):
+        work[i] = a[i]
+    lo = 0
+    hi = n - 1
+    want = k - 1                 # index in descending order
+    while hi > lo:
+        mid = (lo + hi) >> 1     # median of three as the pivot
+        x, y, z = work[lo], work[mid], work[hi]
+        if x < y:
+            x, y = y, x
+        if y < z:
+            y = z
+            if x < y:
+                y = x
+        piv = y
+        i = lo
+        j = hi
+        while i <= j:            # descending: >= piv to the left, <= piv to the right
+            while work[i] > piv:
+                i += 1
+            while work[j] < piv:
+                j -= 1
+            if i <= j:
+                t = work[i]
+                work[i] = work[j]
+                work[j] = t
+                i += 1
+                j -= 1
+        if want <= j:
+            hi = j
+        elif want >= i:
+            lo = i
+        else:
+            return work[want]
+    return work[want]
+
+
+@numba.njit(cache=True, nogil=True)
+def masked_inverse(iv, rl, ivm):  # pragma: no cover - compiled
+    """``ivm[l] = iv[l]`` where ``rl[l]``, else NaN: the scale :func:`select_row` takes (a padded position's value
+    is then NaN, which no comparison routes)."""
+    nan = np.nan
+    for p in range(iv.shape[0]):
+        ivm[p] = iv[p] if rl[p] else nan
+
+
+@numba.njit(cache=True, nogil=True)
+def select_row(row, ivm, w, st, vals, smp, kbuf, cand, cv, out_i, out_ok):  # pragma: no cover - compiled
+    """One cluster's routed positions from its raw scores ``row`` ``(L,)``: the values ``x_l = row[l]·ivm[l]``
+    (``ivm`` from :func:`masked_inverse`: NaN at padded positions; a NaN value is never routed), the positions of
+    the ``min(w, non-NaN values)`` largest, ascending (ties at the w-th value: the lowest positions), into
+    ``out_i`` with ``out_ok`` True.
+
+    A threshold from a sample of the row (every ``st``-th value, into ``smp``; its rank found through ``kbuf``,
+    :data:`_SMALL_RANK` long) picks about ``2w`` candidates in one pass: :data:`_CBLOCK` positions at a time are
+    compared by vectors into one bit mask (:func:`._mask_bits.ge_bits`), and only its set bits are visited
+    (positions into ``cand``, values into ``cv``; both hold ``8w + 64`` plus :data:`CAND_SLACK`).
+    The exact ``w``-th value is selected among them (``np.partition``). When the sample's guess does not give
+    between ``w`` and ``8w + 64`` candidates, the values of the whole row are written to ``vals`` and
+    partitioned instead.
 
     A plain call (not inlined), so :func:`top_w_ascending` and :func:`route_seq` share one build of it."""
     L = row.shape[0]
     ms = smp.shape[0]
-    cap = cand.shape[0]
+    cap = cand.shape[0] - CAND_SLACK
     ninf = -np.inf
-    for p in range(L):
-        x = row[p] * iv[p]
-        vals[p] = x if (rl[p] and x == x) else ninf
     if w <= 0:
         return
     k = (2 * w + st - 1) // st + 1          # sample rank of the guess: about 2w values above it
     nc = -1
     if k < ms and L > 4 * cap:
         for j in range(ms):
-            smp[j] = vals[j * st]
-        guess = np.partition(smp, ms - k)[ms - k]
+            x = row[j * st] * ivm[j * st]
+            smp[j] = x if x == x else ninf
+        guess = _kth_largest(smp, k, kbuf)
         if guess > ninf:
             cnt = 0
-            for p in range(L):
-                if vals[p] >= guess:
-                    if cnt < cap:
-                        cand[cnt] = p
+            V = 8 if row.itemsize == 4 else 4                  # lanes of one vector compare
+            unit = row.strides[0] == row.itemsize and ivm.strides[0] == ivm.itemsize
+            nb = L - L % _CBLOCK if unit else 0
+            for b0 in range(0, nb, _CBLOCK):
+                bits = 0
+                for v0 in range(0, _CBLOCK, V):                # NaN: not set
+                    bits |= ge_bits(row, ivm, b0 + v0, guess) << v0
+                while bits != 0:               # cnt <= cap on entry: the writes stay inside the slack
+                    p = b0 + trailing_zeros(bits)
+                    cand[cnt] = p
+                    cv[cnt] = row[p] * ivm[p]
                     cnt += 1
+                    bits &= bits - 1
+                if cnt > cap:
+                    break
+            for p in range(nb, L):             # the rest (all of a strided row)
+                if cnt > cap:
+                    break
+                x = row[p] * ivm[p]
+                cand[cnt] = p
+                cv[cnt] = x
+                cnt += 1 if x >= guess else 0
             if w <= cnt <= cap:
                 nc = cnt
     if nc >= 0:
-        for j in range(nc):
-            cv[j] = vals[cand[j]]
-        t = np.partition(cv[:nc], nc - w)[nc - w]
+        t = _select_largest(cv, nc, w, vals)
         g = 0
         for j in range(nc):
             g += 1 if cv[j] > t else 0
+        _take_ascending(cv, L, t, w, g, out_i, out_ok, cand, nc)
     else:
         nf = 0
         for p in range(L):
-            nf += 1 if vals[p] > ninf else 0
+            x = row[p] * ivm[p]
+            x = x if x == x else ninf
+            vals[p] = x
+            nf += 1 if x > ninf else 0
         w = min(w, nf)
         if w <= 0:
             return
@@ -225,14 +328,14 @@ def select_row(row, iv, rl, w, st, vals, smp, cand, cv, out_i, out_ok):  # pragm
         g = 0
         for p in range(L):
             g += 1 if vals[p] > t else 0
-    _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc)
+        _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, -1)
 
 
 @numba.njit(cache=True, nogil=True)
 def top_w_ascending(s, inv, real, H, widths, W, idx, ok, i0, i1):  # pragma: no cover - compiled
     """Each cluster's routed positions: for row ``(n, c)`` of the scores ``s`` ``(N, C, L)``, the values
-    ``s[n, c, l]·inv[n, l]`` (``-inf`` where ``real[b, l]`` is False or the value is NaN; ``b = n // H`` modulo
-    ``real``'s rows), the positions of its ``w = min(widths[b], finite values)`` largest, ascending (ties at
+    ``s[n, c, l]·inv[n, l]`` (never routed where ``real[b, l]`` is False or the value is NaN; ``b = n // H`` modulo
+    ``real``'s rows), the positions of its ``w = min(widths[b], such values)`` largest, ascending (ties at
     the w-th value: the lowest positions), into int64 ``idx`` ``(N, C, W)`` and bool ``ok``, zeros on entry
     (``False`` and position 0 in the unused slots): :func:`select_row` per row. Work items of up to 8 rows of
     one sequence share their scratch buffers."""
@@ -240,7 +343,7 @@ def top_w_ascending(s, inv, real, H, widths, W, idx, ok, i0, i1):  # pragma: no 
     Rb = real.shape[0]
     st = max(1, L // 512)
     ms = (L + st - 1) // st
-    cap = 8 * W + 64
+    cap = 8 * W + 64 + CAND_SLACK
     per = 8
     nci = (C + per - 1) // per
     for it in range(i0, i1):
@@ -248,11 +351,14 @@ def top_w_ascending(s, inv, real, H, widths, W, idx, ok, i0, i1):  # pragma: no 
         b = n // H
         w0 = min(widths[b % widths.shape[0]], W)
         vals = np.empty(L, dtype=s.dtype)
+        ivm = np.empty(L, dtype=s.dtype)
         smp = np.empty(ms, dtype=s.dtype)
+        kbuf = np.empty(_SMALL_RANK, dtype=s.dtype)
         cand = np.empty(cap, dtype=np.int64)
         cv = np.empty(cap, dtype=s.dtype)
+        masked_inverse(inv[n], real[b % Rb], ivm)
         for c in range((it % nci) * per, min(C, (it % nci + 1) * per)):
-            select_row(s[n, c], inv[n], real[b % Rb], w0, st, vals, smp, cand, cv, idx[n, c], ok[n, c])
+            select_row(s[n, c], ivm, w0, st, vals, smp, kbuf, cand, cv, idx[n, c], ok[n, c])
 
 
 #: positions per score tile of :func:`route_seq` (a ``(C, TILE)`` tile: 32 KiB for 128 clusters in float32)
@@ -332,16 +438,18 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
                 near[n, l0 + i] = a0[i] if a0[i] >= 0 else 0
     b = n // H
     w0 = min(widths[b % widths.shape[0]], W)
-    rl = real[b % real.shape[0]]
     st = max(1, L // 512)
     ms = (L + st - 1) // st
-    cap = 8 * W + 64
+    cap = 8 * W + 64 + CAND_SLACK
     vals = np.empty(L, dtype=dt)
+    ivm = np.empty(L, dtype=dt)
     smp = np.empty(ms, dtype=dt)
+    kbuf = np.empty(_SMALL_RANK, dtype=dt)
     cand = np.empty(cap, dtype=np.int64)
     cv = np.empty(cap, dtype=dt)
+    masked_inverse(iv, real[b % real.shape[0]], ivm)
     for c in range(C):
-        select_row(sn[c], iv, rl, w0, st, vals, smp, cand, cv, idx[n, c], ok[n, c])
+        select_row(sn[c], ivm, w0, st, vals, smp, kbuf, cand, cv, idx[n, c], ok[n, c])
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FM)
