@@ -26,6 +26,10 @@ float32, B = 1, H = 8, D = 64, bidirectional, the same settings on both sides:
 Forward runs in eval mode under ``no_grad``; forward+backward in train mode (both sides update their
 k-means centroids there). Each case: one warm-up, then ``--repeats`` calls; the cases of one length
 alternate call by call, so load drifts affect them alike. Medians (min-max) in seconds.
+
+``--keep-freed-memory`` first calls :func:`attnkit.cpu_memory.keep_freed_memory` (glibc's allocator keeps freed
+memory for the next step instead of returning it and faulting it in again; docs/user-guide.md). It is
+process-wide, so it applies to both sides of every pair alike; compare it with a run without it, not within one.
 """
 
 from __future__ import annotations
@@ -127,8 +131,14 @@ def main() -> int:
     ap.add_argument("--cases", default=None,
                     help="comma-separated subset of the pairs to run: lsh, routing, sinkhorn (default all; "
                          "sdpa always)")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="call attnkit.cpu_memory.keep_freed_memory() first (process-wide: both sides alike)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    kept = None
+    if args.keep_freed_memory:
+        from attnkit.cpu_memory import keep_freed_memory
+        kept = keep_freed_memory()
     up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     import attnkit_sparse
     src = os.path.dirname(attnkit_sparse.__file__)
@@ -136,6 +146,8 @@ def main() -> int:
                          text=True).stdout.strip()
     print(f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; {up}")
     print(f"# attnkit_sparse from {src} (git {rev or 'n/a'})")
+    if kept is not None:
+        print(f"# keep_freed_memory(): {kept}")
     rows: list[dict[str, Any]] = []
     for L in [int(x) for x in args.lengths.split(",")]:
         table = cases(L)
