@@ -120,7 +120,14 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
         run_ranges(sequences, B * H)
         return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
                 torch.from_numpy(dv).view(B, H, S, E))
-    qT, gT = np.ascontiguousarray(qa.transpose(0, 2, 1)), np.ascontiguousarray(ga.transpose(0, 2, 1))
+    qT, gT = np.empty((B * H, D, L), dtype=qa.dtype), np.empty((B * H, E, L), dtype=qa.dtype)
+
+    def transposes(n0: int, n1: int) -> None:    # per sequence on the threads, in registers (as above)
+        for n in range(n0, n1):
+            transpose(qT[n], qa[n], L, D)
+            transpose(gT[n], ga[n], L, E)
+
+    run_ranges(transposes, B * H)
     # compact dS buffer: the visited tiles of each query block one after another (a pattern with a few
     # global rows visits NK tiles there and few elsewhere; NQ x max(count) would grow like L^2), filled and read
     # in passes over ranges of query blocks whose tiles fit in DS_BUFFER_MAX_BYTES (one pass as a rule)
