@@ -410,32 +410,30 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
             dst = sn[c, l0:l0 + tn]
             for i in range(tn):
                 dst[i] = row[i]
-        if want:    # the first c of the largest score: the maximum (NaN ignored unless c = 0 is NaN), then its first c
-            # Each pass reads one buffer and writes the other: a select stored back where it was read
-            # compiles to masked stores (slow on AMD's cores; attnkit.numba_panel), a store elsewhere does not.
+        if want:    # the first c of the largest score (NaN ignored; a NaN at c = 0 stays the maximum: c = 0)
+            # One pass: the running maximum and its cluster, each read from one buffer and written to the other:
+            # a select stored back where it was read compiles to masked stores (slow on AMD's cores;
+            # attnkit.numba_panel), a store elsewhere does not. A strictly larger score takes over, so ties keep
+            # the first cluster.
             b0, b1 = best, best2
+            a0, a1 = arg, arg2
             r0 = ST[0]
             for i in range(TILE):
                 b0[i] = r0[i]
+                a0[i] = 0
             for c in range(1, C):
-                row = ST[c]
-                for i in range(TILE):
-                    bi = b0[i]
-                    vi = row[i]
-                    b1[i] = vi if vi > bi else bi
-                b0, b1 = b1, b0
-            a0, a1 = arg, arg2
-            for i in range(TILE):
-                a0[i] = -1
-            for c in range(C):
                 row = ST[c]
                 c32 = np.int32(c)
                 for i in range(TILE):
-                    a = a0[i]
-                    a1[i] = c32 if (a < 0 and row[i] == b0[i]) else a
+                    bi = b0[i]
+                    vi = row[i]
+                    up = vi > bi
+                    b1[i] = vi if up else bi
+                    a1[i] = c32 if up else a0[i]
+                b0, b1 = b1, b0
                 a0, a1 = a1, a0
             for i in range(tn):
-                near[n, l0 + i] = a0[i] if a0[i] >= 0 else 0
+                near[n, l0 + i] = a0[i]
     b = n // H
     w0 = min(widths[b % widths.shape[0]], W)
     st = max(1, L // 512)
