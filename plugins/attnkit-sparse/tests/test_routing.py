@@ -342,6 +342,43 @@ def test_route_per_sequence_equals_the_product_path(dtype, shape, monkeypatch):
     assert not (near_q == 2).any() and (near_q == 1).any()               # ties go to the first cluster
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_route_per_sequence_long_rows_never_write_scores(dtype, monkeypatch):
+    """Rows long enough for the sampled threshold: :func:`route_seq` keeps each tile's candidates and writes no
+    scores (it is handed a scores buffer without columns, and would raise on the short-row path), and still
+    routes exactly as the product path. Batch element 1 has every sample position padded (NaN keys there), so
+    none of its clusters gets a threshold and each is scored again over its whole row (the fallback); element
+    0 has a NaN query and shared centroids with a duplicate (ties)."""
+    import attnkit_sparse.routing.clusters as clusters
+    from attnkit_sparse.routing._numba import TILE
+    B, H, L, C, D = 2, 2, 4000, 64, 8
+    assert L % TILE
+    st = L // 512
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, H, L, D, generator=g, dtype=torch.float64).to(dtype)
+    mu = clusters.unit(torch.randn(1, C, D, generator=g, dtype=torch.float64)).to(dtype)
+    mu[:, 2] = mu[:, 1]
+    kpm = torch.ones(B, L, dtype=torch.bool)
+    kpm[1, ::st] = False                                                # every sample position of element 1
+    k[1, :, ::st] = float("nan")
+    q[0, 1, 11] = float("nan")
+    n = kpm.sum(-1)
+    widths = torch.tensor([clusters.cluster_width(int(x), C) for x in n.tolist()])
+    assert not clusters._writes_scores(widths.numpy(), int(widths.max()), L)   # no buffer: the long-row path
+    got = {}
+    for per_seq in (True, False):
+        monkeypatch.setattr(clusters, "PER_SEQUENCE", per_seq)
+        got[per_seq] = route(q, k, mu, kpm, nearest=True)
+    for a, b in zip(got[True][:4], got[False][:4]):
+        assert torch.equal(a, b)
+    for a, b in zip(got[True][4], got[False][4]):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1][:, kpm[1]], b[1][:, kpm[1]])
+    k_idx, k_ok = got[True][2], got[True][3]
+    assert k_ok[1].any() and not (k_idx[1][k_ok[1]] % st == 0).any()     # padded keys never routed
+    assert not (got[True][0][0, 1] == 11)[got[True][1][0, 1]].any()     # the NaN query is never routed
+
+
 def _top_w_torch(s, inv, real, H, widths, W):
     """The plain torch expression of :func:`top_w_ascending`: masked scaled scores, ``topk``, ascending positions."""
     N, C, L = s.shape

@@ -253,6 +253,13 @@ def masked_inverse(iv, rl, ivm):  # pragma: no cover - compiled
         ivm[p] = iv[p] if rl[p] else nan
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def sample_rank(w, st):  # pragma: no cover - compiled
+    """The rank in a sample of every ``st``-th value whose value is the threshold guess: about ``2w`` values of
+    the row lie above it."""
+    return (2 * w + st - 1) // st + 1
+
+
 @numba.njit(cache=True, nogil=True)
 def select_row(row, ivm, w, st, vals, smp, kbuf, cand, cv, out_i, out_ok):  # pragma: no cover - compiled
     """One cluster's routed positions from its raw scores ``row`` ``(L,)``: the values ``x_l = row[l]·ivm[l]``
@@ -275,7 +282,7 @@ def select_row(row, ivm, w, st, vals, smp, kbuf, cand, cv, out_i, out_ok):  # pr
     ninf = -np.inf
     if w <= 0:
         return
-    k = (2 * w + st - 1) // st + 1          # sample rank of the guess: about 2w values above it
+    k = sample_rank(w, st)
     nc = -1
     if k < ms and L > 4 * cap:
         for j in range(ms):
@@ -309,26 +316,42 @@ def select_row(row, ivm, w, st, vals, smp, kbuf, cand, cv, out_i, out_ok):  # pr
             if w <= cnt <= cap:
                 nc = cnt
     if nc >= 0:
-        t = _select_largest(cv, nc, w, vals)
-        g = 0
-        for j in range(nc):
-            g += 1 if cv[j] > t else 0
-        _take_ascending(cv, L, t, w, g, out_i, out_ok, cand, nc)
+        from_candidates(cand, cv, nc, w, L, vals, out_i, out_ok)
     else:
-        nf = 0
-        for p in range(L):
-            x = row[p] * ivm[p]
-            x = x if x == x else ninf
-            vals[p] = x
-            nf += 1 if x > ninf else 0
-        w = min(w, nf)
-        if w <= 0:
-            return
-        t = np.partition(vals.copy(), L - w)[L - w]
-        g = 0
-        for p in range(L):
-            g += 1 if vals[p] > t else 0
-        _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, -1)
+        select_full(row, ivm, w, vals, cand, out_i, out_ok)
+
+
+@numba.njit(cache=True, nogil=True)
+def from_candidates(cand, cv, nc, w, L, work, out_i, out_ok):  # pragma: no cover - compiled
+    """The ``w`` largest of ``nc >= w`` candidates (positions ``cand``, ascending, values ``cv``), ascending, into
+    ``out_i`` / ``out_ok`` (ties at the w-th value: the lowest positions); ``work``: scratch of ``nc`` at least."""
+    t = _select_largest(cv, nc, w, work)
+    g = 0
+    for j in range(nc):
+        g += 1 if cv[j] > t else 0
+    _take_ascending(cv, L, t, w, g, out_i, out_ok, cand, nc)
+
+
+@numba.njit(cache=True, nogil=True)
+def select_full(row, ivm, w, vals, cand, out_i, out_ok):  # pragma: no cover - compiled
+    """:func:`select_row` over the whole row (no sample): the values into ``vals``, the ``w``-th largest by
+    ``np.partition``; what the sampled threshold falls back to."""
+    L = row.shape[0]
+    ninf = -np.inf
+    nf = 0
+    for p in range(L):
+        x = row[p] * ivm[p]
+        x = x if x == x else ninf
+        vals[p] = x
+        nf += 1 if x > ninf else 0
+    w = min(w, nf)
+    if w <= 0:
+        return
+    t = np.partition(vals.copy(), L - w)[L - w]
+    g = 0
+    for p in range(L):
+        g += 1 if vals[p] > t else 0
+    _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, -1)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -366,88 +389,205 @@ TILE = 64
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FM)
-def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: no cover - compiled
-    """Sequence ``n``'s routing in one call (``nogil``: the caller hands sequences to threads).
+def _tile_in(XT, xs, p0, step, tn, rl, ivt, zero):  # pragma: no cover - compiled
+    """``XT[:, i] = xs[p0 + i·step]`` for ``i < tn`` (0 in the other columns) and ``ivt[i]`` its scale
+    ``1 / max(‖x‖, 1e-12)`` where ``rl`` (the position is real), else NaN (NaN past ``tn`` too). One compiled
+    function for every caller, so a position's scale is the same bits wherever it is computed."""
+    D, TW = XT.shape
+    nan = np.nan
+    for i in range(tn):
+        p = p0 + i * step
+        r = xs[p]
+        acc = zero
+        for d in range(D):
+            v = r[d]
+            acc += v * v
+            XT[d, i] = v
+        nr = math.sqrt(acc)
+        sc = 1.0 / (nr if (nr > 1e-12 or nr != nr) else 1e-12)   # a NaN norm stays NaN (as clamp)
+        ivt[i] = sc if rl[p] else nan
+    for i in range(tn, TW):
+        for d in range(D):
+            XT[d, i] = zero
+        ivt[i] = nan
 
-    The raw scores ``s[n] = μ_h x_nᵀ`` ``(C, L)`` (``μ`` ``(H', C, D)``, head ``h = n % H`` modulo ``H'``), a tile
-    of :data:`TILE` positions at a time on register panels (:func:`.._gathered.tile_scores`), with the
-    inverse norms ``inv[n, l] = 1 / max(‖x_l‖, 1e-12)`` and, when ``near`` has rows, each position's nearest
-    centroid (the first largest raw score) while its tile is in cache. Then :func:`select_row` per cluster, on
-    the sequence's scores just written (still in the last-level cache): its routed positions into ``idx[n]``,
-    ``ok[n]`` (zeros on entry)."""
+
+@numba.njit(cache=True, nogil=True, fastmath=_FM, inline="always")
+def _nearest_tile(ST, C, best, best2, arg, arg2):  # pragma: no cover - compiled
+    """The first ``c`` of the largest score of each column of ``ST[:C]`` (NaN ignored; a NaN at ``c = 0`` stays the
+    maximum: ``c = 0``); returns the buffer (``arg`` or ``arg2``) that holds it.
+
+    One pass: the running maximum and its cluster, each read from one buffer and written to the other: a select
+    stored back where it was read compiles to masked stores (slow on AMD's cores; attnkit.numba_panel), a store
+    elsewhere does not. A strictly larger score takes over, so ties keep the first cluster."""
+    TW = ST.shape[1]
+    b0, b1 = best, best2
+    a0, a1 = arg, arg2
+    r0 = ST[0]
+    for i in range(TW):
+        b0[i] = r0[i]
+        a0[i] = 0
+    for c in range(1, C):
+        row = ST[c]
+        c32 = np.int32(c)
+        for i in range(TW):
+            bi = b0[i]
+            vi = row[i]
+            up = vi > bi
+            b1[i] = vi if up else bi
+            a1[i] = c32 if up else a0[i]
+        b0, b1 = b1, b0
+        a0, a1 = a1, a0
+    return a0
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FM)
+def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: no cover - compiled
+    """Sequence ``n``'s routing in one call (``nogil``: the caller hands sequences to threads): each cluster's
+    routed positions into ``idx[n]``, ``ok[n]`` (zeros on entry), as :func:`select_row` on the raw scores
+    ``μ_h x_nᵀ`` ``(C, L)`` (``μ`` ``(H', C, D)``, head ``h = n % H`` modulo ``H'``) scaled by
+    ``1 / max(‖x_l‖, 1e-12)``, and, when ``near`` has rows, each position's nearest centroid (the first largest
+    raw score).
+
+    The scores are computed a tile of :data:`TILE` positions at a time on register panels
+    (:func:`.._gathered.tile_scores`), each position's nearest centroid while its tile is in cache. When
+    :func:`select_row` would take its sampled threshold (long rows), the sample positions are scored first
+    (a ``1/st`` share of the product), each cluster's threshold is found from them, and then every tile's
+    candidates are kept while the tile is in cache: no score is written to memory (``s`` and ``inv`` are left as
+    they were, or hold scratch). A cluster whose threshold gives fewer than ``w`` or more than ``8w + 64``
+    candidates has its whole row scored again (those clusters only, one more pass over the tiles) and selected
+    over it. Short rows: the scores are written to ``s[n]`` ``(C, L)`` and :func:`select_row` runs per cluster
+    on them (still in the last-level cache); ``s`` may have no columns when no row is short (ValueError if a
+    short row meets such an ``s``). Both give :func:`select_row`'s result on the same scores."""
     N, L, D = x.shape
     C = mu.shape[1]
     mh = mu[(n % H) % mu.shape[0]]
     dt = x.dtype
     zero = np.zeros(1, dtype=dt)[0]
+    ninf = -np.inf
     XT = np.zeros((D, TILE), dtype=dt)
     ST = np.empty((C, TILE), dtype=dt)
+    ivt = np.empty(TILE, dtype=dt)
     best = np.empty(TILE, dtype=dt)
     best2 = np.empty(TILE, dtype=dt)
     arg = np.empty(TILE, dtype=np.int32)
     arg2 = np.empty(TILE, dtype=np.int32)
     xs = x[n]
-    sn = s[n]
     iv = inv[n]
     want = near.shape[0] > 0
-    for l0 in range(0, L, TILE):
-        tn = min(TILE, L - l0)
-        for i in range(tn):
-            r = xs[l0 + i]
-            acc = zero
-            for d in range(D):
-                v = r[d]
-                acc += v * v
-                XT[d, i] = v
-            nr = math.sqrt(acc)
-            iv[l0 + i] = 1.0 / (nr if (nr > 1e-12 or nr != nr) else 1e-12)   # a NaN norm stays NaN (as clamp)
-        for i in range(tn, TILE):
-            for d in range(D):
-                XT[d, i] = zero
-        tile_scores(ST, C, TILE, mh, XT, D, zero)       # ST = μ_h XTᵀ: the fused paths' zeroed product
-        for c in range(C):
-            row = ST[c]
-            dst = sn[c, l0:l0 + tn]
-            for i in range(tn):
-                dst[i] = row[i]
-        if want:    # the first c of the largest score (NaN ignored; a NaN at c = 0 stays the maximum: c = 0)
-            # One pass: the running maximum and its cluster, each read from one buffer and written to the other:
-            # a select stored back where it was read compiles to masked stores (slow on AMD's cores;
-            # attnkit.numba_panel), a store elsewhere does not. A strictly larger score takes over, so ties keep
-            # the first cluster.
-            b0, b1 = best, best2
-            a0, a1 = arg, arg2
-            r0 = ST[0]
-            for i in range(TILE):
-                b0[i] = r0[i]
-                a0[i] = 0
-            for c in range(1, C):
-                row = ST[c]
-                c32 = np.int32(c)
-                for i in range(TILE):
-                    bi = b0[i]
-                    vi = row[i]
-                    up = vi > bi
-                    b1[i] = vi if up else bi
-                    a1[i] = c32 if up else a0[i]
-                b0, b1 = b1, b0
-                a0, a1 = a1, a0
-            for i in range(tn):
-                near[n, l0 + i] = a0[i]
     b = n // H
+    rl = real[b % real.shape[0]]
     w0 = min(widths[b % widths.shape[0]], W)
     st = max(1, L // 512)
     ms = (L + st - 1) // st
-    cap = 8 * W + 64 + CAND_SLACK
+    cap = 8 * W + 64
+    k = sample_rank(w0, st)
     vals = np.empty(L, dtype=dt)
-    ivm = np.empty(L, dtype=dt)
-    smp = np.empty(ms, dtype=dt)
     kbuf = np.empty(_SMALL_RANK, dtype=dt)
-    cand = np.empty(cap, dtype=np.int64)
-    cv = np.empty(cap, dtype=dt)
-    masked_inverse(iv, real[b % real.shape[0]], ivm)
+    if not (w0 > 0 and k < ms and L > 4 * cap):       # short rows: write the scores, select_row on them
+        if s.shape[1] != C or s.shape[2] != L:
+            raise ValueError("route_seq: short rows need the (N, C, L) scores buffer s")
+        sn = s[n]
+        for l0 in range(0, L, TILE):
+            tn = min(TILE, L - l0)
+            _tile_in(XT, xs, l0, 1, tn, rl, ivt, zero)
+            for i in range(tn):
+                iv[l0 + i] = ivt[i]                  # the masked scale (NaN at padded positions)
+            tile_scores(ST, C, TILE, mh, XT, D, zero)       # ST = μ_h XTᵀ: the fused paths' zeroed product
+            for c in range(C):
+                row = ST[c]
+                dst = sn[c, l0:l0 + tn]
+                for i in range(tn):
+                    dst[i] = row[i]
+            if want:
+                a = _nearest_tile(ST, C, best, best2, arg, arg2)
+                for i in range(tn):
+                    near[n, l0 + i] = a[i]
+        smp = np.empty(ms, dtype=dt)
+        cand = np.empty(cap + CAND_SLACK, dtype=np.int64)
+        cv = np.empty(cap + CAND_SLACK, dtype=dt)
+        for c in range(C):
+            select_row(sn[c], iv, w0, st, vals, smp, kbuf, cand, cv, idx[n, c], ok[n, c])
+        return
+    # ---- the sample positions first: each cluster's threshold (select_row's guess, from the same values)
+    SM = np.empty((C, ms), dtype=dt)
+    for j0 in range(0, ms, TILE):
+        tn = min(TILE, ms - j0)
+        _tile_in(XT, xs, j0 * st, st, tn, rl, ivt, zero)
+        tile_scores(ST, C, TILE, mh, XT, D, zero)
+        for c in range(C):
+            row = ST[c]
+            dst = SM[c]
+            for i in range(tn):
+                v = row[i] * ivt[i]
+                dst[j0 + i] = v if v == v else ninf
+    guess = np.empty(C, dtype=dt)
+    cnt = np.zeros(C, dtype=np.int64)
     for c in range(C):
-        select_row(sn[c], ivm, w0, st, vals, smp, kbuf, cand, cv, idx[n, c], ok[n, c])
+        guess[c] = _kth_largest(SM[c], k, kbuf)
+        if not guess[c] > ninf:
+            cnt[c] = cap + 1                         # no threshold: the whole row
+    # ---- every tile: scores, nearest centroids, each cluster's candidates while the tile is in cache
+    candP = np.empty((C, cap + TILE), dtype=np.int64)    # a tile adds at most TILE past cap
+    candV = np.empty((C, cap + TILE), dtype=dt)
+    V = 8 if x.itemsize == 4 else 4
+    for l0 in range(0, L, TILE):
+        tn = min(TILE, L - l0)
+        _tile_in(XT, xs, l0, 1, tn, rl, ivt, zero)     # NaN scale past tn: those columns never pass
+        for i in range(tn):
+            iv[l0 + i] = ivt[i]
+        tile_scores(ST, C, TILE, mh, XT, D, zero)
+        if want:
+            a = _nearest_tile(ST, C, best, best2, arg, arg2)
+            for i in range(tn):
+                near[n, l0 + i] = a[i]
+        for c in range(C):
+            m = cnt[c]
+            if m > cap:
+                continue
+            g = guess[c]
+            row = ST[c]
+            cp = candP[c]
+            cvv = candV[c]
+            bits = 0
+            for v0 in range(0, TILE, V):       # the tile's 64 compares as one 64-bit mask
+                bits |= ge_bits(row, ivt, v0, g) << v0
+            while bits != 0:
+                i = trailing_zeros(bits)
+                cp[m] = l0 + i
+                cvv[m] = row[i] * ivt[i]
+                m += 1
+                bits &= bits - 1
+            cnt[c] = m
+    # ---- the w largest of each cluster's candidates; the rest over their whole rows, scored again
+    nfb = 0
+    fb = np.empty(C, dtype=np.int64)
+    for c in range(C):
+        m = cnt[c]
+        if w0 <= m <= cap:
+            from_candidates(candP[c], candV[c], m, w0, L, vals, idx[n, c], ok[n, c])
+        else:
+            fb[nfb] = c
+            nfb += 1
+    if nfb == 0:
+        return
+    Kf = np.empty((nfb, D), dtype=dt)
+    for f in range(nfb):
+        Kf[f] = mh[fb[f]]
+    FB = np.empty((nfb, L), dtype=dt)
+    SF = np.empty((nfb, TILE), dtype=dt)
+    for l0 in range(0, L, TILE):
+        tn = min(TILE, L - l0)
+        _tile_in(XT, xs, l0, 1, tn, rl, ivt, zero)
+        tile_scores(SF, nfb, TILE, Kf, XT, D, zero)
+        for f in range(nfb):
+            row = SF[f]
+            dst = FB[f, l0:l0 + tn]
+            for i in range(tn):
+                dst[i] = row[i]
+    for f in range(nfb):
+        c = fb[f]
+        select_full(FB[f], iv, w0, vals, candP[0], idx[n, c], ok[n, c])
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FM)

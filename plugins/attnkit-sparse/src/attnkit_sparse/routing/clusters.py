@@ -83,6 +83,20 @@ def _per_sequence(N: int) -> bool:
     return spread_evenly(N)
 
 
+def _writes_scores(widths: Any, W: int, L: int) -> bool:
+    """Whether :func:`._numba.route_seq` writes some sequence's scores to its buffer: a batch element whose rows
+    are too short for the sampled threshold (the condition of :func:`._numba.select_row`)."""
+    from ._numba import sample_rank
+    st = max(1, L // 512)
+    ms = -(-L // st)
+    cap = 8 * W + 64
+    for wb in widths.tolist():
+        w0 = min(int(wb), W)
+        if not (w0 > 0 and sample_rank(w0, st) < ms and L > 4 * cap):
+            return True
+    return False
+
+
 def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None, widths: Tensor, W: int,
                  nearest: bool) -> tuple[Any, ...]:
     """:func:`route` on CPU (float32, float64): the scores ``μ_c·x`` of the raw rows (one product, no unit copy of
@@ -110,11 +124,13 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
     per_seq = _per_sequence(N)
     for x in (q, k):
         xd = x.detach()
-        s = _scores_buffer(B, H, C, L, xd.dtype)
         if per_seq:
             xa = xd.contiguous().view(N, L, D).numpy()
             mu = centroids.to(xd.dtype).contiguous().numpy()
-            sa = s.view(N, C, L).numpy()
+            # long rows never write their scores (route_seq keeps each tile's candidates while it is in cache):
+            # the (B, H, C, L) buffer (64 MiB at 16K positions, 1 GiB at 64K) only when a row is short
+            sa = (_scores_buffer(B, H, C, L, xd.dtype).view(N, C, L).numpy() if _writes_scores(wd, W, L)
+                  else np.empty((N, C, 0), dtype=xa.dtype))
             inv_a = np.empty((N, L), dtype=xa.dtype)
             near_a = np.empty((N, L) if nearest else (0, 0), dtype=np.int64)
             idx, ok = np.zeros((N, C, W), dtype=np.int64), np.zeros((N, C, W), dtype=np.bool_)
@@ -123,6 +139,7 @@ def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tens
             if nearest:
                 near.append(torch.from_numpy(near_a).view(B, H, L))
         else:
+            s = _scores_buffer(B, H, C, L, xd.dtype)
             inv = torch.linalg.vector_norm(xd, dim=-1).clamp_(min=1e-12).reciprocal_()       # (B, H, L)
             s = torch.matmul(centroids.to(xd.dtype), xd.transpose(-1, -2), out=s)
             if nearest:
