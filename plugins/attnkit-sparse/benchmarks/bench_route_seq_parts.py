@@ -5,11 +5,13 @@ kernel called directly (no Python per cluster), in three forms alternated round 
 
 * ``full``: scores, nearest centroids and each cluster's selection (what the training forward runs per side);
 * ``no nearest``: scores and selection (the eval forward);
-* ``scores only``: every cluster's width set to 0, so the selection returns at once (the score product on the
-  register panels, the inverse norms and the copy of the scores into the sequence's buffer).
+* ``scores only``: every cluster's width set to 0, so nothing is selected: the score product on the register
+  panels, the inverse norms and the scores written to the sequence's buffer (the short-row path).
 
-``full - no nearest`` is the nearest-centroid part, ``no nearest - scores only`` the selection. Medians of
-``--rounds`` (after one warm-up call each)::
+``full - no nearest`` is the nearest-centroid part. Since session 44 long rows never write their scores (the
+sample positions are scored first, and each tile's candidates are kept while it is in cache), so
+``no nearest - scores only`` is the selection less the writing of the scores; before, it was the selection
+alone. Medians of ``--rounds`` (after one warm-up call each)::
 
     python plugins/attnkit-sparse/benchmarks/bench_route_seq_parts.py --length 16384 --rounds 21
 
