@@ -12,7 +12,7 @@ then go into the exported package, and its kernels import those copies (for A/B 
     python plugins/attnkit-sparse/benchmarks/ab_revision.py --rev e947eeb --mechanism routing \\
         --length 16384 --mode fwdbwd --rounds 15
 
-The content-based ``routing`` and ``lsh`` run with ``bench_lucidrains.py``'s options; the position-based
+The content-based ``routing``, ``lsh`` and ``sinkhorn`` run with ``bench_lucidrains.py``'s options; the position-based
 ``local`` (window 256) and ``bigbird`` (the defaults) run on the block-sparse engine, ``--causal`` for a causal
 call.
 
@@ -39,7 +39,7 @@ from ab_common import export as export_package  # noqa: E402
 
 PKG = "plugins/attnkit-sparse/src/attnkit_sparse"
 MODULES = {"routing": "routing.attention", "lsh": "lsh.attention", "local": "patterns.local",
-           "bigbird": "patterns.random_"}
+           "bigbird": "patterns.random_", "sinkhorn": "sinkhorn.attention"}
 
 
 CORE_HELPERS = ("numba_prefetch", "numba_panel")
@@ -69,6 +69,8 @@ def options(mech: str, L: int) -> dict:
         return {"window": 256}
     if mech == "bigbird":
         return {}
+    if mech == "sinkhorn":
+        return {"block_size": 64, "num_heads": 8, "head_dim": 64}
     return {"num_clusters": max(1, L // 128), "num_heads": 8, "head_dim": 64}
 
 

@@ -442,6 +442,22 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
+def delta_rows(g, out, g_lse, delta):  # pragma: no cover - compiled
+    """``delta[p] = g[p]·out[p] − g_lse[p]`` for one sequence's rows ``g``, ``out`` ``(L, E)`` and ``g_lse``,
+    ``delta`` ``(L,)``: the softmax backward's row term ``Δ`` (the log-sum-exp's own gradient enters it), without
+    the ``(L, E)`` product torch's ``(g * out).sum(-1)`` writes first."""
+    L, E = g.shape
+    zero = np.zeros(1, dtype=delta.dtype)[0]
+    for p in range(L):
+        gp = g[p]
+        op = out[p]
+        acc = zero
+        for e in range(E):
+            acc += gp[e] * op[e]
+        delta[p] = acc - g_lse[p]
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
 def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, bank, bq, bk, cst, is32, dqs, dks,
                        dvs):  # pragma: no cover - compiled
     """``dQ``, ``dK``, ``dV`` of one sequence in one pass (the caller runs one call per sequence, on threads, when

@@ -90,12 +90,14 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     _check(q, k, v)
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
-    # Δ_i = dO_i · O_i - dlse_i: the log-sum-exp's own gradient (dlse_i/ds_ij = P_ij) enters dS = P (dP - Δ)
-    delta = (g * out).sum(-1) - g_lse
     cst = K.constants(_arr(q).dtype, scale)
     f32 = q.dtype == torch.float32
     qa, ka, va, ga = _seq(q), _seq(k), _seq(v), _seq(g)
-    stats = (_arr(lse.reshape(B * H, L)), _arr(delta.reshape(B * H, L)), H)
+    # Δ_i = dO_i · O_i - dlse_i: the log-sum-exp's own gradient (dlse_i/ds_ij = P_ij) enters dS = P (dP - Δ);
+    # per sequence on the threads (K.delta_rows), filled before the kernels read it
+    oa, gla = _seq(out), _arr(g_lse.reshape(B * H, L))
+    delta_a = np.empty((B * H, L), dtype=qa.dtype)
+    stats = (_arr(lse.reshape(B * H, L)), delta_a, H)
     bank_a = _arr(bank)
     nq = kv_idx.shape[-2]
     if _fused(B * H):
@@ -103,7 +105,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
         dk = np.empty((B * H, S, D), dtype=qa.dtype)
         dv = np.empty((B * H, S, E), dtype=qa.dtype)
         qT, gT = np.empty((B * H, D, L), dtype=qa.dtype), np.empty((B * H, E, L), dtype=qa.dtype)
-        lse_a, delta_a = stats[:2]
+        lse_a = stats[0]
         qc_a, qi_a, qt_a = _arr(q_count), _arr(q_idx), _arr(q_tile)
         bp, hp = qc_a.shape[:2]
 
@@ -114,6 +116,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
                 # of the whole batch ran on one thread before the kernels: docs/benchmarks.md, "Session 43")
                 transpose(qT[n], qa[n], L, D)
                 transpose(gT[n], ga[n], L, E)
+                K.delta_rows(ga[n], oa[n], gla[n], delta_a[n])
                 K.backward_sequence(qa[n], ka[n], va[n], ga[n], qT[n], gT[n], lse_a[n], delta_a[n], qc_a[i],
                                     qi_a[i], qt_a[i], bank_a, bq, bk, cst, f32, dq[n], dk[n], dv[n])
 
@@ -122,10 +125,11 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
                 torch.from_numpy(dv).view(B, H, S, E))
     qT, gT = np.empty((B * H, D, L), dtype=qa.dtype), np.empty((B * H, E, L), dtype=qa.dtype)
 
-    def transposes(n0: int, n1: int) -> None:    # per sequence on the threads, in registers (as above)
+    def transposes(n0: int, n1: int) -> None:    # per sequence on the threads, in registers (as above), and Δ
         for n in range(n0, n1):
             transpose(qT[n], qa[n], L, D)
             transpose(gT[n], ga[n], L, E)
+            K.delta_rows(ga[n], oa[n], gla[n], delta_a[n])
 
     run_ranges(transposes, B * H)
     # compact dS buffer: the visited tiles of each query block one after another (a pattern with a few

@@ -191,7 +191,8 @@ class _OwnAndSorted(torch.autograd.Function):
         gs = g[:, :, n:].reshape(B, H, nb, b * F)
         dx = ds = None
         if ctx.needs_input_grad[0]:
-            dx = torch.matmul(s.transpose(-1, -2), gs).view(B, H, n, F)[:, :, :L] + g[:, :, :L]
+            dx = torch.matmul(s.transpose(-1, -2), gs).view(B, H, n, F)
+            dx = dx.add_(g[:, :, :n])[:, :, :L]   # in place: no second (B, H, L, F) tensor
         if ctx.needs_input_grad[1]:
             ds = torch.matmul(gs, pad_blocks(x, b).reshape(B, H, nb, b * F).transpose(-1, -2))
         return dx, ds, None
