@@ -3,45 +3,31 @@
 Every backend is held to the spec's reference (``attnkit_sparse.lsh.naive:reference``: the dense
 mask counted from the same hashes, then masked softmax) in float64, outputs and gradients. Small
 buckets so the kit's lengths (9, 12, 67) make several chunks, a ragged last one and several buckets.
+
+No check is skipped here by hand: ``lsh`` and ``routing`` declare ``queries_interact`` and
+``selection_sees_future`` in their specs (a later token can change which earlier keys share a chunk or a
+cluster, as in the papers), so the kit skips ``nan_queries`` and ``causality`` for them from the spec, as
+``attnkit check`` does. That no attended pair lies in the future is tested in test_lsh.py and test_routing.py.
 """
 
 from __future__ import annotations
 
 from attnkit.testing import AttentionConformance
 
-_LSH_SKIPS = {
-    "causality": "the sorted chunks depend on every position's bucket, future ones included (as in the paper): "
-                 "with causal=True no pair attends the future (test_lsh.py::test_causal_pairs_never_attend_the_"
-                 "future), but a future token can change which past keys share a chunk",
-}
-
 
 class TestLSHConformance(AttentionConformance):
     name = "lsh"
     options = {"bucket_size": 4, "n_hashes": 2, "seed": 3}
-    queries_interact = True
-    skip = _LSH_SKIPS
 
 
 class TestReformerAliasConformance(AttentionConformance):
     name = "reformer"
     options = {"bucket_size": 8, "n_hashes": 3}
-    queries_interact = True
-    skip = _LSH_SKIPS
-
-
-_ROUTING_SKIPS = {
-    "causality": "the top-w choice of each centroid ranks every position, future ones included (as in the "
-                 "paper): with causal=True no pair attends the future (test_routing.py), but a future token "
-                 "can change which past keys a cluster routes",
-}
 
 
 class TestRoutingConformance(AttentionConformance):
     name = "routing"
     options = {"num_clusters": 3, "seed": 2}
-    queries_interact = True
-    skip = _ROUTING_SKIPS
 
 
 class TestSinkhornConformance(AttentionConformance):

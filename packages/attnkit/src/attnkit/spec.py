@@ -97,6 +97,12 @@ class Capabilities:
         queries_interact: an output row depends on other queries (landmarks,
             clusters or a top-u choice mix them), so a NaN query may spread: the
             conformance kit's ``nan_queries`` check is skipped with that reason.
+        selection_sees_future: with ``causal=True`` no query attends a later key,
+            but *which* earlier keys it attends is chosen from the content of the
+            whole sequence (LSH chunks sorted by bucket, balanced top-w clusters),
+            so a later token can change an earlier output, as in the papers: the
+            kit's ``causality`` check is skipped with that reason (the plugin tests
+            that no attended pair is in the future).
         context_parallel: runs causal attention over a sequence split along L
             across the ranks of a process group
             (:func:`attnkit.context_parallel.context_parallel`): the class
@@ -123,6 +129,7 @@ class Capabilities:
     memory: str = ""
     shared_qk: bool = False
     queries_interact: bool = False
+    selection_sees_future: bool = False
     context_parallel: bool = False
 
     def __post_init__(self) -> None:

@@ -128,7 +128,8 @@ LSH = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=("causal", "key_padding"), positions=False, dtypes=HALF_AND_FULL,
-        backends=CONTENT_BACKENDS, shared_qk=True, time="O(n_hashes·L·bucket_size·D)",
+        backends=CONTENT_BACKENDS, shared_qk=True, queries_interact=True, selection_sees_future=True,
+        time="O(n_hashes·L·bucket_size·D)",
         memory="O(n_hashes·L·(D + E + bucket_size)): sorted copies and the chunks' element masks; no L x S matrix",
     ),
 )
@@ -146,7 +147,8 @@ ROUTING = AttentionSpec(
     capabilities=Capabilities(
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=("causal", "key_padding"), positions=False, dtypes=HALF_AND_FULL,
-        backends=CONTENT_BACKENDS, time="O(L·(L/num_clusters)·D + L·num_clusters·D)",
+        backends=CONTENT_BACKENDS, queries_interact=True, selection_sees_future=True,
+        time="O(L·(L/num_clusters)·D + L·num_clusters·D)",
         memory="O(L·(D + E) + num_clusters·w²) with w = L/num_clusters; no L x S matrix",
     ),
 )

@@ -9,7 +9,8 @@ from .context import Ctx, after, perturb
 def check_causality(cfg: ConformanceConfig) -> None:
     """With ``causal=True``, perturbing q, k, v at positions >= t changes no output at positions < t.
 
-    Self-attention (L = L) for several t, without and with key padding when
+    Skipped for a spec that declares ``selection_sees_future`` (content-based
+    selection over the whole sequence). Self-attention (L = L) for several t, without and with key padding when
     declared; with ``causal_cross`` also L != S (bottom-right aligned: query
     i sees keys ``j <= i + S - L``) in both directions, and the long length.
     Compared in float64 where declared.
@@ -17,6 +18,9 @@ def check_causality(cfg: ConformanceConfig) -> None:
     c = Ctx("causality", cfg)
     if not c.caps.causal:
         c.skip("the spec does not declare causal (its refusal is tested by 'refusals')")
+    if getattr(c.caps, "selection_sees_future", False):
+        c.skip("the spec declares selection_sees_future: no query attends a later key, but which earlier keys it "
+               "attends is chosen from the whole sequence, so a later token may change an earlier output")
     dt = c.precise()
     attn = c.build(dtype=dt)
     cases = c.cases(attn, ["plain", "padding", "cross", "long"], causal_modes=[True])
