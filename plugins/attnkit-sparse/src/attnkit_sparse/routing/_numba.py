@@ -271,9 +271,9 @@ def select_row(row, ivm, w, st, vals, smp, kbuf, cand, cv, out_i, out_ok):  # pr
     :data:`_SMALL_RANK` long) picks about ``2w`` candidates in one pass: :data:`_CBLOCK` positions at a time are
     compared by vectors into one bit mask (:func:`._mask_bits.ge_bits`), and only its set bits are visited
     (positions into ``cand``, values into ``cv``; both hold ``8w + 64`` plus :data:`CAND_SLACK`).
-    The exact ``w``-th value is selected among them (``np.partition``). When the sample's guess does not give
-    between ``w`` and ``8w + 64`` candidates, the values of the whole row are written to ``vals`` and
-    partitioned instead.
+    The exact ``w``-th value is selected among them (:func:`from_candidates`: quickselect). When the sample's
+    guess does not give between ``w`` and ``8w + 64`` candidates, the values of the whole row are written to
+    ``vals`` and partitioned instead (:func:`select_full`).
 
     A plain call (not inlined), so :func:`top_w_ascending` and :func:`route_seq` share one build of it."""
     L = row.shape[0]
