@@ -12,6 +12,7 @@ exceeded; it is never the correctness test.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -21,6 +22,11 @@ from ..reference import reference_attention
 from .cases import Case
 from .config import DTYPE_NAMES, DTYPES, ConformanceConfig
 from .context import Ctx, grad_names, make_inputs
+
+
+def _float64_copy(attn: Any) -> Any:
+    """A float64 copy of ``attn`` (the same parameter and buffer values, upcast; ``attn`` is left as it is)."""
+    return copy.deepcopy(attn).to(torch.float64)
 
 
 def _reference(c: Ctx, ref: Any, attn: Any, label: str, q: Tensor, k: Tensor, v: Tensor, case: Case,
@@ -44,8 +50,10 @@ def check_reference(cfg: ConformanceConfig) -> None:
 
     ``reference = spec.load_reference()`` (softmax's for an exact spec without
     one) is called as ``reference(attn, q, k, v, *, mask, positions)`` with the
-    float64 module (same seed, same options, same backend), float64 inputs and
-    the resolved mask object (:func:`attnkit.masks.resolve`). Cases: the whole
+    float64 module (same seed, same options, same backend; for another dtype a
+    float64 copy of the module under test, so both read the same rounded
+    parameters), float64 inputs and the resolved mask object
+    (:func:`attnkit.masks.resolve`). Cases: the whole
     case generator (causal modes, with and without key padding, ``attn_mask``,
     sliding window / document / function / union masks, cross, the long
     length) as declared, and a non-default ``scale`` when the factory takes one.
@@ -66,10 +74,14 @@ def check_reference(cfg: ConformanceConfig) -> None:
     grad_dt = f64 if "float64" in c.caps.dtypes else torch.float32
     backends, _ = c.backends()
     for backend in backends:
-        ref_attn = c.build(dtype=f64, backend=backend)  # the module the reference reads, in float64
-        cases = c.cases(ref_attn)
+        built64 = c.build(dtype=f64, backend=backend)
+        cases = c.cases(built64)
         for dt in c.dtypes():
-            attn = ref_attn if dt == f64 else c.build(dtype=dt, backend=backend)
+            attn = built64 if dt == f64 else c.build(dtype=dt, backend=backend)
+            # the module the reference reads, in float64: for another dtype, a float64 copy of the module under
+            # test, so both read the same (rounded) parameters and buffers; otherwise a learned discrete choice
+            # (top-k edges, buckets) can flip on the parameters' rounding alone, which is no defect
+            ref_attn = built64 if dt == f64 else _float64_copy(attn)
             with_grad = dt == grad_dt and c.trains(backend)
             for n, case in enumerate(cases):
                 label = case.describe(dt, **({"backend": backend} if backend else {}))
@@ -100,7 +112,8 @@ def check_reference(cfg: ConformanceConfig) -> None:
             label = case.describe(dt, **({"backend": backend} if backend else {})) + ", built with scale=0.37"
             q, k, v = c.inputs(c.L, c.L, dt, seed_offset=99)
             out = c.call(mod, label, q, k, v, **case.kwargs(dt))
-            want = _reference(c, ref, scaled, label, *(t.to(f64) for t in (q, k, v)), case, grad=False)
+            ref_mod = scaled if dt == f64 else _float64_copy(mod)
+            want = _reference(c, ref, ref_mod, label, *(t.to(f64) for t in (q, k, v)), case, grad=False)
             c.close(out, want, label, dtype=dt, against="reference")
 
 
