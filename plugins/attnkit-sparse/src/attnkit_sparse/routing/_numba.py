@@ -261,6 +261,17 @@ def sample_rank(w, st):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def long_rows(w, L, W):  # pragma: no cover - compiled
+    """Whether :func:`route_seq` takes the sampled threshold for rows of ``L`` positions and width ``w``
+    (clusters of ``W`` slots, sample stride ``max(1, L // 512)``): :func:`select_row`'s condition for its
+    callers' buffers. One definition for the kernel and for the caller that decides whether to allocate the
+    scores buffer (:func:`.clusters._route_numba`)."""
+    st = max(1, L // 512)
+    ms = (L + st - 1) // st
+    return w > 0 and sample_rank(w, st) < ms and L > 4 * (8 * W + 64)
+
+
+@numba.njit(cache=True, nogil=True)
 def select_row(row, ivm, w, st, vals, smp, kbuf, cand, cv, out_i, out_ok):  # pragma: no cover - compiled
     """One cluster's routed positions from its raw scores ``row`` ``(L,)``: the values ``x_l = row[l]·ivm[l]``
     (``ivm`` from :func:`masked_inverse`: NaN at padded positions; a NaN value is never routed), the positions of
@@ -484,7 +495,7 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
     k = sample_rank(w0, st)
     vals = np.empty(L, dtype=dt)
     kbuf = np.empty(_SMALL_RANK, dtype=dt)
-    if not (w0 > 0 and k < ms and L > 4 * cap):       # short rows: write the scores, select_row on them
+    if not long_rows(w0, L, W):                       # short rows: write the scores, select_row on them
         if s.shape[1] != C or s.shape[2] != L:
             raise ValueError("route_seq: short rows need the (N, C, L) scores buffer s")
         sn = s[n]

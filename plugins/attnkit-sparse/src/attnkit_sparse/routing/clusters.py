@@ -85,16 +85,9 @@ def _per_sequence(N: int) -> bool:
 
 def _writes_scores(widths: Any, W: int, L: int) -> bool:
     """Whether :func:`._numba.route_seq` writes some sequence's scores to its buffer: a batch element whose rows
-    are too short for the sampled threshold (the condition of :func:`._numba.select_row`)."""
-    from ._numba import sample_rank
-    st = max(1, L // 512)
-    ms = -(-L // st)
-    cap = 8 * W + 64
-    for wb in widths.tolist():
-        w0 = min(int(wb), W)
-        if not (w0 > 0 and sample_rank(w0, st) < ms and L > 4 * cap):
-            return True
-    return False
+    are too short for the sampled threshold (:func:`._numba.long_rows`)."""
+    from ._numba import long_rows
+    return not all(long_rows(min(int(wb), W), L, W) for wb in widths.tolist())
 
 
 def _route_numba(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | None, widths: Tensor, W: int,
