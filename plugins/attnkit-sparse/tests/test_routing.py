@@ -306,6 +306,19 @@ def test_nearest_cluster_is_the_first_argmax():
     assert torch.equal(_nearest(s.float()), s.float().argmax(2))
 
 
+def _route_both_ways(q, k, mu, kpm, monkeypatch):
+    """``route(..., nearest=True)`` per sequence (True) and by torch's product (False); asserts that both give the
+    same routed positions and used slots (the nearest centroids are left to the caller: arbitrary at padding)."""
+    import attnkit_sparse.routing.clusters as clusters
+    got = {}
+    for per_seq in (True, False):
+        monkeypatch.setattr(clusters, "PER_SEQUENCE", per_seq)
+        got[per_seq] = route(q, k, mu, kpm, nearest=True)
+    for a, b in zip(got[True][:4], got[False][:4]):
+        assert torch.equal(a, b)
+    return got
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("shape", [(2, 2, 37, 4, 2), (1, 3, 3000, 24, 1)])   # (B, H, L, clusters, centroid heads)
 def test_route_per_sequence_equals_the_product_path(dtype, shape, monkeypatch):
@@ -328,12 +341,7 @@ def test_route_per_sequence_equals_the_product_path(dtype, shape, monkeypatch):
     kpm[0, -5:] = False
     k[0, :, -5:] = float("nan")
     q[-1, -1, 7] = float("nan")
-    got = {}
-    for per_seq in (True, False):
-        monkeypatch.setattr(clusters, "PER_SEQUENCE", per_seq)
-        got[per_seq] = route(q, k, mu, kpm, nearest=True)
-    for a, b in zip(got[True][:4], got[False][:4]):
-        assert torch.equal(a, b)
+    got = _route_both_ways(q, k, mu, kpm, monkeypatch)
     for a, b in zip(got[True][4], got[False][4]):
         assert torch.equal(a[:, :, :-5], b[:, :, :-5]) and torch.equal(a[1:], b[1:])
     near_q = got[True][4][0]
@@ -366,12 +374,7 @@ def test_route_per_sequence_long_rows_never_write_scores(dtype, monkeypatch):
     n = kpm.sum(-1)
     widths = torch.tensor([clusters.cluster_width(int(x), C) for x in n.tolist()])
     assert not clusters._writes_scores(widths.numpy(), int(widths.max()), L)   # no buffer: the long-row path
-    got = {}
-    for per_seq in (True, False):
-        monkeypatch.setattr(clusters, "PER_SEQUENCE", per_seq)
-        got[per_seq] = route(q, k, mu, kpm, nearest=True)
-    for a, b in zip(got[True][:4], got[False][:4]):
-        assert torch.equal(a, b)
+    got = _route_both_ways(q, k, mu, kpm, monkeypatch)
     for a, b in zip(got[True][4], got[False][4]):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1][:, kpm[1]], b[1][:, kpm[1]])
     k_idx, k_ok = got[True][2], got[True][3]
