@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .caching import kept_tensors
 from .errors import InvalidInputError
 from .positions import Positions
 
@@ -384,7 +385,8 @@ class Mask:
             if hit is not None:
                 return hit
         self.check(geom, "block_index")
-        index = BlockIndex(self._blocks(geom, bq, bk), (bq, bk), L, S)
+        with kept_tensors():   # cached: never an inference tensor a later training call would meet
+            index = BlockIndex(self._blocks(geom, bq, bk), (bq, bk), L, S)
         if key is not None:
             if len(self._cache) > 32:
                 self._cache.clear()
