@@ -34,6 +34,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from attnkit.caching import kept_tensors
+
 from ..common import chunk_rows
 
 #: the largest kernel-block workspace (bytes) that a thread keeps between calls with no backward (see
@@ -50,7 +52,8 @@ def _reused_workspace(numel: int, like: Tensor) -> Tensor | None:
     buf = getattr(_workspace, "buf", None)
     if buf is None or buf.dtype != like.dtype or buf.numel() < numel:
         _workspace.buf = None                                             # the old one freed first
-        buf = _workspace.buf = torch.empty(numel, dtype=like.dtype)
+        with kept_tensors():   # written in place by later calls: never an inference tensor
+            buf = _workspace.buf = torch.empty(numel, dtype=like.dtype)
     return buf[:numel]
 
 

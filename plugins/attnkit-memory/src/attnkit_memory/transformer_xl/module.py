@@ -24,6 +24,7 @@ then the keys/values of the last N segments stay in the graph.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from attnkit import Attention
 from attnkit.attention import Limits
+from attnkit.caching import kept_tensors
 from attnkit.errors import InvalidInputError, UnsupportedFeatureError
 
 from ..common import Float32Inside, causal_keep, check_int_option, masked_softmax, rel_shift, sinusoid
@@ -131,11 +133,13 @@ class TransformerXLAttention(Float32Inside, Attention):
             hit = self.__dict__.get("_rel_cache")
             if hit is not None and hit[0] == key:
                 return hit[1]
-        d = torch.arange(T - 1, -1, -1, device=device)
-        # W_r in the computing dtype (a bfloat16 module called on upcast inputs: float32; its gradient comes back
-        # in the parameter's dtype)
-        r = nn.functional.linear(sinusoid(d, self.rel_dim, dtype), w.to(dtype))  # (T, H*D)
-        out = r.view(T, self.num_heads, self.head_dim).transpose(0, 1)
+        # cached: never an inference tensor a later call under autograd (frozen W_r) would meet
+        with kept_tensors() if cacheable else contextlib.nullcontext():
+            d = torch.arange(T - 1, -1, -1, device=device)
+            # W_r in the computing dtype (a bfloat16 module called on upcast inputs: float32; its gradient comes
+            # back in the parameter's dtype)
+            r = nn.functional.linear(sinusoid(d, self.rel_dim, dtype), w.to(dtype))  # (T, H*D)
+            out = r.view(T, self.num_heads, self.head_dim).transpose(0, 1)
         if cacheable:
             self.__dict__["_rel_cache"] = (key, out)
         return out

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.caching import kept_tensors
 from attnkit.masks import Mask
 from attnkit.positions import Positions
 
@@ -62,6 +63,13 @@ def block_mask(mask: Mask | None, plan: BlockPlan, B: int, H: int, device: torch
     cached = plan.__dict__.get("_flex_block_mask")
     if cached is not None:
         return cached
+    with kept_tensors():   # cached: never an inference tensor a later training call would meet
+        bm = _block_mask(plan, B, H, device)
+    plan.__dict__["_flex_block_mask"] = bm
+    return bm
+
+
+def _block_mask(plan: BlockPlan, B: int, H: int, device: torch.device) -> Any:
     from torch.nn.attention.flex_attention import BlockMask
     nq, nk = plan.num_blocks
     L, S = plan.L, plan.S
@@ -89,10 +97,8 @@ def block_mask(mask: Mask | None, plan: BlockPlan, B: int, H: int, device: torch
         hh = h if h_dim > 1 else h * 0
         t = tile_of[bb, hh, q_idx // bq, kv_idx // bk]
         return bank[t, q_idx % bq, kv_idx % bk] & (q_idx < L) & (kv_idx < S)
-    bm = BlockMask.from_kv_blocks(p_num, p_idx, f_num, f_idx, BLOCK_SIZE=plan.block_size, mask_mod=mask_mod,
-                                  seq_lengths=(L, S))
-    plan.__dict__["_flex_block_mask"] = bm
-    return bm
+    return BlockMask.from_kv_blocks(p_num, p_idx, f_num, f_idx, BLOCK_SIZE=plan.block_size, mask_mod=mask_mod,
+                                     seq_lengths=(L, S))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, plan: BlockPlan, scale: float,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.caching import kept_tensors
 from attnkit.errors import InvalidInputError
 from attnkit.masks import FULL, PARTIAL, SKIP, Geometry, Mask
 from attnkit.positions import Positions
@@ -136,7 +137,8 @@ class BlockPlan:
         key-major, and a mask read along them is applied without masked stores). Cached with the bank it was made
         from, so a reused plan transposes it once and a plan copied with another bank makes its own."""
         if self._key_major is None or self._key_major[0] is not self.bank:
-            self._key_major = (self.bank, self.bank.transpose(-1, -2).contiguous())
+            with kept_tensors():
+                self._key_major = (self.bank, self.bank.transpose(-1, -2).contiguous())
         return self._key_major[1]
 
     def int8_bank(self) -> Tensor:
@@ -309,7 +311,8 @@ def plan(mask: Mask | None, B: int, H: int, L: int, S: int, *, block_size: Any =
     cache = _UNMASKED if mask is None else _PLANS.setdefault(mask, {})
     if key is not None and key in cache:
         return cache[key]
-    out = _build(mask, B, H, L, S, bq, bk, device, positions)
+    with kept_tensors():   # cached: never an inference tensor a later training call would meet
+        out = _build(mask, B, H, L, S, bq, bk, device, positions)
     if key is not None:
         if len(cache) > 16:
             cache.clear()

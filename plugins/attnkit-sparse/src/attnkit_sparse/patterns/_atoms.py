@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.caching import kept_tensors
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Geometry, Mask, _gather, _states
 
@@ -274,7 +275,8 @@ class BlockTable(Atom):
         if hit is None:
             if len(self._tables) > 8:
                 self._tables.clear()
-            hit = self._tables[key] = self.table(geom)
+            with kept_tensors():   # cached: never an inference tensor a later training call would meet
+                hit = self._tables[key] = self.table(geom)
         return hit
 
     def _table_key(self, geom: Geometry) -> Any:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit import Attention
+from attnkit.caching import kept_tensors
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
@@ -255,7 +256,8 @@ class RoutingAttention(Attention):
         if key not in cache:
             if len(cache) > 8:
                 cache.clear()
-            cache[key] = _cluster_plan(torch.ones(1, 1, C, W, W, dtype=torch.bool, device=device), tile)
+            with kept_tensors():   # cached: never an inference tensor a later training call would meet
+                cache[key] = _cluster_plan(torch.ones(1, 1, C, W, W, dtype=torch.bool, device=device), tile)
         return cache[key]
 
     def _gather_attend_combine_numba(self, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor,

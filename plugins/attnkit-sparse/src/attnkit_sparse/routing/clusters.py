@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.caching import kept_tensors
+
 from ..base import spread_evenly
 
 __all__ = ["route", "cluster_width", "unit"]
@@ -66,7 +68,8 @@ def _scores_buffer(B: int, H: int, C: int, L: int, dtype: torch.dtype) -> Tensor
     key = (B, H, C, L, dtype)
     if getattr(_BUFFERS, "key", None) != key:
         _BUFFERS.key, _BUFFERS.buf = None, None
-        _BUFFERS.buf = torch.empty(B, H, C, L, dtype=dtype)
+        with kept_tensors():   # reused by later calls: never an inference tensor
+            _BUFFERS.buf = torch.empty(B, H, C, L, dtype=dtype)
         _BUFFERS.key = key
     return _BUFFERS.buf
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import Attention
+from attnkit.caching import kept_tensors
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
@@ -127,14 +128,20 @@ class SinkhornAttention(Attention):
         """The engine's plan: query block ``i`` x (its own block ``i``, sorted block ``i``), with the element masks
         (never the end padding; causal: the own block up to the query, no sorted block for block 0). It
         depends on ``L``, ``b`` and ``causal`` only: cached."""
-        from ..engine import explicit_plan
-
         key = (L, b, causal, str(device))
         cache = self.__dict__.setdefault("_plans", {})
         if key in cache:
             return cache[key]
         if len(cache) > 8:
             cache.clear()
+        with kept_tensors():   # cached: never an inference tensor a later training call would meet
+            cache[key] = self._build_plan(L, b, causal, device)
+        return cache[key]
+
+    @staticmethod
+    def _build_plan(L: int, b: int, causal: bool, device: torch.device) -> Any:
+        from ..engine import explicit_plan
+
         nb = -(-L // b)
         n = torch.arange(nb, device=device)
         kv_idx = torch.stack([n, n + nb], -1).view(1, 1, nb, 2)
@@ -147,8 +154,7 @@ class SinkhornAttention(Attention):
         if causal:
             srt[0] = False
         bank = torch.stack([own, srt], 1).view(1, 1, nb, 2, b, b)
-        cache[key] = explicit_plan(kv_idx, bank, nb * b, 2 * nb * b)
-        return cache[key]
+        return explicit_plan(kv_idx, bank, nb * b, 2 * nb * b)
 
     def backend_order(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
         """``auto``: triton first for half inputs on CUDA (measured), see :func:`..base.content_backend_order`."""
