@@ -434,6 +434,28 @@ class UnderflowingExpAttention(NaiveAttention):
         return torch.where(den == 0, torch.zeros(()), w @ v / torch.where(den == 0, torch.ones(()), den))
 
 
+class InferenceCacheAttention(NaiveAttention):
+    """Keeps a per-(device, dtype) factor made on its first call, without :func:`attnkit.caching.kept_tensors`: made
+    under ``inference_mode``, it is an inference tensor the next training call cannot save for backward."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        cache = self.__dict__.setdefault("_ones", {})
+        key = (q.device, q.dtype)
+        if key not in cache:
+            cache[key] = torch.ones((), dtype=q.dtype, device=q.device)
+        return super()._forward(q * cache[key], k, v, causal=causal, key_padding_mask=key_padding_mask,
+                                attn_mask=attn_mask)
+
+
+class AutocastBypassAttention(NaiveAttention):
+    """Overrides ``forward`` to turn autocast off around the base's: float32 inputs stay float32 under autocast
+    (SDPA, and the contract, cast them to the autocast dtype)."""
+
+    def forward(self, q, k, v, **kw):
+        with torch.autocast(q.device.type, enabled=False):
+            return super().forward(q, k, v, **kw)
+
+
 def softmax_reference(attn, q, k, v, *, mask, positions):
     """Softmax attention with the module's scale (the reference of :class:`UnderflowingExpAttention`)."""
     return naive_attention(q, k, v, mask=mask, positions=positions, scale=attn.get_scale(q))
@@ -491,6 +513,12 @@ CASES: list[BrokenCase] = [
                {"exact": True, "capabilities": BASIC}),
     BrokenCase(NaNInTrainingAttention, "broken-nan-training", "training_mode",
                r"training mode, call 1: output has \d+ non-finite", {"exact": True, "capabilities": BASIC}),
+    BrokenCase(InferenceCacheAttention, "broken-inference-cache", "inference_mode",
+               r"training mode after inference_mode calls.*Inference tensors cannot be saved for backward",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(AutocastBypassAttention, "broken-autocast", "autocast",
+               r"torch.autocast\('cpu', dtype=torch.bfloat16\): output dtype torch.float32, expected torch.bfloat16",
+               {"exact": True, "capabilities": Capabilities(dtypes=("float32", "float64", "bfloat16"))}),
     BrokenCase(DetachedKeysAttention, "broken-gradcheck", "gradcheck", r"gradcheck .* failed .*Jacobian mismatch",
                {"exact": True, "capabilities": BASIC}),
     # contract 2: reference agreement, padding without the perturbation trick, bad inputs, streaming

@@ -194,6 +194,14 @@ class AttentionConformance:
         """In training mode (noise, redraws, batch-updated buffers) outputs and gradients are finite."""
         self.run_check("training_mode")
 
+    def test_inference_mode(self) -> None:
+        """A call under torch.inference_mode equals a no_grad call, and the instance trains after it."""
+        self.run_check("inference_mode")
+
+    def test_autocast(self) -> None:
+        """Under torch.autocast: the inputs cast once to its dtype (as SDPA), float32 gradients."""
+        self.run_check("autocast")
+
     def test_gradcheck(self) -> None:
         """torch.autograd.gradcheck passes in float64 on tiny shapes."""
         self.run_check("gradcheck")
