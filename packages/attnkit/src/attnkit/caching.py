@@ -21,13 +21,14 @@ __all__ = ["kept_tensors"]
 def kept_tensors() -> Iterator[None]:
     """Make the tensors created inside ordinary tensors, even when the caller runs under ``inference_mode``.
 
-    Under :func:`torch.inference_mode` it leaves inference mode (with gradients still off); otherwise it
-    changes nothing. Use it around building a cache entry or a reused buffer::
+    Under :func:`torch.inference_mode` it leaves inference mode (with gradients still off); otherwise, and
+    while ``torch.compile`` traces, it changes nothing. Use it around building a cache entry or a reused buffer::
 
         with attnkit.caching.kept_tensors():
             cache[key] = build_plan(...)
     """
-    if torch.is_inference_mode_enabled():
+    # torch.compile cannot trace is_inference_mode_enabled (a graph break); a compiled graph keeps no cache
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
             yield
     else:
