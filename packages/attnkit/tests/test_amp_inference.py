@@ -167,3 +167,14 @@ def test_a_mask_block_index_built_under_inference_mode_serves_training():
         attn(q, k, v, mask=m)
     attn(q, k, v, mask=m).sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+def test_kept_tensors_traces_in_torch_compile_fullgraph():
+    def f(x):
+        with kept_tensors():
+            y = x + 1
+        return y * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.randn(4)
+    assert torch.equal(compiled(x), f(x))
