@@ -20,8 +20,7 @@ import attnkit
 from attnkit.amp import autocast_dtype
 from attnkit.caching import kept_tensors
 from attnkit.context_parallel import context_parallel
-
-HALF_CAPS = attnkit.Capabilities(dtypes=("float32", "float64", "bfloat16"), context_parallel=True)
+from attnkit.first_order import first_order, first_order_path
 
 
 def _qkv(dtype=torch.float32, L=7, S=7, requires_grad=False):
@@ -178,3 +177,44 @@ def test_kept_tensors_traces_in_torch_compile_fullgraph():
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     x = torch.randn(4)
     assert torch.equal(compiled(x), f(x))
+
+
+# ---------------------------------------------------------------- first-order backward passes
+class _Cube(torch.autograd.Function):
+    """``x³``; the backward reads ``3x²`` saved as a constant (right to first order only)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        ctx.d = (3 * x * x).detach()
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.d
+
+
+class _GuardedCube(_Cube):
+    backward = staticmethod(first_order(_Cube.backward))
+
+
+def test_first_order_refuses_the_second_derivative_a_plain_backward_loses():
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    g, = torch.autograd.grad(_Cube.apply(x).sum(), x, create_graph=True)
+    assert g.requires_grad is False                      # a constant: a second backward silently loses 6x
+    g, = torch.autograd.grad(_GuardedCube.apply(x).sum(), x, create_graph=True)
+    assert torch.equal(g.detach(), 3 * x.detach() ** 2)  # first derivatives unchanged
+    with pytest.raises(attnkit.UnsupportedFeatureError, match="_GuardedCube.*second derivatives"):
+        g.sum().backward()
+    g, = torch.autograd.grad(_GuardedCube.apply(x).sum(), x)   # without create_graph: plain tensors
+    assert not g.requires_grad
+
+
+def test_first_order_path_keeps_first_derivatives_and_refuses_second():
+    x = torch.tensor([0.5, -1.5], dtype=torch.float64, requires_grad=True)
+    y = first_order_path(x * x, "the test's path")
+    g, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert torch.equal(g.detach(), 2 * x.detach())
+    with pytest.raises(attnkit.UnsupportedFeatureError, match="the test's path"):
+        g.sum().backward()
+    assert first_order_path(x.detach()) is not None

@@ -69,14 +69,16 @@ class UnsupportedFeatureError(AttnkitError, ValueError):
     """
 
     def __init__(self, implementation: str, argument: str, reason: str = "",
-                 supported_by: Iterable[str] = ()):
+                 supported_by: Iterable[str] = (), *, instead: str = ""):
         self.implementation = implementation
         self.argument = argument
         self.supported_by = sorted(set(supported_by))
         msg = f"{implementation!r} does not support {argument}"
         if reason:
             msg += f": {reason}"
-        if self.supported_by:
+        if instead:                              # what to do instead, where no list of implementations applies
+            msg += f". {instead}"
+        elif self.supported_by:
             msg += f". Installed implementations that do: {', '.join(self.supported_by)}"
         else:
             msg += ". No installed implementation supports it"
