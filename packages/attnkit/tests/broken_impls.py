@@ -456,6 +456,36 @@ class AutocastBypassAttention(NaiveAttention):
             return super().forward(q, k, v, **kw)
 
 
+class _SavedProbs(torch.autograd.Function):
+    """``softmax(q kᵀ·scale) v`` whose backward reads the probabilities saved from the forward (right to first
+    order); under ``create_graph`` they are constants, so second derivatives miss terms, silently."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        p = torch.softmax((q @ k.transpose(-1, -2)) * scale, -1)
+        ctx.save_for_backward(q, k, v)
+        ctx.p, ctx.scale = p.detach(), scale
+        return p @ v
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v = ctx.saved_tensors
+        p = ctx.p
+        dv = p.transpose(-1, -2) @ g
+        dp = g @ v.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scale
+        return ds @ k, ds.transpose(-1, -2) @ q, dv, None
+
+
+class SavedProbsAttention(NaiveAttention):
+    """Right outputs and first derivatives; second derivatives through its backward silently wrong."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if causal or key_padding_mask is not None or attn_mask is not None:
+            return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        return _SavedProbs.apply(q, k, v, self.get_scale(q))
+
+
 def softmax_reference(attn, q, k, v, *, mask, positions):
     """Softmax attention with the module's scale (the reference of :class:`UnderflowingExpAttention`)."""
     return naive_attention(q, k, v, mask=mask, positions=positions, scale=attn.get_scale(q))
@@ -519,6 +549,9 @@ CASES: list[BrokenCase] = [
     BrokenCase(AutocastBypassAttention, "broken-autocast", "autocast",
                r"torch.autocast\('cpu', dtype=torch.bfloat16\): output dtype torch.float32, expected torch.bfloat16",
                {"exact": True, "capabilities": Capabilities(dtypes=("float32", "float64", "bfloat16"))}),
+    BrokenCase(SavedProbsAttention, "broken-double-backward", "double_backward",
+               r"second derivatives are wrong: the directional derivative",
+               {"exact": True, "capabilities": Capabilities(causal=False)}),
     BrokenCase(DetachedKeysAttention, "broken-gradcheck", "gradcheck", r"gradcheck .* failed .*Jacobian mismatch",
                {"exact": True, "capabilities": BASIC}),
     # contract 2: reference agreement, padding without the perturbation trick, bad inputs, streaming

@@ -242,7 +242,7 @@ def test_third_party_subclass_under_pytest(tmp_path: Path):
     assert "FAILED test_third_party.py::TestThirdParty::test_reference" in text
     # and the fuzz check draws padded rows too (with a reproducer)
     assert "FAILED test_third_party.py::TestThirdParty::test_fuzz" in text
-    assert "3 failed, 17 passed, 7 skipped" in text      # scaled_inputs: exact spec; training_mode passes
+    assert "3 failed, 18 passed, 7 skipped" in text      # scaled_inputs: exact spec; training_mode passes
 
 
 def test_error_distribution_override():

@@ -57,7 +57,7 @@ from .config import (
 from .context import isolated, make_inputs
 from .fuzz import check_fuzz
 from .grad_modes import check_autocast, check_inference_mode
-from .gradients import check_gradcheck, check_gradients, check_training_mode
+from .gradients import check_double_backward, check_gradcheck, check_gradients, check_training_mode
 from .masks import check_attn_mask, check_fully_masked_rows, check_key_padding, check_mask_objects
 from .reference import check_error_bound, check_reference
 from .scaled_inputs import check_scaled_inputs
@@ -70,11 +70,11 @@ __all__ = [
     "DTYPES", "CheckFailed", "CheckResult", "CheckSkipped", "ConformanceConfig", "ConformanceConfigError",
     "ConformanceReport", "ErrorDistribution", "make_inputs", "run_check", "run_conformance",
     "check_attn_mask", "check_autocast", "check_backends", "check_batch_independence", "check_causality",
-    "check_cross_attention", "check_determinism", "check_empty_sequences", "check_error_bound", "check_fuzz",
-    "check_fully_masked_rows", "check_gradcheck", "check_gradients", "check_inference_mode", "check_key_padding",
-    "check_mask_objects", "check_nan_queries", "check_padded_values", "check_reference", "check_refusals",
-    "check_serialisation", "check_shapes_dtypes", "check_scaled_inputs", "check_state_dict", "check_state_validation",
-    "check_streaming", "check_training_mode",
+    "check_cross_attention", "check_determinism", "check_double_backward", "check_empty_sequences",
+    "check_error_bound", "check_fuzz", "check_fully_masked_rows", "check_gradcheck", "check_gradients",
+    "check_inference_mode", "check_key_padding", "check_mask_objects", "check_nan_queries", "check_padded_values",
+    "check_reference", "check_refusals", "check_serialisation", "check_shapes_dtypes", "check_scaled_inputs",
+    "check_state_dict", "check_state_validation", "check_streaming", "check_training_mode",
 ]
 
 #: Every check, in the order they run; the keys are the names used by ``skip``
@@ -101,6 +101,7 @@ CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
         ("inference_mode", check_inference_mode),
         ("autocast", check_autocast),
         ("gradcheck", check_gradcheck),
+        ("double_backward", check_double_backward),
         ("state_dict", check_state_dict),
         ("serialisation", check_serialisation),
         ("determinism", check_determinism),

@@ -116,3 +116,73 @@ def check_gradcheck(cfg: ConformanceConfig) -> None:
                 msg = str(exc)
                 c.fail(f"{label}: gradcheck (inputs: 0 = q, 1 = k, 2 = v) failed ({type(exc).__name__}): "
                        f"{msg[:1500]}{' ...' if len(msg) > 1500 else ''}")
+
+
+def _penalty(attn: Any, kw: dict[str, Any], x: list[Tensor], w: Tensor, r: list[Tensor],
+             create_graph: bool) -> tuple[Any, list[Tensor]]:
+    """``Σ <grad(<attn(x), w>, x_i), r_i>`` and the leaves ``x`` it was taken at."""
+    x = [t.detach().requires_grad_(True) for t in x]
+    with torch.enable_grad():
+        out = attn(*x, **kw)
+        g = torch.autograd.grad(out, x, w, create_graph=create_graph, allow_unused=True)
+    return sum((gi * ri).sum() for gi, ri in zip(g, r) if gi is not None), x
+
+
+def check_double_backward(cfg: ConformanceConfig) -> str:
+    """Second derivatives are right or refused: never silently wrong.
+
+    A gradient penalty takes ``g = grad(out, (q, k, v), create_graph=True)`` and differentiates a function of
+    ``g`` again. For every backend that can run here and trains (float64, ``gradcheck_shapes``, the plain case
+    in each declared causal mode): ``s = Σ <g_i, r_i>`` for random ``r``, then ``grad(s, (q, k, v))``. Either
+    that raises (the implementation refuses second derivatives; :func:`attnkit.first_order.first_order` does it
+    for a custom backward), or its directional derivative along a random ``d`` equals the central difference
+    of ``s`` (step 1e-6) to 1e-6 + 1e-5·|value|. Gradients that carry no graph at all under ``create_graph``
+    fail too: a user's second backward would see constants. The note lists the backends that refused.
+    """
+    c = Ctx("double_backward", cfg)
+    if "float64" not in c.caps.dtypes:
+        c.skip("the spec does not declare float64, which the central difference needs")
+    dt = torch.float64
+    B, H, L, _, D, E = cfg.gradcheck_shapes or (1, *cfg.shapes[1:])
+    backends, _ = c.backends()
+    refused: list[str] = []
+    for backend in backends:
+        if not c.trains(backend):
+            continue
+        attn = c.build(dtype=dt, backend=backend)
+        for n, case in enumerate(c.cases(attn, ["plain"], B=B, L=L, S=L)):
+            label = f"backend={backend!r}, {case.describe(dt)}" if backend else case.describe(dt)
+            kw = case.kwargs(dt)
+            q, k, v = make_inputs(B, H, case.L, case.S, D, E, dtype=dt, device=c.device,
+                                  seed=cfg.seed * 1000 + 1400 + n)
+            gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 1401 + n)
+            w = torch.randn(B, H, case.L, E, generator=gen, dtype=dt).to(c.device)
+            r = [torch.randn(t.shape, generator=gen, dtype=dt).to(c.device) for t in (q, k, v)]
+            d = [torch.randn(t.shape, generator=gen, dtype=dt).to(c.device) for t in (q, k, v)]
+            try:
+                s, x = _penalty(attn, kw, [q, k, v], w, r, True)
+            except Exception as exc:  # noqa: BLE001 - a first-order refusal may come this early
+                refused.append(f"{backend or 'default'} ({type(exc).__name__} on create_graph)")
+                continue
+            if not isinstance(s, Tensor) or not s.requires_grad:
+                c.fail(f"{label}: the gradients of q, k, v carry no graph under create_graph=True: a second "
+                       "backward would treat them as constants; refuse instead (attnkit.first_order.first_order)")
+            try:
+                with torch.enable_grad():
+                    h = torch.autograd.grad(s, x, allow_unused=True)
+            except Exception as exc:  # noqa: BLE001 - refusing second derivatives is allowed
+                refused.append(f"{backend or 'default'} ({type(exc).__name__})")
+                continue
+            analytic = sum(float((hi * di).sum()) for hi, di in zip(h, d) if hi is not None)
+            eps = 1e-6
+            with torch.no_grad():
+                plus = [t + eps * di for t, di in zip((q, k, v), d)]
+                minus = [t - eps * di for t, di in zip((q, k, v), d)]
+            numeric = (float(_penalty(attn, kw, plus, w, r, False)[0])
+                       - float(_penalty(attn, kw, minus, w, r, False)[0])) / (2 * eps)
+            if not abs(analytic - numeric) <= 1e-6 + 1e-5 * abs(numeric):
+                c.fail(f"{label}: second derivatives are wrong: the directional derivative of <grad(out), r> "
+                       f"along d is {analytic:.9g} by double backward and {numeric:.9g} by central difference. "
+                       "A backward that reads values saved from the forward as constants must refuse "
+                       "create_graph (decorate it with attnkit.first_order.first_order)")
+    return f"refused second derivatives: {', '.join(refused)}" if refused else ""

@@ -206,6 +206,10 @@ class AttentionConformance:
         """torch.autograd.gradcheck passes in float64 on tiny shapes."""
         self.run_check("gradcheck")
 
+    def test_double_backward(self) -> None:
+        """Second derivatives (create_graph=True, then differentiated) are right or refused, never wrong."""
+        self.run_check("double_backward")
+
     def test_state_dict(self) -> None:
         """state_dict round-trips into a freshly built instance."""
         self.run_check("state_dict")
