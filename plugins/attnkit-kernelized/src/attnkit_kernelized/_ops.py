@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
+
 from ._busy import busy_threads
 from .common import with_ones_column
 
@@ -70,8 +72,8 @@ def define(name: str, fn: Callable[..., Any], fake: Callable[..., Any], *,
     """
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(fn)
     op.register_fake(fake)
-    if backward is not None:
-        op.register_autograd(backward, setup_context=setup_context)
+    if backward is not None:   # the kernels' backward is first order: second derivatives through it refuse
+        op.register_autograd(first_order(backward), setup_context=setup_context)
     return op
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from attnkit import InvalidInputError
+from attnkit.first_order import first_order
 from attnkit.half import HALF_DTYPES, Float32Inside  # noqa: F401 - the core's mixin, used by the modules
 
 from .kept import KeptBuffer
@@ -146,6 +146,7 @@ class _SymmetricNewtonPinv(torch.autograd.Function):
         return ((u * p.unsqueeze(-2)) @ u.transpose(-1, -2)).to(a.dtype)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: Tensor):
         if ctx.converged:
             # p(l) = 1/l to rounding, its divided differences -1/(l_i l_j): d(a^-1) = -a^-1 da a^-1; the scaling
@@ -343,7 +344,7 @@ class _SoftmaxAttend(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, d_out: Tensor):
         q, kt, v, out = ctx.saved_tensors
         ps, rows = ctx.ps, ctx.rows

@@ -10,13 +10,17 @@ gradient), then the weights normalised. Backward: autograd through one
 implicit-function correction ``tau + (f - f.detach()) / g`` with
 ``f = sum_i p_i(tau) - 1`` and ``g = -df/dtau = sum_{i in support} p_i^(2 - alpha) / (alpha - 1)``
 (detached): its gradient is ``dtau/dθ = (df/dθ) / g``, the implicit one, for
-the scores and alpha alike, and its value is ``tau`` (the correction is 0).
+the scores and alpha alike, and its value is ``tau`` (the correction is 0). That
+gradient is first order only: second derivatives through it raise
+(:func:`attnkit.first_order.first_order_path`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from attnkit.first_order import first_order_path
 
 __all__ = ["MIN_ALPHA", "bisection_iterations", "entmax_bisect"]
 
@@ -74,7 +78,8 @@ def entmax_bisect(scores: Tensor, alpha: Tensor, *, n_iter: int | None = None) -
         g = torch.where(g > 0, g, torch.ones((), dtype=g.dtype, device=g.device))
     p = _pow_support(X - tau0, inv, support)
     f = p.sum(-1, keepdim=True) - 1.0
-    tau = tau0 + (f - f.detach()) / g
+    # first order only: g is detached, so a second derivative through this correction would miss terms
+    tau = tau0 + first_order_path((f - f.detach()) / g, "entmax (its threshold's implicit gradient)")
     p = _pow_support(X - tau, inv, support)
     s = p.sum(-1, keepdim=True)
     # tau0 is NaN exactly for rows holding a NaN score: NaN in, NaN out (never a silent 0 row)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
 from attnkit.numba_pool import kernel_threads, run_ranges
 
 from . import _numba_kernels as K
@@ -90,6 +91,7 @@ class _SpanBand(torch.autograd.Function):
         return out_t
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         qs, k, v, zf, lo, far, kp, xs, out, lse = ctx.saved_tensors
         scale, ramp, bq, _, zshape = ctx.meta   # the key tile is the forward's alone

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
+
 from .._numba import FASTMATH, arr, output, rows
 from .._vexp import HALF, constants, elu1_row
 
@@ -51,6 +53,7 @@ class _EluPlusOne(torch.autograd.Function):
         return phi
 
     @staticmethod
+    @first_order
     def backward(ctx, g: Tensor) -> Tensor:
         (phi,) = ctx.saved_tensors
         pa = phi.numpy().reshape(-1)

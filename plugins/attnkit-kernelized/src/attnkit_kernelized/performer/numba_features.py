@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
+
 from .._numba import FASTMATH, arr, output, rows
 from .._tiles import axpy_rows
 from .._vexp import HALF, constants, exp_row
@@ -179,6 +181,7 @@ class _QueryFeatures(torch.autograd.Function):
         return phi
 
     @staticmethod
+    @first_order
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None
@@ -217,6 +220,7 @@ class _KeyFeatures(torch.autograd.Function):
         return phi, hi_t, lo_t
 
     @staticmethod
+    @first_order
     def backward(ctx, g: Tensor, _g_hi: Tensor, _g_lo: Tensor) -> tuple[Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None

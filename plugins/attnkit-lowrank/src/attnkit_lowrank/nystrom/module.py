@@ -20,10 +20,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 import attnkit
 from attnkit import InvalidInputError
+from attnkit.first_order import first_order
 
 from ..common import (
     Float32Inside,
@@ -231,7 +231,7 @@ class _KeysAttend(torch.autograd.Function):
         return gv
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, dgv: Tensor):
         q_l, k, v, gv, m_run, inv = ctx.saved_tensors
         keep, cols = ctx.keep, ctx.cols

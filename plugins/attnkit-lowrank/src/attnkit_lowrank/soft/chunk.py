@@ -32,9 +32,9 @@ import threading
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from attnkit.caching import kept_tensors
+from attnkit.first_order import first_order
 
 from ..common import chunk_rows
 
@@ -136,7 +136,7 @@ class _SoftKernelProduct(torch.autograd.Function):
         return out.view(B, H, L, E)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad: Tensor):
         xq3, xk3, kb3, z3, v3, w, y = ctx.saved_tensors
         p_q, p_k, scale, rows = ctx.p_q, ctx.p_k, ctx.scale, ctx.rows

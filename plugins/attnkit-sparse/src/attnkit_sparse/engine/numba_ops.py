@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
 from attnkit.numba_panel import transpose
 from attnkit.numba_pool import run_ranges
 
@@ -199,7 +200,7 @@ def _autograd(ctx, g_out, g_lse):
     return dq, dk, dv, *([None] * 12)
 
 
-numba_block_attention.register_autograd(_autograd, setup_context=_setup_context)
+numba_block_attention.register_autograd(first_order(_autograd), setup_context=_setup_context)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,

@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from attnkit.errors import InvalidInputError
+from attnkit.first_order import first_order
 
 from .plan import BlockPlan, tl_dot_blocks
 
@@ -281,7 +282,7 @@ def _autograd(ctx, g_out, g_lse):
     return dq, dk, dv, *([None] * 10)
 
 
-triton_block_attention.register_autograd(_autograd, setup_context=_setup_context)
+triton_block_attention.register_autograd(first_order(_autograd), setup_context=_setup_context)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float,

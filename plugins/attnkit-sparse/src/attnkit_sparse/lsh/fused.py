@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
+
 from ..base import spread_evenly
 
 __all__ = ["attend_rounds", "BLOCKS"]
@@ -88,6 +90,7 @@ class _Fused(torch.autograd.Function):
         return out_t, alone
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, g: Tensor, _g_alone: Any) -> tuple[Any, ...]:
         from ..engine._numba_kernels import constants
         from ._fused import backward_items

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
+
 from ..base import spread_evenly
 
 __all__ = ["attend_clusters", "use_fused", "FUSED"]
@@ -70,6 +72,7 @@ class _Fused(torch.autograd.Function):
         return out_t
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         from ..engine._numba_kernels import constants
         from ._fused import backward_seq

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
 from attnkit.numba_pool import run_ranges
 
 __all__ = ["gather_routed", "combine_routed"]
@@ -62,6 +63,7 @@ class _Combine(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, None, None]:
         from ._numba import combine_backward
         out, out_s, w, idx = ctx.saved_tensors
@@ -105,6 +107,7 @@ class _Commitment(torch.autograd.Function):
         return raw, S, n[..., None]
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, g: Tensor, _gs: Any, _gn: Any) -> tuple[Any, ...]:
         from ._numba import commit_grad
         q, k, near_q, near_k, mu = ctx.saved_tensors

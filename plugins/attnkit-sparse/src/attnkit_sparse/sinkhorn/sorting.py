@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.first_order import first_order
+
 __all__ = ["pad_blocks", "sort_matrix", "sorted_blocks", "own_and_sorted", "sinkhorn"]
 
 
@@ -102,6 +104,7 @@ class _SinkhornKnopp(torch.autograd.Function):
         return p
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
         K, A, Bv = ctx.saved_tensors
         T = A.shape[-1]
@@ -182,6 +185,7 @@ class _OwnAndSorted(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, s = ctx.saved_tensors
         b = ctx.b
