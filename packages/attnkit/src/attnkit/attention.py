@@ -440,7 +440,7 @@ class Attention(AuxLossMixin, nn.Module):
             else:
                 state.validate(owner, q, "forward")
         needs_grad = self._needs_grad(q, k, v)
-        if L == 0 or S == 0:
+        if L == 0 or S == 0 or B == 0 or H == 0:   # nothing to attend (an empty batch too, as SDPA)
             out = _empty_output(q, k, v)
             return (out, state.advanced(state.data, L, q)) if return_state else out
         kpm = m.key_padding_mask if m is not None else None
@@ -587,7 +587,7 @@ def _uses_attend(cls: type) -> bool:
 
 
 def _empty_output(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """``(B, H, L, E)`` zeros for L = 0 or S = 0, connected to the graph of the empty inputs."""
+    """``(B, H, L, E)`` zeros for L = 0 or S = 0 (or an empty batch), connected to the graph of the empty inputs."""
     B, H, L, _ = q.shape
     out = q.new_zeros(B, H, L, v.shape[-1])
     empties = [t for t in (q, k, v) if t.numel() == 0 and t.requires_grad]

@@ -95,31 +95,40 @@ def check_refusals(cfg: ConformanceConfig) -> None:
 
 
 def check_empty_sequences(cfg: ConformanceConfig) -> None:
-    """L = 0 and S = 0 on every backend: empty in, empty out; S = 0 gives zeros ``(B, H, L, E)``; backward works.
+    """L = 0, S = 0 and B = 0 on every backend: empty in, empty out; S = 0 gives zeros ``(B, H, L, E)``;
+    backward works.
 
     L = S = 0 in every causal mode (with an empty key padding mask when
     declared); with ``cross`` (non-causal) or ``causal_cross`` also L > 0, S = 0
-    and L = 0, S > 0. Gradients of the inputs are None or zeros.
+    and L = 0, S > 0; an empty batch (B = 0, L = S > 0: the last batch of a filtered
+    loader) in every causal mode, also in training mode. Gradients of the inputs are
+    None or zeros; floating buffers stay finite (a batch statistic of nothing is NaN).
     """
     c = Ctx("empty_sequences", cfg)
     dt = c.precise()
     backends, _ = c.backends()
     for backend in backends:
         attn = c.build(dtype=dt, backend=backend)
-        shapes = [(0, 0, causal) for causal in c.causal_modes()]
+        shapes = [(c.B, 0, 0, causal) for causal in c.causal_modes()]
         for causal in c.causal_modes():
             if c.caps.causal_cross if causal else c.caps.cross:
-                shapes += [(c.L, 0, causal), (0, c.S, causal)]
-        for n, (L, S, causal) in enumerate(shapes):
+                shapes += [(c.B, c.L, 0, causal), (c.B, 0, c.S, causal)]
+        shapes += [(0, c.L, c.L, causal) for causal in c.causal_modes()]
+        for n, (B, L, S, causal) in enumerate(shapes):
             for padded in ([False, True] if c.caps.key_padding_mask else [False]):
                 kw: dict[str, Any] = {"causal": causal}
                 if padded:
-                    kw["key_padding_mask"] = torch.ones(c.B, S, dtype=torch.bool, device=c.device)
-                label = (f"{'backend=' + repr(backend) + ', ' if backend else ''}causal={causal}, L={L}, S={S}, "
-                         f"dtype={DTYPE_NAMES[dt]}{', key_padding_mask=<(B, 0)>' if padded else ''}")
+                    kw["key_padding_mask"] = torch.ones(B, S, dtype=torch.bool, device=c.device)
+                label = (f"{'backend=' + repr(backend) + ', ' if backend else ''}causal={causal}, B={B}, L={L}, "
+                         f"S={S}, dtype={DTYPE_NAMES[dt]}{f', key_padding_mask=<({B}, {S})>' if padded else ''}")
                 trains = c.trains(backend)
-                q, k, v = c.inputs(L, S, dt, seed_offset=n, requires_grad=trains)
-                out = c.call(attn, label, q, k, v, grad=trains, **kw)
+                q, k, v = c.inputs(L, S, dt, seed_offset=n, B=B, requires_grad=trains)
+                attn.train(B == 0 and trains)
+                out = c.call(attn, label + (", training mode" if attn.training else ""), q, k, v, grad=trains, **kw)
+                attn.eval()
+                for name, buf in attn.named_buffers():
+                    if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+                        c.fail(f"{label}: the call left buffer {name!r} non-finite")
                 if out.dtype != dt:
                     c.fail(f"{label}: output dtype {out.dtype}, expected {dt}")
                 if S == 0 and out.numel() and bool((out != 0).any()):
