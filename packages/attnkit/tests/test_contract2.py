@@ -301,6 +301,28 @@ def test_aux_losses_are_collected_weighted_and_cleared():
         assert attnkit.aux_losses(model)["penalty"].item() == pytest.approx(12.0)
 
 
+def test_uncollected_aux_losses_in_the_graph_warn_once(recwarn):
+    """A loop that never collects keeps every step's graph alive through the running sum: one warning."""
+    with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities,
+                            aux_losses={"penalty": 0.5}):
+        attn = attnkit.build("penalised")
+        q = qkv()
+        with torch.no_grad():                        # no graph: nothing is kept alive, no warning
+            for _ in range(attnkit.aux.UNCOLLECTED_WARN_AFTER + 1):
+                attn(*q)
+        attnkit.clear_aux_losses(attn)
+        for _ in range(attnkit.aux.UNCOLLECTED_WARN_AFTER - 1):
+            attn(*q)
+        attnkit.aux_losses(attn)                     # a collection resets the count
+        assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+        for _ in range(2 * attnkit.aux.UNCOLLECTED_WARN_AFTER):
+            attn(*q)
+        warned = [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+        assert len(warned) == 1
+        assert "'penalty' 100 times without a collection" in str(warned[0].message)
+        assert "attnkit.aux_losses(model)" in str(warned[0].message)
+
+
 def test_undeclared_aux_loss_is_a_clear_error():
     with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities):
         attn = attnkit.build("penalised")

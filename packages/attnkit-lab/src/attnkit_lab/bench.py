@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from attnkit.aux import clear_aux_losses
+
 from . import names as names_mod
 from .interrupts import Interrupted, is_interrupt, raise_if_interrupt
 from .measure import MEMORY_METHOD, peak_memory, time_call
@@ -107,6 +109,7 @@ def _make_call(c: _Candidate, mode: str, q: torch.Tensor, k: torch.Tensor, v: to
         qg.grad = kg.grad = vg.grad = None
         if c.module is not None:
             c.module.zero_grad(set_to_none=True)
+            clear_aux_losses(c.module)   # uncollected, each call's loss would keep its graph alive
     return fwdbwd
 
 

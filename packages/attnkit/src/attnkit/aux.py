@@ -9,11 +9,16 @@ reconstruction loss) declares its loss names and default weights in its spec
     loss = task_loss + sum(attnkit.aux_losses(model).values())
 
 Values accumulate until collected (several forwards in one step add up), and
-:func:`aux_losses` clears them by default.
+:func:`aux_losses` clears them by default. An uncollected value that is in the
+graph keeps that graph, and the activations it saved, alive: after
+:data:`UNCOLLECTED_WARN_AFTER` such records of one loss without a collection, the
+module warns once (a training loop that never calls :func:`aux_losses` grows in
+memory step by step).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +26,10 @@ from torch import Tensor, nn
 
 from .errors import InvalidInputError
 
-__all__ = ["AuxLossMixin", "aux_losses", "clear_aux_losses"]
+__all__ = ["UNCOLLECTED_WARN_AFTER", "AuxLossMixin", "aux_losses", "clear_aux_losses"]
+
+#: records of one auxiliary loss in the graph, without a collection, after which a module warns (once)
+UNCOLLECTED_WARN_AFTER = 100
 
 
 class AuxLossMixin:
@@ -55,6 +63,17 @@ class AuxLossMixin:
             raise InvalidInputError(f"record_aux_loss: {name!r} must be a scalar tensor, got {value!r}"[:200])
         store = self.__dict__.setdefault("_attnkit_aux", {})
         store[name] = value.reshape(()) if name not in store else store[name] + value.reshape(())
+        if value.requires_grad:
+            counts = self.__dict__.setdefault("_attnkit_aux_pending", {})
+            counts[name] = counts.get(name, 0) + 1
+            if counts[name] == UNCOLLECTED_WARN_AFTER and not self.__dict__.get("_attnkit_aux_warned"):
+                self.__dict__["_attnkit_aux_warned"] = True
+                who = getattr(self, "impl_name", type(self).__name__)
+                warnings.warn(
+                    f"{who!r} recorded the auxiliary loss {name!r} {UNCOLLECTED_WARN_AFTER} times without a "
+                    "collection; each uncollected value keeps its graph and the activations it saved alive. Add "
+                    "sum(attnkit.aux_losses(model).values()) to the training loss each step, or call "
+                    "attnkit.clear_aux_losses(model)", RuntimeWarning, stacklevel=2)
 
     def pending_aux_losses(self) -> dict[str, Tensor]:
         """Recorded, not yet collected losses of this module alone (unweighted)."""
@@ -96,6 +115,7 @@ def aux_losses(model: nn.Module | Any, *, weighted: bool = True, clear: bool = T
             out[name] = v if name not in out else out[name] + v
         if clear:
             store.clear()
+            m.__dict__.pop("_attnkit_aux_pending", None)
     return out
 
 
@@ -105,4 +125,5 @@ def clear_aux_losses(model: nn.Module) -> None:
         store = m.__dict__.get("_attnkit_aux")
         if store:
             store.clear()
+        m.__dict__.pop("_attnkit_aux_pending", None)
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from . import backends as _backends
+from .aux import clear_aux_losses
 from .errors import InvalidInputError, UsageError
 
 __all__ = [
@@ -503,6 +504,7 @@ def _time_one(attn: Any, base: Sequence[torch.Tensor], *, causal: bool, grad: bo
         attn.zero_grad(set_to_none=True)
         out = attn(q, k, v, causal=causal)
         out.sum().backward()
+        clear_aux_losses(attn)   # uncollected, each call's loss would keep its graph alive
 
     try:
         return _median_seconds(fwd_bwd, repeats, device)
