@@ -7,7 +7,7 @@ casts q, k and v (floating, not float64) to the autocast dtype when the implemen
 declares it, and runs the implementation with autocast off, so its own float32 work
 (sorting networks, centroids, pseudo-inverses, float32 accumulation of half inputs)
 is not cast again op by op. An implementation that does not declare the autocast dtype
-runs in the inputs' dtype. Gradients reach float32 inputs in float32 through the cast.
+runs in float32. Gradients reach float32 inputs in float32 through the cast.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["autocast_dtype"]
+__all__ = ["autocast_dtype", "cast_inputs"]
 
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
