@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["autocast_dtype", "cast_inputs"]
+__all__ = ["autocast_dtype", "autocast_inputs"]
 
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -43,7 +43,20 @@ def autocast_dtype(device: torch.device, declared: Any) -> torch.dtype | None:
     return dtype if _NAMES.get(dtype) in tuple(declared) else torch.float32
 
 
-def cast_inputs(dtype: torch.dtype, *tensors: Any) -> tuple[Any, ...]:
-    """Each floating tensor of ``tensors`` but float64 cast to ``dtype`` (others returned as given)."""
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-                 else t for t in tensors)
+def autocast_inputs(q: Any, k: Any, v: Any, declared: Any) -> tuple[Any, Any, Any] | None:
+    """``(q, k, v)`` cast for a call under autocast, or None when autocast is off on ``q``'s device.
+
+    Each floating tensor but float64 is cast to :func:`autocast_dtype`; anything else is returned as given
+    (the caller's validation reports it). The caller then runs with autocast off::
+
+        cast = autocast_inputs(q, k, v, caps.dtypes)
+        if cast is not None:
+            with torch.autocast(q.device.type, enabled=False):
+                return fn(*cast, ...)
+    """
+    dtype = autocast_dtype(q.device, declared) if isinstance(q, torch.Tensor) else None
+    if dtype is None:
+        return None
+    q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+               else t for t in (q, k, v))
+    return q, k, v

@@ -396,11 +396,10 @@ class Attention(AuxLossMixin, nn.Module):
             UnsupportedFeatureError: an argument or mask kind this
                 implementation cannot honour, or a length beyond its limits.
         """
-        amp = _amp.autocast_dtype(q.device, self.caps.dtypes) if isinstance(q, Tensor) else None
-        if amp is not None:   # like SDPA under autocast: inputs cast once, the implementation run with autocast off
-            q, k, v = _amp.cast_inputs(amp, q, k, v)
+        cast = _amp.autocast_inputs(q, k, v, self.caps.dtypes)
+        if cast is not None:   # like SDPA under autocast: inputs cast once, the implementation run with autocast off
             with torch.autocast(q.device.type, enabled=False):
-                return self.forward(q, k, v, mask=mask, causal=causal, key_padding_mask=key_padding_mask,
+                return self.forward(*cast, mask=mask, causal=causal, key_padding_mask=key_padding_mask,
                                     attn_mask=attn_mask, positions=positions, state=state, return_state=return_state)
         self._check_qkv(q, k, v, "forward")
         B, H, L, _ = q.shape
@@ -546,11 +545,10 @@ class Attention(AuxLossMixin, nn.Module):
         """
         if self.caps.streaming is None:
             self._refuse("streaming (init_state/step)", "", streaming=True)
-        amp = _amp.autocast_dtype(q.device, self.caps.dtypes) if isinstance(q, Tensor) else None
-        if amp is not None:   # as forward: inputs cast once, the step run with autocast off
-            q, k, v = _amp.cast_inputs(amp, q, k, v)
+        cast = _amp.autocast_inputs(q, k, v, self.caps.dtypes)
+        if cast is not None:   # as forward: inputs cast once, the step run with autocast off
             with torch.autocast(q.device.type, enabled=False):
-                return self.step(q, k, v, state)
+                return self.step(*cast, state)
         self._check_qkv(q, k, v, "step")
         if q.shape[2] != k.shape[2] or q.shape[2] < 1:
             raise InvalidInputError(

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .amp import autocast_inputs
 from .errors import InvalidInputError, UnsupportedFeatureError
 
 __all__ = ["ContextParallel", "context_parallel", "shard_sequence", "chunk_bounds", "sequence_parallel",
@@ -339,13 +340,10 @@ def context_parallel(attn: Any, q: Tensor, k: Tensor, v: Tensor, *, causal: bool
             attn.impl_name, f"context parallelism with causal={causal!r}",
             "the split forms pass a causal prefix (a running state, a window of past keys) from earlier "
             "ranks to later ones; pass causal=True")
-    from . import amp as _amp
-
-    amp = _amp.autocast_dtype(q.device, caps.dtypes) if isinstance(q, Tensor) else None
-    if amp is not None:   # as Attention.forward under autocast: inputs cast once, the split form run with it off
-        q, k, v = _amp.cast_inputs(amp, q, k, v)
+    cast = autocast_inputs(q, k, v, caps.dtypes)
+    if cast is not None:   # as Attention.forward under autocast: inputs cast once, the split form run with it off
         with torch.autocast(q.device.type, enabled=False):
-            return context_parallel(attn, q, k, v, causal=causal, key_padding_mask=key_padding_mask, group=group)
+            return context_parallel(attn, *cast, causal=causal, key_padding_mask=key_padding_mask, group=group)
     attn._check_qkv(q, k, v, "context_parallel")
     B, H, L, _ = q.shape
     if k.shape[2] != L:
