@@ -24,7 +24,6 @@ then the keys/values of the last N segments stay in the graph.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -133,8 +132,9 @@ class TransformerXLAttention(Float32Inside, Attention):
             hit = self.__dict__.get("_rel_cache")
             if hit is not None and hit[0] == key:
                 return hit[1]
-        # cached: never an inference tensor a later call under autograd (frozen W_r) would meet
-        with kept_tensors() if cacheable else contextlib.nullcontext():
+        # cached: never an inference tensor a later call under autograd (frozen W_r) would meet; a no-op
+        # outside inference mode
+        with kept_tensors():
             d = torch.arange(T - 1, -1, -1, device=device)
             # W_r in the computing dtype (a bfloat16 module called on upcast inputs: float32; its gradient comes
             # back in the parameter's dtype)
