@@ -9,9 +9,10 @@ skip with the check's name and the implementation's name in the message.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,15 @@ from ..backends import why_unavailable
 from .cases import FAMILIES, Case, generate
 from .config import DTYPE_NAMES, DTYPES, CheckFailed, CheckSkipped, ConformanceConfig
 
-__all__ = ["Ctx", "isolated", "make_inputs", "noise_like", "perturb", "after", "grads", "fmt_shape"]
+__all__ = ["Ctx", "isolated", "make_inputs", "noise_like", "perturb", "after", "grads", "fmt_shape", "seeded"]
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run the block with the global CPU RNG seeded to ``seed``; the caller's RNG state is restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 # ---------------------------------------------------------------- inputs

@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from .config import DTYPE_NAMES, ConformanceConfig
-from .context import Ctx, grad_names
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
+from .context import Ctx, grad_names, seeded
 
 
 def check_inference_mode(cfg: ConformanceConfig) -> None:
@@ -37,9 +27,9 @@ def check_inference_mode(cfg: ConformanceConfig) -> None:
         label = case.describe(dt)
         kw = case.kwargs(dt)
         q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n)
-        with torch.inference_mode(), _seeded(cfg.seed + n):
+        with torch.inference_mode(), seeded(cfg.seed + n):
             first = c.call(attn, f"{label}, under torch.inference_mode()", q, k, v, **kw)
-        with _seeded(cfg.seed + n):
+        with seeded(cfg.seed + n):
             again = c.call(attn, f"{label}, under torch.no_grad() after an inference_mode call", q, k, v, **kw)
         c.close(again, first.clone(), f"{label}: a no_grad call after an inference_mode call disagrees with it",
                 dtype=dt, against="inference_mode output", **c.exact())
@@ -47,7 +37,7 @@ def check_inference_mode(cfg: ConformanceConfig) -> None:
     for n, case in enumerate(cases):
         label = f"{case.describe(dt)}, training mode after inference_mode calls on the same instance"
         q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n, requires_grad=True)
-        with _seeded(cfg.seed + 7 * n + 1):
+        with seeded(cfg.seed + 7 * n + 1):
             out = c.call(attn, label, q, k, v, grad=True, **case.kwargs(dt))
         c.finite(out, label, "output")
         for name, g in zip(grad_names(attn), c.grads(attn, out, (q, k, v), label, seed=2100 + n)):
@@ -77,13 +67,13 @@ def check_autocast(cfg: ConformanceConfig) -> None:
         label = f"{case.describe(torch.float32)}, under torch.autocast({kind!r}, dtype={amp})"
         kw = case.kwargs(torch.float32)
         q, k, v = c.inputs(case.L, case.S, torch.float32, seed_offset=n, requires_grad=True)
-        with torch.autocast(kind), _seeded(cfg.seed + n):
+        with torch.autocast(kind), seeded(cfg.seed + n):
             out = c.call(attn, label, q, k, v, grad=True, **kw)
         if out.dtype != want:
             c.fail(f"{label}: output dtype {out.dtype}, expected {want} (the autocast dtype"
                    + (")" if want == amp else f" is not declared, so float32; the spec declares {c.caps.dtypes})"))
         cast = [t.detach().to(want).requires_grad_(True) for t in (q, k, v)]
-        with _seeded(cfg.seed + n):
+        with seeded(cfg.seed + n):
             ref = c.call(attn, f"{case.describe(want)} (outside autocast)", *cast, grad=True, **case.kwargs(want))
         c.close(out, ref, f"{label}: differs from the inputs cast to {want} outside autocast", dtype=want,
                 against=f"{DTYPE_NAMES.get(want)} inputs outside autocast", **c.exact())

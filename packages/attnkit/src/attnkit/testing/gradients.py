@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .config import DTYPE_NAMES, ConformanceConfig
-from .context import Ctx, grad_names, make_inputs
+from .context import Ctx, grad_names, make_inputs, noise_like, seeded
 
 
 def check_gradients(cfg: ConformanceConfig) -> None:
@@ -63,8 +63,7 @@ def check_training_mode(cfg: ConformanceConfig) -> None:
             for rep in range(2):
                 label = f"{case.describe(dt)}, training mode, call {rep + 1}"
                 q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n, requires_grad=True)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(cfg.seed + 31 * n + rep)
+                with seeded(cfg.seed + 31 * n + rep):
                     out = c.call(attn, label, q, k, v, grad=True, **case.kwargs(dt))
                     c.finite(out, label, "output")
                     g = c.grads(attn, out, (q, k, v), label, seed=1300 + n)
@@ -155,10 +154,10 @@ def check_double_backward(cfg: ConformanceConfig) -> str:
             kw = case.kwargs(dt)
             q, k, v = make_inputs(B, H, case.L, case.S, D, E, dtype=dt, device=c.device,
                                   seed=cfg.seed * 1000 + 1400 + n)
-            gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 1401 + n)
-            w = torch.randn(B, H, case.L, E, generator=gen, dtype=dt).to(c.device)
-            r = [torch.randn(t.shape, generator=gen, dtype=dt).to(c.device) for t in (q, k, v)]
-            d = [torch.randn(t.shape, generator=gen, dtype=dt).to(c.device) for t in (q, k, v)]
+            base = cfg.seed * 1000 + 1410 + 10 * n
+            w = noise_like(v, base, scale=1.0)                    # L = S: the output has v's shape
+            r = [noise_like(t, base + 1 + i, scale=1.0) for i, t in enumerate((q, k, v))]
+            d = [noise_like(t, base + 4 + i, scale=1.0) for i, t in enumerate((q, k, v))]
             try:
                 s, x = _penalty(attn, kw, [q, k, v], w, r, True)
             except Exception as exc:  # noqa: BLE001 - a first-order refusal may come this early
