@@ -302,7 +302,7 @@ def test_aux_losses_are_collected_weighted_and_cleared():
 
 
 def test_uncollected_aux_losses_in_the_graph_warn_once(recwarn):
-    """A loop that never collects keeps every step's graph alive through the running sum: one warning."""
+    """Forwards in a graph that is never backpropagated, never collected, keep their graphs alive: one warning."""
     with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities,
                             aux_losses={"penalty": 0.5}):
         attn = attnkit.build("penalised")
@@ -321,6 +321,114 @@ def test_uncollected_aux_losses_in_the_graph_warn_once(recwarn):
         assert len(warned) == 1
         assert "'penalty' 100 times without a collection" in str(warned[0].message)
         assert "attnkit.aux_losses(model)" in str(warned[0].message)
+
+
+class SharedPenalised(Recorder):
+    """Records a penalty that shares a saved-tensor node with the output (as dynamic span's does)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def _attend(self, q, k, v, ctx):
+        q = q * self.w                               # saves q and w; the output's backward frees them
+        self.record_aux_loss("penalty", q.square().mean())
+        return super()._attend(q, k, v, ctx)
+
+
+def test_uncollected_eager_record_does_not_break_a_compiled_step():
+    """Records are summed at collection, not into a running sum: a compiled forward's one autograd node must not
+    take an earlier record (whose graph the output's backward freed) as an input."""
+    with attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
+                            aux_losses={"penalty": 1.0}):
+        attn = attnkit.build("shared-penalised")
+        q, k, v = qkv(grad=True)
+        attn(q, k, v).sum().backward()               # an eager step that never collects
+        attn(q, k, v)                                # a forward without backward: its record stays
+        compiled = torch.compile(attn, backend="aot_eager")
+        for _ in range(2):
+            compiled(q, k, v).sum().backward()       # raised "backward through the graph a second time" before
+        got = attnkit.aux_losses(attn)["penalty"]    # compiled records are kept until collected
+        torch.testing.assert_close(got.detach(), 3 * (q.detach() * 2.0).square().mean())
+
+
+def _shared_step(attn, q, k, v, collect=True):
+    out = attn(q, k, v)
+    loss = out.square().sum()
+    if collect:
+        loss = loss + sum(attnkit.aux_losses(attn).values())
+    loss.backward()
+
+
+def test_records_a_backward_ran_without_are_dropped():
+    """A step that does not collect (a warm-up) leaves nothing behind: the next, collecting step backpropagates
+    (it raised "backward through the graph a second time" when the stale record was summed in) and gets the
+    gradient of a fresh module's step."""
+    with attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
+                            aux_losses={"penalty": 1.0}):
+        q, k, v = qkv(grad=True)
+        fresh = attnkit.build("shared-penalised")
+        _shared_step(fresh, q, k, v)
+        attn = attnkit.build("shared-penalised")
+        _shared_step(attn, q, k, v, collect=False)
+        assert attn.pending_aux_losses() == {}
+        attn.w.grad = None
+        _shared_step(attn, q, k, v)
+        torch.testing.assert_close(attn.w.grad, fresh.w.grad)
+        # a retained graph keeps the record: it may still be backpropagated with it
+        attn(q, k, v).sum().backward(retain_graph=True)
+        assert set(attn.pending_aux_losses()) == {"penalty"}
+        sum(attnkit.aux_losses(attn).values()).backward()
+        # a collected record that the backward reached is not touched; two forwards before one backward
+        attn(q, k, v)
+        attn(q, k, v).sum().backward()               # reaches only the second forward's output
+        assert attn.pending_aux_losses()["penalty"].item() == pytest.approx(
+            (q.detach() * 2.0).square().mean().item())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_records_once_per_forward(reentrant):
+    """A forward recomputed during backward does not record again (it added a second, stale value the next step
+    collected). With reentrant checkpointing the forward runs without grad, so its record is a constant."""
+    from torch.utils.checkpoint import checkpoint
+    with attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
+                            aux_losses={"penalty": 1.0}):
+        q, k, v = qkv(grad=True)
+        plain = attnkit.build("shared-penalised")
+        _shared_step(plain, q, k, v)
+        attn = attnkit.build("shared-penalised")
+        for _ in range(2):
+            attn.w.grad = None
+            out = checkpoint(attn, q, k, v, use_reentrant=reentrant)
+            aux = attnkit.aux_losses(attn)["penalty"]
+            torch.testing.assert_close(aux.detach(), (q.detach() * 2.0).square().mean())
+            (out.square().sum() + aux).backward()
+            assert attn.pending_aux_losses() == {}
+        if not reentrant:
+            torch.testing.assert_close(attn.w.grad, plain.w.grad)
+
+
+class PenalisedBlock(attnkit.Block):
+    declared_aux_losses = {"ponder": 1.0}
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x, **kwargs):
+        y = x * self.w
+        self.record_aux_loss("ponder", y.square().mean())
+        return y
+
+
+def test_block_records_are_tied_to_its_output():
+    block = PenalisedBlock()
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    block(x).sum().backward()
+    assert block.pending_aux_losses() == {}
+    out = block(x)
+    (out.sum() + sum(attnkit.aux_losses(block).values())).backward()
+    torch.testing.assert_close(block.w.grad, 2 * x.detach().sum() + 2 * 2.0 * x.detach().square().mean())
 
 
 def test_undeclared_aux_loss_is_a_clear_error():

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from . import amp as _amp
+from . import aux as _aux
 from . import backends as _backends
 from . import masks as _masks
 from .aux import AuxLossMixin
@@ -452,6 +453,7 @@ class Attention(AuxLossMixin, nn.Module):
                           state_position=0 if state is None else state.position,
                           return_state=stateful, needs_grad=needs_grad)
         result = self._run(q, k, v, ctx)
+        _aux.bind_aux_records(self, result)
         if not stateful:
             return result
         out, data = result
@@ -562,6 +564,7 @@ class Attention(AuxLossMixin, nn.Module):
                 f"{self.impl_name!r}, got {_describe(state)}")
         state.validate(self.state_owner(), q, "step")
         out, data = self._step(q, k, v, state.data)
+        _aux.bind_aux_records(self, out)
         new = state.advanced(data, q.shape[2], q)
         return out, (new.detach() if self.caps.state_detached else new)
 

@@ -9,24 +9,37 @@ reconstruction loss) declares its loss names and default weights in its spec
     loss = task_loss + sum(attnkit.aux_losses(model).values())
 
 Values accumulate until collected (several forwards in one step add up), and
-:func:`aux_losses` clears them by default. An uncollected value that is in the
-graph keeps that graph, and the activations it saved, alive: after
+:func:`aux_losses` clears them by default. Collect before the backward of the
+forward that recorded them: when a backward that frees the graph (no
+``retain_graph``) runs through a forward's output without that forward's records,
+they are dropped at its end (the step they belonged to is over, and their graph
+may share freed nodes with the output's, so a later backward through them would
+fail). A loop that never collects therefore keeps nothing, and a first step
+without collection (a warm-up, a benchmark) leaves nothing behind for the next.
+Records made while a backward runs (activation checkpointing recomputing a
+forward) are ignored: the forward's own record stands. An uncollected value in a
+graph that is never backpropagated keeps that graph alive: after
 :data:`UNCOLLECTED_WARN_AFTER` such records of one loss without a collection, the
-module warns once (a training loop that never calls :func:`aux_losses` grows in
-memory step by step).
+module warns once.
+
+Under ``torch.compile`` the records are kept until collected (the binding to the
+output is not traced).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .errors import InvalidInputError
 
-__all__ = ["UNCOLLECTED_WARN_AFTER", "AuxLossMixin", "aux_losses", "clear_aux_losses"]
+__all__ = ["UNCOLLECTED_WARN_AFTER", "AuxLossMixin", "aux_losses", "bind_aux_records", "clear_aux_losses"]
 
 #: records of one auxiliary loss in the graph, without a collection, after which a module warns (once)
 UNCOLLECTED_WARN_AFTER = 100
@@ -61,9 +74,17 @@ class AuxLossMixin:
                 f"(declared: {sorted(declared) or 'none'}); add it to AttentionSpec.aux_losses")
         if not isinstance(value, Tensor) or value.numel() != 1:
             raise InvalidInputError(f"record_aux_loss: {name!r} must be a scalar tensor, got {value!r}"[:200])
-        store = self.__dict__.setdefault("_attnkit_aux", {})
-        store[name] = value.reshape(()) if name not in store else store[name] + value.reshape(())
+        compiling = torch.compiler.is_compiling()
+        if not compiling and torch._C._current_graph_task_id() != -1:
+            return   # a forward recomputed during backward (activation checkpointing): its first run recorded
+        value = value.reshape(())
+        # Each record is kept on its own and summed at collection: a running sum would make every record an
+        # input of the next one's addition, and a compiled forward (one autograd node for the whole region)
+        # would then backpropagate its output's gradient into an earlier step's freed graph.
+        self.__dict__.setdefault("_attnkit_aux", {}).setdefault(name, []).append(value)
         if value.requires_grad:
+            if not compiling:
+                self.__dict__.setdefault("_attnkit_aux_unbound", []).append((name, value))
             counts = self.__dict__.setdefault("_attnkit_aux_pending", {})
             counts[name] = counts.get(name, 0) + 1
             if counts[name] == UNCOLLECTED_WARN_AFTER and not self.__dict__.get("_attnkit_aux_warned"):
@@ -76,8 +97,8 @@ class AuxLossMixin:
                     "attnkit.clear_aux_losses(model)", RuntimeWarning, stacklevel=2)
 
     def pending_aux_losses(self) -> dict[str, Tensor]:
-        """Recorded, not yet collected losses of this module alone (unweighted)."""
-        return dict(self.__dict__.get("_attnkit_aux", {}))
+        """Recorded, not yet collected losses of this module alone (unweighted), each summed over its records."""
+        return {name: _total(values) for name, values in self.__dict__.get("_attnkit_aux", {}).items() if values}
 
     def aux_weight(self, name: str) -> float:
         override = self.__dict__.get("aux_weights") or {}
@@ -109,7 +130,10 @@ def aux_losses(model: nn.Module | Any, *, weighted: bool = True, clear: bool = T
         store = m.__dict__.get("_attnkit_aux")
         if not store:
             continue
-        for name, value in store.items():
+        for name, values in store.items():
+            if not values:
+                continue
+            value = _total(values)
             w = m.aux_weight(name) if weighted and isinstance(m, AuxLossMixin) else 1.0
             v = value * w if w != 1.0 else value
             out[name] = v if name not in out else out[name] + v
@@ -117,6 +141,66 @@ def aux_losses(model: nn.Module | Any, *, weighted: bool = True, clear: bool = T
             store.clear()
             m.__dict__.pop("_attnkit_aux_pending", None)
     return out
+
+
+def bind_aux_records(module: nn.Module, output: Any) -> None:
+    """Tie the records ``module`` made in this forward to ``output`` (its tensor, or the first tensor of a tuple).
+
+    :class:`attnkit.Attention` calls it at the end of ``forward`` and ``step``, and :class:`attnkit.Block` from a
+    forward hook. When a backward that frees the graph runs through ``output`` and not through one of these
+    records, the record is dropped from ``module`` at the end of that backward (see the module's docstring).
+    """
+    unbound = module.__dict__.pop("_attnkit_aux_unbound", None)
+    if not unbound or torch.compiler.is_compiling():
+        return
+    out = output
+    if isinstance(output, (tuple, list)):
+        out = next((t for t in output if isinstance(t, Tensor)), None)
+    if not isinstance(out, Tensor) or not out.requires_grad:
+        return
+    used: set[int] = set()
+    for i, (_, value) in enumerate(unbound):
+        value.register_hook(functools.partial(_mark_used, used, i))
+    out.register_hook(functools.partial(_output_reached, weakref.ref(module), unbound, used))
+
+
+def _mark_used(used: set[int], index: int, grad: Tensor) -> None:
+    used.add(index)
+
+
+def _output_reached(module_ref: Any, unbound: list, used: set[int], grad: Tensor) -> None:
+    if not unbound or torch._C._autograd._get_current_graph_task_keep_graph():
+        return   # a retained graph may be backpropagated again, with the records
+    torch.autograd.Variable._execution_engine.queue_callback(
+        functools.partial(_drop_unused, module_ref, unbound, used))
+
+
+def _drop_unused(module_ref: Any, unbound: list, used: set[int]) -> None:
+    """At the end of a backward through a forward's output: drop that forward's records it did not reach."""
+    records = list(unbound)
+    unbound.clear()              # the hooks' closures no longer keep the records (and their graphs) alive
+    module = module_ref()
+    if module is None:
+        return
+    store = module.__dict__.get("_attnkit_aux", {})
+    counts = module.__dict__.get("_attnkit_aux_pending", {})
+    for i, (name, value) in enumerate(records):
+        if i in used:
+            continue
+        values = store.get(name, [])
+        for j, kept in enumerate(values):
+            if kept is value:
+                del values[j]
+                if counts.get(name, 0) > 0:
+                    counts[name] -= 1
+                break
+
+
+def _total(values: list[Tensor]) -> Tensor:
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
 
 
 def clear_aux_losses(model: nn.Module) -> None:

@@ -15,9 +15,13 @@ import torch
 from torch import Tensor, nn
 
 from .attention import Attention, registry_or_none
-from .aux import AuxLossMixin
+from .aux import AuxLossMixin, bind_aux_records
 from .context_parallel import active_group, context_parallel
 from .errors import InvalidInputError
+
+
+def _bind_aux_hook(module: nn.Module, args: Any, output: Any) -> None:
+    bind_aux_records(module, output)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -169,6 +173,12 @@ class Block(AuxLossMixin, nn.Module):
 
     #: the registered block spec (set by :func:`attnkit.build_block`)
     block_spec: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        # the auxiliary losses a forward records are tied to its output (attnkit.aux: dropped when a backward
+        # through the output runs without them)
+        self.register_forward_hook(_bind_aux_hook)
 
     def forward(self, x: Tensor, **kwargs: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement forward")
