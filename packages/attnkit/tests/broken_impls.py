@@ -200,6 +200,24 @@ class FeaturesNotInBufferAttention(NaiveAttention):
         return super()._forward(q @ f, k @ f, v, **kw)
 
 
+class NoOpResetAttention(NaiveAttention):
+    """Seeded random features in a buffer, and a ``reset_parameters`` that sets nothing: after the meta-device
+    recipe (``to_empty``) it computes with uninitialised memory."""
+
+    def __init__(self, *, num_heads=None, head_dim=None, scale=None, backend="auto"):
+        super().__init__(num_heads=num_heads, head_dim=head_dim, scale=scale, backend=backend)
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("features", torch.randn(head_dim, head_dim, dtype=torch.float64, generator=g,
+                                                     device="cpu").to(torch.get_default_device()))
+
+    def reset_parameters(self):
+        pass
+
+    def _forward(self, q, k, v, **kw):
+        f = self.features.to(q.dtype)
+        return super()._forward(q @ f, k @ f, v, **kw)
+
+
 class NondeterministicAttention(NaiveAttention):
     """Redraws a random perturbation on every call, even in eval mode."""
 
@@ -486,6 +504,65 @@ class SavedProbsAttention(NaiveAttention):
         return _SavedProbs.apply(q, k, v, self.get_scale(q))
 
 
+class _DoubleUnpack(torch.autograd.Function):
+    """``softmax(q kᵀ·scale) v`` with a right backward that reads ``ctx.saved_tensors`` twice (once for a device,
+    as the kernelized plugin's linear product did): torch.utils.checkpoint allows one unpack."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return torch.softmax((q @ k.transpose(-1, -2)) * scale, -1) @ v
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch.device(ctx.saved_tensors[0].device):
+            q, k, v = ctx.saved_tensors
+            p = torch.softmax((q @ k.transpose(-1, -2)) * ctx.scale, -1)
+            dv = p.transpose(-1, -2) @ g
+            dp = g @ v.transpose(-1, -2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scale
+            return ds @ k, ds.transpose(-1, -2) @ q, dv, None
+
+
+class DoubleUnpackAttention(NaiveAttention):
+    """Right outputs and gradients; fails under activation checkpointing (its backward unpacks twice)."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if causal or key_padding_mask is not None or attn_mask is not None:
+            return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        return _DoubleUnpack.apply(q, k, v, self.get_scale(q))
+
+
+class PenalisedAttention(NaiveAttention):
+    """Correct, with an auxiliary loss in the graph (the mean square of its output), recorded inside ``_forward``."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        out = super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        self.record_aux_loss("penalty", self._penalty(out))
+        return out
+
+    def _penalty(self, out):
+        return out.square().mean()
+
+
+class DetachedAuxAttention(PenalisedAttention):
+    """Records its auxiliary loss detached: adding it to the loss trains nothing."""
+
+    def _penalty(self, out):
+        return out.square().mean().detach()
+
+
+class LateAuxAttention(NaiveAttention):
+    """Records its auxiliary loss after the base class's ``forward`` returned: the record is not tied to the
+    forward's output, so a step that does not collect leaves it for the next step's loss."""
+
+    def forward(self, q, k, v, **kw):
+        out = super().forward(q, k, v, **kw)
+        self.record_aux_loss("penalty", out.square().mean())
+        return out
+
+
 def softmax_reference(attn, q, k, v, *, mask, positions):
     """Softmax attention with the module's scale (the reference of :class:`UnderflowingExpAttention`)."""
     return naive_attention(q, k, v, mask=mask, positions=positions, scale=attn.get_scale(q))
@@ -552,6 +629,17 @@ CASES: list[BrokenCase] = [
     BrokenCase(SavedProbsAttention, "broken-double-backward", "double_backward",
                r"second derivatives are wrong: the directional derivative",
                {"exact": True, "capabilities": Capabilities(causal=False)}),
+    BrokenCase(NoOpResetAttention, "broken-meta-init", "meta_init",
+               r"state_dict entry 'features' after to_empty \+ reset_parameters\(\)",
+               {"exact": True, "capabilities": BASIC}),
+    BrokenCase(DoubleUnpackAttention, "broken-checkpointing", "checkpointing",
+               r"under torch.utils.checkpoint\(use_reentrant=False\): backward raised CheckpointError",
+               {"exact": True, "capabilities": Capabilities(causal=False)}),
+    BrokenCase(DetachedAuxAttention, "broken-detached-aux", "aux_losses", "was recorded outside the graph",
+               {"exact": True, "capabilities": BASIC, "aux_losses": {"penalty": 1.0}}),
+    BrokenCase(LateAuxAttention, "broken-late-aux", "aux_losses",
+               r"without collecting, \['penalty'\] stayed recorded",
+               {"exact": True, "capabilities": BASIC, "aux_losses": {"penalty": 1.0}}),
     BrokenCase(DetachedKeysAttention, "broken-gradcheck", "gradcheck", r"gradcheck .* failed .*Jacobian mismatch",
                {"exact": True, "capabilities": BASIC}),
     # contract 2: reference agreement, padding without the perturbation trick, bad inputs, streaming

@@ -210,6 +210,33 @@ def test_first_order_refuses_the_second_derivative_a_plain_backward_loses():
     assert not g.requires_grad
 
 
+class _SavedCube(torch.autograd.Function):
+    """``x³`` whose first-order backward reads ``x`` back from ``ctx.saved_tensors`` (detached)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    @first_order
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        return g * 3 * x.detach() ** 2
+
+
+def test_first_order_refuses_under_checkpointing_too():
+    """torch.utils.checkpoint allows one unpack of a saved tensor, which the backward made: the refusal is then
+    anchored on the gradients themselves (it was a CheckpointError from the wrapper's own read)."""
+    from torch.utils.checkpoint import checkpoint
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    y = checkpoint(lambda t: _SavedCube.apply(t * 1.0), x, use_reentrant=False)
+    g, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert torch.equal(g.detach(), 3 * x.detach() ** 2)
+    with pytest.raises(attnkit.UnsupportedFeatureError, match="_SavedCube.*second derivatives"):
+        g.sum().backward()
+
+
 def test_first_order_path_keeps_first_derivatives_and_refuses_second():
     x = torch.tensor([0.5, -1.5], dtype=torch.float64, requires_grad=True)
     y = first_order_path(x * x, "the test's path")

@@ -79,10 +79,21 @@ def test_softmax_passes_every_check():
     statuses = {r.check: r.status for r in report.results}
     assert list(statuses) == list(CHECKS)
     # softmax declares every capability and is exact: only these do not apply
-    assert {c for c, s in statuses.items() if s == "skipped"} == {"refusals", "error_bound", "scaled_inputs"}
+    assert {c for c, s in statuses.items() if s == "skipped"} == {"refusals", "error_bound", "scaled_inputs",
+                                                                  "aux_losses"}
     assert "declares every capability" in report["refusals"].message
     # a passed check may carry a note: what it could not test here
     assert report["state_validation"].message in ("", "not tested: another device: no second device here")
+
+
+def test_an_implementation_with_an_auxiliary_loss_passes_the_aux_check():
+    """The aux_losses check is not vacuous: a correct recorder passes it (and its broken variants fail it)."""
+    with attnkit.registered(broken_impls.PenalisedAttention, name="penalised-ok", family="custom", exact=True,
+                            capabilities=broken_impls.BASIC, aux_losses={"penalty": 1.0}):
+        report = run_conformance("penalised-ok", checks=["aux_losses", "checkpointing", "training_mode",
+                                                         "gradients"])
+        assert report.ok, report.format()
+        assert report["aux_losses"].status == "passed" and report["checkpointing"].status == "passed"
 
 
 def test_softmax_torch_backend_passes():
@@ -242,7 +253,7 @@ def test_third_party_subclass_under_pytest(tmp_path: Path):
     assert "FAILED test_third_party.py::TestThirdParty::test_reference" in text
     # and the fuzz check draws padded rows too (with a reproducer)
     assert "FAILED test_third_party.py::TestThirdParty::test_fuzz" in text
-    assert "3 failed, 18 passed, 7 skipped" in text      # scaled_inputs: exact spec; training_mode passes
+    assert "3 failed, 20 passed, 8 skipped" in text      # scaled_inputs: exact spec; aux_losses: none declared
 
 
 def test_error_distribution_override():

@@ -431,6 +431,47 @@ def test_block_records_are_tied_to_its_output():
     torch.testing.assert_close(block.w.grad, 2 * x.detach().sum() + 2 * 2.0 * x.detach().square().mean())
 
 
+def test_reset_parameters_is_the_meta_device_recipe():
+    """Built under torch.device('meta'), to_empty, then reset_parameters() under a seed: the parameters and
+    buffers of a build under that seed (dtype and device kept); a module not built by name says why it cannot."""
+    with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities,
+                            aux_losses={"penalty": 1.0}):
+        torch.manual_seed(3)
+        want = attnkit.build("penalised")
+        with torch.device("meta"):
+            meta = attnkit.build("penalised")
+        assert meta.w.is_meta
+        meta = meta.to_empty(device="cpu").double()
+        torch.manual_seed(3)
+        meta.reset_parameters()
+        assert meta.w.dtype == torch.float64 and meta.w.item() == want.w.item() == 2.0
+        with pytest.raises(InvalidInputError, match="was not built by attnkit.build"):
+            Penalised().reset_parameters()
+    Recorder().reset_parameters()                    # nothing to initialise: no error
+    block = attnkit.build_block("pre-norm", dim=8, num_heads=2)
+    with torch.no_grad():
+        block.norm1.weight.fill_(float("nan"))
+    block.reset_parameters()
+    assert torch.equal(block.norm1.weight, torch.ones(8))
+
+
+def test_a_whole_transformer_on_the_meta_device_equals_a_seeded_build():
+    """FSDP's recipe over every module (its blocks are constructed from their class: their children reset)."""
+    torch.manual_seed(0)
+    want = attnkit.Transformer(8, depth=2, num_heads=2)
+    with torch.device("meta"):
+        model = attnkit.Transformer(8, depth=2, num_heads=2)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    got = model.state_dict()
+    assert got.keys() == want.state_dict().keys()
+    for name, t in want.state_dict().items():
+        assert torch.equal(got[name], t), name
+
+
 def test_undeclared_aux_loss_is_a_clear_error():
     with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities):
         attn = attnkit.build("penalised")

@@ -151,6 +151,32 @@ def test_centroids_follow_the_data_in_training_and_are_frozen_in_eval():
     torch.testing.assert_close(losses["routing_commitment"], want)
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_checkpointed_steps_route_with_the_first_runs_centroids(backend):
+    """Activation checkpointing runs the forward again during backward, after its EMA update changed the
+    centroids: the recomputation routes with the centroids the first run used and updates nothing (with decay 0.5
+    the updated centroids give other clusters and gradients). Two forwards before one backward: the last is
+    recomputed first."""
+    from torch.utils.checkpoint import checkpoint
+    plain = _build(num_clusters=2, decay=0.5, backend=backend).train()
+    ckpt = _build(num_clusters=2, decay=0.5, backend=backend).train()
+    xs = [[rand((2, 2, 16, 8), 10 * i + s).requires_grad_() for s in (1, 2, 3)] for i in range(2)]
+    runs = []
+    for attn, wrap in ((plain, False), (ckpt, True)):
+        outs = [checkpoint(attn, *x, use_reentrant=False) if wrap else attn(*x) for x in xs]
+        loss = sum(((o * o).sum() for o in outs), torch.zeros(())) + attnkit.aux_losses(attn, weighted=False)[
+            "routing_commitment"]
+        loss.backward()
+        runs.append([o.detach() for o in outs] + [t.grad.clone() for x in xs for t in x]
+                    + [attn.centroids.clone()])
+        for x in xs:
+            for t in x:
+                t.grad = None
+        assert attn.pending_aux_losses() == {}
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_commitment_loss_reaches_queries_and_keys_and_is_weighted():
     attn = _build(num_clusters=2).train()
     q, k, v = (rand((1, 2, 8, 8), s).requires_grad_() for s in (1, 2, 3))

@@ -14,6 +14,7 @@ from . import amp as _amp
 from . import aux as _aux
 from . import backends as _backends
 from . import masks as _masks
+from . import reset as _reset
 from .aux import AuxLossMixin
 from .context import CallContext
 from .errors import InvalidInputError, UnsupportedFeatureError
@@ -177,6 +178,21 @@ class Attention(AuxLossMixin, nn.Module):
         if self.backend != "auto":
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter and buffer (submodules' too) as ``attnkit.build`` with this module's options
+        does, in place, each keeping its device and dtype.
+
+        The meta-device recipe: build under ``torch.device("meta")``, ``module.to_empty(device=...)``, then
+        ``reset_parameters()`` on each module that has one (FSDP's default ``param_init_fn``). Options with a
+        ``seed`` give the same values as a build; others draw from the global RNG, as ``nn.Linear`` does.
+
+        Raises:
+            InvalidInputError: the module holds parameters or buffers and was not built by ``attnkit.build``
+                (its options are unknown).
+        """
+        _reset.reset_from_build(self, _reset.build_maker(self.spec, self.__dict__.get("build_options")),
+                                repr(self.impl_name))
 
     def get_scale(self, q: Tensor) -> float:
         """``scale`` if given, else ``1/sqrt(D)`` for queries ``q`` of shape (..., D)."""

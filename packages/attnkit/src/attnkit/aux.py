@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import InvalidInputError
+from .recompute import recomputing
 
 __all__ = ["UNCOLLECTED_WARN_AFTER", "AuxLossMixin", "aux_losses", "bind_aux_records", "clear_aux_losses"]
 
@@ -74,9 +75,9 @@ class AuxLossMixin:
                 f"(declared: {sorted(declared) or 'none'}); add it to AttentionSpec.aux_losses")
         if not isinstance(value, Tensor) or value.numel() != 1:
             raise InvalidInputError(f"record_aux_loss: {name!r} must be a scalar tensor, got {value!r}"[:200])
-        compiling = torch.compiler.is_compiling()
-        if not compiling and torch._C._current_graph_task_id() != -1:
+        if recomputing():
             return   # a forward recomputed during backward (activation checkpointing): its first run recorded
+        compiling = torch.compiler.is_compiling()
         value = value.reshape(())
         # Each record is kept on its own and summed at collection: a running sum would make every record an
         # input of the next one's addition, and a compiled forward (one autograd node for the whole region)

@@ -71,7 +71,11 @@ def first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
                                               .removeprefix("GeneratedBackwardFor_").removesuffix("_default"))
         # the saved tensors that carry a graph (the inputs, or outputs whose graph leads to them) anchor the
         # refusing node on the paths from these gradients back to the inputs: a second backward meets it
-        anchors = [t for t in getattr(ctx, "saved_tensors", ()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        try:
+            saved = getattr(ctx, "saved_tensors", ())
+        except RuntimeError:   # torch.utils.checkpoint unpacks a saved tensor once, and the backward did
+            saved = ()         # unanchored: the refusing node then sits on the gradients themselves
+        anchors = [t for t in saved if isinstance(t, torch.Tensor) and t.requires_grad]
         grads_in = [items[i].detach().requires_grad_(not anchors) for i in idx]
         wrapped = _Refuse.apply(name, len(idx), *grads_in, *anchors)
         wrapped = (wrapped,) if len(idx) == 1 else wrapped

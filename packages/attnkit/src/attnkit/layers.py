@@ -18,6 +18,7 @@ from .attention import Attention, registry_or_none
 from .aux import AuxLossMixin, bind_aux_records
 from .context_parallel import active_group, context_parallel
 from .errors import InvalidInputError
+from .reset import build_maker, reset_from_build
 
 
 def _bind_aux_hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -179,6 +180,16 @@ class Block(AuxLossMixin, nn.Module):
         # the auxiliary losses a forward records are tied to its output (attnkit.aux: dropped when a backward
         # through the output runs without them)
         self.register_forward_hook(_bind_aux_hook)
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter and buffer as ``attnkit.build_block`` with this block's options does (see
+        :meth:`attnkit.Attention.reset_parameters`; the meta-device recipe).
+
+        Raises:
+            InvalidInputError: the block holds parameters or buffers and was not built by ``attnkit.build_block``.
+        """
+        opts = self.__dict__.get("build_options")
+        reset_from_build(self, build_maker(self.block_spec, opts), type(self).__name__)
 
     def forward(self, x: Tensor, **kwargs: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement forward")

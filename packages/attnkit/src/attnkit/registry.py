@@ -240,6 +240,7 @@ class Registry:
                 spec.plugin or spec.name,
                 f"block factory {spec.factory_path} returned {type(obj).__name__}, not an attnkit.Block")
         obj.block_spec = spec
+        obj.build_options = {"dim": dim, "num_heads": num_heads, "attention": attention, **opts}
         return obj
 
     def register_block(self, spec: BlockSpec) -> BlockSpec:
@@ -316,6 +317,7 @@ class Registry:
                 f"factory {spec.factory_path} returned {type(obj).__name__}, not an attnkit.Attention",
             )
         obj.spec = spec
+        obj.build_options = dict(opts)      # what reset_parameters() rebuilds with
         return obj
 
     def build_with_hints(self, name: str, hints: dict[str, Any], **options: Any) -> Any:

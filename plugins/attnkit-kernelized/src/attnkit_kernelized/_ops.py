@@ -229,10 +229,11 @@ def define_linear_attention(backend: str, product: Product) -> Any:
         out, den, _, _ = output
         ctx.save_for_backward(phi_q, phi_k, v, S0, z0, out, den)
         ctx.causal, ctx.chunk = causal, chunk
+        ctx.device = phi_q.device        # not read back from ctx.saved_tensors: checkpointing allows one unpack
         ctx.set_materialize_grads(False)
 
     def backward(ctx, g_out, g_den, g_S, g_z):
-        with busy_threads(ctx.saved_tensors[0].device):       # see ._busy: one torch thread on a busy machine
+        with busy_threads(ctx.device):       # see ._busy: one torch thread on a busy machine
             return linear_attention_backward(product, ctx, g_out, g_den, g_S, g_z)
 
     return define(f"{backend}_linear_attention", fn, fake, backward=backward, setup_context=setup_context)

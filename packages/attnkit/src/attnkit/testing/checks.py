@@ -14,8 +14,10 @@ module                      checks
 ``scaled_inputs``           scaled_inputs (approximate specs: q, k scaled by 10, 30, 100)
 ``streaming``               streaming, state_validation
 ``backends``                backends
-``gradients``               gradients, training_mode, gradcheck
-``serialisation``           state_dict, serialisation
+``gradients``               gradients, training_mode, gradcheck, double_backward
+``grad_modes``              inference_mode, autocast, checkpointing
+``aux_losses``              aux_losses (specs declaring auxiliary losses)
+``serialisation``           state_dict, serialisation, meta_init
 ``fuzz``                    fuzz (hypothesis: random shapes, dtypes, padding, masks, options)
 ==========================  ===================================================
 
@@ -38,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .aux_losses import check_aux_losses
 from .backends import check_backends
 from .bad_input import check_empty_sequences, check_nan_queries, check_padded_values, check_refusals
 from .causality import check_causality
@@ -56,12 +59,12 @@ from .config import (
 )
 from .context import isolated, make_inputs
 from .fuzz import check_fuzz
-from .grad_modes import check_autocast, check_inference_mode
+from .grad_modes import check_autocast, check_checkpointing, check_inference_mode
 from .gradients import check_double_backward, check_gradcheck, check_gradients, check_training_mode
 from .masks import check_attn_mask, check_fully_masked_rows, check_key_padding, check_mask_objects
 from .reference import check_error_bound, check_reference
 from .scaled_inputs import check_scaled_inputs
-from .serialisation import check_serialisation, check_state_dict
+from .serialisation import check_meta_init, check_serialisation, check_state_dict
 from .shapes_dtypes import check_batch_independence, check_cross_attention, check_determinism, check_shapes_dtypes
 from .streaming import check_state_validation, check_streaming
 
@@ -69,10 +72,12 @@ __all__ = [
     "CHECKS", "DEFAULT_ATOL", "DEFAULT_LONG_LENGTH", "DEFAULT_RTOL", "DEFAULT_SHAPES", "DEFAULT_STREAMING_CHUNKS",
     "DTYPES", "CheckFailed", "CheckResult", "CheckSkipped", "ConformanceConfig", "ConformanceConfigError",
     "ConformanceReport", "ErrorDistribution", "make_inputs", "run_check", "run_conformance",
-    "check_attn_mask", "check_autocast", "check_backends", "check_batch_independence", "check_causality",
+    "check_attn_mask", "check_autocast", "check_aux_losses", "check_backends", "check_batch_independence",
+    "check_causality", "check_checkpointing",
     "check_cross_attention", "check_determinism", "check_double_backward", "check_empty_sequences",
     "check_error_bound", "check_fuzz", "check_fully_masked_rows", "check_gradcheck", "check_gradients",
-    "check_inference_mode", "check_key_padding", "check_mask_objects", "check_nan_queries", "check_padded_values",
+    "check_inference_mode", "check_key_padding", "check_mask_objects", "check_meta_init", "check_nan_queries",
+    "check_padded_values",
     "check_reference", "check_refusals", "check_serialisation", "check_shapes_dtypes", "check_scaled_inputs",
     "check_state_dict", "check_state_validation", "check_streaming", "check_training_mode",
 ]
@@ -100,10 +105,13 @@ CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
         ("training_mode", check_training_mode),
         ("inference_mode", check_inference_mode),
         ("autocast", check_autocast),
+        ("checkpointing", check_checkpointing),
         ("gradcheck", check_gradcheck),
         ("double_backward", check_double_backward),
+        ("aux_losses", check_aux_losses),
         ("state_dict", check_state_dict),
         ("serialisation", check_serialisation),
+        ("meta_init", check_meta_init),
         ("determinism", check_determinism),
         ("empty_sequences", check_empty_sequences),
         ("padded_values", check_padded_values),

@@ -1,9 +1,13 @@
-"""Checks of how an implementation meets PyTorch's execution modes: ``inference_mode`` and ``autocast``."""
+"""Checks of how an implementation meets PyTorch's execution modes: ``inference_mode``, ``autocast``, activation
+checkpointing."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
+from .aux_losses import training_step
 from .config import DTYPE_NAMES, ConformanceConfig
 from .context import Ctx, grad_names, seeded
 
@@ -81,3 +85,58 @@ def check_autocast(cfg: ConformanceConfig) -> None:
             if g is not None and g.dtype != torch.float32:
                 c.fail(f"{label}: the gradient of {name} has dtype {g.dtype}, expected float32 (its tensor's)")
             c.finite(g, label, f"gradient of {name}")
+
+
+def check_checkpointing(cfg: ConformanceConfig) -> None:
+    """Under ``torch.utils.checkpoint(use_reentrant=False)`` two training steps in a row give what they give
+    without it: the outputs, the auxiliary losses, the gradients of q, k, v and of the parameters, and the
+    buffers after each step.
+
+    Checkpointing runs the forward again during backward to rebuild what it saved: a backward that reads
+    ``ctx.saved_tensors`` twice fails there ("Unpack is being triggered for a tensor that was already unpacked
+    once"); a forward that changes state in training (an EMA update) must record and update once and route the
+    recomputation with the state the first run saw (:func:`attnkit.recompute.recomputing`). Cases: the
+    generator's plain and padding cases (each declared causal mode), the precise dtype, each backend that trains
+    and runs here (the default one when the factory takes no ``backend``), two copies of one freshly built module
+    in training mode, the same random seed on both sides.
+    """
+    c = Ctx("checkpointing", cfg)
+    dt = c.precise()
+    backends, _ = c.backends()
+    for backend in [b for b in backends if c.trains(b)]:
+        _checkpointed_steps(c, dt, backend)
+
+
+def _checkpointed_steps(c: Ctx, dt: torch.dtype, backend: str | None) -> None:
+    base = c.build(dtype=dt, backend=backend).train()
+    on = "" if backend is None else f", backend={backend!r}"
+    for n, case in enumerate(c.cases(base, ["plain", "padding"])):
+        kw = case.kwargs(dt)
+        inputs = c.inputs(case.L, case.S, dt, seed_offset=n)
+        plain, ckpt = copy.deepcopy(base), copy.deepcopy(base)
+        for rep in range(2):
+            label = f"{case.describe(dt)}{on}, training mode, step {rep + 1}"
+            what = f"{label}, under torch.utils.checkpoint(use_reentrant=False)"
+            out, aux, g = training_step(c, plain, label, inputs, kw, seed=40 * n + rep)
+            out_c, aux_c, g_c = training_step(c, ckpt, label, inputs, kw, checkpointed=True, seed=40 * n + rep)
+            c.close(out_c, out, what, dtype=dt, against="the plain step's output")
+            if sorted(aux_c) != sorted(aux):
+                c.fail(f"{what}: recorded the auxiliary losses {sorted(aux_c)}, the plain step {sorted(aux)}")
+            for name in aux:
+                c.close(aux_c[name].detach(), aux[name].detach(), what, dtype=dt, what=f"auxiliary loss {name!r}",
+                        against="the plain step's")
+            left = ckpt.pending_aux_losses()
+            if left:
+                c.fail(f"{what}: {sorted(left)} recorded again while backward recomputed the forward")
+            for i, (a, b) in enumerate(zip(g_c, g)):
+                if (a is None) != (b is None):
+                    c.fail(f"{what}: gradient {i} (q, k, v, then parameters) is "
+                           f"{'missing' if a is None else 'present'} here, not in the plain step")
+                if a is not None and b is not None:
+                    c.close(a, b, what, dtype=dt, what=f"gradient {i} (q, k, v, then parameters)",
+                            against="the plain step's")
+            mine = dict(ckpt.named_buffers())
+            for name, b in plain.named_buffers():
+                if b is not None and mine.get(name) is not None and mine[name].shape == b.shape:
+                    c.close(mine[name], b, what, dtype=dt, what=f"buffer {name!r} after the step",
+                            against="the plain step's")

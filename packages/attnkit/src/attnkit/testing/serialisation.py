@@ -1,4 +1,5 @@
-"""Serialisation checks: the ``state_dict`` round trip; deepcopy, pickle and ``torch.save`` of the whole module."""
+"""Serialisation checks: the ``state_dict`` round trip; deepcopy, pickle and ``torch.save`` of the whole module;
+the meta-device build (``to_empty`` + ``reset_parameters``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .config import ConformanceConfig
-from .context import Ctx
+from .config import CheckFailed, ConformanceConfig
+from .context import Ctx, shape_hints
 
 
 def _outputs(c: Ctx, attn: Any, dt: torch.dtype, who: str) -> list[torch.Tensor]:
@@ -80,3 +81,46 @@ def check_serialisation(cfg: ConformanceConfig) -> None:
         for case, w, g in zip(cases, want, _outputs(c, other, dt, how)):
             c.close(g, w, f"{case.describe(dt)}: the module after {how} disagrees with the original",
                     dtype=dt, against="original", **c.exact())
+
+
+def check_meta_init(cfg: ConformanceConfig) -> None:
+    """The meta-device recipe: built under ``torch.device("meta")``, moved with ``to_empty`` and initialised with
+    ``reset_parameters()`` under a seed, the module's ``state_dict`` and outputs equal a build under that seed.
+
+    Large models are built this way (no memory until placed; FSDP's default ``param_init_fn`` calls
+    ``reset_parameters()``): a build that reads values (``.item()``, NumPy) fails on ``meta``, and a module whose
+    parameters or buffers ``reset_parameters()`` does not set computes with uninitialised memory.
+    :meth:`attnkit.Attention.reset_parameters` rebuilds from the module's options; an override must give what a
+    build gives. Exact equality on CPU; the plain and padding cases.
+    """
+    c = Ctx("meta_init", cfg)
+    dt = c.precise()
+    want = c.build(dtype=dt, seed=cfg.seed + 3)
+    try:
+        with torch.device("meta"):
+            meta = cfg.registry.build_with_hints(cfg.name, shape_hints(c.spec, c.H, c.D, c.E), **cfg.options)
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"building under torch.device('meta') raised {type(exc).__name__}: {exc} (a build must not read "
+               "tensor values: no .item(), .tolist() or NumPy on a tensor it creates)")
+    try:
+        meta = meta.to_empty(device=c.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 3)
+            if not hasattr(meta, "reset_parameters"):
+                c.fail("the module has no reset_parameters() (attnkit.Attention provides one)")
+            meta.reset_parameters()
+        meta = meta.to(dtype=dt)
+    except CheckFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"to_empty(device={c.device.type!r}) then reset_parameters() raised {type(exc).__name__}: {exc}")
+    mine = meta.state_dict()
+    for name, t in want.state_dict().items():
+        if name not in mine:
+            c.fail(f"after the meta-device recipe the state_dict lacks {name!r}")
+        c.close(mine[name], t, f"state_dict entry {name!r} after to_empty + reset_parameters() (seeded)",
+                dtype=dt if t.is_floating_point() else torch.float64, against="a seeded build's", **c.exact())
+    cases = c.cases(want, ["plain", "padding"])
+    for case, w, got in zip(cases, _outputs(c, want, dt, "built"), _outputs(c, meta.eval(), dt, "meta-initialised")):
+        c.close(got, w, f"{case.describe(dt)}: built under torch.device('meta'), to_empty + reset_parameters()",
+                dtype=dt, against="a seeded build's output", **c.exact())

@@ -210,6 +210,18 @@ class AttentionConformance:
         """Second derivatives (create_graph=True, then differentiated) are right or refused, never wrong."""
         self.run_check("double_backward")
 
+    def test_aux_losses(self) -> None:
+        """Declared auxiliary losses: recorded in the graph, tied to the forward's output."""
+        self.run_check("aux_losses")
+
+    def test_meta_init(self) -> None:
+        """Built on the meta device, to_empty + reset_parameters() under a seed equals a seeded build."""
+        self.run_check("meta_init")
+
+    def test_checkpointing(self) -> None:
+        """Training steps under torch.utils.checkpoint (non-reentrant) equal the plain steps."""
+        self.run_check("checkpointing")
+
     def test_state_dict(self) -> None:
         """state_dict round-trips into a freshly built instance."""
         self.run_check("state_dict")

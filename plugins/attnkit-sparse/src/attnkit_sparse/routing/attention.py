@@ -9,6 +9,7 @@ combined by their log-sum-exp. See :mod:`.clusters` and the reference in :mod:`.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, ClassVar
 
 import torch
@@ -19,6 +20,7 @@ from attnkit import Attention
 from attnkit.caching import kept_tensors
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
+from attnkit.recompute import recomputing
 
 from .._half import is_half, wide
 from ..base import check_int, content_backend_order
@@ -121,8 +123,9 @@ class RoutingAttention(Attention):
 
     def _initial(self, D: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         hc = self.num_heads if self.num_heads is not None else 1
-        g = torch.Generator().manual_seed(self.seed)
-        return unit(torch.randn(hc, self.num_clusters, D, generator=g, dtype=torch.float64)).to(device, dtype)
+        g = torch.Generator().manual_seed(self.seed)   # on the CPU even under torch.device("meta") (a meta build)
+        return unit(torch.randn(hc, self.num_clusters, D, generator=g, dtype=torch.float64, device="cpu")
+                    ).to(device, dtype)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_clusters={self.num_clusters}, decay={self.decay}, seed={self.seed}"
@@ -131,6 +134,7 @@ class RoutingAttention(Attention):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_plans", None)                                         # cached plans: rebuilt on demand
+        state.pop("_first_run_centroids", None)                           # only a recomputation reads them
         return state
 
     def centroids_for(self, q: Tensor) -> Tensor:
@@ -142,7 +146,23 @@ class RoutingAttention(Attention):
             raise InvalidInputError(f"q: the centroids have head_dim {self.centroids.shape[-1]}, got D={D}")
         return self.centroids.to(wide(q.dtype)).expand(H, -1, -1)   # half inputs are routed in float32
 
-    def _update(self, q: Tensor, k: Tensor, kpm: Tensor | None, near: tuple[Tensor, Tensor]) -> None:
+    def _routing_centroids(self, q: Tensor) -> Tensor:
+        """The centroids this call routes with: :meth:`centroids_for`, except in a forward that activation
+        checkpointing runs again during backward, which gets them as they were when that forward first ran
+        (its EMA update has changed the buffer since; routing with the new ones would give other clusters, and
+        gradients of a different function). Each training forward keeps a copy (``(H, C, D)``, the last 8); a
+        recomputation takes the newest (backward recomputes the last forward first)."""
+        cents = self.centroids_for(q)
+        if not self.training or torch.compiler.is_compiling():
+            return cents
+        kept = self.__dict__.setdefault("_first_run_centroids", collections.deque(maxlen=8))
+        if recomputing():
+            return kept.pop() if kept and kept[-1].shape == cents.shape else cents
+        kept.append(cents.detach().clone())
+        return cents
+
+    def _update(self, q: Tensor, k: Tensor, kpm: Tensor | None, near: tuple[Tensor, Tensor],
+                cents: Tensor) -> None:
         """EMA update (training) and the commitment loss, from the nearest centroids ``near`` ``(B, H, L)`` of the
         queries and keys (read off the routing scores).
 
@@ -152,7 +172,7 @@ class RoutingAttention(Attention):
         gradient is ``2 (x̂_i − μ_c(i))``). On CPU a numba kernel per side with its own backward
         (:func:`.gather.commitment`); elsewhere ``index_add`` under autograd (:meth:`_commitment_torch`).
         """
-        mu = self.centroids_for(q).detach().clone()   # (H, C, D); a copy: the loss keeps it, the EMA updates in place
+        mu = cents.detach().clone()   # (H, C, D); a copy: the loss keeps it, the EMA updates in place
         if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and _numba_ok():
             from .gather import commitment
             loss, sums, counts = commitment(q, k, near, kpm, mu)     # one numba pass per side, its own backward
@@ -160,6 +180,8 @@ class RoutingAttention(Attention):
             loss, sums, counts = self._commitment_torch(q, k, kpm, near, mu)
         total = counts.sum()
         self.record_aux_loss("routing_commitment", loss / total.clamp(min=1))
+        if recomputing():
+            return                  # the first run of this forward updated the centroids
         with torch.no_grad():
             sums = sums.detach()
             if self.sync_centroids and dist.is_available() and dist.is_initialized():
@@ -216,7 +238,8 @@ class RoutingAttention(Attention):
         E = v.shape[-1]
         kpm = ctx.key_padding_mask
         kpm = None if kpm is None else kpm.to(q.device)
-        qi, qok, ki, kok, near = route(q, k, self.centroids_for(q), kpm, nearest=True)   # (B, H, C, W)
+        cents = self._routing_centroids(q)
+        qi, qok, ki, kok, near = route(q, k, cents, kpm, nearest=True)   # (B, H, C, W)
         C, W = qi.shape[2], qi.shape[3]
         if ctx.backend == "triton" and (W < 16 or W & (W - 1)):
             # the triton kernels take blocks of a power of two >= 16 rows: each cluster gets unused slots (index 0,
@@ -245,7 +268,7 @@ class RoutingAttention(Attention):
         else:
             out = self._gather_attend_combine_torch(q, k, v, qi, qok, ki, plan, ctx.scale, ctx.backend)
         if self.training:
-            self._update(q.to(wide(q.dtype)), k.to(wide(k.dtype)), kpm, near)
+            self._update(q.to(wide(q.dtype)), k.to(wide(k.dtype)), kpm, near, cents)
         return out.view(B, H, L, E)
 
     def _full_plan(self, C: int, W: int, tile: int, device: torch.device) -> Any:
