@@ -534,6 +534,10 @@ class DoubleUnpackAttention(NaiveAttention):
         return _DoubleUnpack.apply(q, k, v, self.get_scale(q))
 
 
+class OldStyleFunctionAttention(SavedProbsAttention):
+    """Declares ``torch.func.grad`` while its kernel is an autograd.Function without ``setup_context``."""
+
+
 class PenalisedAttention(NaiveAttention):
     """Correct, with an auxiliary loss in the graph (the mean square of its output), recorded inside ``_forward``."""
 
@@ -629,6 +633,9 @@ CASES: list[BrokenCase] = [
     BrokenCase(SavedProbsAttention, "broken-double-backward", "double_backward",
                r"second derivatives are wrong: the directional derivative",
                {"exact": True, "capabilities": Capabilities(causal=False)}),
+    BrokenCase(OldStyleFunctionAttention, "broken-func-transforms", "func_transforms",
+               r"under torch.func.grad \(declared in Capabilities.func_transforms \('grad',\)\) raised RuntimeError",
+               {"exact": True, "capabilities": Capabilities(causal=False, func_transforms=("grad",))}),
     BrokenCase(NoOpResetAttention, "broken-meta-init", "meta_init",
                r"state_dict entry 'features' after to_empty \+ reset_parameters\(\)",
                {"exact": True, "capabilities": BASIC}),

@@ -472,6 +472,30 @@ def test_a_whole_transformer_on_the_meta_device_equals_a_seeded_build():
         assert torch.equal(got[name], t), name
 
 
+def test_torch_func_transforms_run_the_torch_backend_or_are_refused():
+    """Under torch.func transforms ``auto`` runs the torch backend; a transform the spec does not declare is refused
+    naming the implementations that declare it."""
+    from torch.func import grad, vmap
+    caps = Capabilities(backends=("torch", "kitfake"), func_transforms=("grad",))
+
+    class Picky(Recorder):
+        def backend_order(self, device, dtype):
+            return ("kitfake", "torch")
+
+    q, k, v = qkv()
+    with attnkit.registered(Picky, name="picky", capabilities=caps):
+        attn = attnkit.build("picky")
+        attn(q, k, v)
+        assert attn.seen[-1].backend == "kitfake"            # auto outside a transform
+        got = grad(lambda x: attn(x, k, v).sum())(q)
+        assert attn.seen[-1].backend == "torch"              # auto under torch.func.grad
+        x = q.clone().requires_grad_(True)
+        attn(x, k, v).sum().backward()
+        torch.testing.assert_close(got, x.grad)
+        with pytest.raises(UnsupportedFeatureError, match=r"torch.func.vmap.*it declares \('grad',\).*softmax"):
+            vmap(lambda a: attn(a, k[:1], v[:1]))(q[:, None])
+
+
 def test_undeclared_aux_loss_is_a_clear_error():
     with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities):
         attn = attnkit.build("penalised")

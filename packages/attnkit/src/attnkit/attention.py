@@ -15,6 +15,7 @@ from . import aux as _aux
 from . import backends as _backends
 from . import masks as _masks
 from . import reset as _reset
+from . import transforms as _transforms
 from .aux import AuxLossMixin
 from .context import CallContext
 from .errors import InvalidInputError, UnsupportedFeatureError
@@ -287,6 +288,20 @@ class Attention(AuxLossMixin, nn.Module):
         """
         return None
 
+    def _transform_backend(self) -> str | None:
+        """Under ``torch.func`` transforms: ``"torch"`` when the backend is ``auto`` (None when none is active, or
+        a forced backend); refuses a transform the spec does not declare (``Capabilities.func_transforms``)."""
+        active = _transforms.active()
+        if not active:
+            return None
+        declared = self.caps.func_transforms
+        for t in active:
+            if t not in declared:
+                self._refuse(f"torch.func.{t}", "its kernels do not compose with torch.func transforms (NumPy or "
+                             "numba on tensor data, or custom autograd functions without transform rules)"
+                             + (f"; it declares {declared}" if declared else ""), func_transforms=t)
+        return "torch" if self.backend == "auto" else None
+
     # ------------------------------------------------------------ refusals
     def _refuse(self, argument: str, reason: str = "", *, given: str = "", **capability: Any) -> None:
         """Raise UnsupportedFeatureError; ``capability`` finds who supports it, ``refusal_reasons`` may reword."""
@@ -463,7 +478,7 @@ class Attention(AuxLossMixin, nn.Module):
         if kpm is not None:  # padded keys have no influence, whatever they hold (NaN, Inf)
             pad = ~kpm[:, None, :, None]
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        backend = self.resolve_backend(q, k, v, needs_grad=needs_grad)
+        backend = self._transform_backend() or self.resolve_backend(q, k, v, needs_grad=needs_grad)
         ctx = CallContext(mask=m, geometry=geom, backend=backend, scale=self.get_scale(q), positions=pos,
                           state=None if state is None else state.data,
                           state_position=0 if state is None else state.position,
@@ -579,6 +594,7 @@ class Attention(AuxLossMixin, nn.Module):
                 f"step: state must come from init_state(), step() or forward(return_state=True) of "
                 f"{self.impl_name!r}, got {_describe(state)}")
         state.validate(self.state_owner(), q, "step")
+        self._transform_backend()
         out, data = self._step(q, k, v, state.data)
         _aux.bind_aux_records(self, out)
         new = state.advanced(data, q.shape[2], q)

@@ -28,11 +28,16 @@ class _Refuse(torch.autograd.Function):
     """Identity on the first ``n`` tensors (gradients); the others (anchors: the guarded function's saved inputs)
     only put this node on the graph's paths back to them. Its backward raises, naming the guarded function."""
 
+    generate_vmap_rule = True   # torch.func transforms (the forward is torch operators only)
+
     @staticmethod
-    def forward(ctx: Any, what: str, n: int, *tensors: torch.Tensor) -> Any:
-        ctx.what = what
+    def forward(what: str, n: int, *tensors: torch.Tensor) -> Any:
         out = tuple(g.view_as(g) for g in tensors[:n])
         return out if len(out) != 1 else out[0]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.what = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *_: Any) -> Any:
@@ -88,11 +93,16 @@ def first_order(backward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Path(torch.autograd.Function):
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, what: str) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        ctx.what = what
+    def forward(x: torch.Tensor, what: str) -> torch.Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+        ctx.what = inputs[1]
 
     @staticmethod
     @first_order

@@ -17,6 +17,9 @@ from typing import Any
 
 from .errors import InvalidInputError
 
+#: the ``torch.func`` transforms a spec may declare (``Capabilities.func_transforms``): ``grad`` covers ``vjp``,
+#: ``jacrev`` and ``hessian``'s reverse part; ``jvp`` covers ``jacfwd``
+FUNC_TRANSFORMS = ("grad", "vmap", "jvp")
 STREAMING_KINDS = ("exact", "segment")
 #: mask kinds (see :mod:`attnkit.masks`); ``"union"`` marks a ``|`` composition
 MASK_KINDS = ("causal", "key_padding", "tensor", "sliding_window", "document", "function", "union")
@@ -107,6 +110,10 @@ class Capabilities:
             across the ranks of a process group
             (:func:`attnkit.context_parallel.context_parallel`): the class
             implements ``_context_parallel``.
+        func_transforms: the ``torch.func`` transforms (``"grad"``, ``"vmap"``,
+            ``"jvp"``) its ``torch`` backend composes with; under them ``auto``
+            runs that backend, and an undeclared transform is refused
+            (:mod:`attnkit.transforms`; the kit's ``func_transforms`` check).
     """
 
     causal: bool = True
@@ -131,6 +138,7 @@ class Capabilities:
     queries_interact: bool = False
     selection_sees_future: bool = False
     context_parallel: bool = False
+    func_transforms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.streaming is not None and self.streaming not in STREAMING_KINDS:
@@ -157,6 +165,11 @@ class Capabilities:
             if unknown:
                 raise InvalidInputError(f"Capabilities.mask_kinds: unknown kind(s) {unknown}; known: {MASK_KINDS}")
         object.__setattr__(self, "mask_kinds", kinds)
+        unknown = [t for t in self.func_transforms if t not in FUNC_TRANSFORMS]
+        if isinstance(self.func_transforms, str) or unknown:
+            raise InvalidInputError(
+                f"Capabilities.func_transforms must be a tuple of {FUNC_TRANSFORMS}, got {self.func_transforms!r}")
+        object.__setattr__(self, "func_transforms", tuple(self.func_transforms))
         for name in ("max_length", "length_multiple"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -6,6 +6,8 @@ imports no mechanism.
 
 from __future__ import annotations
 
+import dataclasses
+
 import attnkit
 from attnkit import AttentionSpec, Capabilities, Paper
 
@@ -38,7 +40,7 @@ ADAPTIVE_SPAN = AttentionSpec(
     approximation="softmax weights multiplied by a learned soft distance mask and renormalised: a different "
                   "attention (equal to causal softmax when every span covers the sequence and R -> 0)",
     aux_losses={"span_l1": 2e-6},
-    capabilities=_SPAN_CAPS,
+    capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "vmap", "jvp")),
 )
 
 DYNAMIC_SPAN = AttentionSpec(
@@ -52,7 +54,7 @@ DYNAMIC_SPAN = AttentionSpec(
     approximation="softmax weights multiplied by a soft distance mask whose span each query predicts, "
                   "renormalised: a different attention",
     aux_losses={"span_l1": 2e-6},
-    capabilities=_SPAN_CAPS,
+    capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "jvp")),
 )
 
 ENTMAX = AttentionSpec(
@@ -67,6 +69,7 @@ ENTMAX = AttentionSpec(
     approximation="a different normalisation of the scores (alpha-entmax, exact zeros); softmax only as "
                   "alpha -> 1",
     capabilities=Capabilities(
+        func_transforms=("vmap", "jvp"),
         causal=True, key_padding_mask=True, attn_mask=True, cross=True, causal_cross=True, positions=True,
         dtypes=DTYPES, backends=("torch",),
         time="O(L·S·(D + n_iter)) (bisection over the dense scores)", memory="O(L·S)",
@@ -88,6 +91,7 @@ SPARSE_ADAPTIVE = AttentionSpec(
                   "score in the logit): a different, sparse attention; the predictor trains through the chosen "
                   "edges instead of REINFORCE (docs/mechanisms/sparse-adaptive.md)",
     capabilities=Capabilities(
+        func_transforms=("grad", "vmap", "jvp"),
         causal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal", "key_padding"), dtypes=DTYPES, backends=("torch",),
         time="O(L·S·r) predictor (r = predictor_dim) + O(L·num_edges·D) attention",

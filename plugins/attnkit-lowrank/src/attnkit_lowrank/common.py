@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import InvalidInputError
+from attnkit import InvalidInputError, transforms
 from attnkit.first_order import first_order
 from attnkit.half import HALF_DTYPES, Float32Inside  # noqa: F401 - the core's mixin, used by the modules
 
@@ -215,6 +215,8 @@ def newton_pinv_sym(a: Tensor, iterations: int) -> Tensor:
     eigendecomposition, with the derivative ``-a^-1 da a^-1``; otherwise (an
     ill-conditioned or singular ``a``, few iterations) the eigendecomposition.
     """
+    if transforms.active():   # torch.func: the product iteration, the same function to rounding, plain torch ops
+        return newton_pinv((a + a.transpose(-1, -2)) / 2, iterations)
     absa = a.abs()
     c = absa.sum(-2).amax(-1, keepdim=True) * absa.sum(-1).amax(-1, keepdim=True)     # (..., 1)
     return _SymmetricNewtonPinv.apply(a, c, iterations)
@@ -389,7 +391,7 @@ def softmax_attend(q: Tensor, kt: Tensor, v: Tensor) -> Tensor:
     Same values; the backward is :class:`_SoftmaxAttend`'s, per chunk (first order).
     """
     L, m = q.shape[-2], kt.shape[-1]
-    if not L:
+    if not L or transforms.active():   # torch.func transforms: plain torch ops (no out= products, no Function)
         return torch.softmax(q @ kt, -1) @ v
     c = chunk_rows(L, m)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kt, v)):

@@ -35,6 +35,7 @@ NYSTROM = AttentionSpec(
     # no bound: on unstructured inputs its error is that of mean(V) until m nears L (docs/lowrank.md)
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "vmap", "jvp"),
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
@@ -56,6 +57,7 @@ LINFORMER = AttentionSpec(
                    "attention with learned projections, not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "vmap", "jvp"),
         causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=(), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O((L + S)·proj_len·D)", memory="O(L·proj_len) per head + proj_len x max_length parameters",
@@ -77,6 +79,7 @@ SOFT = AttentionSpec(
                    "factorisation through bottleneck tokens: not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "vmap", "jvp"),
         causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=(), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         shared_qk=True,      # the paper's shared Q/K projection: MultiHeadAttention passes k = q
@@ -100,6 +103,7 @@ MCA = AttentionSpec(
                    "attention, not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "vmap", "jvp"),
         causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O(L·S/stride·D + S·D^2)", memory="O(L·S/stride) per head",
@@ -122,6 +126,7 @@ INFORMER = AttentionSpec(
                    "Exact when u >= L"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "jvp"),
         causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
@@ -145,6 +150,7 @@ CLUSTERED = AttentionSpec(
                    "cluster"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "jvp"),
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
@@ -166,6 +172,7 @@ IMPROVED_CLUSTERED = AttentionSpec(
                    "exact with one query per cluster"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "jvp"),
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
@@ -188,6 +195,7 @@ ISAB = AttentionSpec(
                    "not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "vmap", "jvp"),
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O((L + S)·m·D)", memory="O((L + S)·m) per head",
@@ -208,6 +216,7 @@ LUNA = AttentionSpec(
                    "estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "vmap", "jvp"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal", "key_padding"), streaming="segment", dtypes=HALF_AND_FULL,
         backends=("torch",),
@@ -229,6 +238,7 @@ POOLINGFORMER = AttentionSpec(
                    "attention, not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
+        func_transforms=("grad", "vmap", "jvp"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=("causal", "key_padding"), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O(L·(window + pool_window / pool_stride)·D)", memory="O(L·(window + pool_window / pool_stride))",

@@ -15,7 +15,7 @@ module                      checks
 ``streaming``               streaming, state_validation
 ``backends``                backends
 ``gradients``               gradients, training_mode, gradcheck, double_backward
-``grad_modes``              inference_mode, autocast, checkpointing
+``grad_modes``              inference_mode, autocast, checkpointing, func_transforms
 ``aux_losses``              aux_losses (specs declaring auxiliary losses)
 ``serialisation``           state_dict, serialisation, meta_init
 ``fuzz``                    fuzz (hypothesis: random shapes, dtypes, padding, masks, options)
@@ -59,7 +59,7 @@ from .config import (
 )
 from .context import isolated, make_inputs
 from .fuzz import check_fuzz
-from .grad_modes import check_autocast, check_checkpointing, check_inference_mode
+from .grad_modes import check_autocast, check_checkpointing, check_func_transforms, check_inference_mode
 from .gradients import check_double_backward, check_gradcheck, check_gradients, check_training_mode
 from .masks import check_attn_mask, check_fully_masked_rows, check_key_padding, check_mask_objects
 from .reference import check_error_bound, check_reference
@@ -71,15 +71,14 @@ from .streaming import check_state_validation, check_streaming
 __all__ = [
     "CHECKS", "DEFAULT_ATOL", "DEFAULT_LONG_LENGTH", "DEFAULT_RTOL", "DEFAULT_SHAPES", "DEFAULT_STREAMING_CHUNKS",
     "DTYPES", "CheckFailed", "CheckResult", "CheckSkipped", "ConformanceConfig", "ConformanceConfigError",
-    "ConformanceReport", "ErrorDistribution", "make_inputs", "run_check", "run_conformance",
-    "check_attn_mask", "check_autocast", "check_aux_losses", "check_backends", "check_batch_independence",
-    "check_causality", "check_checkpointing",
-    "check_cross_attention", "check_determinism", "check_double_backward", "check_empty_sequences",
-    "check_error_bound", "check_fuzz", "check_fully_masked_rows", "check_gradcheck", "check_gradients",
-    "check_inference_mode", "check_key_padding", "check_mask_objects", "check_meta_init", "check_nan_queries",
-    "check_padded_values",
-    "check_reference", "check_refusals", "check_serialisation", "check_shapes_dtypes", "check_scaled_inputs",
-    "check_state_dict", "check_state_validation", "check_streaming", "check_training_mode",
+    "ConformanceReport", "ErrorDistribution", "make_inputs", "run_check", "run_conformance", "check_attn_mask",
+    "check_autocast", "check_aux_losses", "check_backends", "check_batch_independence", "check_causality",
+    "check_checkpointing", "check_cross_attention", "check_determinism", "check_double_backward",
+    "check_empty_sequences", "check_error_bound", "check_func_transforms", "check_fuzz", "check_fully_masked_rows",
+    "check_gradcheck", "check_gradients", "check_inference_mode", "check_key_padding", "check_mask_objects",
+    "check_meta_init", "check_nan_queries", "check_padded_values", "check_reference", "check_refusals",
+    "check_serialisation", "check_shapes_dtypes", "check_scaled_inputs", "check_state_dict",
+    "check_state_validation", "check_streaming", "check_training_mode",
 ]
 
 #: Every check, in the order they run; the keys are the names used by ``skip``
@@ -106,6 +105,7 @@ CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
         ("inference_mode", check_inference_mode),
         ("autocast", check_autocast),
         ("checkpointing", check_checkpointing),
+        ("func_transforms", check_func_transforms),
         ("gradcheck", check_gradcheck),
         ("double_backward", check_double_backward),
         ("aux_losses", check_aux_losses),

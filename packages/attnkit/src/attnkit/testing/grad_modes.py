@@ -1,15 +1,17 @@
 """Checks of how an implementation meets PyTorch's execution modes: ``inference_mode``, ``autocast``, activation
-checkpointing."""
+checkpointing, ``torch.func`` transforms."""
 
 from __future__ import annotations
 
 import copy
+import warnings
+from typing import Any
 
 import torch
 
 from .aux_losses import training_step
 from .config import DTYPE_NAMES, ConformanceConfig
-from .context import Ctx, grad_names, seeded
+from .context import Ctx, grad_names, noise_like, seeded
 
 
 def check_inference_mode(cfg: ConformanceConfig) -> None:
@@ -140,3 +142,90 @@ def _checkpointed_steps(c: Ctx, dt: torch.dtype, backend: str | None) -> None:
                 if b is not None and mine.get(name) is not None and mine[name].shape == b.shape:
                     c.close(mine[name], b, what, dtype=dt, what=f"buffer {name!r} after the step",
                             against="the plain step's")
+
+
+def check_func_transforms(cfg: ConformanceConfig) -> None:
+    """``torch.func`` transforms: each one the spec declares (``Capabilities.func_transforms``) gives what
+    autograd or a loop gives; each one it does not declare is refused with ``UnsupportedFeatureError``.
+
+    ``grad``: ``torch.func.grad`` of ``(out · g).sum()`` with respect to q, k, v equals autograd's gradients (10x
+    the dtype's tolerance: ``auto`` runs the ``torch`` backend under a transform, autograd the default one).
+    ``vmap``: over a new leading dimension of two input sets, equal to the two calls stacked. ``jvp``: the
+    directional derivative along random tangents equals the central difference (step 1e-6, to 1e-6 + 1e-5·|value|,
+    float64 only). Cases: the generator's plain and padding cases (each declared causal mode), the precise dtype,
+    eval mode.
+    """
+    c = Ctx("func_transforms", cfg)
+    declared = c.caps.func_transforms
+    dt = c.precise()
+    attn = c.build(dtype=dt)
+    cases = c.cases(attn, ["plain", "padding"])
+    for name in ("grad", "vmap", "jvp"):
+        for n, case in enumerate(cases if name in declared else cases[:1]):
+            _transform_case(c, attn, name, case, n, dt)
+
+
+def _transform_case(c: Ctx, attn: Any, name: str, case: Any, n: int, dt: torch.dtype) -> None:
+    from torch.func import grad, jvp, vmap
+
+    from ..errors import UnsupportedFeatureError
+
+    cfg = c.cfg
+    declared = c.caps.func_transforms
+    atol, rtol = c.tol(dt, 10.0)
+    kw = case.kwargs(dt)
+    label = f"{case.describe(dt)}, under torch.func.{name}"
+    q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n)
+    g = noise_like(torch.empty(*q.shape[:3], v.shape[-1], dtype=dt, device=c.device), cfg.seed + 2400 + n)
+
+    def loss(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return (attn(a, b, d, **kw) * g).sum()
+
+    def run() -> tuple[torch.Tensor, ...]:
+        with seeded(cfg.seed + n):
+            if name == "grad":
+                return grad(loss, argnums=(0, 1, 2))(q, k, v)
+            if name == "vmap":
+                pair = [torch.stack([t, noise_like(t, cfg.seed + 2500 + n)]) for t in (q, k, v)]
+                return vmap(lambda a, b, d: attn(a, b, d, **kw))(*pair), *pair
+            tangents = tuple(noise_like(t, cfg.seed + 2600 + n) for t in (q, k, v))
+            with warnings.catch_warnings():   # torch's forward AD loads its decompositions with torch.jit.script
+                warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
+                return jvp(loss, (q, k, v), tangents)[1], *tangents
+
+    if name not in declared:
+        try:
+            run()
+        except UnsupportedFeatureError:
+            return
+        except Exception as exc:  # noqa: BLE001
+            c.fail(f"{label}: not declared in Capabilities.func_transforms {declared}, so it must be refused "
+                   f"with attnkit.errors.UnsupportedFeatureError; it raised {type(exc).__name__}: {exc}")
+        c.fail(f"{label}: not declared in Capabilities.func_transforms {declared}, yet it ran; declare it (and "
+               "let this check compare it) or refuse it")
+    try:
+        got = run()
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"{label} (declared in Capabilities.func_transforms {declared}) raised {type(exc).__name__}: {exc}")
+    if name == "grad":
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with seeded(cfg.seed + n):
+            want = torch.autograd.grad(loss(*x), x)
+        for which, a, b in zip("qkv", got, want):
+            c.close(a, b, label, dtype=dt, what=f"gradient of {which}", against="autograd's", atol=atol, rtol=rtol)
+    elif name == "vmap":
+        out, pq, pk, pv = got
+        with seeded(cfg.seed + n):
+            want = torch.stack([attn(pq[i], pk[i], pv[i], **kw) for i in range(2)])
+        c.close(out, want, label, dtype=dt, against="the two calls stacked", atol=atol, rtol=rtol)
+    else:
+        if dt != torch.float64:
+            c.skip("jvp is compared with a central difference, which needs float64")
+        d, tq, tk, tv = got
+        eps = 1e-6
+        with torch.no_grad(), seeded(cfg.seed + n):
+            plus = loss(q + eps * tq, k + eps * tk, v + eps * tv)
+        with torch.no_grad(), seeded(cfg.seed + n):
+            minus = loss(q - eps * tq, k - eps * tk, v - eps * tv)
+        c.close(d, (plus - minus) / (2 * eps), label, dtype=dt, what="directional derivative",
+                against="the central difference", atol=1e-6, rtol=1e-5)

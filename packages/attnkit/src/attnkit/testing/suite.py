@@ -214,6 +214,10 @@ class AttentionConformance:
         """Declared auxiliary losses: recorded in the graph, tied to the forward's output."""
         self.run_check("aux_losses")
 
+    def test_func_transforms(self) -> None:
+        """Declared torch.func transforms (grad, vmap, jvp) give autograd's / a loop's results; others are refused."""
+        self.run_check("func_transforms")
+
     def test_meta_init(self) -> None:
         """Built on the meta device, to_empty + reset_parameters() under a seed equals a seeded build."""
         self.run_check("meta_init")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnkit
-from attnkit import InvalidInputError
+from attnkit import InvalidInputError, transforms
 from attnkit.first_order import first_order
 
 from ..common import (
@@ -278,6 +278,11 @@ def keys_attend(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tenso
     a row of only padded keys weighs them all equally, as ``masked_fill`` + ``softmax`` does (the caller
     zeroes such rows). Streamed over key chunks of ``chunk_rows(S, m)`` (online softmax); differentiable
     once, in q_l, k and v (:class:`_KeysAttend`)."""
+    if transforms.active():   # torch.func transforms: plain torch ops (no out= products, no Function)
+        s = q_l @ k.transpose(-1, -2)
+        if keep is not None:
+            s = s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min)
+        return torch.softmax(s, -1) @ v
     cols = chunk_rows(k.shape[2], q_l.shape[2])
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q_l, k, v)):
         return _KeysAttend.apply(q_l, k, v, keep, cols)

@@ -33,6 +33,7 @@ import threading
 import torch
 from torch import Tensor
 
+from attnkit import transforms
 from attnkit.caching import kept_tensors
 from attnkit.first_order import first_order
 
@@ -198,6 +199,11 @@ def soft_kernel_product(q: Tensor, k: Tensor, kb: Tensor, z: Tensor, v: Tensor, 
     fresh memory every call. Calls with a backward allocate their blocks as
     before (the backward reads them).
     """
+    if transforms.active():   # torch.func transforms: the explicit kernels, plain torch ops
+        def gauss(x: Tensor) -> Tensor:
+            sq = (x * x).sum(-1, keepdim=True) - 2 * x @ kb.transpose(-1, -2) + (kb * kb).sum(-1)[..., None, :]
+            return torch.exp(-0.5 * scale * sq)
+        return gauss(q) @ (z @ (gauss(k).transpose(-1, -2) @ v))
     m = kb.shape[2]
     rows = chunk_rows(max(q.shape[2], 1), m) if rows is None else rows
     # the backward needs the blocks: keep=False only holds where none is coming

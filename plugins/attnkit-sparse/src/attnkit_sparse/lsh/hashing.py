@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor
 
+from attnkit import transforms
+
 __all__ = ["n_buckets", "rotations", "buckets", "sort_rounds", "sort_rounds_inverse", "unit", "real_lengths"]
 
 
@@ -112,7 +114,8 @@ def _labels(x: Tensor, rot: Tensor, C: int) -> Tensor:
 
 def _numba_ok() -> bool:
     from ..engine import why_unavailable
-    return why_unavailable("numba", "cpu") is None
+    # under torch.func transforms the tensors are wrappers without storage: the torch path
+    return why_unavailable("numba", "cpu") is None and not transforms.active()
 
 
 def sort_rounds(bk: Tensor, key_padding_mask: Tensor | None) -> Tensor:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit import transforms
 from attnkit.caching import kept_tensors
 
 from ..base import spread_evenly
@@ -39,7 +40,7 @@ def _nearest(s: Tensor) -> Tensor:
     """int64 ``(B, H, L)``: the first cluster of largest score in ``s`` ``(B, H, C, L)`` (numba on CPU: a vertical
     pass along the contiguous L instead of a reduction over the strided C)."""
     B, H, C, L = s.shape
-    if s.device.type == "cpu" and s.dtype in (torch.float32, torch.float64):
+    if s.device.type == "cpu" and s.dtype in (torch.float32, torch.float64) and not transforms.active():
         from ..engine import why_unavailable
         if why_unavailable("numba", "cpu") is None:
             from attnkit.numba_pool import run_ranges
@@ -53,8 +54,8 @@ def _nearest(s: Tensor) -> Tensor:
 
 
 def _numba_ok(x: Tensor) -> bool:
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
-        return False
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or transforms.active():
+        return False   # (under torch.func transforms the tensors are wrappers without storage: the torch path)
     from ..engine import why_unavailable
     return why_unavailable("numba", "cpu") is None
 
