@@ -386,6 +386,25 @@ def test_records_a_backward_ran_without_are_dropped():
             (q.detach() * 2.0).square().mean().item())
 
 
+def test_a_copy_between_forward_and_backward_leaves_the_records_behind():
+    """copy.deepcopy (an EMA or best-model copy) raised "Only Tensors created explicitly by the user (graph leaves)
+    support the deepcopy protocol" while a record was pending; pickling carried the records along."""
+    import io
+    with attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
+                            aux_losses={"penalty": 1.0}):
+        attn = attnkit.build("shared-penalised")
+        q, k, v = qkv(grad=True)
+        out = attn(q, k, v)
+        twin = copy.deepcopy(attn)
+        assert twin.pending_aux_losses() == {} and set(attn.pending_aux_losses()) == {"penalty"}
+        buf = io.BytesIO()
+        torch.save(attn, buf)
+        buf.seek(0)
+        assert torch.load(buf, weights_only=False).pending_aux_losses() == {}
+        (out.sum() + sum(attnkit.aux_losses(attn).values())).backward()     # the original's step goes on
+        torch.testing.assert_close(twin(q, k, v), attn(q, k, v))
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointing_records_once_per_forward(reentrant):
     """A forward recomputed during backward does not record again (it added a second, stale value the next step

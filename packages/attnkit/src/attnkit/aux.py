@@ -46,6 +46,10 @@ __all__ = ["UNCOLLECTED_WARN_AFTER", "AuxLossMixin", "aux_losses", "bind_aux_rec
 UNCOLLECTED_WARN_AFTER = 100
 
 
+#: the per-instance bookkeeping of recorded values (never copied or pickled)
+_STATE_KEYS = ("_attnkit_aux", "_attnkit_aux_pending", "_attnkit_aux_unbound", "_attnkit_aux_warned")
+
+
 class AuxLossMixin:
     """Recording side of auxiliary losses, shared by :class:`attnkit.Attention` and blocks.
 
@@ -55,6 +59,14 @@ class AuxLossMixin:
 
     #: declared {name: default weight} when the class is not registered (the spec wins)
     declared_aux_losses: Mapping[str, float] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or a pickle leaves the recorded values behind: they belong to the original's graph (a recorded
+        value is no graph leaf, so ``copy.deepcopy`` of a module between a forward and its backward failed)."""
+        state = dict(super().__getstate__())  # type: ignore[misc]
+        for key in _STATE_KEYS:
+            state.pop(key, None)
+        return state
 
     def _declared_aux(self) -> Mapping[str, float]:
         spec = getattr(self, "spec", None) or getattr(self, "block_spec", None)

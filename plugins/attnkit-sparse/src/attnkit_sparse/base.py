@@ -133,7 +133,7 @@ class SparsePatternAttention(Attention):
     def __getstate__(self) -> dict[str, Any]:
         # pattern masks (and their block indices) are a cache: a copy or a pickle rebuilds them, so a
         # third party's mask function (a lambda, a local function) never has to pickle
-        state = self.__dict__.copy()
+        state = dict(super().__getstate__())
         state["_patterns"], state["_combined"] = {}, {}
         state.pop("_causal", None)
         return state

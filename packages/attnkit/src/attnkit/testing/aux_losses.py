@@ -23,6 +23,8 @@ def check_aux_losses(cfg: ConformanceConfig) -> None:
 
     * a step that collects: each recorded loss is a finite scalar that requires grad (a value recorded outside the
       graph trains nothing), and ``(out · g).sum() + sum(aux)`` backpropagates to finite gradients;
+    * between a forward and its backward, ``copy.deepcopy`` of the module works and the copy holds no records
+      (they belong to the original's graph; an EMA or best-model copy is taken anywhere in a loop);
     * a step that does not collect: a backward through the output alone leaves nothing recorded (the records are
       tied to the forward's output, see :mod:`attnkit.aux`; a record made after the core's ``forward`` returned
       would be collected with the next step's loss, whose backward then runs through a freed graph).
@@ -52,6 +54,19 @@ def check_aux_losses(cfg: ConformanceConfig) -> None:
                    "the value the loss is, not a detached copy")
     for i, t in enumerate(g):
         c.finite(t, label, f"gradient {i} of the output's loss plus the auxiliary losses")
+
+    held = copy.deepcopy(base)
+    x = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with seeded(c.cfg.seed + 5):
+        c.call(held, label, *x, grad=True, **case.kwargs(dt))   # a record pending, not yet backpropagated
+    try:
+        twin = copy.deepcopy(held)
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"{label}: copy.deepcopy of the module between a forward and its backward raised "
+               f"{type(exc).__name__}: {exc} (recorded values are no graph leaves: leave them out of the copy)")
+    if twin.pending_aux_losses():
+        c.fail(f"{label}: copy.deepcopy carried the original's recorded losses {sorted(twin.pending_aux_losses())} "
+               "(they belong to the original's graph)")
 
     plain = copy.deepcopy(base)
     training_step(c, plain, label, inputs, case.kwargs(dt), collect=False)

@@ -124,7 +124,7 @@ class LSHAttention(Attention):
         self._rot: dict[tuple[Any, ...], Tensor] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        state = dict(super().__getstate__())
         state["_rot"] = {}
         return state
 

@@ -132,7 +132,7 @@ class RoutingAttention(Attention):
                 + (", sync_centroids=True" if self.sync_centroids else ""))
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        state = dict(super().__getstate__())
         state.pop("_plans", None)                                         # cached plans: rebuilt on demand
         state.pop("_first_run_centroids", None)                           # only a recomputation reads them
         return state

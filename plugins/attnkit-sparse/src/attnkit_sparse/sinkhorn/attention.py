@@ -120,7 +120,7 @@ class SinkhornAttention(Attention):
                            iters=self.sinkhorn_iters, causal=causal, noise=noise, scaling=scaling)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        state = dict(super().__getstate__())
         state.pop("_plans", None)                                         # cached plans: rebuilt on demand
         return state
 
