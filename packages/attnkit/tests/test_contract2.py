@@ -515,6 +515,21 @@ def test_torch_func_transforms_run_the_torch_backend_or_are_refused():
             vmap(lambda a: attn(a, k[:1], v[:1]))(q[:, None])
 
 
+def test_setting_the_backend_attribute_after_a_call_switches():
+    caps = Capabilities(backends=("torch", "kitfake"))
+    q, k, v = qkv()
+    with attnkit.registered(Recorder, name="two-backends", capabilities=caps):
+        attn = attnkit.build("two-backends")
+        attn(q, k, v)
+        assert attn.seen[-1].backend == "torch"
+        attn.backend = "kitfake"
+        attn(q, k, v)
+        assert attn.seen[-1].backend == "kitfake"          # the cached choice of the first call is not reused
+        attn.backend = "nope"
+        with pytest.raises(InvalidInputError, match="nope"):
+            attn(q, k, v)
+
+
 def test_undeclared_aux_loss_is_a_clear_error():
     with attnkit.registered(Penalised, name="penalised", capabilities=Penalised.capabilities):
         attn = attnkit.build("penalised")

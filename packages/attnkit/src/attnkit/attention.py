@@ -217,7 +217,8 @@ class Attention(AuxLossMixin, nn.Module):
             return self._backend_while_compiling(t0.device, needs_grad, t0.dtype)
         length = t0.shape[-2] if t0.dim() >= 2 else 0
         env = os.environ.get(_backends.ENV_BACKEND, "")
-        key = (t0.device, t0.dtype, needs_grad, env, int(length).bit_length(), _tuning_generation())
+        key = (t0.device, t0.dtype, needs_grad, env, int(length).bit_length(), _tuning_generation(),
+               self.backend)   # the attribute may be set after a call: attn.backend = "torch" switches
         cache = self.__dict__.setdefault("_backend_cache", {})
         hit = cache.get(key)
         if hit is not None:
