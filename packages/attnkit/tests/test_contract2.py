@@ -513,6 +513,9 @@ def test_torch_func_transforms_run_the_torch_backend_or_are_refused():
         torch.testing.assert_close(got, x.grad)
         with pytest.raises(UnsupportedFeatureError, match=r"torch.func.vmap.*it declares \('grad',\).*softmax"):
             vmap(lambda a: attn(a, k[:1], v[:1]))(q[:, None])
+        forced = attnkit.build("picky", backend="kitfake")
+        with pytest.raises(UnsupportedFeatureError, match=r"torch.func.grad with backend='kitfake'.*backend='torch'"):
+            grad(lambda x: forced(x, k, v).sum())(q)
 
 
 def test_setting_the_backend_attribute_after_a_call_switches():

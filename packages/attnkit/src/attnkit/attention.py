@@ -301,7 +301,12 @@ class Attention(AuxLossMixin, nn.Module):
                 self._refuse(f"torch.func.{t}", "its kernels do not compose with torch.func transforms (NumPy or "
                              "numba on tensor data, or custom autograd functions without transform rules)"
                              + (f"; it declares {declared}" if declared else ""), func_transforms=t)
-        return "torch" if self.backend == "auto" else None
+        if self.backend not in ("auto", "torch"):
+            raise UnsupportedFeatureError(
+                self.impl_name, f"torch.func.{active[0]} with backend={self.backend!r}",
+                "only its torch backend composes with torch.func transforms; build it with backend='torch' or "
+                "'auto' (which runs torch under a transform)")
+        return "torch"
 
     # ------------------------------------------------------------ refusals
     def _refuse(self, argument: str, reason: str = "", *, given: str = "", **capability: Any) -> None:

@@ -4,8 +4,8 @@ Under a transform the tensors an implementation sees are wrappers without storag
 NumPy, numba and custom ``torch.autograd.Function`` s written in the old style cannot
 run on them. :attr:`attnkit.Capabilities.func_transforms` declares which transforms an
 implementation composes with on its ``torch`` backend; :class:`attnkit.Attention` runs
-that backend when ``backend="auto"`` and a transform is active, and refuses the others
-with :class:`attnkit.errors.UnsupportedFeatureError`.
+that backend when ``backend="auto"`` and a transform is active, and refuses undeclared
+transforms, and other forced backends, with :class:`attnkit.errors.UnsupportedFeatureError`.
 """
 
 from __future__ import annotations
