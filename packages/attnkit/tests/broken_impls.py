@@ -550,13 +550,6 @@ class PenalisedAttention(NaiveAttention):
         return out.square().mean()
 
 
-class DetachedAuxAttention(PenalisedAttention):
-    """Records its auxiliary loss detached: adding it to the loss trains nothing."""
-
-    def _penalty(self, out):
-        return out.square().mean().detach()
-
-
 class LateAuxAttention(NaiveAttention):
     """Records its auxiliary loss after the base class's ``forward`` returned: the record is not tied to the
     forward's output, so a step that does not collect leaves it for the next step's loss."""
@@ -642,8 +635,6 @@ CASES: list[BrokenCase] = [
     BrokenCase(DoubleUnpackAttention, "broken-checkpointing", "checkpointing",
                r"under torch.utils.checkpoint\(use_reentrant=False\): backward raised CheckpointError",
                {"exact": True, "capabilities": Capabilities(causal=False)}),
-    BrokenCase(DetachedAuxAttention, "broken-detached-aux", "aux_losses", "was recorded outside the graph",
-               {"exact": True, "capabilities": BASIC, "aux_losses": {"penalty": 1.0}}),
     BrokenCase(LateAuxAttention, "broken-late-aux", "aux_losses",
                r"without collecting, \['penalty'\] stayed recorded",
                {"exact": True, "capabilities": BASIC, "aux_losses": {"penalty": 1.0}}),

@@ -315,6 +315,12 @@ def test_uncollected_aux_losses_in_the_graph_warn_once(recwarn):
             attn(*q)
         attnkit.aux_losses(attn)                     # a collection resets the count
         assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+        with torch.no_grad():                        # constants add up in one value, not one per call
+            for _ in range(3):
+                attn(*q)
+        assert len(attn.__dict__["_attnkit_aux"]["penalty"]) == 1
+        assert attn.pending_aux_losses()["penalty"].item() == pytest.approx(3 * 2.0 * 3)
+        attnkit.clear_aux_losses(attn)
         for _ in range(2 * attnkit.aux.UNCOLLECTED_WARN_AFTER):
             attn(*q)
         warned = [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

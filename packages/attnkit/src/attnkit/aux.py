@@ -94,7 +94,11 @@ class AuxLossMixin:
         # Each record is kept on its own and summed at collection: a running sum would make every record an
         # input of the next one's addition, and a compiled forward (one autograd node for the whole region)
         # would then backpropagate its output's gradient into an earlier step's freed graph.
-        self.__dict__.setdefault("_attnkit_aux", {}).setdefault(name, []).append(value)
+        values = self.__dict__.setdefault("_attnkit_aux", {}).setdefault(name, [])
+        if not value.requires_grad and values and not values[-1].requires_grad:
+            values[-1] = values[-1] + value   # constants (a diagnostic, a no-grad call): one running value
+        else:
+            values.append(value)
         if value.requires_grad:
             if not compiling:
                 self.__dict__.setdefault("_attnkit_aux_unbound", []).append((name, value))
