@@ -68,7 +68,7 @@ PERFORMER = AttentionSpec(
     # 1.41 non-causal, 0.84 causal; at std 0.5 it is ~0.15 (docs/mechanisms/performer.md)
     error_bound=1.5,
     capabilities=Capabilities(
-        func_transforms=("grad", "jvp"),
+        func_transforms=("grad", "vmap", "jvp"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,

@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit import transforms
+
 from ..common import DEFAULT_CHUNK, normalize, with_ones_column
 
 #: largest growth (in the exponent) of a feature's key maximum inside one chunk for the factored
@@ -87,8 +89,9 @@ def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, l
     ``c'_t = max_m (lq_tm + max(prev_m, max_{j <= t} lk_jm)) >= c_t``: their block pairwise (every exponent
     <= 0) and their across-chunk query factors multiplied by ``exp(c_t - c'_t) <= 1``, so numerator and
     denominator of each row keep one shift. Under ``torch.compile``: every chunk, selected (no data-dependent
-    branch)."""
-    if torch.compiler.is_compiling():
+    branch), and so under torch.func transforms (vmap cannot select by the data)."""
+    dense = torch.compiler.is_compiling() or transforms.active()
+    if dense:
         sel = (slice(None),) * 3
     else:
         sel = pairwise.nonzero(as_tuple=True)
@@ -101,7 +104,7 @@ def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, l
         c_chunk = (lq_s.detach() + torch.maximum(prev_s.detach(), lk_s.detach()[..., :1, :])).amax(-1, keepdim=True)
     block = _pairwise(lq_s, lk_s, c_pos, a_s, b_s, future)
     rescale = torch.exp(c_chunk - c_pos)                                   # (..., C, 1), <= 1
-    if torch.compiler.is_compiling():
+    if dense:
         sel_ = pairwise[..., None, None]
         return torch.where(sel_, block, A), q_inter * torch.where(sel_, rescale, torch.ones_like(rescale))
     return A.index_put(sel, block), q_inter.index_put(sel, q_inter[sel] * rescale)
@@ -176,7 +179,7 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     k_state = times(k_state, b_c)
     future = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
     A = (q_intra @ k_intra.transpose(-1, -2)).masked_fill(future, 0.0)     # (B, H, N, C, C)
-    if torch.compiler.is_compiling() or bool(pairwise.any()):
+    if torch.compiler.is_compiling() or transforms.active() or bool(pairwise.any()):   # (no data branch there)
         A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
     intra = A @ vp_c                                                        # (B, H, N, C, E+1)
     kv = k_state.transpose(-1, -2) @ vp_c                                   # (B, H, N, M, E+1)

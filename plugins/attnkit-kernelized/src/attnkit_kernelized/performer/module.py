@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit import transforms
+
 from .._ops import backend_module, kernel_inputs, runnable_backend
 from ..base import KernelizedAttention
 from ..common import padded, zero_padded
@@ -224,7 +226,8 @@ class PerformerAttention(KernelizedAttention):
                         backend: str) -> tuple[Tensor, Any]:
         if not self._log_space:
             return super()._causal_segment(q, k, v, kpm, state, backend)
-        if self.feature_map == "positive" and not torch.compiler.is_compiling():
+        # the bounded form chooses by the data (a branch neither torch.compile nor torch.func.vmap can follow)
+        if self.feature_map == "positive" and not torch.compiler.is_compiling() and not transforms.active():
             out = self._bounded_causal(q, k, v, kpm, state, backend)
             if out is not None:
                 return out
