@@ -189,8 +189,9 @@ class Attention(AuxLossMixin, nn.Module):
         ``seed`` give the same values as a build; others draw from the global RNG, as ``nn.Linear`` does.
 
         Raises:
-            InvalidInputError: the module holds parameters or buffers and was not built by ``attnkit.build``
-                (its options are unknown).
+            InvalidInputError: the module holds parameters or buffers of its own and was not built by
+                ``attnkit.build`` (its options are unknown; without own tensors its children's
+                ``reset_parameters()`` run).
         """
         _reset.reset_from_build(self, _reset.build_maker(self.spec, self.__dict__.get("build_options")),
                                 repr(self.impl_name))
@@ -290,8 +291,8 @@ class Attention(AuxLossMixin, nn.Module):
         return None
 
     def _transform_backend(self) -> str | None:
-        """Under ``torch.func`` transforms: ``"torch"`` when the backend is ``auto`` (None when none is active, or
-        a forced backend); refuses a transform the spec does not declare (``Capabilities.func_transforms``)."""
+        """Under ``torch.func`` transforms ``"torch"`` (None when none is active); refuses a transform the spec does
+        not declare (``Capabilities.func_transforms``) and a forced backend other than ``torch``."""
         active = _transforms.active()
         if not active:
             return None
