@@ -47,7 +47,8 @@ UNCOLLECTED_WARN_AFTER = 100
 
 
 #: the per-instance bookkeeping of recorded values (never copied or pickled)
-_STATE_KEYS = ("_attnkit_aux", "_attnkit_aux_pending", "_attnkit_aux_unbound", "_attnkit_aux_warned")
+_STATE_KEYS = ("_attnkit_aux", "_attnkit_aux_pending", "_attnkit_aux_unbound", "_attnkit_aux_warned",
+               "_attnkit_aux_const", "_attnkit_aux_reentrant_warned")
 
 
 class AuxLossMixin:
@@ -87,8 +88,18 @@ class AuxLossMixin:
                 f"(declared: {sorted(declared) or 'none'}); add it to AttentionSpec.aux_losses")
         if not isinstance(value, Tensor) or value.numel() != 1:
             raise InvalidInputError(f"record_aux_loss: {name!r} must be a scalar tensor, got {value!r}"[:200])
-        if recomputing():
-            return   # a forward recomputed during backward (activation checkpointing): its first run recorded
+        if recomputing():   # a forward recomputed during backward (activation checkpointing): its first run recorded
+            if value.requires_grad and self.__dict__.get("_attnkit_aux_const", {}).get(name) \
+                    and not self.__dict__.get("_attnkit_aux_reentrant_warned"):
+                self.__dict__["_attnkit_aux_reentrant_warned"] = True
+                who = getattr(self, "impl_name", type(self).__name__)
+                warnings.warn(
+                    f"{who!r}: the auxiliary loss {name!r} was recorded by a forward that ran without gradients and "
+                    "is recomputed with them during backward (torch.utils.checkpoint with use_reentrant=True): the "
+                    "recorded value is a constant and trains nothing; checkpoint with use_reentrant=False",
+                    RuntimeWarning, stacklevel=2)
+            return
+        self.__dict__.setdefault("_attnkit_aux_const", {})[name] = not value.requires_grad
         compiling = torch.compiler.is_compiling()
         value = value.reshape(())
         # Each record is kept on its own and summed at collection: a running sum would make every record an
