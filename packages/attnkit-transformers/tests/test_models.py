@@ -234,6 +234,32 @@ def test_every_mechanism_trains_or_refuses_clearly(name):
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("name", ["softmax", "performer", "routing", "dynamic-span"])
+def test_gradient_checkpointing_equals_the_plain_step(name):
+    """transformers' gradient_checkpointing_enable() (non-reentrant by default): the loss with the auxiliary losses
+    and every gradient equal the plain step's; routing's recomputation routes with the centroids its first run
+    used, the spans and routing record once."""
+    if not _has(name):
+        pytest.skip(f"{name!r} is not registered here (its plugin is not installed)")
+    import copy
+    base = make_model("llama", f"attnkit:{name}").train()
+    attnkit_transformers.prepare(base)
+    ids = _ids(2, 12)
+    runs = []
+    for checkpointed in (False, True):
+        model = copy.deepcopy(base)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(5)
+        out = model(ids, labels=ids)
+        loss = out.loss + sum(attnkit.aux_losses(model).values())
+        loss.backward()
+        runs.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+    assert len(runs[0]) == len(runs[1]) > 1
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_options_from_register_and_config_and_reproducible_seeds():
     if not _has("performer"):
         pytest.skip("'performer' comes with the attnkit-kernelized plugin, not installed here")
