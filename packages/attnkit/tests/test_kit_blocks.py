@@ -1,4 +1,5 @@
-"""The block suite: shapes, causality through the whole block, gradients, state_dict, deepcopy.
+"""The block suite: shapes, causality through the whole block, gradients, state_dict, deepcopy, checkpointing,
+meta-device init.
 
 The suite builds blocks with ``attnkit.build_block`` (or ``registry=``: any object
 with a ``build_block(name, dim=, num_heads=, attention=, **options)`` method).
@@ -38,6 +39,26 @@ def test_a_leak_in_the_attention_leaks_through_the_block():
         report = run_block_conformance("pre-norm", attention="kit-leaky", checks=["block_causality", "block_shapes"])
     assert [r.check for r in report.failed] == ["block_causality"]
     assert "leaks the future" in report["block_causality"].message
+
+
+def test_a_double_unpack_in_the_attention_fails_block_checkpointing():
+    with attnkit.registered(broken_impls.DoubleUnpackAttention, name="kit-double-unpack", exact=True,
+                            capabilities=broken_impls.Capabilities(causal=False)):
+        report = run_block_conformance("pre-norm", attention="kit-double-unpack",
+                                       checks=["block_checkpointing", "block_gradients"])
+    assert [r.check for r in report.failed] == ["block_checkpointing"]
+    assert "backward raised CheckpointError" in report["block_checkpointing"].message
+
+
+def test_a_block_whose_reset_leaves_a_buffer_fails_block_meta_init():
+    """Built from its class (no recorded options), a block resets its children; an attention whose own
+    reset_parameters sets nothing then computes with uninitialised memory."""
+    with attnkit.registered(broken_impls.NoOpResetAttention, name="kit-noop-reset", exact=True,
+                            capabilities=broken_impls.BASIC):
+        report = run_block_conformance("pre-norm", attention="kit-noop-reset", registry=StubRegistry(),
+                                       checks=["block_meta_init"])
+    assert [r.check for r in report.failed] == ["block_meta_init"]
+    assert "state_dict entry 'attn.attention.features'" in report["block_meta_init"].message
 
 
 def test_block_options_pass_through_and_mlp_free_blocks_pass():

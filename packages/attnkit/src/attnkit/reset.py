@@ -45,9 +45,7 @@ def reset_from_build(module: nn.Module, make: Callable[[], nn.Module] | None, wh
             raise InvalidInputError(
                 f"reset_parameters: {what} holds {own} and was not built by attnkit.build / attnkit.build_block, "
                 "so the options to initialise it with are unknown; build it by name, or initialise them yourself")
-        for child in module.children():
-            if hasattr(child, "reset_parameters"):
-                child.reset_parameters()
+        _reset_children(module)
         return
     with torch.device("cpu"), torch.no_grad():
         fresh = make()
@@ -58,6 +56,16 @@ def reset_from_build(module: nn.Module, make: Callable[[], nn.Module] | None, wh
             s = source.get(name)
             if s is not None and s.shape == t.shape:
                 t.copy_(s)
+
+
+def _reset_children(module: nn.Module) -> None:
+    """``reset_parameters()`` of each child that has one; through a child that has none (a container such as
+    :class:`attnkit.MultiHeadAttention`), of its children in turn."""
+    for child in module.children():
+        if hasattr(child, "reset_parameters"):
+            child.reset_parameters()
+        else:
+            _reset_children(child)
 
 
 def build_maker(spec: Any, options: dict[str, Any] | None, **fixed: Any) -> Callable[[], Any] | None:

@@ -234,6 +234,111 @@ def check_block_deepcopy(cfg: BlockConformanceConfig) -> None:
             exact=True)
 
 
+def check_block_checkpointing(cfg: BlockConformanceConfig) -> None:
+    """In training mode, a step under ``torch.utils.checkpoint(use_reentrant=False)`` equals the plain step: the
+    output, the auxiliary losses, the gradients of x and of every parameter, the buffers (causal and not; the same
+    seed on both sides)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ..aux import aux_losses
+
+    c = _BlockCtx("block_checkpointing", cfg)
+    base = c.build().train()
+    for causal in (False, True):
+        label = f"causal={causal}, {cfg.dtype}, training mode"
+        runs = []
+        for checkpointed in (False, True):
+            block = copy.deepcopy(base)
+            x = c.x(requires_grad=True)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed + 11)
+                if checkpointed:
+                    try:
+                        out = checkpoint(lambda t, b=block, cz=causal: b(t, causal=cz), x, use_reentrant=False)
+                    except UnsupportedFeatureError as exc:
+                        raise CheckSkipped(f"{label}: the block refuses it: {exc}") from exc
+                    except Exception as exc:  # noqa: BLE001
+                        c.fail(f"{label}, under torch.utils.checkpoint: forward raised {type(exc).__name__}: {exc}")
+                else:
+                    try:
+                        out = c.call(block, x, label, grad=True, causal=causal)
+                    except CheckSkipped:
+                        break
+                aux = aux_losses(block, weighted=False)
+                loss = (out * noise_like(out, 9, 1.0)).sum() + sum(aux.values())
+                params = [p for p in block.parameters() if p.requires_grad]
+                try:
+                    g = torch.autograd.grad(loss, [x, *params], allow_unused=True)
+                except Exception as exc:  # noqa: BLE001
+                    c.fail(f"{label}{', under torch.utils.checkpoint' if checkpointed else ''}: backward raised "
+                           f"{type(exc).__name__}: {exc}")
+            runs.append((out.detach(), {n: a.detach() for n, a in aux.items()}, g,
+                         {n: b.detach().clone() for n, b in block.named_buffers() if b is not None}))
+        if len(runs) < 2:
+            continue
+        (o0, a0, g0, b0), (o1, a1, g1, b1) = runs
+        what = f"{label}, under torch.utils.checkpoint(use_reentrant=False)"
+        c.close(o1, o0, f"{what}: output vs the plain step's")
+        if sorted(a1) != sorted(a0):
+            c.fail(f"{what}: recorded the auxiliary losses {sorted(a1)}, the plain step {sorted(a0)}")
+        for n in a0:
+            c.close(a1[n], a0[n], f"{what}: auxiliary loss {n!r} vs the plain step's")
+        for i, (u, w) in enumerate(zip(g1, g0)):
+            if (u is None) != (w is None):
+                c.fail(f"{what}: gradient {i} (x, then parameters) is {'missing' if u is None else 'present'} here, "
+                       "not in the plain step")
+            if u is not None and w is not None:
+                c.close(u, w, f"{what}: gradient {i} (x, then parameters) vs the plain step's")
+        for n, buf in b0.items():
+            if n in b1 and b1[n].shape == buf.shape:
+                c.close(b1[n], buf, f"{what}: buffer {n!r} after the step vs the plain step's")
+
+
+def check_block_meta_init(cfg: BlockConformanceConfig) -> None:
+    """Built under ``torch.device("meta")``, moved with ``to_empty`` and initialised with ``reset_parameters()``
+    under a seed, the block's ``state_dict`` and output equal a build under that seed (exactly, on CPU)."""
+    c = _BlockCtx("block_meta_init", cfg)
+    want = c.build(cfg.seed + 3)
+    builder: Callable[..., Any] = getattr(cfg.registry, "build_block", None) or _default_build_block()
+    try:
+        with torch.device("meta"):
+            meta = builder(cfg.name, dim=cfg.dim, num_heads=cfg.num_heads, attention=cfg.attention, **cfg.options)
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"build_block under torch.device('meta') raised {type(exc).__name__}: {exc} (a build must not read "
+               "tensor values)")
+    if not hasattr(meta, "reset_parameters"):
+        c.fail("the block has no reset_parameters() (attnkit.Block provides one)")
+    try:
+        meta = meta.to_empty(device=cfg.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 3)
+            meta.reset_parameters()
+        meta = meta.to(dtype=c.dt).eval()
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"to_empty then reset_parameters() raised {type(exc).__name__}: {exc}")
+    mine = meta.state_dict()
+    for name, t in want.state_dict().items():
+        if name not in mine:
+            c.fail(f"after to_empty + reset_parameters() the state_dict lacks {name!r}")
+        c.close(mine[name], t, f"state_dict entry {name!r} after to_empty + reset_parameters() vs a seeded build's",
+                exact=True)
+    x = c.x()
+    for causal in (False, True):
+        try:
+            got = c.call(meta, x, f"meta-initialised, causal={causal}", causal=causal)
+        except CheckSkipped:
+            continue
+        c.close(got, c.call(want, x, f"built, causal={causal}", causal=causal),
+                f"built on the meta device, to_empty + reset_parameters(), causal={causal}: output vs a seeded "
+                "build's", exact=True)
+
+
+def _default_build_block() -> Callable[..., Any]:
+    import attnkit
+
+    return attnkit.build_block
+
+
 #: Every block check, in order; the pytest face has one ``test_<name>`` per key.
 BLOCK_CHECKS: dict[str, Callable[[BlockConformanceConfig], None]] = {
     name: isolated(fn) for name, fn in (
@@ -242,6 +347,8 @@ BLOCK_CHECKS: dict[str, Callable[[BlockConformanceConfig], None]] = {
         ("block_gradients", check_block_gradients),
         ("block_state_dict", check_block_state_dict),
         ("block_deepcopy", check_block_deepcopy),
+        ("block_checkpointing", check_block_checkpointing),
+        ("block_meta_init", check_block_meta_init),
     )
 }
 

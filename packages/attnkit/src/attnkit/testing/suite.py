@@ -319,3 +319,11 @@ class BlockConformance:
     def test_block_deepcopy(self) -> None:
         """A deep copy gives the same outputs."""
         self.run_check("block_deepcopy")
+
+    def test_block_checkpointing(self) -> None:
+        """A training step under torch.utils.checkpoint (non-reentrant) equals the plain step."""
+        self.run_check("block_checkpointing")
+
+    def test_block_meta_init(self) -> None:
+        """Built on the meta device, to_empty + reset_parameters() under a seed equals a seeded build."""
+        self.run_check("block_meta_init")
