@@ -31,7 +31,7 @@ from .config import (
     ConformanceConfigError,
     dtype_name,
 )
-from .context import isolated, noise_like, perturb
+from .context import isolated, meta_initialised, noise_like, perturb
 
 __all__ = ["BLOCK_CHECKS", "BlockConformanceConfig", "run_block_check", "run_block_conformance"]
 
@@ -102,18 +102,23 @@ class _BlockCtx:
         __tracebackhide__ = True
         raise CheckFailed(f"[{self.check}] block {self.cfg.name!r} (attention {self.cfg.attention!r}): {msg}")
 
-    def build(self, seed: int | None = None) -> Any:
+    def raw_build(self) -> Any:
+        """``build_block(name, dim=, num_heads=, attention=, **options)`` of the configured registry (default
+        :func:`attnkit.build_block`), as it comes: no seed, device, dtype or mode set."""
         cfg = self.cfg
         builder: Callable[..., Any] | None = getattr(cfg.registry, "build_block", None)
         if builder is None:
             import attnkit
 
             builder = attnkit.build_block
+        return builder(cfg.name, dim=cfg.dim, num_heads=cfg.num_heads, attention=cfg.attention, **cfg.options)
+
+    def build(self, seed: int | None = None) -> Any:
+        cfg = self.cfg
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed if seed is None else seed)
             try:
-                block = builder(cfg.name, dim=cfg.dim, num_heads=cfg.num_heads, attention=cfg.attention,
-                                **cfg.options)
+                block = self.raw_build()
             except Exception as exc:  # noqa: BLE001
                 self.fail(f"build_block raised {type(exc).__name__}: {exc}")
         return block.to(device=cfg.device, dtype=self.dt).eval()
@@ -299,23 +304,7 @@ def check_block_meta_init(cfg: BlockConformanceConfig) -> None:
     under a seed, the block's ``state_dict`` and output equal a build under that seed (exactly, on CPU)."""
     c = _BlockCtx("block_meta_init", cfg)
     want = c.build(cfg.seed + 3)
-    builder: Callable[..., Any] = getattr(cfg.registry, "build_block", None) or _default_build_block()
-    try:
-        with torch.device("meta"):
-            meta = builder(cfg.name, dim=cfg.dim, num_heads=cfg.num_heads, attention=cfg.attention, **cfg.options)
-    except Exception as exc:  # noqa: BLE001
-        c.fail(f"build_block under torch.device('meta') raised {type(exc).__name__}: {exc} (a build must not read "
-               "tensor values)")
-    if not hasattr(meta, "reset_parameters"):
-        c.fail("the block has no reset_parameters() (attnkit.Block provides one)")
-    try:
-        meta = meta.to_empty(device=cfg.device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed + 3)
-            meta.reset_parameters()
-        meta = meta.to(dtype=c.dt).eval()
-    except Exception as exc:  # noqa: BLE001
-        c.fail(f"to_empty then reset_parameters() raised {type(exc).__name__}: {exc}")
+    meta = meta_initialised(c.raw_build, cfg.device, cfg.seed + 3, c.fail).to(dtype=c.dt).eval()
     mine = meta.state_dict()
     for name, t in want.state_dict().items():
         if name not in mine:
@@ -331,12 +320,6 @@ def check_block_meta_init(cfg: BlockConformanceConfig) -> None:
         c.close(got, c.call(want, x, f"built, causal={causal}", causal=causal),
                 f"built on the meta device, to_empty + reset_parameters(), causal={causal}: output vs a seeded "
                 "build's", exact=True)
-
-
-def _default_build_block() -> Callable[..., Any]:
-    import attnkit
-
-    return attnkit.build_block
 
 
 #: Every block check, in order; the pytest face has one ``test_<name>`` per key.

@@ -80,6 +80,29 @@ def shape_hints(spec: Any, H: int, D: int, E: int) -> dict[str, int]:
     return hints
 
 
+def meta_initialised(build: Callable[[], Any], device: torch.device, seed: int,
+                     fail: Callable[[str], None]) -> Any:
+    """The meta-device recipe: ``build()`` under ``torch.device("meta")``, ``to_empty(device)``, then
+    ``reset_parameters()`` under ``torch.manual_seed(seed)`` (the global RNG restored after). ``fail`` reports
+    what went wrong (a build that reads tensor values, no ``reset_parameters``, an exception in either)."""
+    try:
+        with torch.device("meta"):
+            module = build()
+    except Exception as exc:  # noqa: BLE001 - reported as a failure with context
+        fail(f"building under torch.device('meta') raised {type(exc).__name__}: {exc} (a build must not read "
+             "tensor values: no .item(), .tolist() or NumPy on a tensor it creates)")
+    if not hasattr(module, "reset_parameters"):
+        fail("the module has no reset_parameters() (attnkit.Attention and attnkit.Block provide one)")
+    try:
+        module = module.to_empty(device=device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module.reset_parameters()
+    except Exception as exc:  # noqa: BLE001
+        fail(f"to_empty(device={device.type!r}) then reset_parameters() raised {type(exc).__name__}: {exc}")
+    return module
+
+
 def fmt_shape(t: Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 

@@ -194,15 +194,9 @@ def _transform_case(c: Ctx, attn: Any, name: str, case: Any, n: int, dt: torch.d
                 return jvp(loss, (q, k, v), tangents)[1], *tangents
 
     if name not in declared:
-        try:
-            run()
-        except UnsupportedFeatureError:
-            return
-        except Exception as exc:  # noqa: BLE001
-            c.fail(f"{label}: not declared in Capabilities.func_transforms {declared}, so it must be refused "
-                   f"with attnkit.errors.UnsupportedFeatureError; it raised {type(exc).__name__}: {exc}")
-        c.fail(f"{label}: not declared in Capabilities.func_transforms {declared}, yet it ran; declare it (and "
-               "let this check compare it) or refuse it")
+        c.expect_error(label, UnsupportedFeatureError, f"not declared in Capabilities.func_transforms {declared} "
+                       "(declare it, and this check compares it, or refuse it)", run)
+        return
     try:
         got = run()
     except Exception as exc:  # noqa: BLE001

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .config import CheckFailed, ConformanceConfig
-from .context import Ctx, shape_hints
+from .config import ConformanceConfig
+from .context import Ctx, meta_initialised, shape_hints
 
 
 def _outputs(c: Ctx, attn: Any, dt: torch.dtype, who: str) -> list[torch.Tensor]:
@@ -96,24 +96,9 @@ def check_meta_init(cfg: ConformanceConfig) -> None:
     c = Ctx("meta_init", cfg)
     dt = c.precise()
     want = c.build(dtype=dt, seed=cfg.seed + 3)
-    try:
-        with torch.device("meta"):
-            meta = cfg.registry.build_with_hints(cfg.name, shape_hints(c.spec, c.H, c.D, c.E), **cfg.options)
-    except Exception as exc:  # noqa: BLE001
-        c.fail(f"building under torch.device('meta') raised {type(exc).__name__}: {exc} (a build must not read "
-               "tensor values: no .item(), .tolist() or NumPy on a tensor it creates)")
-    try:
-        meta = meta.to_empty(device=c.device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed + 3)
-            if not hasattr(meta, "reset_parameters"):
-                c.fail("the module has no reset_parameters() (attnkit.Attention provides one)")
-            meta.reset_parameters()
-        meta = meta.to(dtype=dt)
-    except CheckFailed:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        c.fail(f"to_empty(device={c.device.type!r}) then reset_parameters() raised {type(exc).__name__}: {exc}")
+    meta = meta_initialised(
+        lambda: cfg.registry.build_with_hints(cfg.name, shape_hints(c.spec, c.H, c.D, c.E), **cfg.options),
+        c.device, cfg.seed + 3, c.fail).to(dtype=dt)
     mine = meta.state_dict()
     for name, t in want.state_dict().items():
         if name not in mine:
