@@ -474,6 +474,14 @@ class AutocastBypassAttention(NaiveAttention):
             return super().forward(q, k, v, **kw)
 
 
+def _softmax_grads(q, k, v, p, g, scale):
+    """Gradients of ``softmax(q kᵀ·scale) v`` for q, k, v given its probabilities ``p`` and incoming ``g``."""
+    dv = p.transpose(-1, -2) @ g
+    dp = g @ v.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+    return ds @ k, ds.transpose(-1, -2) @ q, dv
+
+
 class _SavedProbs(torch.autograd.Function):
     """``softmax(q kᵀ·scale) v`` whose backward reads the probabilities saved from the forward (right to first
     order); under ``create_graph`` they are constants, so second derivatives miss terms, silently."""
@@ -488,20 +496,7 @@ class _SavedProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v = ctx.saved_tensors
-        p = ctx.p
-        dv = p.transpose(-1, -2) @ g
-        dp = g @ v.transpose(-1, -2)
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scale
-        return ds @ k, ds.transpose(-1, -2) @ q, dv, None
-
-
-class SavedProbsAttention(NaiveAttention):
-    """Right outputs and first derivatives; second derivatives through its backward silently wrong."""
-
-    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
-        if causal or key_padding_mask is not None or attn_mask is not None:
-            return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
-        return _SavedProbs.apply(q, k, v, self.get_scale(q))
+        return (*_softmax_grads(q, k, v, ctx.p, g, ctx.scale), None)
 
 
 class _DoubleUnpack(torch.autograd.Function):
@@ -519,19 +514,31 @@ class _DoubleUnpack(torch.autograd.Function):
         with torch.device(ctx.saved_tensors[0].device):
             q, k, v = ctx.saved_tensors
             p = torch.softmax((q @ k.transpose(-1, -2)) * ctx.scale, -1)
-            dv = p.transpose(-1, -2) @ g
-            dp = g @ v.transpose(-1, -2)
-            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scale
-            return ds @ k, ds.transpose(-1, -2) @ q, dv, None
+            return (*_softmax_grads(q, k, v, p, g, ctx.scale), None)
 
 
-class DoubleUnpackAttention(NaiveAttention):
-    """Right outputs and gradients; fails under activation checkpointing (its backward unpacks twice)."""
+class _FunctionAttention(NaiveAttention):
+    """Softmax attention whose plain case (not causal, no mask) runs :attr:`function`, a custom autograd.Function
+    ``(q, k, v, scale)``; masked cases run the correct base."""
+
+    function: Any = None
 
     def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         if causal or key_padding_mask is not None or attn_mask is not None:
             return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
-        return _DoubleUnpack.apply(q, k, v, self.get_scale(q))
+        return type(self).function.apply(q, k, v, self.get_scale(q))
+
+
+class SavedProbsAttention(_FunctionAttention):
+    """Right outputs and first derivatives; second derivatives through its backward silently wrong."""
+
+    function = _SavedProbs
+
+
+class DoubleUnpackAttention(_FunctionAttention):
+    """Right outputs and gradients; fails under activation checkpointing (its backward unpacks twice)."""
+
+    function = _DoubleUnpack
 
 
 class OldStyleFunctionAttention(SavedProbsAttention):

@@ -342,11 +342,16 @@ class SharedPenalised(Recorder):
         return super()._attend(q, k, v, ctx)
 
 
+def _shared_penalised():
+    """Register :class:`SharedPenalised` as ``shared-penalised`` (declaring ``penalty``) for a ``with`` block."""
+    return attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
+                              aux_losses={"penalty": 1.0})
+
+
 def test_uncollected_eager_record_does_not_break_a_compiled_step():
     """Records are summed at collection, not into a running sum: a compiled forward's one autograd node must not
     take an earlier record (whose graph the output's backward freed) as an input."""
-    with attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
-                            aux_losses={"penalty": 1.0}):
+    with _shared_penalised():
         attn = attnkit.build("shared-penalised")
         q, k, v = qkv(grad=True)
         attn(q, k, v).sum().backward()               # an eager step that never collects
@@ -370,8 +375,7 @@ def test_records_a_backward_ran_without_are_dropped():
     """A step that does not collect (a warm-up) leaves nothing behind: the next, collecting step backpropagates
     (it raised "backward through the graph a second time" when the stale record was summed in) and gets the
     gradient of a fresh module's step."""
-    with attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
-                            aux_losses={"penalty": 1.0}):
+    with _shared_penalised():
         q, k, v = qkv(grad=True)
         fresh = attnkit.build("shared-penalised")
         _shared_step(fresh, q, k, v)
@@ -396,8 +400,7 @@ def test_a_copy_between_forward_and_backward_leaves_the_records_behind():
     """copy.deepcopy (an EMA or best-model copy) raised "Only Tensors created explicitly by the user (graph leaves)
     support the deepcopy protocol" while a record was pending; pickling carried the records along."""
     import io
-    with attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
-                            aux_losses={"penalty": 1.0}):
+    with _shared_penalised():
         attn = attnkit.build("shared-penalised")
         q, k, v = qkv(grad=True)
         out = attn(q, k, v)
@@ -416,8 +419,7 @@ def test_checkpointing_records_once_per_forward(reentrant):
     """A forward recomputed during backward does not record again (it added a second, stale value the next step
     collected). With reentrant checkpointing the forward runs without grad, so its record is a constant."""
     from torch.utils.checkpoint import checkpoint
-    with attnkit.registered(SharedPenalised, name="shared-penalised", capabilities=SharedPenalised.capabilities,
-                            aux_losses={"penalty": 1.0}):
+    with _shared_penalised():
         q, k, v = qkv(grad=True)
         plain = attnkit.build("shared-penalised")
         _shared_step(plain, q, k, v)
