@@ -56,7 +56,7 @@ def parts(L: int) -> dict[str, Callable[[], object]]:
         sk.sort_matrix(kk, causal=False).sum().backward()
 
     def update() -> None:
-        rt._update(q, k, None, near, rt.centroids_for(q))
+        rt._update(q, k, None, near, rt.centroids_for(q).clone())
         attnkit.aux_losses(rt)
 
     return {

@@ -150,16 +150,19 @@ class RoutingAttention(Attention):
         """The centroids this call routes with: :meth:`centroids_for`, except in a forward that activation
         checkpointing runs again during backward, which gets them as they were when that forward first ran
         (its EMA update has changed the buffer since; routing with the new ones would give other clusters, and
-        gradients of a different function). Each training forward keeps a copy (``(H, C, D)``, the last 8); a
-        recomputation takes the newest (backward recomputes the last forward first)."""
+        gradients of a different function). In training the result is a private copy (``(H, C, D)``), which the
+        commitment loss keeps while the EMA updates the buffer in place; each training forward keeps its copy (the
+        last 8), and a recomputation takes the newest (backward recomputes the last forward first)."""
         cents = self.centroids_for(q)
-        if not self.training or torch.compiler.is_compiling():
+        if not self.training:
             return cents
+        if torch.compiler.is_compiling():
+            return cents.detach().clone()
         kept = self.__dict__.setdefault("_first_run_centroids", collections.deque(maxlen=8))
         if recomputing():
-            return kept.pop() if kept and kept[-1].shape == cents.shape else cents
+            return kept.pop() if kept and kept[-1].shape == cents.shape else cents.detach().clone()
         kept.append(cents.detach().clone())
-        return cents
+        return kept[-1]
 
     def _update(self, q: Tensor, k: Tensor, kpm: Tensor | None, near: tuple[Tensor, Tensor],
                 cents: Tensor) -> None:
@@ -172,7 +175,7 @@ class RoutingAttention(Attention):
         gradient is ``2 (x̂_i − μ_c(i))``). On CPU a numba kernel per side with its own backward
         (:func:`.gather.commitment`); elsewhere ``index_add`` under autograd (:meth:`_commitment_torch`).
         """
-        mu = cents.detach().clone()   # (H, C, D); a copy: the loss keeps it, the EMA updates in place
+        mu = cents   # (H, C, D): _routing_centroids' private copy (the loss keeps it; the EMA updates the buffer)
         if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and _numba_ok():
             from .gather import commitment
             loss, sums, counts = commitment(q, k, near, kpm, mu)     # one numba pass per side, its own backward
