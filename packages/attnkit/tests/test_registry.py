@@ -192,6 +192,11 @@ def test_spec_validation_errors():
         attnkit.Capabilities(backends=("numba",))
     with pytest.raises(InvalidInputError, match="floating dtypes"):
         attnkit.Capabilities(dtypes=("int8",))
+    with pytest.raises(InvalidInputError, match=r"func_transforms must be a tuple of \(.*\), got 'grad'"):
+        attnkit.Capabilities(func_transforms="grad")
+    with pytest.raises(InvalidInputError, match="func_transforms must be a tuple of .* got \\('hessian',\\)"):
+        attnkit.Capabilities(func_transforms=("hessian",))
+    assert attnkit.Capabilities(func_transforms=["vmap"]).func_transforms == ("vmap",)
     with pytest.raises(InvalidInputError, match="error_bound"):
         attnkit.AttentionSpec(name="x", factory="a:b", family="custom", summary="", error_bound=-1.0)
 
