@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from . import amp as _amp
 from . import aux as _aux
 from . import backends as _backends
+from . import caching as _caching
 from . import masks as _masks
 from . import reset as _reset
 from . import transforms as _transforms
@@ -309,6 +310,30 @@ class Attention(AuxLossMixin, nn.Module):
                 "'auto' (which runs torch under a transform)")
         return "torch"
 
+    def _export_backend(self, mask: _masks.Mask | None) -> str | None:
+        """While ``torch.export`` traces ``"torch"`` (None otherwise); refuses an implementation that does not
+        declare ``Capabilities.export``, a mask of the traced inputs whose kind it does not declare in
+        ``export_masks``, and a forced backend other than ``torch``."""
+        if not torch.compiler.is_exporting() or torch.compiler.is_dynamo_compiling():
+            return None
+        caps = self.caps
+        if not caps.export:
+            self._refuse("torch.export", "it does not declare that its torch backend exports "
+                         "(Capabilities.export)", export=True)
+        for leaf in mask.leaves() if mask is not None else ():
+            if leaf.kind not in caps.export_masks and _caching.reads_traced(leaf):
+                self._refuse(f"a {leaf.kind} mask among the inputs of torch.export",
+                             "the mask's values decide sizes or branches in its computation, which an exported "
+                             "program cannot take from its inputs; export a module without it, or with the mask "
+                             "as a constant" + (f"; it declares export_masks={caps.export_masks}"
+                                                if caps.export_masks else ""), export_masks=leaf.kind)
+        if self.backend not in ("auto", "torch"):
+            raise UnsupportedFeatureError(
+                self.impl_name, f"torch.export with backend={self.backend!r}",
+                "the exported program runs its torch backend (plain ATen operators); build it with "
+                "backend='torch' or 'auto' (which runs torch while exporting)")
+        return "torch"
+
     # ------------------------------------------------------------ refusals
     def _refuse(self, argument: str, reason: str = "", *, given: str = "", **capability: Any) -> None:
         """Raise UnsupportedFeatureError; ``capability`` finds who supports it, ``refusal_reasons`` may reword."""
@@ -485,7 +510,8 @@ class Attention(AuxLossMixin, nn.Module):
         if kpm is not None:  # padded keys have no influence, whatever they hold (NaN, Inf)
             pad = ~kpm[:, None, :, None]
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        backend = self._transform_backend() or self.resolve_backend(q, k, v, needs_grad=needs_grad)
+        backend = (self._transform_backend() or self._export_backend(m)
+                   or self.resolve_backend(q, k, v, needs_grad=needs_grad))
         ctx = CallContext(mask=m, geometry=geom, backend=backend, scale=self.get_scale(q), positions=pos,
                           state=None if state is None else state.data,
                           state_position=0 if state is None else state.position,

@@ -5,16 +5,24 @@ refuses to save it for a backward pass and it cannot be updated in place outside
 inference mode. A cache filled during a validation pass under ``inference_mode``
 would then break the next training step (``Inference tensors cannot be saved for
 backward``). Build anything kept between calls inside :func:`kept_tensors`.
+
+While :func:`torch.export.export` (non-strict, its default) or ``make_fx`` traces a call, every tensor
+made is a *fake* tensor: a cache filled then would hold tensors without data, and a build that reads
+tensor values (``nonzero``, ``int(t.max())``: block plans) fails there ("Could not extract specialized
+integer from data-dependent expression"). A build that depends only on shapes and options runs inside
+:func:`outside_trace` on real tensors; the trace then records its result as a constant.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["kept_tensors"]
+__all__ = ["kept_tensors", "outside_trace", "reads_traced"]
 
 
 @contextlib.contextmanager
@@ -33,3 +41,61 @@ def kept_tensors() -> Iterator[None]:
             yield
     else:
         yield
+
+
+def _fake_mode_active() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def reads_traced(*reads: Any) -> bool:
+    """True when a traced (fake) tensor is among ``reads``, searched through tensors, containers, the attributes
+    of plain objects (masks, positions) and the closures of functions (a mask function's captured tensors).
+    False at once when no fake-tensor trace is active."""
+    if not _fake_mode_active():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    seen: set[int] = set()
+    todo = list(reads)
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or o is None or isinstance(o, (str, bytes, int, float, bool, type, types.ModuleType)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if is_fake(o):
+                return True
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            todo.extend(o)
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, types.FunctionType):
+            todo.extend(c.cell_contents for c in (o.__closure__ or ()) if c.cell_contents is not o)
+        elif isinstance(o, types.MethodType):
+            todo.append(o.__self__)
+        elif hasattr(o, "__dict__"):
+            todo.extend(vars(o).values())
+    return False
+
+
+@contextlib.contextmanager
+def outside_trace(*reads: Any) -> Iterator[bool]:
+    """Run a cache build on real tensors while ``torch.export`` (non-strict) or ``make_fx`` traces.
+
+    Yields True when it left a trace. ``reads``: what the build reads (masks, positions, tensors); when one of
+    them holds a traced tensor (an input of the traced call: a key padding mask, explicit positions), the build
+    stays in the trace, where reading tensor values fails as it would without this. Outside a fake-tensor
+    trace, and while ``torch.compile``'s Dynamo traces (it runs such builds in eager code at a graph break),
+    it changes nothing::
+
+        with attnkit.caching.outside_trace(mask), attnkit.caching.kept_tensors():
+            cache[key] = build_plan(mask, ...)
+    """
+    if torch.compiler.is_dynamo_compiling() or not _fake_mode_active() or reads_traced(*reads):
+        yield False
+        return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield True

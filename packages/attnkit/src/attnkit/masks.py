@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .caching import kept_tensors
+from .caching import kept_tensors, outside_trace
 from .errors import InvalidInputError
 from .positions import Positions
 
@@ -385,7 +385,8 @@ class Mask:
             if hit is not None:
                 return hit
         self.check(geom, "block_index")
-        with kept_tensors():   # cached: never an inference tensor a later training call would meet
+        # cached: never an inference tensor a later training call would meet, nor (under torch.export) a fake one
+        with outside_trace(self, positions), kept_tensors():
             index = BlockIndex(self._blocks(geom, bq, bk), (bq, bk), L, S)
         if key is not None:
             if len(self._cache) > 32:

@@ -20,6 +20,8 @@ from .errors import InvalidInputError
 #: the ``torch.func`` transforms a spec may declare (``Capabilities.func_transforms``): ``grad`` covers ``vjp``,
 #: ``jacrev`` and ``hessian``'s reverse part; ``jvp`` covers ``jacfwd``
 FUNC_TRANSFORMS = ("grad", "vmap", "jvp")
+#: mask kinds that hold tensors, which may be inputs of a ``torch.export`` trace (``Capabilities.export_masks``)
+TRACED_MASK_KINDS = ("key_padding", "tensor", "document", "function")
 STREAMING_KINDS = ("exact", "segment")
 #: mask kinds (see :mod:`attnkit.masks`); ``"union"`` marks a ``|`` composition
 MASK_KINDS = ("causal", "key_padding", "tensor", "sliding_window", "document", "function", "union")
@@ -114,6 +116,16 @@ class Capabilities:
             ``"jvp"``) its ``torch`` backend composes with; under them ``auto``
             runs that backend, and an undeclared transform is refused
             (:mod:`attnkit.transforms`; the kit's ``func_transforms`` check).
+        export: its ``torch`` backend runs under :func:`torch.export.export` (non-strict, eval): the
+            program gives the eager output for any inputs of the exported shapes. While exporting,
+            ``auto`` runs the ``torch`` backend (plain ATen operators: the program loads without attnkit);
+            an implementation without it, or a forced other backend, is refused (the kit's ``export`` check).
+        export_masks: the mask kinds (of :data:`TRACED_MASK_KINDS`, ``"key_padding"``, ``"tensor"``,
+            ``"document"``, ``"function"``) whose tensors may be inputs of the exported program (a key
+            padding mask passed to it); a mask of another kind built from its inputs is refused while
+            exporting. Masks that hold no input (causal, windows, constants) need no declaration. None
+            (the default) derives it: with ``export``, every kind of ``mask_kinds`` among them; without, none.
+            After construction it is always a tuple.
     """
 
     causal: bool = True
@@ -139,6 +151,8 @@ class Capabilities:
     selection_sees_future: bool = False
     context_parallel: bool = False
     func_transforms: tuple[str, ...] = ()
+    export: bool = False
+    export_masks: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.streaming is not None and self.streaming not in STREAMING_KINDS:
@@ -170,6 +184,19 @@ class Capabilities:
             raise InvalidInputError(
                 f"Capabilities.func_transforms must be a tuple of {FUNC_TRANSFORMS}, got {self.func_transforms!r}")
         object.__setattr__(self, "func_transforms", tuple(self.func_transforms))
+        if not isinstance(self.export, bool):
+            raise InvalidInputError(f"Capabilities.export must be a bool, got {self.export!r}")
+        if self.export_masks is None:
+            traced = tuple(k for k in kinds if k in TRACED_MASK_KINDS) if self.export else ()
+        else:
+            bad = [k for k in self.export_masks if k not in TRACED_MASK_KINDS or k not in kinds]
+            if isinstance(self.export_masks, str) or bad or (self.export_masks and not self.export):
+                raise InvalidInputError(
+                    f"Capabilities.export_masks must be a tuple of the mask kinds among {TRACED_MASK_KINDS} that "
+                    f"mask_kinds {kinds} holds, with export=True; got {self.export_masks!r} "
+                    f"(export={self.export!r})")
+            traced = tuple(self.export_masks)
+        object.__setattr__(self, "export_masks", traced)
         for name in ("max_length", "length_multiple"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -1,4 +1,4 @@
-"""``torch.func`` transforms (``grad``, ``vmap``, ``jvp``) around an attention call.
+"""``torch.func`` transforms (``grad``, ``vmap``, ``jvp``) around an attention call, and :func:`plain_torch`.
 
 Under a transform the tensors an implementation sees are wrappers without storage:
 NumPy, numba and custom ``torch.autograd.Function`` s written in the old style cannot
@@ -14,7 +14,7 @@ import torch
 
 from .spec import FUNC_TRANSFORMS
 
-__all__ = ["FUNC_TRANSFORMS", "active"]
+__all__ = ["FUNC_TRANSFORMS", "active", "plain_torch"]
 
 
 def active() -> tuple[str, ...]:
@@ -27,3 +27,11 @@ def active() -> tuple[str, ...]:
     names = {TransformType.Grad: "grad", TransformType.Vmap: "vmap", TransformType.Jvp: "jvp"}
     found = (names.get(i.key()) for i in retrieve_all_functorch_interpreters())
     return tuple(dict.fromkeys(n for n in found if n is not None))
+
+
+def plain_torch() -> bool:
+    """True when an implementation's fused eager paths must give way to plain torch operators: under a
+    ``torch.func`` transform (tensors without storage; custom autograd functions without transform rules) and
+    while ``torch.export`` traces (the program is ATen operators: no host reads of tensor values, no ``out=``
+    products into kept buffers, no branch on values; it also runs with gradients enabled)."""
+    return bool(active()) or torch.compiler.is_exporting()

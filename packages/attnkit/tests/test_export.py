@@ -1,0 +1,154 @@
+"""``torch.export``: ``Capabilities.export`` / ``export_masks``, the refusals, and ``attnkit.caching.outside_trace``."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from broken_impls import NaiveAttention
+
+import attnkit
+from attnkit import Capabilities
+from attnkit.caching import outside_trace, reads_traced
+from attnkit.errors import InvalidInputError, UnsupportedFeatureError
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, attn, **kw):
+        super().__init__()
+        self.attn, self.kw = attn, kw
+
+    def forward(self, q, k, v, kpm=None):
+        return self.attn(q, k, v, **self.kw, **({} if kpm is None else {"key_padding_mask": kpm}))
+
+
+def _export(module, *args):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(module, args)
+
+
+def _qkv(L=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, 2, L, 4, generator=g) for _ in range(3))
+
+
+def test_softmax_exports_with_a_key_padding_input_and_runs_on_other_masks():
+    m = _Call(attnkit.build("softmax").eval(), causal=True)
+    kpm = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    program = _export(m, *_qkv(), kpm).module()
+    other = torch.tensor([[True] * 2 + [False] * 4, [True] * 6])
+    with torch.no_grad():
+        for mask, xs in ((kpm, _qkv()), (other, _qkv(seed=1))):
+            torch.testing.assert_close(program(*xs, mask), m(*xs, mask), rtol=0, atol=1e-6)
+
+
+def test_export_masks_is_derived_from_the_mask_kinds():
+    assert Capabilities().export_masks == ()
+    assert Capabilities(export=True).export_masks == ("key_padding",)
+    assert Capabilities(export=True, attn_mask=True).export_masks == ("key_padding", "tensor", "document", "function")
+    assert Capabilities(export=True, export_masks=["key_padding"]).export_masks == ("key_padding",)
+    assert Capabilities(export=True, export_masks=()).export_masks == ()
+
+
+@pytest.mark.parametrize("fields", [
+    {"export": True, "export_masks": "key_padding"},               # a string, not a tuple
+    {"export": True, "export_masks": ("causal",)},                 # holds no tensor
+    {"export": True, "export_masks": ("tensor",)},                 # not among its mask kinds
+    {"export": False, "export_masks": ("key_padding",)},           # without export
+    {"export": "yes"},
+])
+def test_capabilities_refuse_bad_export_declarations(fields):
+    with pytest.raises(InvalidInputError, match=r"Capabilities\.export"):
+        Capabilities(**fields)
+
+
+def test_undeclared_export_is_refused_with_the_implementations_that_declare_it():
+    with attnkit.registered(NaiveAttention, name="no-export", exact=True, capabilities=Capabilities()):
+        m = _Call(attnkit.build("no-export").eval())
+        with pytest.raises(UnsupportedFeatureError, match=r"'no-export' does not support torch\.export.*softmax"):
+            _export(m, *_qkv())
+
+
+def test_a_mask_input_of_an_undeclared_kind_is_refused_and_a_constant_mask_is_not():
+    caps = Capabilities(export=True, export_masks=())
+    with attnkit.registered(NaiveAttention, name="no-mask-export", exact=True, capabilities=caps):
+        attn = attnkit.build("no-mask-export").eval()
+        kpm = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+        with pytest.raises(UnsupportedFeatureError, match=r"a key_padding mask among the inputs of torch\.export"):
+            _export(_Call(attn), *_qkv(), kpm)
+        # the same mask held by the module (a constant of the program) needs no declaration
+        const = _Call(attn, key_padding_mask=kpm)
+        program = _export(const, *_qkv()).module()
+        with torch.no_grad():
+            torch.testing.assert_close(program(*_qkv(seed=2)), const(*_qkv(seed=2)), rtol=0, atol=1e-6)
+
+
+def test_a_forced_backend_other_than_torch_is_refused_while_exporting():
+    caps = Capabilities(export=True, backends=("torch", "kitfake"))
+    with attnkit.registered(NaiveAttention, name="forced-export", exact=True, capabilities=caps):
+        m = _Call(attnkit.build("forced-export", backend="kitfake").eval())
+        with pytest.raises(UnsupportedFeatureError, match=r"torch\.export with backend='kitfake'.*backend='torch'"):
+            _export(m, *_qkv())
+
+
+_TABLES: dict[bool, dict] = {}
+
+
+class _Cached(torch.nn.Module):
+    """Keeps a per-length table built on the first call (inside ``outside_trace`` when ``outside``)."""
+
+    def __init__(self, outside: bool):
+        super().__init__()
+        self.outside = outside
+        _TABLES[outside] = {}   # kept outside the module: torch.export restores the module's attributes after it
+
+    @property
+    def table(self):
+        return _TABLES[self.outside]
+
+    def forward(self, x):
+        L = x.shape[-1]
+        if L not in self.table:
+            if self.outside:
+                with outside_trace() as left:
+                    self.table[L] = (torch.arange(L, dtype=x.dtype), left)
+            else:
+                self.table[L] = (torch.arange(L, dtype=x.dtype), False)
+        return x + self.table[L][0]
+
+
+def test_outside_trace_builds_a_real_cache_during_export_and_nothing_changes_in_eager():
+    from torch._subclasses.fake_tensor import is_fake
+
+    m = _Cached(outside=True)
+    program = _export(m, torch.zeros(3, 5)).module()
+    table, left = m.table[5]
+    assert left and not is_fake(table)
+    torch.testing.assert_close(program(torch.ones(3, 5)), torch.ones(3, 5) + torch.arange(5.0))
+    assert m(torch.ones(3, 5)).sum().item() == 15 + 3 * 10          # eager afterwards: the real table
+    with outside_trace() as left:                                     # no trace: a no-op
+        assert not left
+    bad = _Cached(outside=False)
+    _export(bad, torch.zeros(3, 5))
+    assert is_fake(bad.table[5][0])          # what outside_trace prevents: a fake tensor kept after the trace
+
+
+def test_reads_traced_finds_traced_tensors_in_masks_and_closures():
+    found = {}
+    const = torch.ones(2, 4, dtype=torch.bool)                        # made outside the trace: a real tensor
+
+    class Probe(torch.nn.Module):
+        def forward(self, x, kpm):
+            keep = kpm
+            fn_mask = attnkit.masks.from_function(lambda b, h, q, kv: keep[b, kv], batch_dependent=True)
+            found["kpm"] = reads_traced(attnkit.masks.key_padding(kpm))
+            found["function"] = reads_traced(fn_mask)
+            found["causal"] = reads_traced(attnkit.masks.causal(), None, 3, "text")
+            found["constant"] = reads_traced(attnkit.masks.key_padding(const))
+            return x * 2
+
+    _export(Probe(), torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool))
+    assert found == {"kpm": True, "function": True, "causal": False, "constant": False}
+    assert not reads_traced(torch.zeros(1))                           # no trace: nothing is traced
