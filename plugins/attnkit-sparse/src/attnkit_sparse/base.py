@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from attnkit import Attention
+from attnkit.caching import outside_trace
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Mask
@@ -171,7 +172,8 @@ class SparsePatternAttention(Attention):
             self._refuse("causal=True", "it has no causal form", causal=True)
         self._check_lengths(L, S)
         if causal not in self._patterns:
-            self._patterns[causal] = self._pattern(causal)
+            with outside_trace():   # options only: a first call under torch.export keeps no fake tensor
+                self._patterns[causal] = self._pattern(causal)
         return self._patterns[causal]
 
     def _check_lengths(self, L: int, S: int) -> None:

@@ -42,6 +42,7 @@ def _caps(*, causal: bool = True, cross: bool = True, streaming: str | None = No
         causal_cross=causal and cross, streaming=streaming, positions=True, context_parallel=context_parallel,
         mask_kinds=_KINDS if causal else tuple(k for k in _KINDS if k != "causal"),
         dtypes=HALF_AND_FULL, backends=BACKENDS, time=time, memory=_MEMORY, func_transforms=("grad", "vmap", "jvp"),
+        export=True,
     )
 
 
@@ -126,7 +127,8 @@ LSH = AttentionSpec(
                   "keys are unit vectors (shared-QK)",
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "jvp"),
+        func_transforms=("grad", "jvp"), export=True,
+        export_masks=(),   # the bucket / cluster counts follow each sequence's real length (read from the mask)
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=("causal", "key_padding"), positions=False, dtypes=HALF_AND_FULL,
         backends=CONTENT_BACKENDS, shared_qk=True, queries_interact=True, selection_sees_future=True,
@@ -146,7 +148,8 @@ ROUTING = AttentionSpec(
     approximation="softmax over the keys routed to the same cluster(s) as the query; unrouted queries give 0",
     error_bound=None, aux_losses={"routing_commitment": 1e-4},
     capabilities=Capabilities(
-        func_transforms=("grad", "jvp"),
+        func_transforms=("grad", "jvp"), export=True,
+        export_masks=(),   # the bucket / cluster counts follow each sequence's real length (read from the mask)
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=("causal", "key_padding"), positions=False, dtypes=HALF_AND_FULL,
         backends=CONTENT_BACKENDS, queries_interact=True, selection_sees_future=True,
@@ -165,7 +168,7 @@ SINKHORN = AttentionSpec(
     approximation="softmax over the query's own block and one sorted (mixed) key block",
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"),
+        func_transforms=("grad", "vmap", "jvp"), export=True,
         causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=("causal",), positions=False, dtypes=HALF_AND_FULL, backends=CONTENT_BACKENDS,
         time="O(L·2·block_size·D + (L/block_size)²·D)",

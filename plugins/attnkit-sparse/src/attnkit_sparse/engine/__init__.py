@@ -19,8 +19,10 @@ every pattern's reference calls. See docs/sparse-engine.md.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+import operator
 import os
 from functools import cache
 from typing import Any
@@ -28,8 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.caching import reads_traced
 from attnkit.errors import BackendUnavailableError, InvalidInputError
-from attnkit.masks import Mask
+from attnkit.masks import Geometry, Mask
 from attnkit.positions import Positions, as_positions
 
 from .naive import reference_attend
@@ -191,6 +194,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
         block_size, reason = flex_cuda_block_size(block_size, needs_grad)
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} cannot run: {reason}")
+    if name == "torch" and mask is not None and reads_traced(mask, positions):
+        return _attend_traced(q, k, v, mask, scale, block_size, positions)
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
     if mask is not None:
         kpm = mask.key_padding_mask
@@ -209,6 +214,34 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
         return flex.attend(q, k, v, mask, p, scale, positions)
     from . import triton_ops
     return triton_ops.attend(q, k, v, p, scale)
+
+
+def _attend_traced(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, block_size: Any,
+                   positions: Positions | None) -> Tensor:
+    """The torch backend while ``torch.export`` traces a call whose mask holds inputs of the trace (a key padding
+    mask, a tensor or document mask passed to the exported program): the plan of the other ``&``-ed parts, built
+    from the shape, and the traced parts evaluated at every gathered pair (a plan cannot be read from traced
+    values). Explicit position tensors among the inputs are not supported: a plan follows the positions."""
+    from . import torch_ops
+
+    B, H, L, _ = q.shape
+    S = k.shape[-2]
+    if positions is not None and reads_traced(positions):
+        raise InvalidInputError("positions: position tensors among the inputs of torch.export cannot decide a "
+                                "sparse pattern's block plan; export with positions as constants")
+    parts = mask.conjuncts()
+    traced = [p for p in parts if reads_traced(p)]
+    static = [p for p in parts if not reads_traced(p)]
+    kpm = mask.key_padding_mask
+    if kpm is not None:  # padded keys and values never reach an output or a gradient
+        keep = kpm.to(q.device)[:, None, :, None]
+        k = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
+        v = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    rest = functools.reduce(operator.and_, static) if static else None
+    extra = functools.reduce(operator.and_, traced)
+    p = plan(rest, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
+    geom = Geometry(B, H, L, S, q.device, positions)
+    return torch_ops.attend(q, k, v, p, scale, extra=extra, geometry=geom)
 
 
 #: the backends of :func:`attend_plan` (those that return the log-sum-exp with its gradient)

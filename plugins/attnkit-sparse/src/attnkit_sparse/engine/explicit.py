@@ -82,7 +82,13 @@ def explicit_plan(kv_idx: Tensor, bank: Tensor, L: int, S: int) -> BlockPlan:
     q_slot = torch.zeros(q_idx.shape, dtype=torch.int32, device=dev)
     q_slot[bt, ht, kbt, tslot] = slot[order].to(torch.int32)
     return BlockPlan(L, S, (bq, bk), kv_count, kv_i, kv_tile, q_count, q_idx, q_tile, q_slot, flat.contiguous(),
-                     _spans(flat), tiles=P, attended_pairs=int(flat.sum()))
+                     _spans(flat), tiles=P, attended_pairs=_count(flat))
+
+
+def _count(flat: Tensor) -> int | None:
+    """The True entries of a bank built from the data; None while torch.export traces (a count read from the data
+    would be a data-dependent value in the program, and nothing in the program needs it)."""
+    return None if torch.compiler.is_exporting() else int(flat.sum())
 
 
 def band_plan(bank: Tensor, L: int, *, span: Tensor | None = None, pairs: int | None = None) -> BlockPlan:
@@ -137,4 +143,5 @@ def band_plan(bank: Tensor, L: int, *, span: Tensor | None = None, pairs: int | 
     return BlockPlan(L, L, (bs, bs), kv_count, kv_idx.view(1, 1, nq, 2).expand(bp, hp, nq, 2).contiguous(), kv_tile,
                      q_count, q_idx.view(1, 1, nq, 2).expand(bp, hp, nq, 2).contiguous(), q_tile,
                      q_slot.view(1, 1, nq, 2).expand(bp, hp, nq, 2).contiguous(), flat, sp,
-                     tiles=bp * hp * (2 * nq - 1), attended_pairs=int(flat.sum()) if pairs is None else int(pairs))
+                     tiles=bp * hp * (2 * nq - 1),
+                     attended_pairs=int(pairs) if pairs is not None else _count(flat))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.caching import kept_tensors
+from attnkit.caching import kept_tensors, outside_trace
 from attnkit.errors import InvalidInputError
 from attnkit.masks import FULL, PARTIAL, SKIP, Geometry, Mask
 from attnkit.positions import Positions
@@ -89,7 +89,8 @@ class BlockPlan:
         span: int32 ``(P, BQ, 2)``: per query row of each bank entry, the first allowed column and
             one past the last (``(BK, 0)`` when none); kernels skip the columns outside it.
         tiles: attended (non-skipped) tiles over all ``(B', H')``.
-        attended_pairs: allowed (query, key) pairs summed over ``(B', H')``.
+        attended_pairs: allowed (query, key) pairs summed over ``(B', H')`` (None for a plan of content-based
+            tiles built while ``torch.export`` traced: counting them would read the data).
     """
 
     L: int
@@ -105,7 +106,7 @@ class BlockPlan:
     bank: Tensor
     span: Tensor
     tiles: int
-    attended_pairs: int
+    attended_pairs: int | None
     _numpy: dict[str, Any] | None = field(default=None, repr=False)
     _int8_bank: Tensor | None = field(default=None, repr=False)
     _key_major: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
@@ -137,7 +138,7 @@ class BlockPlan:
         key-major, and a mask read along them is applied without masked stores). Cached with the bank it was made
         from, so a reused plan transposes it once and a plan copied with another bank makes its own."""
         if self._key_major is None or self._key_major[0] is not self.bank:
-            with kept_tensors():
+            with outside_trace(self.bank), kept_tensors():
                 self._key_major = (self.bank, self.bank.transpose(-1, -2).contiguous())
         return self._key_major[1]
 
@@ -303,6 +304,9 @@ def plan(mask: Mask | None, B: int, H: int, L: int, S: int, *, block_size: Any =
             f"mask: the block-sparse engine executes bool masks (True = may attend); got {mask!r} with an "
             "additive float bias. Pass a bool attn_mask (or a mask without a float part); bool tensor masks "
             "are honoured")
+    # a dynamic size of a torch.export trace: the plan follows the shape, so the trace specialises it (export then
+    # reports the dimension as a constant: "Constraints violated")
+    B, H, L, S = (int(n) if isinstance(n, torch.SymInt) else n for n in (B, H, L, S))
     for name, n in (("B", B), ("H", H), ("L", L), ("S", S)):
         if not isinstance(n, int) or n < 1:
             raise InvalidInputError(f"plan: {name} must be an int >= 1, got {n!r}")
@@ -311,7 +315,9 @@ def plan(mask: Mask | None, B: int, H: int, L: int, S: int, *, block_size: Any =
     cache = _UNMASKED if mask is None else _PLANS.setdefault(mask, {})
     if key is not None and key in cache:
         return cache[key]
-    with kept_tensors():   # cached: never an inference tensor a later training call would meet
+    # cached: never an inference tensor a later training call would meet; under torch.export, built on real
+    # tensors (a constant of the exported program) unless the mask or positions come from the traced inputs
+    with outside_trace(mask, positions), kept_tensors():
         out = _build(mask, B, H, L, S, bq, bk, device, positions)
     if key is not None:
         if len(cache) > 16:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnkit.masks import Geometry, Mask
+
 from .plan import FULL_TILE, BlockPlan
 
 __all__ = ["attend"]
@@ -33,13 +35,18 @@ def _blocks(x: Tensor, n: int, block: int) -> Tensor:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
-           return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+           return_lse: bool = False, extra: Mask | None = None,
+           geometry: Geometry | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse ``softmax(scale · q kᵀ masked) v`` over the tiles of ``plan``.
 
     Args:
         q: ``(B, H, L, D)``; k: ``(B, H, S, D)``; v: ``(B, H, S, E)``.
         plan: the :class:`~attnkit_sparse.engine.plan.BlockPlan` for this shape.
         scale: multiplier of ``q · k``.
+        extra: optional mask applied on top of the plan's, evaluated at every gathered (query, key) pair: the
+            parts of a mask that the plan was not built from (masks among the inputs of a ``torch.export``
+            trace, whose values a plan cannot read: key padding, tensors, documents). Needs ``geometry``.
+        geometry: the :class:`attnkit.masks.Geometry` of the call (with ``extra``).
 
     Returns:
         ``(B, H, L, E)`` in the input dtype; rows with no allowed key are 0 (finite gradients). With
@@ -71,6 +78,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
     keep = bank[which]                                               # (B, H, NQ, CK, BQ, BK)
     key_in = (idx.unsqueeze(-1) * bk + torch.arange(bk, device=dev)) < S   # (B, H, NQ, CK, BK)
     keep = (keep & key_in.unsqueeze(-2)).permute(0, 1, 2, 4, 3, 5)   # (B, H, NQ, BQ, CK, BK)
+    if extra is not None:   # evaluated at the gathered pairs (indices past L or S clamped: those pairs are masked)
+        ar = torch.arange
+        qi = (ar(nq, device=dev)[:, None] * bq + ar(bq, device=dev)).clamp(max=L - 1).view(1, 1, nq, bq, 1, 1)
+        ki = (idx.unsqueeze(-1) * bk + ar(bk, device=dev)).clamp(max=S - 1).view(B, H, nq, 1, cw, bk)
+        keep = keep & extra._keep(ar(B, device=dev).view(B, 1, 1, 1, 1, 1), ar(H, device=dev).view(1, H, 1, 1, 1, 1),
+                                  qi, ki, geometry)
     scores = scores.masked_fill(~keep, float("-inf")).flatten(-2)
     m = scores.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from attnkit import transforms
+from attnkit.caching import outside_trace
 
 __all__ = ["n_buckets", "rotations", "buckets", "sort_rounds", "sort_rounds_inverse", "unit", "real_lengths"]
 
@@ -38,9 +39,10 @@ def rotations(seed: int, n_hashes: int, D: int, columns: int, *, dtype: torch.dt
     Drawn column after column, so the first ``c`` columns are the same for any ``columns >= c``: a
     sequence hashed with fewer buckets (a shorter one, or one with padded keys) uses a prefix of them.
     """
-    g = torch.Generator().manual_seed(seed)
-    cols = [torch.randn(n_hashes, D, generator=g, dtype=torch.float64) for _ in range(max(1, columns))]
-    return torch.stack(cols, -1).to(device=device, dtype=dtype)
+    with outside_trace():   # seeded draws of the shape: under torch.export a constant, not a generator op
+        g = torch.Generator().manual_seed(seed)
+        cols = [torch.randn(n_hashes, D, generator=g, dtype=torch.float64) for _ in range(max(1, columns))]
+        return torch.stack(cols, -1).to(device=device, dtype=dtype)
 
 
 def unit(k: Tensor) -> Tensor:
@@ -53,14 +55,15 @@ def unit(k: Tensor) -> Tensor:
     return torch.nn.functional.normalize(k, dim=-1, eps=1e-12)
 
 
-def real_lengths(B: int, L: int, key_padding_mask: Tensor | None, device: torch.device) -> Tensor:
-    """int64 ``(B,)``: the real (non-padded) positions of each batch element."""
+def real_lengths(B: int, L: int, key_padding_mask: Tensor | None, device: torch.device) -> list[int]:
+    """The real (non-padded) positions of each batch element (read from the mask: host ints; without one the
+    lengths are ``L``, read from no tensor, so a ``torch.export`` trace stays free of data-dependent sizes)."""
     if key_padding_mask is None:
-        return torch.full((B,), L, dtype=torch.long, device=device)
-    return key_padding_mask.to(device).sum(-1)
+        return [L] * B
+    return [int(n) for n in key_padding_mask.to(device).sum(-1).tolist()]
 
 
-def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor:
+def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: list[int]) -> Tensor:
     """int64 ``(B, H, n_hashes, L)`` buckets of ``x`` ``(B, H, L, D)`` (no gradient).
 
     Batch element ``b`` has ``n_buckets(lengths[b], bucket_size)`` buckets (its real length: padded keys
@@ -73,7 +76,7 @@ def buckets(x: Tensor, rot: Tensor, bucket_size: int, lengths: Tensor) -> Tensor
         x = x.detach().float()
     B, H, L, _ = x.shape
     C = rot.shape[-1]
-    halves = [n_buckets(int(n), bucket_size) // 2 for n in lengths.tolist()]
+    halves = [n_buckets(int(n), bucket_size) // 2 for n in lengths]
     groups: dict[int, list[int]] = {}
     for b, half in enumerate(halves):
         groups.setdefault(half, []).append(b)
@@ -114,8 +117,8 @@ def _labels(x: Tensor, rot: Tensor, C: int) -> Tensor:
 
 def _numba_ok() -> bool:
     from ..engine import why_unavailable
-    # under torch.func transforms the tensors are wrappers without storage: the torch path
-    return why_unavailable("numba", "cpu") is None and not transforms.active()
+    # under torch.func transforms and torch.export the tensors are wrappers without storage: the torch path
+    return why_unavailable("numba", "cpu") is None and not transforms.plain_torch()
 
 
 def sort_rounds(bk: Tensor, key_padding_mask: Tensor | None) -> Tensor:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.caching import kept_tensors
+from attnkit.caching import kept_tensors, outside_trace
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Geometry, Mask, _gather, _states
 
@@ -275,7 +275,8 @@ class BlockTable(Atom):
         if hit is None:
             if len(self._tables) > 8:
                 self._tables.clear()
-            with kept_tensors():   # cached: never an inference tensor a later training call would meet
+            # cached: never an inference tensor a later training call would meet, nor a fake one (torch.export)
+            with outside_trace(self, geom), kept_tensors():
                 hit = self._tables[key] = self.table(geom)
         return hit
 

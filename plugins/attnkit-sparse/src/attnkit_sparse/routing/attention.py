@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit import Attention
-from attnkit.caching import kept_tensors
+from attnkit.caching import kept_tensors, outside_trace
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 from attnkit.recompute import recomputing
@@ -263,7 +263,11 @@ class RoutingAttention(Attention):
             bank = qok[..., :, None] & kok[..., None, :]
             if ctx.causal:
                 bank = bank & (ki[..., None, :] <= qi[..., :, None])
-            plan = _cluster_plan(bank, tile)
+            if torch.compiler.is_exporting():
+                # the tiles are the clusters' blocks whatever the data: the shape's plan, with the data's masks
+                plan = _with_bank(self._full_plan(C, W, tile, q.device, tuple(bank.shape[:2])), bank, tile)
+            else:
+                plan = _cluster_plan(bank, tile)
         if ctx.backend == "numba" and use_fused(B * H, W):
             out = attend_clusters(q, k, v, qi, qok, ki, kok, causal=ctx.causal, scale=ctx.scale)
         elif ctx.backend == "numba":
@@ -274,16 +278,18 @@ class RoutingAttention(Attention):
             self._update(q.to(wide(q.dtype)), k.to(wide(k.dtype)), kpm, near, cents)
         return out.view(B, H, L, E)
 
-    def _full_plan(self, C: int, W: int, tile: int, device: torch.device) -> Any:
-        """The block-diagonal plan of ``C`` clusters of ``W`` rows with no element mask (index dims ``(1, 1)``),
+    def _full_plan(self, C: int, W: int, tile: int, device: torch.device,
+                   dims: tuple[int, int] = (1, 1)) -> Any:
+        """The block-diagonal plan of ``C`` clusters of ``W`` rows with no element mask (index dims ``dims``),
         cached: without causal or key padding every routed slot is used and every pair of a cluster attended."""
-        key = (C, W, tile, str(device))
+        key = (C, W, tile, str(device), dims)
         cache = self.__dict__.setdefault("_plans", {})
         if key not in cache:
             if len(cache) > 8:
                 cache.clear()
-            with kept_tensors():   # cached: never an inference tensor a later training call would meet
-                cache[key] = _cluster_plan(torch.ones(1, 1, C, W, W, dtype=torch.bool, device=device), tile)
+            # cached: never an inference tensor a later training call would meet, nor (torch.export) a fake one
+            with outside_trace(), kept_tensors():
+                cache[key] = _cluster_plan(torch.ones(*dims, C, W, W, dtype=torch.bool, device=device), tile)
         return cache[key]
 
     def _gather_attend_combine_numba(self, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor,
@@ -353,6 +359,21 @@ def _cluster_plan(bank: Tensor, tile: int) -> Any:
     first = torch.arange(C, device=bank.device).repeat_interleave(n) * n          # (C·n,): the cluster's first block
     kv_idx = (first[:, None] + torch.arange(n, device=bank.device)).expand(bp, hp, C * n, n)
     return explicit_plan(kv_idx, blocks, C * W, C * W)
+
+
+def _with_bank(plan: Any, bank: Tensor, tile: int) -> Any:
+    """``plan`` (:func:`_cluster_plan` of an all-true bank of ``bank``'s shape: every tile of every cluster, in the
+    same order) with the element masks ``bank`` ``(B', H', C, W, W)``; nothing read from the data (torch.export)."""
+    import dataclasses
+
+    from ..engine.plan import _spans
+
+    bp, hp, C, W, _ = bank.shape
+    n = W // tile
+    flat = (bank.view(bp, hp, C, n, tile, n, tile).permute(0, 1, 2, 3, 5, 4, 6)
+            .reshape(bp * hp * C * n * n, tile, tile).contiguous())
+    return dataclasses.replace(plan, bank=flat, span=_spans(flat), attended_pairs=None, _numpy=None, _int8_bank=None,
+                               _key_major=None)
 
 
 def _pad_slots(qi: Tensor, qok: Tensor, ki: Tensor, kok: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

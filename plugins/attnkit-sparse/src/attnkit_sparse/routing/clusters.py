@@ -40,7 +40,7 @@ def _nearest(s: Tensor) -> Tensor:
     """int64 ``(B, H, L)``: the first cluster of largest score in ``s`` ``(B, H, C, L)`` (numba on CPU: a vertical
     pass along the contiguous L instead of a reduction over the strided C)."""
     B, H, C, L = s.shape
-    if s.device.type == "cpu" and s.dtype in (torch.float32, torch.float64) and not transforms.active():
+    if s.device.type == "cpu" and s.dtype in (torch.float32, torch.float64) and not transforms.plain_torch():
         from ..engine import why_unavailable
         if why_unavailable("numba", "cpu") is None:
             from attnkit.numba_pool import run_ranges
@@ -54,8 +54,8 @@ def _nearest(s: Tensor) -> Tensor:
 
 
 def _numba_ok(x: Tensor) -> bool:
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or transforms.active():
-        return False   # (under torch.func transforms the tensors are wrappers without storage: the torch path)
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or transforms.plain_torch():
+        return False   # (under torch.func transforms and torch.export: tensors without storage, the torch path)
     from ..engine import why_unavailable
     return why_unavailable("numba", "cpu") is None
 
@@ -168,9 +168,11 @@ def route(q: Tensor, k: Tensor, centroids: Tensor, key_padding_mask: Tensor | No
     """
     B, H, L, _ = q.shape
     C = centroids.shape[1]
-    n = torch.full((B,), L, dtype=torch.long) if key_padding_mask is None else key_padding_mask.sum(-1).cpu()
-    widths = torch.tensor([cluster_width(int(x), C) for x in n.tolist()], device=q.device)
-    W = min(int(widths.max()), L)
+    # real lengths: host ints (without a mask read from no tensor, so a torch.export trace keeps static sizes)
+    n = [L] * B if key_padding_mask is None else key_padding_mask.sum(-1).tolist()
+    ws = [cluster_width(int(x), C) for x in n]
+    widths = torch.tensor(ws, device=q.device)
+    W = min(max(ws), L)
     out: list[Any] = []
     near = []
     if _numba_ok(q):

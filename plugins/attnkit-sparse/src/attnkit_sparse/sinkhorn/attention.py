@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import Attention
-from attnkit.caching import kept_tensors
+from attnkit.caching import kept_tensors, outside_trace
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
@@ -128,13 +128,16 @@ class SinkhornAttention(Attention):
         """The engine's plan: query block ``i`` x (its own block ``i``, sorted block ``i``), with the element masks
         (never the end padding; causal: the own block up to the query, no sorted block for block 0). It
         depends on ``L``, ``b`` and ``causal`` only: cached."""
+        L, b = int(L), int(b)   # dynamic sizes of a torch.export trace: the plan follows them (the trace specialises)
         key = (L, b, causal, str(device))
         cache = self.__dict__.setdefault("_plans", {})
         if key in cache:
             return cache[key]
         if len(cache) > 8:
             cache.clear()
-        with kept_tensors():   # cached: never an inference tensor a later training call would meet
+        # cached: never an inference tensor a later training call would meet, nor a fake one (torch.export: it
+        # depends on the shape only, so it is built on real tensors and becomes a constant of the program)
+        with outside_trace(), kept_tensors():
             cache[key] = self._build_plan(L, b, causal, device)
         return cache[key]
 

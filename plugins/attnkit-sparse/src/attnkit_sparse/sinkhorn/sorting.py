@@ -41,7 +41,8 @@ def sinkhorn(logits: Tensor, iters: int, causal: bool, *, scaling: bool = False)
         z = logits.masked_fill(~allowed, float("-inf"))
         has = allowed.any(-1, keepdim=True)
         return torch.softmax(z.masked_fill(~has, 0.0), -1) * has
-    if scaling and not transforms.active():   # torch.func transforms: the log-domain iterations (plain torch ops)
+    # torch.func transforms and torch.export: the log-domain iterations (plain torch ops, no branch on the values)
+    if scaling and not transforms.plain_torch():
         p = _sinkhorn_scaling(logits, iters)
         if p is not None:
             return p
@@ -206,6 +207,6 @@ class _OwnAndSorted(torch.autograd.Function):
 def own_and_sorted(x: Tensor, s: Tensor, b: int) -> Tensor:
     """``(B, H, 2·NB·b, F)``: ``torch.cat([pad_blocks(x, b), sorted_blocks(x, s, b)], 2)`` in one buffer
     (differentiable in ``x`` and ``s``)."""
-    if transforms.active():   # torch.func transforms: plain torch ops
+    if transforms.plain_torch():   # torch.func / torch.export: plain torch ops
         return torch.cat([pad_blocks(x, b), sorted_blocks(x, s, b)], 2)
     return _OwnAndSorted.apply(x, s, b)
