@@ -40,7 +40,8 @@ ADAPTIVE_SPAN = AttentionSpec(
     approximation="softmax weights multiplied by a learned soft distance mask and renormalised: a different "
                   "attention (equal to causal softmax when every span covers the sequence and R -> 0)",
     aux_losses={"span_l1": 2e-6},
-    capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "vmap", "jvp")),
+    capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "vmap", "jvp"), export=True,
+                                     export_masks=None),
 )
 
 DYNAMIC_SPAN = AttentionSpec(
@@ -54,7 +55,8 @@ DYNAMIC_SPAN = AttentionSpec(
     approximation="softmax weights multiplied by a soft distance mask whose span each query predicts, "
                   "renormalised: a different attention",
     aux_losses={"span_l1": 2e-6},
-    capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "jvp")),
+    capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "jvp"), export=True,
+                                     export_masks=None),
 )
 
 ENTMAX = AttentionSpec(
@@ -69,7 +71,7 @@ ENTMAX = AttentionSpec(
     approximation="a different normalisation of the scores (alpha-entmax, exact zeros); softmax only as "
                   "alpha -> 1",
     capabilities=Capabilities(
-        func_transforms=("vmap", "jvp"),
+        func_transforms=("vmap", "jvp"), export=True,
         causal=True, key_padding_mask=True, attn_mask=True, cross=True, causal_cross=True, positions=True,
         dtypes=DTYPES, backends=("torch",),
         time="O(L·S·(D + n_iter)) (bisection over the dense scores)", memory="O(L·S)",
@@ -91,7 +93,7 @@ SPARSE_ADAPTIVE = AttentionSpec(
                   "score in the logit): a different, sparse attention; the predictor trains through the chosen "
                   "edges instead of REINFORCE (docs/mechanisms/sparse-adaptive.md)",
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"),
+        func_transforms=("grad", "vmap", "jvp"), export=True,
         causal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal", "key_padding"), dtypes=DTYPES, backends=("torch",),
         time="O(L·S·r) predictor (r = predictor_dim) + O(L·num_edges·D) attention",

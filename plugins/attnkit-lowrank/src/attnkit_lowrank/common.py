@@ -103,6 +103,8 @@ def _converged_inverse(a64: Tensor, c64: Tensor, iterations: int) -> Tensor | No
     r = (CONVERGED_EXPONENT + iterations * math.log(2)) / 2.0 ** iterations
     if r >= 1 or a64.numel() == 0:
         return None                      # (few iterations: no eigenvalue can be converged to rounding)
+    if torch.compiler.is_exporting():
+        return None                      # (torch.export: no branch on the certificate; the eigendecomposition)
     m = a64.shape[-1]
     mu = c64.sqrt() * (math.sqrt(r) + 4 * (m + 1) * torch.finfo(a64.dtype).eps)           # (..., 1)
     eye = torch.eye(m, dtype=a64.dtype, device=a64.device)
@@ -215,7 +217,7 @@ def newton_pinv_sym(a: Tensor, iterations: int) -> Tensor:
     eigendecomposition, with the derivative ``-a^-1 da a^-1``; otherwise (an
     ill-conditioned or singular ``a``, few iterations) the eigendecomposition.
     """
-    if transforms.active():   # torch.func: the product iteration, the same function to rounding, plain torch ops
+    if transforms.plain_torch():   # torch.func / torch.export: the product iteration, the same to rounding
         return newton_pinv((a + a.transpose(-1, -2)) / 2, iterations)
     absa = a.abs()
     c = absa.sum(-2).amax(-1, keepdim=True) * absa.sum(-1).amax(-1, keepdim=True)     # (..., 1)
@@ -391,7 +393,7 @@ def softmax_attend(q: Tensor, kt: Tensor, v: Tensor) -> Tensor:
     Same values; the backward is :class:`_SoftmaxAttend`'s, per chunk (first order).
     """
     L, m = q.shape[-2], kt.shape[-1]
-    if not L or transforms.active():   # torch.func transforms: plain torch ops (no out= products, no Function)
+    if not L or transforms.plain_torch():   # torch.func / torch.export: plain torch ops (no out=, no Function)
         return torch.softmax(q @ kt, -1) @ v
     c = chunk_rows(L, m)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kt, v)):

@@ -42,7 +42,8 @@ def band_blocks(z_max: float, ramp: float, block_size: int, num_blocks: int) -> 
 
 
 def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float, *, scale: float,
-                        key_padding_mask: Tensor | None = None, block_size: int = 64) -> Tensor:
+                        key_padding_mask: Tensor | None = None, block_size: int = 64,
+                        z_bound: float | None = None) -> Tensor:
     """Causal soft-span attention on the band of key blocks the spans reach.
 
     Args:
@@ -53,6 +54,9 @@ def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float,
         scale: multiplier of ``q · k``.
         key_padding_mask: bool ``(B, L)``, True = a real key, or None.
         block_size: query and key block size.
+        z_bound: an upper bound of the spans (the module's ``max_span``). While ``torch.export`` traces, the
+            band is sized from it instead of from the spans' values (a size read from the data cannot be
+            exported): the same output, over a band as wide as the bound.
 
     Returns:
         ``(B, H, L, E)``; a query that sees no real key gets 0.
@@ -63,7 +67,10 @@ def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float,
     nq = -(-L // C)
     Lp = nq * C
     zd = z.detach()
-    z_max = float(torch.nan_to_num(zd, nan=0.0, posinf=0.0).clamp_min(0).max()) if zd.numel() else 0.0
+    if z_bound is not None and torch.compiler.is_exporting():
+        z_max = float(z_bound)
+    else:
+        z_max = float(torch.nan_to_num(zd, nan=0.0, posinf=0.0).clamp_min(0).max()) if zd.numel() else 0.0
     nb = band_blocks(z_max, ramp, C, nq)
     W = (nb + 1) * C
     dev = q.device

@@ -56,7 +56,7 @@ class _SpanAttention(Float32Inside, Attention):
                                              key_padding_mask=ctx.key_padding_mask, block_size=self.block_size,
                                              key_block=max(self.block_size, NUMBA_KEY_TILE))
         return span_band_attention(q, k, v, z, self.ramp, scale=ctx.scale, key_padding_mask=ctx.key_padding_mask,
-                                   block_size=self.block_size)
+                                   block_size=self.block_size, z_bound=self.max_span)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, max_span={self.max_span}, ramp={self.ramp:g}, block_size={self.block_size}"
@@ -128,6 +128,8 @@ class AdaptiveSpanAttention(_SpanAttention):
         bump, so repeated forwards in one graph, as inside an ACT block, are safe) when in range.
         """
         p = self.span_fraction
+        if torch.compiler.is_exporting():
+            return   # an exported program is not trained (and a branch on parameter values cannot be exported)
         with torch.no_grad():
             if bool(((p < 0) | (p > 1)).any()):
                 p.clamp_(0.0, 1.0)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 import attnkit
 from attnkit import InvalidInputError
+from attnkit.caching import outside_trace
 
 from ..common import Float32Inside, check_int
 from ..plugin import CLUSTERED, IMPROVED_CLUSTERED
@@ -35,8 +36,9 @@ DEFAULT_CLUSTERS, DEFAULT_TOP_K = 100, 32        # the paper's
 
 def hyperplanes(seed: int, bits: int, D: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``(D, bits)`` Gaussian projections from ``torch.Generator().manual_seed(seed)``."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(D, bits, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    with outside_trace():   # seeded draws of the shape: under torch.export a constant, not a generator op
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(D, bits, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
 
 
 def cluster(q: Tensor, C: int, bits: int, iterations: int, seed: int) -> Tensor:

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 import attnkit
+from attnkit.caching import outside_trace
 
 from ..common import Float32Inside, check_int
 from ..plugin import INFORMER
@@ -50,16 +51,18 @@ def counts(factor: int, L: int, S: int) -> tuple[int, int]:
 
 def sample_indices(seed: int, L: int, S: int, U: int, device: torch.device) -> Tensor:
     """``(L, U)`` key indices sampled with replacement, from ``torch.Generator().manual_seed(seed)``."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(S, (L, U), generator=g).to(device)
+    with outside_trace():   # seeded draws of the shape: under torch.export a constant, not a generator op
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(S, (L, U), generator=g).to(device)
 
 
 def causal_sample_indices(seed: int, L: int, U: int, device: torch.device) -> Tensor:
     """``(L, U)`` key indices, row i drawn uniformly from ``0..i`` (``floor(r·(i+1))``, r seeded, float64)."""
-    g = torch.Generator().manual_seed(seed)
-    r = torch.rand((L, U), generator=g, dtype=torch.float64)
-    n = torch.arange(1, L + 1, dtype=torch.float64)[:, None]
-    return torch.minimum((r * n).floor().long(), (n.long() - 1)).to(device)
+    with outside_trace():   # seeded draws of the shape: under torch.export a constant, not a generator op
+        g = torch.Generator().manual_seed(seed)
+        r = torch.rand((L, U), generator=g, dtype=torch.float64)
+        n = torch.arange(1, L + 1, dtype=torch.float64)[:, None]
+        return torch.minimum((r * n).floor().long(), (n.long() - 1)).to(device)
 
 
 def online_top(m: Tensor, u: int, chunk: int) -> Tensor:
@@ -160,7 +163,13 @@ class InformerAttention(Float32Inside, attnkit.Attention):
         pos = torch.arange(L, device=q.device)
         lazy = v.cumsum(2) / (pos + 1).to(v.dtype)[:, None]                   # mean(V[0..i])
         active = online_top(self.causal_sparsity(q, k), u, self.chunk_size)  # (B, H, L)
-        n = int(active.sum(-1).max())
+        if torch.compiler.is_exporting():
+            # a size from the data: an unbacked size in the exported program (at most L, at least u's rows)
+            n = active.sum(-1).max().item()
+            torch._check(n >= 1)
+            torch._check(n <= L)
+        else:
+            n = int(active.sum(-1).max())
         order = torch.sort((~active).long(), dim=-1, stable=True).indices[..., :n]   # active first, in order
         valid = active.gather(-1, order)[..., None]                            # (B, H, n, 1)
         q_sel = q.gather(2, order[..., None].expand(B, H, n, D))

@@ -278,7 +278,7 @@ def keys_attend(q_l: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tenso
     a row of only padded keys weighs them all equally, as ``masked_fill`` + ``softmax`` does (the caller
     zeroes such rows). Streamed over key chunks of ``chunk_rows(S, m)`` (online softmax); differentiable
     once, in q_l, k and v (:class:`_KeysAttend`)."""
-    if transforms.active():   # torch.func transforms: plain torch ops (no out= products, no Function)
+    if transforms.plain_torch():   # torch.func / torch.export: plain torch ops (no out= products, no Function)
         s = q_l @ k.transpose(-1, -2)
         if keep is not None:
             s = s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min)

@@ -50,6 +50,8 @@ def _reused_workspace(numel: int, like: Tensor) -> Tensor | None:
     small), or None on a device other than CPU or above :data:`WORKSPACE_MAX_BYTES`."""
     if like.device.type != "cpu" or numel * like.element_size() > WORKSPACE_MAX_BYTES:
         return None
+    if torch.compiler.is_exporting():
+        return None   # a buffer kept across calls is no part of an exported program (it would hold a fake tensor)
     buf = getattr(_workspace, "buf", None)
     if buf is None or buf.dtype != like.dtype or buf.numel() < numel:
         _workspace.buf = None                                             # the old one freed first
@@ -199,7 +201,7 @@ def soft_kernel_product(q: Tensor, k: Tensor, kb: Tensor, z: Tensor, v: Tensor, 
     fresh memory every call. Calls with a backward allocate their blocks as
     before (the backward reads them).
     """
-    if transforms.active():   # torch.func transforms: the explicit kernels, plain torch ops
+    if transforms.plain_torch():   # torch.func / torch.export: the explicit kernels, plain torch ops
         def gauss(x: Tensor) -> Tensor:
             sq = (x * x).sum(-1, keepdim=True) - 2 * x @ kb.transpose(-1, -2) + (kb * kb).sum(-1)[..., None, :]
             return torch.exp(-0.5 * scale * sq)
