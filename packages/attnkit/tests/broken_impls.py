@@ -218,6 +218,45 @@ class NoOpResetAttention(NaiveAttention):
         return super()._forward(q @ f, k @ f, v, **kw)
 
 
+class TraceCacheAttention(NaiveAttention):
+    """Keeps a per-(length, dtype) weight made on its first call, without :func:`attnkit.caching.outside_trace`:
+    when that call is a ``torch.export`` trace, the cache keeps a fake tensor, and the next eager call fails."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        cache = self.__dict__.setdefault("_weights", {})
+        key = (q.shape[-2], q.dtype)
+        if key not in cache:
+            cache[key] = torch.ones(q.shape[-2], 1, dtype=q.dtype, device=q.device)
+        return super()._forward(q * cache[key], k, v, causal=causal, key_padding_mask=key_padding_mask,
+                                attn_mask=attn_mask)
+
+
+class ValueBranchAttention(NaiveAttention):
+    """Declares ``Capabilities.export`` and branches in Python on the values of its input (a clamp taken only
+    when needed): ``torch.export`` cannot trace it."""
+
+    def _forward(self, q, k, v, **kw):
+        if bool((q.abs() > 1e4).any()):
+            q = q.clamp(-1e4, 1e4)
+        return super()._forward(q, k, v, **kw)
+
+
+class PerRowPaddingAttention(NaiveAttention):
+    """Declares key padding among ``Capabilities.export_masks`` and attends each row's real keys by slicing them
+    out (their count read from the mask): a size from the data, which an exported program cannot take."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if key_padding_mask is None or causal or attn_mask is not None:
+            return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        rows = []
+        for b in range(q.shape[0]):
+            idx = key_padding_mask[b].nonzero().flatten()
+            n = int(idx.numel())
+            rows.append(super()._forward(q[b:b + 1], k[b:b + 1, :, idx[:n]], v[b:b + 1, :, idx[:n]], causal=False,
+                                         key_padding_mask=None, attn_mask=None))
+        return torch.cat(rows)
+
+
 class NondeterministicAttention(NaiveAttention):
     """Redraws a random perturbation on every call, even in eval mode."""
 
@@ -636,6 +675,15 @@ CASES: list[BrokenCase] = [
     BrokenCase(OldStyleFunctionAttention, "broken-func-transforms", "func_transforms",
                r"under torch.func.grad \(declared in Capabilities.func_transforms \('grad',\)\) raised RuntimeError",
                {"exact": True, "capabilities": Capabilities(causal=False, func_transforms=("grad",))}),
+    BrokenCase(TraceCacheAttention, "broken-trace-cache", "export",
+               r"eager after torch.export, causal=\w+, no mask input: the output is a fake tensor",
+               {"exact": True, "capabilities": Capabilities(export=True)}),
+    BrokenCase(ValueBranchAttention, "broken-export-branch", "export",
+               r"torch.export.export of a fresh module, causal=\w+, no mask input \(declared in Capabilities.export\) "
+               r"raised GuardOnDataDependentSymNode", {"exact": True, "capabilities": Capabilities(export=True)}),
+    BrokenCase(PerRowPaddingAttention, "broken-export-padding", "export",
+               r"causal=False, a key_padding mask as an input \(declared in Capabilities.export_masks\) raised",
+               {"exact": True, "capabilities": Capabilities(export=True)}),
     BrokenCase(NoOpResetAttention, "broken-meta-init", "meta_init",
                r"state_dict entry 'features' after to_empty \+ reset_parameters\(\)",
                {"exact": True, "capabilities": BASIC}),

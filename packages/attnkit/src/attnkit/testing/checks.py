@@ -18,6 +18,7 @@ module                      checks
 ``grad_modes``              inference_mode, autocast, checkpointing, func_transforms
 ``aux_losses``              aux_losses (specs declaring auxiliary losses)
 ``serialisation``           state_dict, serialisation, meta_init
+``exporting``               export (torch.export: the program against eager, mask inputs, refusals)
 ``fuzz``                    fuzz (hypothesis: random shapes, dtypes, padding, masks, options)
 ==========================  ===================================================
 
@@ -58,6 +59,7 @@ from .config import (
     ErrorDistribution,
 )
 from .context import isolated, make_inputs
+from .exporting import check_export
 from .fuzz import check_fuzz
 from .grad_modes import check_autocast, check_checkpointing, check_func_transforms, check_inference_mode
 from .gradients import check_double_backward, check_gradcheck, check_gradients, check_training_mode
@@ -74,8 +76,9 @@ __all__ = [
     "ConformanceReport", "ErrorDistribution", "make_inputs", "run_check", "run_conformance", "check_attn_mask",
     "check_autocast", "check_aux_losses", "check_backends", "check_batch_independence", "check_causality",
     "check_checkpointing", "check_cross_attention", "check_determinism", "check_double_backward",
-    "check_empty_sequences", "check_error_bound", "check_func_transforms", "check_fuzz", "check_fully_masked_rows",
-    "check_gradcheck", "check_gradients", "check_inference_mode", "check_key_padding", "check_mask_objects",
+    "check_empty_sequences", "check_error_bound", "check_export", "check_func_transforms", "check_fuzz",
+    "check_fully_masked_rows", "check_gradcheck", "check_gradients", "check_inference_mode", "check_key_padding",
+    "check_mask_objects",
     "check_meta_init", "check_nan_queries", "check_padded_values", "check_reference", "check_refusals",
     "check_serialisation", "check_shapes_dtypes", "check_scaled_inputs", "check_state_dict",
     "check_state_validation", "check_streaming", "check_training_mode",
@@ -112,6 +115,7 @@ CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
         ("state_dict", check_state_dict),
         ("serialisation", check_serialisation),
         ("meta_init", check_meta_init),
+        ("export", check_export),
         ("determinism", check_determinism),
         ("empty_sequences", check_empty_sequences),
         ("padded_values", check_padded_values),

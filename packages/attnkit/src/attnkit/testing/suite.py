@@ -222,6 +222,10 @@ class AttentionConformance:
         """Built on the meta device, to_empty + reset_parameters() under a seed equals a seeded build."""
         self.run_check("meta_init")
 
+    def test_export(self) -> None:
+        """torch.export: the program equals eager on other inputs and mask inputs it declares; the rest refused."""
+        self.run_check("export")
+
     def test_checkpointing(self) -> None:
         """Training steps under torch.utils.checkpoint (non-reentrant) equal the plain steps."""
         self.run_check("checkpointing")

@@ -1,0 +1,115 @@
+"""The ``torch.export`` check: an exported program gives the eager output on other inputs of the same shapes."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from .. import masks as _masks
+from ..errors import UnsupportedFeatureError
+from ..spec import TRACED_MASK_KINDS
+from .cases import document_ids, left_padding_mask, padding_mask, parity_mask
+from .config import ConformanceConfig
+from .context import Ctx
+
+
+class _Exported(torch.nn.Module):
+    """``attn(q, k, v, causal=...)`` with one mask of ``kind`` built from the last input (None: no mask input)."""
+
+    def __init__(self, attn: Any, causal: bool, kind: str | None) -> None:
+        super().__init__()
+        self.attn, self.causal, self.kind = attn, causal, kind
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor | None = None) -> Tensor:
+        if self.kind is None:
+            return self.attn(q, k, v, causal=self.causal)
+        if self.kind == "key_padding":
+            return self.attn(q, k, v, causal=self.causal, key_padding_mask=x)
+        if self.kind == "tensor":
+            return self.attn(q, k, v, causal=self.causal, attn_mask=x)
+        if self.kind == "document":
+            return self.attn(q, k, v, causal=self.causal, mask=_masks.document(x))
+        keep = x   # "function": a mask function reading the input (a (B, S) bool table of visible keys)
+        m = _masks.from_function(lambda b, h, qp, kv: keep[b, kv], name="kit-input", batch_dependent=True)
+        return self.attn(q, k, v, causal=self.causal, mask=m)
+
+
+def _mask_inputs(kind: str, B: int, H: int, L: int, device: Any) -> tuple[Tensor, Tensor]:
+    """Two different masks of ``kind`` for ``(B, H, L, L)``: the one exported with, and another."""
+    if kind in ("key_padding", "function"):
+        return padding_mask(B, L, device), left_padding_mask(B, L, device)
+    if kind == "tensor":
+        first = parity_mask(B, H, L, L, device)
+        return first, ~first | (torch.arange(L, device=device) == 0)
+    ids = document_ids(B, L, device)
+    return ids, ids.flip(-1).neg()
+
+
+def check_export(cfg: ConformanceConfig) -> None:
+    """``torch.export.export`` (non-strict, eval, a freshly built module, the precise dtype): with
+    ``Capabilities.export`` the program gives the eager output, to the dtype's tolerance, on inputs other than
+    those it was exported with (a value read from the example inputs and baked into the program shows there),
+    the eager side being the same module called after the export (a cache it filled during the trace with
+    fake tensors fails there); the program is saved and loaded (``torch.export.save`` / ``load``) and run with gradients
+    enabled, as a caller would; each declared causal mode. Each mask kind of ``export_masks`` is an input of
+    the program (a second mask of that kind is compared too); each tensor mask kind the spec honours but does
+    not declare there, and export itself when not declared, is refused with ``UnsupportedFeatureError``.
+    """
+    c = Ctx("export", cfg)
+    dt = c.precise()
+    caps = c.caps
+    L, B, H = c.L, c.B, c.H
+    kinds = [None, *(k for k in TRACED_MASK_KINDS if k in caps.mask_kinds)]
+    for causal in c.causal_modes():
+        for n, kind in enumerate(kinds):
+            attn = c.build(dtype=dt).eval()
+            module = _Exported(attn, causal, kind)
+            q, k, v = c.inputs(L, L, dt, seed_offset=n)
+            q2, k2, v2 = c.inputs(L, L, dt, seed_offset=n + 50)
+            extra: tuple[Tensor, ...] = ()
+            other: tuple[Tensor, ...] = ()
+            if kind is not None:
+                first, second = _mask_inputs(kind, B, H, L, c.device)
+                extra, other = (first,), (second,)
+            label = f"causal={causal}, " + ("no mask input" if kind is None else f"a {kind} mask as an input")
+
+            def export(module: Any = module, args: tuple[Tensor, ...] = (q, k, v, *extra)) -> Any:
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    return torch.export.export(module, args)
+
+            if not caps.export or (kind is not None and kind not in caps.export_masks):
+                why = ("Capabilities.export is not declared" if not caps.export else
+                       f"{kind!r} is not in Capabilities.export_masks {caps.export_masks}")
+                c.expect_error(f"torch.export, {label}", UnsupportedFeatureError,
+                               f"{why} (declare it, and this check compares the program, or refuse it)", export)
+                continue
+            try:
+                exported = export()
+            except Exception as exc:  # noqa: BLE001
+                c.fail(f"torch.export.export of a fresh module, {label} (declared in Capabilities.export"
+                       f"{'' if kind is None else '_masks'}) raised {type(exc).__name__}: {exc}")
+            try:   # what a deployment runs: the program saved and loaded again
+                buf = io.BytesIO()
+                torch.export.save(exported, buf)
+                buf.seek(0)
+                program = torch.export.load(buf).module()
+            except Exception as exc:  # noqa: BLE001
+                c.fail(f"torch.export.save / load of the program, {label}, raised {type(exc).__name__}: {exc}")
+            for which, args in (("the inputs it was exported with", (q, k, v, *extra)),
+                                ("other inputs", (q2, k2, v2, *other))):
+                want = c.call(module, f"eager after torch.export, {label}", *args[:3],
+                              **({} if kind is None else {"x": args[3]}))
+                if is_fake(want):
+                    c.fail(f"eager after torch.export, {label}: the output is a fake tensor (a cache filled "
+                           "during the trace holds one; build caches inside attnkit.caching.outside_trace)")
+                try:   # with gradients enabled, as a caller would (its parameters require them)
+                    got = program(*args)
+                except Exception as exc:  # noqa: BLE001
+                    c.fail(f"the exported program, {label}, on {which}, raised {type(exc).__name__}: {exc}")
+                c.close(got.detach(), want, f"torch.export, {label}, on {which}", dtype=dt, against="eager")
