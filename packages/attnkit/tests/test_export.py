@@ -85,12 +85,36 @@ def test_a_mask_input_of_an_undeclared_kind_is_refused_and_a_constant_mask_is_no
             torch.testing.assert_close(program(*_qkv(seed=2)), const(*_qkv(seed=2)), rtol=0, atol=1e-6)
 
 
-def test_a_forced_backend_other_than_torch_is_refused_while_exporting():
+def test_a_forced_backend_not_in_export_backends_is_refused_while_exporting():
     caps = Capabilities(export=True, backends=("torch", "kitfake"))
     with attnkit.registered(NaiveAttention, name="forced-export", exact=True, capabilities=caps):
         m = _Call(attnkit.build("forced-export", backend="kitfake").eval())
-        with pytest.raises(UnsupportedFeatureError, match=r"torch\.export with backend='kitfake'.*backend='torch'"):
+        with pytest.raises(UnsupportedFeatureError, match=r"torch\.export with backend='kitfake'.*\('torch',\)"):
             _export(m, *_qkv())
+
+
+class _Seen(NaiveAttention):
+    """Records the backend each call ran."""
+
+    def _attend(self, q, k, v, ctx):
+        type(self).seen.append(ctx.backend)
+        return NaiveAttention._forward(self, q, k, v, causal=ctx.causal, key_padding_mask=ctx.key_padding_mask,
+                                       attn_mask=None)
+
+
+def test_auto_runs_the_first_export_backend_in_its_order_while_exporting():
+    _Seen.seen = []
+    caps = Capabilities(export=True, backends=("kitfast", "kitother", "torch"), export_backends=("kitother", "torch"))
+    with attnkit.registered(_Seen, name="seen-export", exact=True, capabilities=caps):
+        m = _Call(attnkit.build("seen-export").eval())
+        _export(m, *_qkv())
+        assert _Seen.seen == ["kitother"]                 # kitfast comes first, but an export cannot hold it
+        assert Capabilities(export=True).export_backends == ("torch",)
+        assert Capabilities().export_backends == ()
+    for bad in ({"export": True, "export_backends": ("numba",)}, {"export": False, "export_backends": ("torch",)},
+                {"export": True, "export_backends": "torch"}):
+        with pytest.raises(InvalidInputError, match=r"Capabilities\.export_backends"):
+            Capabilities(**bad)
 
 
 _TABLES: dict[bool, dict] = {}

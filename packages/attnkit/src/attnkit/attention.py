@@ -310,10 +310,11 @@ class Attention(AuxLossMixin, nn.Module):
                 "'auto' (which runs torch under a transform)")
         return "torch"
 
-    def _export_backend(self, mask: _masks.Mask | None) -> str | None:
-        """While ``torch.export`` traces ``"torch"`` (None otherwise); refuses an implementation that does not
-        declare ``Capabilities.export``, a mask of the traced inputs whose kind it does not declare in
-        ``export_masks``, and a forced backend other than ``torch``."""
+    def _export_backend(self, mask: _masks.Mask | None, q: Tensor, needs_grad: bool) -> str | None:
+        """While ``torch.export`` traces, the backend to run (None otherwise): for ``auto`` the first of
+        ``Capabilities.export_backends`` in the automatic order that runs on ``q``'s device. Refuses an
+        implementation that does not declare ``Capabilities.export``, a mask of the traced inputs whose kind it
+        does not declare in ``export_masks``, and a forced backend not in ``export_backends``."""
         if not torch.compiler.is_exporting() or torch.compiler.is_dynamo_compiling():
             return None
         caps = self.caps
@@ -327,11 +328,19 @@ class Attention(AuxLossMixin, nn.Module):
                              "program cannot take from its inputs; export a module without it, or with the mask "
                              "as a constant" + (f"; it declares export_masks={caps.export_masks}"
                                                 if caps.export_masks else ""), export_masks=leaf.kind)
-        if self.backend not in ("auto", "torch"):
-            raise UnsupportedFeatureError(
-                self.impl_name, f"torch.export with backend={self.backend!r}",
-                "the exported program runs its torch backend (plain ATen operators); build it with "
-                "backend='torch' or 'auto' (which runs torch while exporting)")
+        exportable = caps.export_backends
+        if self.backend != "auto":
+            if self.backend not in exportable:
+                raise UnsupportedFeatureError(
+                    self.impl_name, f"torch.export with backend={self.backend!r}",
+                    f"an exported program can hold its backends {exportable} (ATen operators or custom "
+                    "operators); build it with one of them or 'auto'")
+            return self.backend
+        for name in self._auto_order(q.device, q.dtype):
+            if name not in exportable or (needs_grad and name in caps.forward_only_backends):
+                continue
+            if _backends.why_unavailable(name, q.device) is None:
+                return name
         return "torch"
 
     # ------------------------------------------------------------ refusals
@@ -510,7 +519,7 @@ class Attention(AuxLossMixin, nn.Module):
         if kpm is not None:  # padded keys have no influence, whatever they hold (NaN, Inf)
             pad = ~kpm[:, None, :, None]
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        backend = (self._transform_backend() or self._export_backend(m)
+        backend = (self._transform_backend() or self._export_backend(m, q, needs_grad)
                    or self.resolve_backend(q, k, v, needs_grad=needs_grad))
         ctx = CallContext(mask=m, geometry=geom, backend=backend, scale=self.get_scale(q), positions=pos,
                           state=None if state is None else state.data,

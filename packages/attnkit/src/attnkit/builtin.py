@@ -18,7 +18,7 @@ SOFTMAX = AttentionSpec(
     exact=True,
     reference="attnkit.reference:softmax_reference",
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("sdpa", "torch"),
         causal=True,
         key_padding_mask=True,
         attn_mask=True,

@@ -116,10 +116,14 @@ class Capabilities:
             ``"jvp"``) its ``torch`` backend composes with; under them ``auto``
             runs that backend, and an undeclared transform is refused
             (:mod:`attnkit.transforms`; the kit's ``func_transforms`` check).
-        export: its ``torch`` backend runs under :func:`torch.export.export` (non-strict, eval): the
-            program gives the eager output for any inputs of the exported shapes. While exporting,
-            ``auto`` runs the ``torch`` backend (plain ATen operators: the program loads without attnkit);
-            an implementation without it, or a forced other backend, is refused (the kit's ``export`` check).
+        export: it runs under :func:`torch.export.export` (non-strict, eval): the program gives the eager
+            output for any inputs of the exported shapes; an implementation without it is refused while
+            exporting (the kit's ``export`` check).
+        export_backends: the backends whose computation an exported program can hold: ATen operators
+            (``torch``, ``sdpa``: the program loads anywhere) or custom operators with a fake implementation
+            (attnkit's ``numba`` kernels: loading the program needs the plugin imported). While exporting,
+            ``auto`` picks the first of them in its usual order that runs on the device; a forced backend
+            not among them is refused. None (the default): ``("torch",)`` with ``export``, else none.
         export_masks: the mask kinds (of :data:`TRACED_MASK_KINDS`, ``"key_padding"``, ``"tensor"``,
             ``"document"``, ``"function"``) whose tensors may be inputs of the exported program (a key
             padding mask passed to it); a mask of another kind built from its inputs is refused while
@@ -153,6 +157,7 @@ class Capabilities:
     func_transforms: tuple[str, ...] = ()
     export: bool = False
     export_masks: tuple[str, ...] | None = None
+    export_backends: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.streaming is not None and self.streaming not in STREAMING_KINDS:
@@ -197,6 +202,16 @@ class Capabilities:
                     f"(export={self.export!r})")
             traced = tuple(self.export_masks)
         object.__setattr__(self, "export_masks", traced)
+        if self.export_backends is None:
+            eb: tuple[str, ...] = ("torch",) if self.export else ()
+        else:
+            eb = tuple(self.export_backends)
+            if (isinstance(self.export_backends, str) or any(b not in self.backends for b in eb)
+                    or (eb and not self.export)):
+                raise InvalidInputError(
+                    f"Capabilities.export_backends must be a tuple of its backends {self.backends} with "
+                    f"export=True; got {self.export_backends!r} (export={self.export!r})")
+        object.__setattr__(self, "export_backends", eb)
         for name in ("max_length", "length_multiple"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -55,61 +55,78 @@ def check_export(cfg: ConformanceConfig) -> None:
     ``Capabilities.export`` the program gives the eager output, to the dtype's tolerance, on inputs other than
     those it was exported with (a value read from the example inputs and baked into the program shows there),
     the eager side being the same module called after the export (a cache it filled during the trace with
-    fake tensors fails there); the program is saved and loaded (``torch.export.save`` / ``load``) and run with gradients
-    enabled, as a caller would; each declared causal mode. Each mask kind of ``export_masks`` is an input of
-    the program (a second mask of that kind is compared too); each tensor mask kind the spec honours but does
-    not declare there, and export itself when not declared, is refused with ``UnsupportedFeatureError``.
+    fake tensors fails there); the program is saved and loaded (``torch.export.save`` / ``load``) and run with
+    gradients enabled, as a caller would; each declared causal mode. Each mask kind of ``export_masks`` is an
+    input of the program (the last declared causal mode; a second mask of that kind is compared too); each
+    tensor mask kind the spec honours but does not declare there, and export itself when not declared, is
+    refused with ``UnsupportedFeatureError``. The module is built with ``backend="auto"``; then each backend of
+    ``export_backends`` that runs here is forced (no mask input, the last causal mode), and each other backend
+    that runs here must be refused. The programs without a mask input are saved and loaded first.
     """
     c = Ctx("export", cfg)
-    dt = c.precise()
     caps = c.caps
+    modes = c.causal_modes()
+    for n, causal in enumerate(modes):
+        _export_case(c, causal, None, None, n)
+    for n, kind in enumerate(k for k in TRACED_MASK_KINDS if k in caps.mask_kinds):
+        _export_case(c, modes[-1], kind, None, 10 + n)
+    runnable, _ = c.backends()
+    for n, backend in enumerate(b for b in runnable if b is not None):
+        _export_case(c, modes[-1], None, backend, 20 + n)
+
+
+def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n: int) -> None:
+    caps, dt = c.caps, c.precise()
     L, B, H = c.L, c.B, c.H
-    kinds = [None, *(k for k in TRACED_MASK_KINDS if k in caps.mask_kinds)]
-    for causal in c.causal_modes():
-        for n, kind in enumerate(kinds):
-            attn = c.build(dtype=dt).eval()
-            module = _Exported(attn, causal, kind)
-            q, k, v = c.inputs(L, L, dt, seed_offset=n)
-            q2, k2, v2 = c.inputs(L, L, dt, seed_offset=n + 50)
-            extra: tuple[Tensor, ...] = ()
-            other: tuple[Tensor, ...] = ()
-            if kind is not None:
-                first, second = _mask_inputs(kind, B, H, L, c.device)
-                extra, other = (first,), (second,)
-            label = f"causal={causal}, " + ("no mask input" if kind is None else f"a {kind} mask as an input")
+    module = _Exported(c.build(dtype=dt, backend=backend).eval(), causal, kind)
+    q, k, v = c.inputs(L, L, dt, seed_offset=n)
+    q2, k2, v2 = c.inputs(L, L, dt, seed_offset=n + 50)
+    extra: tuple[Tensor, ...] = ()
+    other: tuple[Tensor, ...] = ()
+    if kind is not None:
+        first, second = _mask_inputs(kind, B, H, L, c.device)
+        extra, other = (first,), (second,)
+    label = (f"causal={causal}, " + ("no mask input" if kind is None else f"a {kind} mask as an input")
+             + ("" if backend is None else f", backend={backend!r}"))
 
-            def export(module: Any = module, args: tuple[Tensor, ...] = (q, k, v, *extra)) -> Any:
-                with torch.no_grad(), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    return torch.export.export(module, args)
+    def export() -> Any:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.export.export(module, (q, k, v, *extra))
 
-            if not caps.export or (kind is not None and kind not in caps.export_masks):
-                why = ("Capabilities.export is not declared" if not caps.export else
-                       f"{kind!r} is not in Capabilities.export_masks {caps.export_masks}")
-                c.expect_error(f"torch.export, {label}", UnsupportedFeatureError,
-                               f"{why} (declare it, and this check compares the program, or refuse it)", export)
-                continue
-            try:
-                exported = export()
-            except Exception as exc:  # noqa: BLE001
-                c.fail(f"torch.export.export of a fresh module, {label} (declared in Capabilities.export"
-                       f"{'' if kind is None else '_masks'}) raised {type(exc).__name__}: {exc}")
-            try:   # what a deployment runs: the program saved and loaded again
-                buf = io.BytesIO()
-                torch.export.save(exported, buf)
-                buf.seek(0)
-                program = torch.export.load(buf).module()
-            except Exception as exc:  # noqa: BLE001
-                c.fail(f"torch.export.save / load of the program, {label}, raised {type(exc).__name__}: {exc}")
-            for which, args in (("the inputs it was exported with", (q, k, v, *extra)),
-                                ("other inputs", (q2, k2, v2, *other))):
-                want = c.call(module, f"eager after torch.export, {label}", *args[:3],
-                              **({} if kind is None else {"x": args[3]}))
-                if is_fake(want):
-                    c.fail(f"eager after torch.export, {label}: the output is a fake tensor (a cache filled "
-                           "during the trace holds one; build caches inside attnkit.caching.outside_trace)")
-                try:   # with gradients enabled, as a caller would (its parameters require them)
-                    got = program(*args)
-                except Exception as exc:  # noqa: BLE001
-                    c.fail(f"the exported program, {label}, on {which}, raised {type(exc).__name__}: {exc}")
-                c.close(got.detach(), want, f"torch.export, {label}, on {which}", dtype=dt, against="eager")
+    why = ("Capabilities.export is not declared" if not caps.export else
+           f"{kind!r} is not in Capabilities.export_masks {caps.export_masks}"
+           if kind is not None and kind not in caps.export_masks else
+           f"{backend!r} is not in Capabilities.export_backends {caps.export_backends}"
+           if backend is not None and backend not in caps.export_backends else None)
+    if why is not None:
+        c.expect_error(f"torch.export, {label}", UnsupportedFeatureError,
+                       f"{why} (declare it, and this check compares the program, or refuse it)", export)
+        return
+    try:
+        exported = export()
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"torch.export.export of a fresh module, {label} (declared in Capabilities.export"
+               f"{'' if kind is None else '_masks'}{'' if backend is None else '_backends'}) raised "
+               f"{type(exc).__name__}: {exc}")
+    try:   # what a deployment runs: the program saved and loaded again (once per causal mode and backend)
+        if kind is None:
+            buf = io.BytesIO()
+            torch.export.save(exported, buf)
+            buf.seek(0)
+            exported = torch.export.load(buf)
+        program = exported.module()
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"torch.export.save / load of the program, {label}, raised {type(exc).__name__}: {exc}")
+    for which, args in (("the inputs it was exported with", (q, k, v, *extra)),
+                        ("other inputs", (q2, k2, v2, *other))):
+        want = c.call(module, f"eager after torch.export, {label}", *args[:3],
+                      **({} if kind is None else {"x": args[3]}))
+        if is_fake(want):
+            c.fail(f"eager after torch.export, {label}: the output is a fake tensor (a cache filled "
+                   "during the trace holds one; build caches inside attnkit.caching.outside_trace)")
+        try:   # with gradients enabled, as a caller would (its parameters require them)
+            got = program(*args)
+        except Exception as exc:  # noqa: BLE001
+            c.fail(f"the exported program, {label}, on {which}, raised {type(exc).__name__}: {exc}")
+        c.close(got.detach(), want, f"torch.export, {label}, on {which}", dtype=dt, against="eager")
