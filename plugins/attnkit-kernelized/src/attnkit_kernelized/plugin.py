@@ -44,7 +44,7 @@ LINEAR = AttentionSpec(
                    "attention, not an estimate of softmax attention (no error bound against it)"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("numba", "torch"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
@@ -68,7 +68,7 @@ PERFORMER = AttentionSpec(
     # 1.41 non-causal, 0.84 causal; at std 0.5 it is ~0.15 (docs/mechanisms/performer.md)
     error_bound=1.5,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("numba", "torch"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
@@ -88,7 +88,7 @@ RFA = AttentionSpec(
                    "the causal form adds a learned recency gate, so it is not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("numba", "torch"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
@@ -109,7 +109,7 @@ FAST_WEIGHT = AttentionSpec(
                    "sequence model, not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("numba", "torch"),
         causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time="O(L·M·E)",

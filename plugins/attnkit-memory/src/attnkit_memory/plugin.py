@@ -35,7 +35,7 @@ TRANSFORMER_XL = AttentionSpec(
                    "biases u, v are added to the scores, and keys beyond the memory are not seen"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("sdpa", "torch"),
         **_MEMORY_CAPS, backends=("sdpa", "torch"),
         time="O(L·(M + S)·D) per segment",
         memory="O(L·(M + S)) scores per head (the shift is a view) + O(M·(D + E)) memory per head",
@@ -57,7 +57,7 @@ COMPRESSIVE = AttentionSpec(
     error_bound=None,
     aux_losses={"attention_reconstruction": 1.0},
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("sdpa", "torch"),
         **_MEMORY_CAPS, backends=("sdpa", "torch"),
         time="O(L·(Mc + M + S)·D) per segment",
         memory="O(L·(Mc + M + S)) scores per head + O((Mc + M)·(D + E)) memory per head",

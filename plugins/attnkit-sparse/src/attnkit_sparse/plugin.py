@@ -42,7 +42,7 @@ def _caps(*, causal: bool = True, cross: bool = True, streaming: str | None = No
         causal_cross=causal and cross, streaming=streaming, positions=True, context_parallel=context_parallel,
         mask_kinds=_KINDS if causal else tuple(k for k in _KINDS if k != "causal"),
         dtypes=HALF_AND_FULL, backends=BACKENDS, time=time, memory=_MEMORY, func_transforms=("grad", "vmap", "jvp"),
-        export=True,
+        export=True, export_backends=("numba", "torch"),   # numba: custom operators (the plugin imported to load)
     )
 
 

@@ -194,7 +194,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
         block_size, reason = flex_cuda_block_size(block_size, needs_grad)
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} cannot run: {reason}")
-    if name == "torch" and mask is not None and reads_traced(mask, positions):
+    if mask is not None and reads_traced(mask, positions):   # (torch.export with a mask among its inputs)
         return _attend_traced(q, k, v, mask, scale, block_size, positions)
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
     if mask is not None:
@@ -218,10 +218,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
 
 def _attend_traced(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, block_size: Any,
                    positions: Positions | None) -> Tensor:
-    """The torch backend while ``torch.export`` traces a call whose mask holds inputs of the trace (a key padding
-    mask, a tensor or document mask passed to the exported program): the plan of the other ``&``-ed parts, built
-    from the shape, and the traced parts evaluated at every gathered pair (a plan cannot be read from traced
-    values). Explicit position tensors among the inputs are not supported: a plan follows the positions."""
+    """While ``torch.export`` traces a call whose mask holds inputs of the trace (a key padding mask, a tensor or
+    document mask passed to the exported program), whatever the backend, the torch backend: the plan of the
+    other ``&``-ed parts, built from the shape, and the traced parts evaluated at every gathered pair (a plan
+    cannot be read from traced values). Explicit position tensors among the inputs are not supported: a plan
+    follows the positions."""
     from . import torch_ops
 
     B, H, L, _ = q.shape

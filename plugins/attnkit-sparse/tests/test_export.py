@@ -1,0 +1,93 @@
+"""torch.export of the sparse mechanisms beyond the kit's check: what a program holds, and loading it elsewhere."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import attnkit
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, attn, causal=True):
+        super().__init__()
+        self.attn, self.causal = attn, causal
+
+    def forward(self, q, k, v, kpm):
+        return self.attn(q, k, v, causal=self.causal, key_padding_mask=kpm)
+
+
+def _inputs(seed=0, L=40):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, L, 8, generator=g) for _ in range(3))
+    kpm = torch.ones(2, L, dtype=torch.bool)
+    kpm[1, L - 1 - seed:] = False
+    return q, k, v, kpm
+
+
+def _export(module, args):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(module, args)
+
+
+def _ops(program):
+    return {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+
+
+def test_auto_exports_the_numba_operator_and_the_torch_backend_only_aten():
+    q, k, v, _ = _inputs()
+
+    class NoMask(torch.nn.Module):
+        def __init__(self, backend):
+            super().__init__()
+            self.attn = attnkit.build("local", window=8, backend=backend, num_heads=2, head_dim=8).eval()
+
+        def forward(self, q, k, v):
+            return self.attn(q, k, v, causal=True)
+
+    auto, plain = _ops(_export(NoMask("auto"), (q, k, v))), _ops(_export(NoMask("torch"), (q, k, v)))
+    assert any("attnkit_sparse.numba_block_attention" in o for o in auto)
+    assert not any("attnkit" in o for o in plain)
+
+
+def test_a_key_padding_input_runs_the_torch_path_with_the_pattern_plan_on_numba_too():
+    for backend in ("auto", "torch"):
+        m = _Call(attnkit.build("bigbird", block_size=8, backend=backend, num_heads=2, head_dim=8).eval(), False)
+        program = _export(m, _inputs()).module()
+        with torch.no_grad():
+            for seed in (0, 3, 7):     # other paddings than the example's: nothing of it is baked in
+                args = _inputs(seed)
+                torch.testing.assert_close(program(*args), m(*args), rtol=0, atol=1e-6)
+
+
+_LOAD = """
+import io, sys, torch
+program = torch.export.load(io.BytesIO(sys.stdin.buffer.read())).module()
+q, k, v, kpm, want = torch.load("{io}")
+got = program(q, k, v, kpm)
+assert not [m for m in sys.modules if m.startswith("attnkit")], "attnkit was imported"
+print((got - want).abs().max().item())
+"""
+
+
+@pytest.mark.parametrize("name", ["local", "lsh"])
+def test_a_torch_backend_program_loads_and_runs_where_attnkit_is_not_imported(name, tmp_path):
+    opts = {"window": 8} if name == "local" else {"bucket_size": 8}
+    m = _Call(attnkit.build(name, backend="torch", num_heads=2, head_dim=8, **opts).eval(), causal=name == "local")
+    if name == "lsh":   # lsh takes no key padding input in a program (export_masks=()): the module holds one
+        m.forward = lambda q, k, v, kpm: m.attn(q, k, v)
+    buf = io.BytesIO()
+    torch.export.save(_export(m, _inputs()), buf)
+    args = _inputs(5)
+    with torch.no_grad():
+        torch.save((*args, m(*args)), tmp_path / "io.pt")
+    out = subprocess.run([sys.executable, "-c", _LOAD.format(io=tmp_path / "io.pt")], input=buf.getvalue(),
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()
+    assert float(out.stdout.decode().split()[-1]) < 1e-6
