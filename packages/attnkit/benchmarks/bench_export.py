@@ -1,0 +1,77 @@
+"""What an exported program costs against the eager module (the figures in docs/user-guide.md, "torch.export").
+
+While ``torch.export`` traces, ``backend="auto"`` runs the ``torch`` backend (a program of ATen operators). Per
+mechanism, float32, eval, no gradient, B = 1, H = 8, D = 64: the median forward time of the eager module on its
+automatic backend, of the eager module forced onto ``torch``, and of the exported program (saved and loaded),
+in one process, alternating the three in each round::
+
+    python packages/attnkit/benchmarks/bench_export.py [--length 4096] [--rounds 7] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import statistics
+import time
+import warnings
+
+import torch
+
+import attnkit
+
+DEFAULT = ("softmax", "local", "bigbird", "performer", "linear", "nystrom", "lsh", "routing", "sinkhorn")
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module, causal: bool) -> None:
+        super().__init__()
+        self.attn, self.causal = attn, causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attn(q, k, v, causal=self.causal)
+
+
+def _build(name: str, backend: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return attnkit.build(name, num_heads=8, head_dim=64, backend=backend).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--only", nargs="*", default=list(DEFAULT))
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, L = {args.length}, medians of {args.rounds} rounds")
+    print(f"{'mechanism':12s} {'eager auto':>12s} {'eager torch':>12s} {'program':>12s} {'program / auto':>15s}")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, args.length, 64, generator=g) for _ in range(3))
+    for name in args.only:
+        causal = bool(attnkit.get_spec(name).capabilities.causal)
+        auto, plain = _Call(_build(name, "auto"), causal), _Call(_build(name, "torch"), causal)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            buf = io.BytesIO()
+            torch.export.save(torch.export.export(_Call(_build(name, "auto"), causal), (q, k, v)), buf)
+            buf.seek(0)
+            program = torch.export.load(buf).module()
+            runs = {"auto": auto, "torch": plain, "program": program}
+            want = auto(q, k, v)
+            for f in runs.values():   # warm-up, and the three agree
+                torch.testing.assert_close(f(q, k, v), want, rtol=1e-3, atol=1e-4)
+            times: dict[str, list[float]] = {n: [] for n in runs}
+            for r in range(args.rounds):
+                for n in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                    t = time.perf_counter()
+                    runs[n](q, k, v)
+                    times[n].append(time.perf_counter() - t)
+        med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+        print(f"{name:12s} {med['auto']:10.1f}ms {med['torch']:10.1f}ms {med['program']:10.1f}ms "
+              f"{med['program'] / med['auto']:14.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
