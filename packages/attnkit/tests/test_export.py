@@ -159,6 +159,13 @@ def test_outside_trace_builds_a_real_cache_during_export_and_nothing_changes_in_
     assert is_fake(bad.table[5][0])          # what outside_trace prevents: a fake tensor kept after the trace
 
 
+def _with_empty_cell():
+    def f():
+        return later
+    return f       # `later` is bound only below, never reached: f's closure cell stays empty
+    later = 1
+
+
 def test_reads_traced_finds_traced_tensors_in_masks_and_closures():
     found = {}
     const = torch.ones(2, 4, dtype=torch.bool)                        # made outside the trace: a real tensor
@@ -171,8 +178,9 @@ def test_reads_traced_finds_traced_tensors_in_masks_and_closures():
             found["function"] = reads_traced(fn_mask)
             found["causal"] = reads_traced(attnkit.masks.causal(), None, 3, "text")
             found["constant"] = reads_traced(attnkit.masks.key_padding(const))
+            found["empty cell"] = reads_traced(_with_empty_cell())
             return x * 2
 
     _export(Probe(), torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool))
-    assert found == {"kpm": True, "function": True, "causal": False, "constant": False}
+    assert found == {"kpm": True, "function": True, "causal": False, "constant": False, "empty cell": False}
     assert not reads_traced(torch.zeros(1))                           # no trace: nothing is traced

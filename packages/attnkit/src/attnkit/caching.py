@@ -70,7 +70,11 @@ def reads_traced(*reads: Any) -> bool:
         elif isinstance(o, dict):
             todo.extend(o.values())
         elif isinstance(o, types.FunctionType):
-            todo.extend(c.cell_contents for c in (o.__closure__ or ()) if c.cell_contents is not o)
+            for cell in o.__closure__ or ():
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:   # an empty cell (a variable the function closes over, not yet bound)
+                    pass
         elif isinstance(o, types.MethodType):
             todo.append(o.__self__)
         elif hasattr(o, "__dict__"):
