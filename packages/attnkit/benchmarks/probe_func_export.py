@@ -4,8 +4,9 @@ backend (the figures in docs/user-guide.md, "torch.func transforms" and "torch.e
 Per implementation, eval mode, B = 2, H = 2, D = 8: ``grad`` of ``out.square().sum()`` w.r.t. q (float64, L = 16)
 against autograd; ``vmap`` over two query sets with k, v fixed (float64) against a loop; ``torch.export.export``
 of a module calling it (float32, L = 24) against eager, on a fresh module and after one eager call with the
-same shapes. A refusal (``attnkit.UnsupportedFeatureError``) is
-reported as such, any other exception as a failure::
+same shapes; and with a dynamic length (``dynamic_shapes``, exported at L = 24, run at 40; "specialised": the
+implementation fixes the length, which ``torch.export`` reports as a violated constraint), each causal mode.
+A refusal (``attnkit.UnsupportedFeatureError``) is reported as such, any other exception as a failure::
 
     python packages/attnkit/benchmarks/probe_func_export.py [--only NAME ...] [--out FILE.txt]
 """
@@ -77,8 +78,23 @@ def probe(name: str) -> dict[str, str]:
             got = torch.export.export(m, xs).module()(*xs)
             return (got - (m(*xs) if want is None else want)).abs().max().item()
 
+    def dyn(c: bool) -> float:
+        m = _Call(build(torch.float32), c)
+        L = torch.export.Dim("L", min=2, max=64)
+        with torch.no_grad():
+            program = torch.export.export(m, tuple(rand(24, torch.float32, s) for s in range(3)),
+                                          dynamic_shapes=({2: L}, {2: L}, {2: L})).module()
+            xs = tuple(rand(40, torch.float32, s) for s in range(3))
+            return (program(*xs) - m(*xs)).abs().max().item()
+
+    def dynamic(c: bool) -> str:
+        got = _outcome(lambda: dyn(c))
+        return "specialised" if "Constraints violated" in got else got
+
+    modes = [c for c, ok in ((False, spec.capabilities.noncausal), (True, spec.capabilities.causal)) if ok]
     return {"grad": _outcome(g), "vmap": _outcome(vm), "export": _outcome(lambda: ex(False)),
-            "export after an eager call": _outcome(lambda: ex(True))}
+            "export after an eager call": _outcome(lambda: ex(True)),
+            **{f"dynamic L (causal={c})": dynamic(c) for c in modes}}
 
 
 def main() -> None:
@@ -89,11 +105,11 @@ def main() -> None:
     warnings.simplefilter("ignore")
     names = args.only or sorted(s.name for s in attnkit.available())
     lines: list[str] = []
-    totals = {"grad": 0, "vmap": 0, "export": 0, "export after an eager call": 0}
+    totals: dict[str, int] = {}
     for name in names:
         res = probe(name)
         for key, val in res.items():
-            totals[key] += val == "ok"
+            totals[key] = totals.get(key, 0) + (val == "ok")
         lines.append(f"{name:20s} " + " | ".join(f"{k}: {v}" for k, v in res.items()))
         print(lines[-1], flush=True)
     lines.append(f"ok of {len(names)}: " + ", ".join(f"{k} {n}" for k, n in totals.items()))

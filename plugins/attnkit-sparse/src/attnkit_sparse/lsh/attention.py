@@ -136,6 +136,7 @@ class LSHAttention(Attention):
         """``(n_hashes, D, n_buckets / 2)`` rotations for length ``L`` (cached per shape, dtype, device; float32
         for a half ``dtype``: half inputs are hashed in float32)."""
         dtype = wide(dtype)
+        L = int(L)   # a dynamic length of a torch.export trace: the bucket count follows it (specialised)
         cols = max(1, n_buckets(L, self.bucket_size) // 2)
         key = (cols, D, dtype, str(device))
         if key not in self._rot:
@@ -178,6 +179,7 @@ class LSHAttention(Attention):
         the chunk size only: cached, built without a pass over the sorted positions."""
         from ..engine import band_plan
 
+        L, cs = int(L), int(cs)   # (a dynamic length of a torch.export trace is specialised: the plan follows it)
         key = ("plan", L, cs, str(device))
         if key not in self._rot:
             if len(self._rot) > 8:
