@@ -164,7 +164,7 @@ class InformerAttention(Float32Inside, attnkit.Attention):
         lazy = v.cumsum(2) / (pos + 1).to(v.dtype)[:, None]                   # mean(V[0..i])
         active = online_top(self.causal_sparsity(q, k), u, self.chunk_size)  # (B, H, L)
         if torch.compiler.is_exporting():
-            # a size from the data: an unbacked size in the exported program (at most L, at least u's rows)
+            # a size from the data: an unbacked size of the exported program, between 1 and L
             n = active.sum(-1).max().item()
             torch._check(n >= 1)
             torch._check(n <= L)
