@@ -18,19 +18,11 @@ import time
 import warnings
 
 import torch
+from probe_func_export import _Call  # (this script's folder is on sys.path when it runs)
 
 import attnkit
 
 DEFAULT = ("softmax", "local", "bigbird", "performer", "linear", "nystrom", "lsh", "routing", "sinkhorn")
-
-
-class _Call(torch.nn.Module):
-    def __init__(self, attn: torch.nn.Module, causal: bool) -> None:
-        super().__init__()
-        self.attn, self.causal = attn, causal
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.attn(q, k, v, causal=self.causal)
 
 
 def _build(name: str, backend: str) -> torch.nn.Module:

@@ -194,15 +194,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
         block_size, reason = flex_cuda_block_size(block_size, needs_grad)
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} cannot run: {reason}")
+    kpm = None if mask is None else mask.key_padding_mask
+    if kpm is not None:  # padded keys and values never reach an output or a gradient
+        keep = kpm.to(q.device)[:, None, :, None]
+        k = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
+        v = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device))
     if mask is not None and reads_traced(mask, positions):   # (torch.export with a mask among its inputs)
         return _attend_traced(q, k, v, mask, scale, block_size, positions)
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
-    if mask is not None:
-        kpm = mask.key_padding_mask
-        if kpm is not None:  # padded keys and values never reach an output or a gradient
-            keep = kpm.to(q.device)[:, None, :, None]
-            k = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
-            v = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device))
     if name == "torch":
         from . import torch_ops
         return torch_ops.attend(q, k, v, p, scale)
@@ -219,7 +218,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
 def _attend_traced(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, block_size: Any,
                    positions: Positions | None) -> Tensor:
     """While ``torch.export`` traces a call whose mask holds inputs of the trace (a key padding mask, a tensor or
-    document mask passed to the exported program), whatever the backend, the torch backend: the plan of the
+    document mask passed to the exported program; padded k and v already zeroed by :func:`attend`), whatever
+    the backend, the torch backend: the plan of the
     other ``&``-ed parts, built from the shape, and the traced parts evaluated at every gathered pair (a plan
     cannot be read from traced values). Explicit position tensors among the inputs are not supported: a plan
     follows the positions."""
@@ -231,13 +231,9 @@ def _attend_traced(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, bl
         raise InvalidInputError("positions: position tensors among the inputs of torch.export cannot decide a "
                                 "sparse pattern's block plan; export with positions as constants")
     parts = mask.conjuncts()
-    traced = [p for p in parts if reads_traced(p)]
-    static = [p for p in parts if not reads_traced(p)]
-    kpm = mask.key_padding_mask
-    if kpm is not None:  # padded keys and values never reach an output or a gradient
-        keep = kpm.to(q.device)[:, None, :, None]
-        k = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
-        v = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    is_traced = [reads_traced(p) for p in parts]
+    traced = [p for p, t in zip(parts, is_traced) if t]
+    static = [p for p, t in zip(parts, is_traced) if not t]
     rest = functools.reduce(operator.and_, static) if static else None
     extra = functools.reduce(operator.and_, traced)
     p = plan(rest, B, H, L, S, block_size=block_size, device=q.device, positions=positions)

@@ -10,6 +10,7 @@ combined by their log-sum-exp. See :mod:`.clusters` and the reference in :mod:`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -364,8 +365,6 @@ def _cluster_plan(bank: Tensor, tile: int) -> Any:
 def _with_bank(plan: Any, bank: Tensor, tile: int) -> Any:
     """``plan`` (:func:`_cluster_plan` of an all-true bank of ``bank``'s shape: every tile of every cluster, in the
     same order) with the element masks ``bank`` ``(B', H', C, W, W)``; nothing read from the data (torch.export)."""
-    import dataclasses
-
     from ..engine.plan import _spans
 
     bp, hp, C, W, _ = bank.shape
