@@ -179,8 +179,10 @@ def test_reads_traced_finds_traced_tensors_in_masks_and_closures():
             found["causal"] = reads_traced(attnkit.masks.causal(), None, 3, "text")
             found["constant"] = reads_traced(attnkit.masks.key_padding(const))
             found["empty cell"] = reads_traced(_with_empty_cell())
+            found["positions"] = reads_traced(attnkit.Positions(kpm.long().cumsum(-1)))   # a slotted object
             return x * 2
 
     _export(Probe(), torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool))
-    assert found == {"kpm": True, "function": True, "causal": False, "constant": False, "empty cell": False}
+    assert found == {"kpm": True, "function": True, "causal": False, "constant": False, "empty cell": False,
+                     "positions": True}
     assert not reads_traced(torch.zeros(1))                           # no trace: nothing is traced

@@ -91,3 +91,21 @@ def test_a_torch_backend_program_loads_and_runs_where_attnkit_is_not_imported(na
                          capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr.decode()
     assert float(out.stdout.decode().split()[-1]) < 1e-6
+
+
+def test_position_tensors_among_the_inputs_are_refused_clearly():
+    attn = attnkit.build("local", window=4, num_heads=2, head_dim=8).eval()
+
+    class WithPositions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, q, k, v, pos):
+            return self.attn(q, k, v, causal=True, positions=pos)
+
+    q, k, v, _ = _inputs(L=16)
+    pos = torch.arange(16).expand(2, 16).contiguous()
+    with pytest.raises(attnkit.InvalidInputError, match=r"positions: position tensors among the inputs of "
+                                                        r"torch\.export"):
+        _export(WithPositions(), (q, k, v, pos))

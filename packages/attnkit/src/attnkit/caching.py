@@ -49,7 +49,8 @@ def _fake_mode_active() -> bool:
 
 def reads_traced(*reads: Any) -> bool:
     """True when a traced (fake) tensor is among ``reads``, searched through tensors, containers, the attributes
-    of plain objects (masks, positions) and the closures of functions (a mask function's captured tensors).
+    of plain and slotted objects (masks, positions) and the closures of functions (a mask function's captured
+    tensors).
     False at once when no fake-tensor trace is active."""
     if not _fake_mode_active():
         return False
@@ -77,8 +78,11 @@ def reads_traced(*reads: Any) -> bool:
                     pass
         elif isinstance(o, types.MethodType):
             todo.append(o.__self__)
-        elif hasattr(o, "__dict__"):
-            todo.extend(vars(o).values())
+        else:
+            if hasattr(o, "__dict__"):
+                todo.extend(vars(o).values())
+            for cls in type(o).__mro__:   # slotted objects (attnkit.Positions)
+                todo.extend(getattr(o, s) for s in getattr(cls, "__slots__", ()) if hasattr(o, s))
     return False
 
 
