@@ -251,6 +251,26 @@ class PaddingShortcutAttention(NaiveAttention):
         return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
 
 
+class LengthHintAttention(NaiveAttention):
+    """Declares ``Capabilities.export_dynamic`` and scales its queries by a factor of the length read as a
+    plain int from a symbolic size's hint (a careless way to avoid specialising): the program keeps the
+    example's length, right there and wrong at every other length."""
+
+    def _forward(self, q, k, v, **kw):
+        L = q.shape[-2]
+        hint = L.node.hint if isinstance(L, torch.SymInt) else L
+        return super()._forward(q * (1.0 + 1.0 / hint), k, v, **kw)
+
+
+class LengthSpecialisingAttention(NaiveAttention):
+    """Declares ``Capabilities.export_dynamic`` and builds a table from the length as a Python int: the export
+    specialises the length, and ``torch.export`` refuses the dynamic dimension."""
+
+    def _forward(self, q, k, v, **kw):
+        ramp = torch.arange(int(q.shape[-2]), dtype=q.dtype, device=q.device)
+        return super()._forward(q + 0 * ramp[:, None], k, v, **kw)
+
+
 class NondeterministicAttention(NaiveAttention):
     """Redraws a random perturbation on every call, even in eval mode."""
 
@@ -678,6 +698,15 @@ CASES: list[BrokenCase] = [
     BrokenCase(PaddingShortcutAttention, "broken-export-padding", "export",
                r"causal=True, a key_padding mask as an input \(declared in Capabilities.export_masks\) raised",
                {"exact": True, "capabilities": Capabilities(export=True)}),
+    BrokenCase(LengthHintAttention, "broken-export-length-hint", "export_dynamic",
+               r"torch.export with a dynamic length \(exported at L = \d+\), causal=\w+, no mask input, "
+               r"backend='torch', at length \d+: .*vs eager",
+               {"exact": True, "capabilities": Capabilities(export=True, export_dynamic=("torch",))}),
+    BrokenCase(LengthSpecialisingAttention, "broken-export-specialised", "export_dynamic",
+               r"torch.export.export with a dynamic length \(1..\d+\), causal=False, no mask input, "
+               r"backend='torch' \(declared in Capabilities.export_dynamic \('torch',\)\) raised UserError: "
+               r"Constraints violated",
+               {"exact": True, "capabilities": Capabilities(export=True, export_dynamic=("torch",))}),
     BrokenCase(NoOpResetAttention, "broken-meta-init", "meta_init",
                r"state_dict entry 'features' after to_empty \+ reset_parameters\(\)",
                {"exact": True, "capabilities": BASIC}),

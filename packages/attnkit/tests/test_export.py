@@ -58,10 +58,47 @@ def test_export_masks_is_derived_from_the_mask_kinds():
     {"export": True, "export_masks": ("tensor",)},                 # not among its mask kinds
     {"export": False, "export_masks": ("key_padding",)},           # without export
     {"export": "yes"},
+    {"export": True, "export_dynamic": "torch"},                   # a string, not a tuple
+    {"export": True, "export_dynamic": ("numba",)},                # not among export_backends
+    {"export": False, "export_dynamic": ("torch",)},               # without export
 ])
 def test_capabilities_refuse_bad_export_declarations(fields):
     with pytest.raises(InvalidInputError, match=r"Capabilities\.export"):
         Capabilities(**fields)
+
+
+def test_export_dynamic_names_backends_of_export_backends():
+    assert Capabilities().export_dynamic == ()
+    assert Capabilities(export=True, export_dynamic=["torch"]).export_dynamic == ("torch",)
+    assert attnkit.get_spec("softmax").capabilities.export_dynamic == ("sdpa", "torch")
+
+
+def test_symbolic_is_true_only_for_a_dynamic_size_while_exporting():
+    from attnkit.transforms import symbolic
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append((symbolic(x.shape[0]), symbolic(x.shape[1])))
+            return x * 2
+
+    assert not symbolic(5)
+    _ = torch.export.export(Probe(), (torch.randn(6, 3),), dynamic_shapes=({0: torch.export.Dim("n", max=64)},))
+    assert seen[-1] == (True, False)        # the dynamic dimension, not the static one
+    Probe()(torch.randn(6, 3))
+    assert seen[-1] == (False, False)       # eager
+
+
+def test_a_dynamic_length_softmax_program_equals_eager_at_other_lengths():
+    m = _Call(attnkit.build("softmax").eval(), causal=True)
+    L = torch.export.Dim("L", min=1, max=1024)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(m, _qkv(6), dynamic_shapes=({2: L}, {2: L}, {2: L})).module()
+    with torch.no_grad():
+        for n in (1, 7, 100):
+            torch.testing.assert_close(program(*_qkv(n, seed=n)), m(*_qkv(n, seed=n)), rtol=0, atol=1e-6)
 
 
 def test_undeclared_export_is_refused_with_the_implementations_that_declare_it():

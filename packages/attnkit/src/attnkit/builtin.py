@@ -19,6 +19,7 @@ SOFTMAX = AttentionSpec(
     reference="attnkit.reference:softmax_reference",
     capabilities=Capabilities(
         func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("sdpa", "torch"),
+        export_dynamic=("sdpa", "torch"),
         causal=True,
         key_padding_mask=True,
         attn_mask=True,

@@ -130,6 +130,11 @@ class Capabilities:
             exporting. Masks that hold no input (causal, windows, constants) need no declaration. None
             (the default) derives it: with ``export``, every kind of ``mask_kinds`` among them; without, none.
             After construction it is always a tuple.
+        export_dynamic: the backends of ``export_backends`` whose programs keep a dynamic length: exported with
+            the sequence length declared dynamic (``dynamic_shapes``, one ``torch.export.Dim`` for the length of
+            q, k, v and of a key padding mask), the program gives the eager output at other lengths, in every
+            causal mode. On the others the export fixes the length (``torch.export`` reports the dimension as
+            specialised: export once per length, or pad to one length with a key padding mask). Default ``()``.
     """
 
     causal: bool = True
@@ -158,6 +163,7 @@ class Capabilities:
     export: bool = False
     export_masks: tuple[str, ...] | None = None
     export_backends: tuple[str, ...] | None = None
+    export_dynamic: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.streaming is not None and self.streaming not in STREAMING_KINDS:
@@ -212,6 +218,11 @@ class Capabilities:
                     f"Capabilities.export_backends must be a tuple of its backends {self.backends} with "
                     f"export=True; got {self.export_backends!r} (export={self.export!r})")
         object.__setattr__(self, "export_backends", eb)
+        if isinstance(self.export_dynamic, str) or any(b not in eb for b in self.export_dynamic):
+            raise InvalidInputError(
+                f"Capabilities.export_dynamic must be a tuple of backends among export_backends {eb}; got "
+                f"{self.export_dynamic!r}")
+        object.__setattr__(self, "export_dynamic", tuple(self.export_dynamic))
         for name in ("max_length", "length_multiple"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

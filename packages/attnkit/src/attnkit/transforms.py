@@ -14,7 +14,7 @@ import torch
 
 from .spec import FUNC_TRANSFORMS
 
-__all__ = ["FUNC_TRANSFORMS", "active", "plain_torch"]
+__all__ = ["FUNC_TRANSFORMS", "active", "chunk_count", "plain_torch", "symbolic"]
 
 
 def active() -> tuple[str, ...]:
@@ -35,3 +35,28 @@ def plain_torch() -> bool:
     while ``torch.export`` traces (the program is ATen operators: no host reads of tensor values, no ``out=``
     products into kept buffers, no branch on values; it also runs with gradients enabled)."""
     return bool(active()) or torch.compiler.is_exporting()
+
+
+def symbolic(*sizes: object) -> bool:
+    """True while ``torch.export`` traces and any of ``sizes`` is symbolic (``torch.SymInt``: a dimension the
+    export declares dynamic in ``dynamic_shapes``). Code that would loop or branch on such a size (chunk loops,
+    ``if L % C``) takes a form whose operators follow the size instead, so one program serves every length.
+    (``torch.compile`` with dynamic shapes keeps the eager forms: it recompiles where they fix a size.)"""
+    return torch.compiler.is_exporting() and any(isinstance(n, torch.SymInt) for n in sizes)
+
+
+def chunk_count(length: torch.SymInt, chunk: int) -> torch.SymInt:
+    """``ceil(length / chunk)`` for a length :func:`symbolic` says is dynamic, as a size of its own.
+
+    The count is an unbacked symbol (read with ``.item()`` in the program) with the facts a program needs
+    asserted at run time: ``(N - 1)·chunk < length <= N·chunk``. Operators on ``(N, chunk)`` blocks of the
+    padded length then neither specialise the length nor ask for guards the shape solver cannot prove for
+    every length (a backed ``(length + chunk - 1) // chunk`` draws contiguity checks such as ``N == 1`` and
+    ``N·chunk != length``, which ``torch.export`` reports as a violated constraint). Loops in Python over the
+    count are not possible: write the loop as batched operators (a prefix sum, a masked product).
+    """
+    n = torch.scalar_tensor(length, dtype=torch.int64).add(chunk - 1).div(chunk, rounding_mode="floor").item()
+    torch._check(n >= 1)
+    torch._check(n * chunk >= length)
+    torch._check((n - 1) * chunk < length)
+    return n

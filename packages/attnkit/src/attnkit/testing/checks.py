@@ -59,7 +59,7 @@ from .config import (
     ErrorDistribution,
 )
 from .context import isolated, make_inputs
-from .exporting import check_export
+from .exporting import check_export, check_export_dynamic
 from .fuzz import check_fuzz
 from .grad_modes import check_autocast, check_checkpointing, check_func_transforms, check_inference_mode
 from .gradients import check_double_backward, check_gradcheck, check_gradients, check_training_mode
@@ -76,7 +76,8 @@ __all__ = [
     "ConformanceReport", "ErrorDistribution", "make_inputs", "run_check", "run_conformance", "check_attn_mask",
     "check_autocast", "check_aux_losses", "check_backends", "check_batch_independence", "check_causality",
     "check_checkpointing", "check_cross_attention", "check_determinism", "check_double_backward",
-    "check_empty_sequences", "check_error_bound", "check_export", "check_func_transforms", "check_fuzz",
+    "check_empty_sequences", "check_error_bound", "check_export",
+    "check_export_dynamic", "check_func_transforms", "check_fuzz",
     "check_fully_masked_rows", "check_gradcheck", "check_gradients", "check_inference_mode", "check_key_padding",
     "check_mask_objects",
     "check_meta_init", "check_nan_queries", "check_padded_values", "check_reference", "check_refusals",
@@ -116,6 +117,7 @@ CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
         ("serialisation", check_serialisation),
         ("meta_init", check_meta_init),
         ("export", check_export),
+        ("export_dynamic", check_export_dynamic),
         ("determinism", check_determinism),
         ("empty_sequences", check_empty_sequences),
         ("padded_values", check_padded_values),

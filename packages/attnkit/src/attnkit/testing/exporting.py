@@ -1,4 +1,5 @@
-"""The ``torch.export`` check: an exported program gives the eager output on other inputs of the same shapes."""
+"""The ``torch.export`` checks: an exported program gives the eager output on other inputs of the same shapes
+(``export``), and at other lengths when the length is declared dynamic (``export_dynamic``)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,88 @@ def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n:
         except Exception as exc:  # noqa: BLE001
             c.fail(f"the exported program, {label}, on {which}, raised {type(exc).__name__}: {exc}")
         c.close(got.detach(), want, f"torch.export, {label}, on {which}", dtype=dt, against="eager")
+
+
+#: Longest length a dynamic-length export declares when the implementation sets no limit.
+DYNAMIC_MAX_LENGTH = 4096
+
+
+def check_export_dynamic(cfg: ConformanceConfig) -> None:
+    """``torch.export.export`` with the sequence length declared dynamic (one ``torch.export.Dim`` for the
+    length of q, k, v; a fresh module, eval, the precise dtype, exported at the configured L). Each backend of
+    ``Capabilities.export_dynamic`` that runs here is forced, in each causal mode (and with a key padding mask
+    as an input of that length when ``export_masks`` holds ``key_padding``): the export must succeed and the
+    program (saved and loaded) must give the eager output at lengths 1 (without a mask), 3, L + 5, the long
+    length and 131 (those the instance's limits accept), so no value derived from the example's length stays in
+    the program. Without a declaration the automatic choice is tried once in the last causal mode: it may fix the
+    length (``torch.export`` then reports the dimension), but a program it does produce must be right at every
+    length too.
+    """
+    c = Ctx("export_dynamic", cfg)
+    caps = c.caps
+    if not caps.export:
+        c.skip("Capabilities.export is not declared")
+    runnable, _ = c.backends()
+    modes = c.causal_modes()
+    if runnable == [None]:   # the factory takes no backend option: its one backend
+        declared: list[str | None] = [None] if caps.export_dynamic else []
+    else:
+        declared = [b for b in runnable if b in caps.export_dynamic]
+    n = 0
+    for backend in declared:
+        for causal in modes:
+            _dynamic_case(c, causal, backend, False, n, required=True)
+            n += 1
+        if "key_padding" in caps.export_masks:
+            _dynamic_case(c, modes[-1], backend, True, n, required=True)
+            n += 1
+    if not caps.export_dynamic:
+        _dynamic_case(c, modes[-1], None, False, n, required=False)
+
+
+def _dynamic_case(c: Ctx, causal: bool, backend: str | None, padded: bool, n: int, *, required: bool) -> None:
+    dt, L, B = c.precise(), c.L, c.B
+    attn = c.build(dtype=dt, backend=backend)
+    module = _Exported(attn, causal, "key_padding" if padded else None)
+    limits = getattr(attn, "limits", None)
+    top = DYNAMIC_MAX_LENGTH if limits is None or limits.max_length is None else limits.max_length
+    lengths = [m for m in dict.fromkeys(((3,) if padded else (1, 3)) + (L + 5, c.cfg.long_length or 67, 131))
+               if m <= top and (limits is None or limits.why_not(m, m) is None)]
+    label = (f"causal={causal}, " + ("a key padding mask as an input" if padded else "no mask input")
+             + (", backend='auto'" if backend is None else f", backend={backend!r}"))
+
+    def args(m: int, seed: int) -> tuple[Tensor, ...]:
+        q, k, v = c.inputs(m, m, dt, seed_offset=seed)
+        return (q, k, v, padding_mask(B, m, c.device)) if padded else (q, k, v)
+
+    length = torch.export.Dim("L", min=1, max=top)
+    shapes = tuple({2: length} for _ in range(3)) + (({1: length},) if padded else ())
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exported = torch.export.export(module, args(L, n), dynamic_shapes=shapes)
+    except Exception as exc:  # noqa: BLE001
+        if not required:
+            return
+        c.fail(f"torch.export.export with a dynamic length (1..{top}), {label} (declared in "
+               f"Capabilities.export_dynamic {c.caps.export_dynamic}) raised {type(exc).__name__}: "
+               f"{str(exc).splitlines()[0] if str(exc) else ''}")
+    try:
+        buf = io.BytesIO()
+        torch.export.save(exported, buf)
+        buf.seek(0)
+        program = torch.export.load(buf).module()
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"torch.export.save / load of the dynamic-length program, {label}, raised "
+               f"{type(exc).__name__}: {exc}")
+    for m in lengths:
+        inputs = args(m, n + 60 + m)
+        want = c.call(module, f"eager after torch.export, length {m}, {label}", *inputs[:3],
+                      **({"x": inputs[3]} if padded else {}))
+        try:
+            got = program(*inputs)
+        except Exception as exc:  # noqa: BLE001
+            c.fail(f"the dynamic-length program (exported at L = {L}), {label}, at length {m} raised "
+                   f"{type(exc).__name__}: {exc}")
+        c.close(got.detach(), want, f"torch.export with a dynamic length (exported at L = {L}), {label}, at "
+                f"length {m}", dtype=dt, against="eager")

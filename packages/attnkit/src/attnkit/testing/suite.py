@@ -226,6 +226,10 @@ class AttentionConformance:
         """torch.export: the program equals eager on other inputs and mask inputs it declares; the rest refused."""
         self.run_check("export")
 
+    def test_export_dynamic(self) -> None:
+        """torch.export with a dynamic length: declared backends' programs equal eager at other lengths."""
+        self.run_check("export_dynamic")
+
     def test_checkpointing(self) -> None:
         """Training steps under torch.utils.checkpoint (non-reentrant) equal the plain steps."""
         self.run_check("checkpointing")
