@@ -10,6 +10,7 @@ from torch import Tensor
 from attnkit import Attention
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
+from attnkit.transforms import symbolic
 
 from ._busy import busy_threads
 from ._ops import HALF_DTYPES, backend_module, kernel_inputs, runnable_backend
@@ -161,6 +162,8 @@ class KernelizedAttention(Attention):
                   backend: str) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The causal form over ``L`` positions from ``state`` (None: zeros), :attr:`segment_length` at a time."""
         L, seg = q.shape[2], self.segment_length_for(q.device)
+        if symbolic(L):  # a dynamic length in torch.export: one segment of any length
+            return self._causal_segment(q, k, v, kpm, state, backend)
         outs = []
         # torch.split, not slicing: under autograd one backward node per input concatenates the segments'
         # gradients, where a slice per segment writes a zero tensor of the whole length and adds them up

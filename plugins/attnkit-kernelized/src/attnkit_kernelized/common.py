@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.transforms import chunk_count, symbolic
+
 #: positions per chunk of the chunked torch forms and the kernels, unless ``chunk_size`` says otherwise
 DEFAULT_CHUNK = 64
 
@@ -25,19 +27,23 @@ def with_ones_column(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
-def split_chunks(chunk: int, *xs: Tensor) -> tuple[int, int, list[Tensor]]:
+def split_chunks(chunk: int, *xs: Tensor, dynamic: bool = True) -> tuple[int, int, list[Tensor]]:
     """Zero-pad the length (dim 2) to a multiple of ``C = min(chunk, L)`` and split it.
 
     Each ``(B, H, L, F)`` tensor becomes ``(B, H, N, C, F)``; returns ``(C, N, tensors)``
-    (``N = 0`` for an empty sequence).
+    (``N = 0`` for an empty sequence). A length ``torch.export`` traces as dynamic
+    (:func:`attnkit.transforms.symbolic`) gives ``C = chunk`` and ``N`` from
+    :func:`attnkit.transforms.chunk_count`, unless ``dynamic`` is False (a caller that loops over the chunks in
+    Python: the export then fixes the length).
     """
     L = xs[0].shape[2]
-    C = max(1, min(chunk, L))
-    N = -(-L // C)
+    dynamic = dynamic and symbolic(L)
+    C = max(1, chunk) if dynamic else max(1, min(chunk, L))
+    N = chunk_count(L, C) if dynamic else (L + C - 1) // C
 
     def split(x: Tensor) -> Tensor:
         extra = N * C - x.shape[2]
-        x = F.pad(x, (0, 0, 0, extra)) if extra else x
+        x = F.pad(x, (0, 0, 0, extra)) if dynamic or extra else x
         return x.reshape(*x.shape[:2], N, C, x.shape[-1])
 
     return C, N, [split(x) for x in xs]

@@ -45,6 +45,7 @@ LINEAR = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("numba", "torch"),
+        export_dynamic=("numba", "torch"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
@@ -89,6 +90,7 @@ RFA = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("numba", "torch"),
+        export_dynamic=("numba", "torch"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,
@@ -110,6 +112,7 @@ FAST_WEIGHT = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("numba", "torch"),
+        export_dynamic=("numba",),
         causal=True, noncausal=False, key_padding_mask=True, attn_mask=False, cross=False,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time="O(L·M·E)",

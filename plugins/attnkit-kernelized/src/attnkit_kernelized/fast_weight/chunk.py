@@ -59,7 +59,8 @@ def delta_rule(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor
     E = v.shape[-1]
     # chunk-major layout (N, B*H, C, .) from the start, one copy of each input: every chunk's block is then
     # contiguous for bmm, and T and tril(Q K^T) come out in that layout too
-    C, N, parts = split_chunks(chunk, phi_q, phi_k, v, beta.unsqueeze(-1))
+    # (a loop over the chunks below: a torch.export program of this form fixes the length)
+    C, N, parts = split_chunks(chunk, phi_q, phi_k, v, beta.unsqueeze(-1), dynamic=False)
     q, k, w, b = (x.reshape(B * H, N, C, x.shape[-1]).transpose(0, 1).contiguous() for x in parts)
     strict_upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu()
     future = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)

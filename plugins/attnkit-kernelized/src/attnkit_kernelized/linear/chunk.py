@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnkit.transforms import symbolic
+
 from ..common import DEFAULT_CHUNK, normalize, split_chunks, with_ones_column
 
 
@@ -52,9 +54,9 @@ def linear_num_den(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Tensor | None = 
     kv = k.transpose(-1, -2) @ w                                          # per-chunk states (B, H, N, M, E+1)
     # inclusive prefix sum over chunks from the carried state; each chunk starts from the one before
     ends = Sp0.unsqueeze(2) + torch.cumsum(kv, dim=2)
-    starts = torch.cat([Sp0.unsqueeze(2), ends[:, :, :-1]], dim=2)[:, :, :N]
+    starts = torch.cat([Sp0.unsqueeze(2), ends], dim=2)[:, :, :N]
     out = (intra + q @ starts).reshape(B, H, N * C, E + 1)[:, :, :L]
-    final = ends[:, :, -1] if N else Sp0
+    final = ends[:, :, -1] if symbolic(N) or N else Sp0
     return out[..., :E], out[..., E], final[..., :E], final[..., E]
 
 

@@ -129,6 +129,10 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         The normalised output (0 where a query has seen no key) and the new state.
     """
     B, H, L, _ = lq.shape
+    if transforms.symbolic(L):
+        # a dynamic length under torch.export: this form loops over its chunks and branches per chunk, so the
+        # program fixes the length (torch.export reports the dimension as specialised)
+        L = int(L)
     M = lq.shape[-1] if a is None else a.shape[-1]
     M = max(M, lk.shape[-1] if b is None else b.shape[-1])
     Mk = lk.shape[-1]
