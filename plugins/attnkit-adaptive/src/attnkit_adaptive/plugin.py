@@ -71,7 +71,7 @@ ENTMAX = AttentionSpec(
     approximation="a different normalisation of the scores (alpha-entmax, exact zeros); softmax only as "
                   "alpha -> 1",
     capabilities=Capabilities(
-        func_transforms=("vmap", "jvp"), export=True,
+        func_transforms=("vmap", "jvp"), export=True, export_dynamic=("torch",),
         causal=True, key_padding_mask=True, attn_mask=True, cross=True, causal_cross=True, positions=True,
         dtypes=DTYPES, backends=("torch",),
         time="O(L·S·(D + n_iter)) (bisection over the dense scores)", memory="O(L·S)",

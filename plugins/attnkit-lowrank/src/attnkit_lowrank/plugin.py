@@ -195,7 +195,7 @@ ISAB = AttentionSpec(
                    "not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O((L + S)·m·D)", memory="O((L + S)·m) per head",

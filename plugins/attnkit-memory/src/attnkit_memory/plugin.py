@@ -78,7 +78,7 @@ MEMORY_TOKENS = AttentionSpec(
                    "attention-level form of RMT (each layer keeps its own slots)"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         **_MEMORY_CAPS, backends=("torch",),
         time="O((L + N)·(N + S)·D) per segment",
         memory="O((L + N)·(N + S)) scores per head + O(N·(D + E)) memory per head",
