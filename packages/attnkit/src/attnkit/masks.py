@@ -269,6 +269,12 @@ class Mask:
         """``(lo, hi)`` when the mask is exactly ``lo <= q_pos - kv_pos <= hi`` (a position band), else None."""
         return None
 
+    def _reach(self) -> tuple[float, float] | None:
+        """``(lo, hi)`` such that every allowed pair has ``lo <= q_pos - kv_pos <= hi`` (a band holding the mask,
+        not necessarily equal to it), or None when no such bound is known. Default: :meth:`_band`. A code path
+        that cannot build a block plan (a length ``torch.export`` traces as dynamic) attends within it."""
+        return self._band()
+
     def _shift_invariant(self, geom: Geometry) -> bool:
         """True when, on ``geom``, the mask depends only on ``q_idx - kv_idx`` (not on b, h or the indices
         themselves), so two tiles with the same offset and the same valid region have the same element mask."""
@@ -744,6 +750,12 @@ class _And(_Compound):
             return None
         return max(b[0] for b in bands), min(b[1] for b in bands)  # type: ignore[index]
 
+    def _reach(self):
+        reaches = [r for r in (p._reach() for p in self.parts) if r is not None]
+        if not reaches:
+            return None
+        return max(r[0] for r in reaches), min(r[1] for r in reaches)
+
     def _block_parts(self, geom):
         # position bands (causal, sliding windows) intersect into one band, classified exactly from block
         # min/max positions when positions are contiguous within blocks (the default): no tile needs _refine
@@ -791,6 +803,12 @@ class _Or(_Compound):
 
     def conjuncts(self):
         return [self]  # one atomic part of kind "union"
+
+    def _reach(self):
+        reaches = [p._reach() for p in self.parts]
+        if any(r is None for r in reaches):
+            return None
+        return min(r[0] for r in reaches), max(r[1] for r in reaches)  # type: ignore[index]
 
     @staticmethod
     def _combine_keep(a: Tensor, b: Tensor) -> Tensor:

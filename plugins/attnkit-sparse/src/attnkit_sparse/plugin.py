@@ -36,13 +36,16 @@ _CHILD = Paper("Child, Gray, Radford, Sutskever", 2019, "Generating Long Sequenc
 
 
 def _caps(*, causal: bool = True, cross: bool = True, streaming: str | None = None, time: str,
-          context_parallel: bool = False) -> Capabilities:
+          context_parallel: bool = False, banded: bool = False) -> Capabilities:
+    # banded: the pattern's pairs lie in a finite position band, so a program with a dynamic length attends
+    # within it (engine/dynamic.py); every other pattern's block plan fixes the length of a program
     return Capabilities(
         causal=causal, noncausal=True, key_padding_mask=True, attn_mask=True, cross=cross,
         causal_cross=causal and cross, streaming=streaming, positions=True, context_parallel=context_parallel,
         mask_kinds=_KINDS if causal else tuple(k for k in _KINDS if k != "causal"),
         dtypes=HALF_AND_FULL, backends=BACKENDS, time=time, memory=_MEMORY, func_transforms=("grad", "vmap", "jvp"),
         export=True, export_backends=("numba", "torch"),   # numba: custom operators (the plugin imported to load)
+        export_dynamic=("numba", "torch") if banded else (),
     )
 
 
@@ -59,14 +62,14 @@ def _spec(name: str, cls: str, module: str, summary: str, paper: Paper | None, c
 
 LOCAL = _spec("local", "LocalAttention", "local",
               "Sliding window: each query sees `window` keys, itself included (causal: itself and the window - 1 "
-              "before).", _PARMAR, _caps(streaming="exact", time="O(L·window·D)", context_parallel=True),
+              "before).", _PARMAR, _caps(streaming="exact", time="O(L·window·D)", context_parallel=True, banded=True),
               aliases=("sliding-window", "band"))
 DILATED = _spec("dilated", "DilatedAttention", "local",
                 "Dilated window: `window` keys `dilation` apart, itself included; per-head dilations allowed.",
-                _LONGFORMER, _caps(streaming="exact", time="O(L·window·D)"))
+                _LONGFORMER, _caps(streaming="exact", time="O(L·window·D)", banded=True))
 BLOCK_LOCAL = _spec("block-local", "BlockLocalAttention", "local",
                     "Non-overlapping blocks of `block_size` positions attend within themselves (optionally also "
-                    "the previous block).", _PARMAR, _caps(time="O(L·block_size·D)"))
+                    "the previous block).", _PARMAR, _caps(time="O(L·block_size·D)", banded=True))
 GLOBAL = _spec("global", "GlobalAttention", "global_",
                "Local window plus global tokens that see every key and are seen by every query.",
                Paper("Ainslie, Ontanon, Alberti, Cvicek, Fisher, Pham, Ravula, Sanghai, Wang, Yang", 2020,

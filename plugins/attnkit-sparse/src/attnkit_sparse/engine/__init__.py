@@ -34,6 +34,7 @@ from attnkit.caching import reads_traced
 from attnkit.errors import BackendUnavailableError, InvalidInputError
 from attnkit.masks import Geometry, Mask
 from attnkit.positions import Positions, as_positions
+from attnkit.transforms import symbolic
 
 from .naive import reference_attend
 from .plan import DEFAULT_BLOCK_SIZE, BlockPlan, check_block_size, plan, tl_dot_blocks
@@ -199,6 +200,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
         keep = kpm.to(q.device)[:, None, :, None]
         k = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
         v = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    if symbolic(L, S) and positions is None:
+        # torch.export with a dynamic length: a plan would fix the length; a banded pattern attends within its
+        # band instead (one program for every length), any other fixes the length below
+        from .dynamic import attend_band, band_of
+
+        band = band_of(mask)
+        if band is not None and L == S:
+            return attend_band(q, k, v, mask, band, scale)
     if mask is not None and reads_traced(mask, positions):   # (torch.export with a mask among its inputs)
         return _attend_traced(q, k, v, mask, scale, block_size, positions)
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)

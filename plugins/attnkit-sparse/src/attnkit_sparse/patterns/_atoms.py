@@ -152,6 +152,12 @@ class PeriodicBand(Atom):
         d = qpos - kpos
         return (d >= lo) & (d <= hi) & (d % p == 0)
 
+    def _reach(self):
+        if self.before >= BIG or self.after >= BIG:
+            return None
+        p = int(self.period.max()) if isinstance(self.period, Tensor) else self.period
+        return -self.after * p, self.before * p
+
     def _tiles(self, qlo, qhi, klo, khi, geom):
         p, lo, hi = self._bounds(geom)
         dlo, dhi = qlo - khi, qhi - klo
@@ -177,6 +183,12 @@ class BlockBand(Atom):
     def block_size(self, geom: Geometry) -> int:
         assert self.size is not None
         return self.size
+
+    def _reach(self):
+        if self.size is None or type(self).block_size is not BlockBand.block_size:
+            return None        # a block size that follows the geometry: no bound known without the shape
+        s = self.size          # blk(k) - blk(q) in [lo, hi] puts k in [(blk(q) + lo)·s, (blk(q) + hi + 1)·s)
+        return -(self.hi + 1) * s + 1, (1 - self.lo) * s - 1
 
     def _allow(self, h, qpos, kpos, geom):
         s = self.block_size(geom)
