@@ -36,7 +36,7 @@ TRANSFORMER_XL = AttentionSpec(
     error_bound=None,
     capabilities=Capabilities(
         func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("sdpa", "torch"),
-        **_MEMORY_CAPS, backends=("sdpa", "torch"),
+        export_dynamic=("sdpa", "torch"), **_MEMORY_CAPS, backends=("sdpa", "torch"),
         time="O(L·(M + S)·D) per segment",
         memory="O(L·(M + S)) scores per head (the shift is a view) + O(M·(D + E)) memory per head",
     ),
@@ -58,7 +58,7 @@ COMPRESSIVE = AttentionSpec(
     aux_losses={"attention_reconstruction": 1.0},
     capabilities=Capabilities(
         func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("sdpa", "torch"),
-        **_MEMORY_CAPS, backends=("sdpa", "torch"),
+        export_dynamic=("sdpa", "torch"), **_MEMORY_CAPS, backends=("sdpa", "torch"),
         time="O(L·(Mc + M + S)·D) per segment",
         memory="O(L·(Mc + M + S)) scores per head + O((Mc + M)·(D + E)) memory per head",
     ),

@@ -33,6 +33,7 @@ from attnkit import Attention
 from attnkit.attention import Limits
 from attnkit.caching import kept_tensors
 from attnkit.errors import InvalidInputError, UnsupportedFeatureError
+from attnkit.transforms import symbolic
 
 from ..common import Float32Inside, causal_keep, check_int_option, masked_softmax, rel_shift, sinusoid
 
@@ -216,7 +217,10 @@ class TransformerXLAttention(Float32Inside, Attention):
         bd = (q + vb[None, :, None]) @ self.rel_encodings(T, q.dtype, q.device).transpose(-1, -2)[None]
         any_kept = keep.any(dim=-1, keepdim=True)
         allowed = keep | ~any_kept
-        bias = (rel_shift(bd) * scale).masked_fill(~allowed, float("-inf"))
+        shifted = rel_shift(bd)
+        if symbolic(T):  # a dense copy: elementwise ops on the row stride T - 1 ask a guard T - 1 != 1
+            shifted = shifted.contiguous()
+        bias = (shifted * scale).masked_fill(~allowed, float("-inf"))
         out = torch.nn.functional.scaled_dot_product_attention(q + u[None, :, None], K, V, attn_mask=bias,
                                                                scale=scale)
         return out.masked_fill(~any_kept, 0.0)
