@@ -130,8 +130,10 @@ class PeriodicBand(Atom):
         if isinstance(period, tuple):
             self.head_dependent = True
             self.period: Any = torch.tensor(period, dtype=torch.long)
+            self.widest = max(int(p) for p in period)   # (a Python int: reading the tensor in a trace is an op)
         else:
             self.period = int(period)
+            self.widest = self.period
 
     def check(self, geom, where="forward"):
         if isinstance(self.period, Tensor) and self.period.numel() != geom.H:
@@ -155,8 +157,7 @@ class PeriodicBand(Atom):
     def _reach(self):
         if self.before >= BIG or self.after >= BIG:
             return None
-        p = int(self.period.max()) if isinstance(self.period, Tensor) else self.period
-        return -self.after * p, self.before * p
+        return -self.after * self.widest, self.before * self.widest
 
     def _tiles(self, qlo, qhi, klo, khi, geom):
         p, lo, hi = self._bounds(geom)
