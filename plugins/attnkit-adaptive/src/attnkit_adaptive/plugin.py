@@ -41,7 +41,7 @@ ADAPTIVE_SPAN = AttentionSpec(
                   "attention (equal to causal softmax when every span covers the sequence and R -> 0)",
     aux_losses={"span_l1": 2e-6},
     capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "vmap", "jvp"), export=True,
-                                     export_masks=None),
+                                     export_masks=None, export_backends=("torch",), export_dynamic=("torch",)),
 )
 
 DYNAMIC_SPAN = AttentionSpec(
@@ -56,7 +56,7 @@ DYNAMIC_SPAN = AttentionSpec(
                   "renormalised: a different attention",
     aux_losses={"span_l1": 2e-6},
     capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "jvp"), export=True,
-                                     export_masks=None),
+                                     export_masks=None, export_backends=("torch",), export_dynamic=("torch",)),
 )
 
 ENTMAX = AttentionSpec(
@@ -93,7 +93,7 @@ SPARSE_ADAPTIVE = AttentionSpec(
                   "score in the logit): a different, sparse attention; the predictor trains through the chosen "
                   "edges instead of REINFORCE (docs/mechanisms/sparse-adaptive.md)",
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         causal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal", "key_padding"), dtypes=DTYPES, backends=("torch",),
         time="O(L·S·r) predictor (r = predictor_dim) + O(L·num_edges·D) attention",

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit import Attention
 from attnkit.context import CallContext
+from attnkit.transforms import symbolic
 
 from .._checks import positive_int
 from .._half import Float32Inside
@@ -80,8 +82,10 @@ class SparseAdaptiveAttention(Float32Inside, Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Tensor:
         B, H, L, _ = q.shape
         S = k.shape[2]
-        kk = min(self.num_edges, S)
         kr = torch.einsum("bhsd,hdr->bhsr", k, self.pred_k.to(k.dtype))
+        if symbolic(L, S):
+            return self._attend_dynamic(q, k, v, kr, ctx)
+        kk = min(self.num_edges, S)
         outs = []
         for c0 in range(0, L, self.chunk_size):
             rows = torch.arange(c0, min(c0 + self.chunk_size, L), device=q.device)
@@ -100,6 +104,33 @@ class SparseAdaptiveAttention(Float32Inside, Attention):
             w = torch.softmax(torch.where(any_, s, torch.zeros_like(s)), dim=-1) * any_
             outs.append((w[..., None] * vs).sum(-2))
         return torch.cat(outs, dim=2)
+
+    def _attend_dynamic(self, q: Tensor, k: Tensor, v: Tensor, kr: Tensor, ctx: CallContext) -> Tensor:
+        """:meth:`_attend` for a length ``torch.export`` traces as dynamic: one program for every length.
+
+        All query rows in one chunk (a loop over ``ceil(L / chunk_size)`` chunks would fix the length; the
+        predictor scores are then ``O(L·S)``), and ``num_edges`` columns of ``-inf`` appended to the scores so
+        that ``topk`` always takes ``num_edges`` (not ``min(num_edges, S)``): the appended edges are invalid
+        like the masked ones (weight 0; their index is clamped to a real key for the gather), so the output is
+        the eager one.
+        """
+        B, H, L, _ = q.shape
+        S = k.shape[2]
+        kk = self.num_edges
+        rows = torch.arange(L, device=q.device)
+        e = self.edge_scores(q, kr, rows, S, L)
+        keep = allowed_pairs(rows, S, L, causal=ctx.causal, key_padding_mask=ctx.key_padding_mask)
+        e = F.pad(e.masked_fill(~keep, float("-inf")), (0, kk), value=float("-inf"))
+        ev, idx = e.topk(kk, dim=-1)                                           # (B, H, L, kk)
+        valid = ev != float("-inf")
+        flat = idx.clamp(max=S - 1).reshape(B, H, -1, 1)
+        ks = k.gather(2, flat.expand(-1, -1, -1, k.shape[-1])).view(B, H, L, kk, -1)
+        vs = v.gather(2, flat.expand(-1, -1, -1, v.shape[-1])).view(B, H, L, kk, -1)
+        s = (q[..., None, :] * ks).sum(-1) * ctx.scale + torch.where(valid, ev, torch.zeros_like(ev))
+        s = s.masked_fill(~valid, float("-inf"))
+        any_ = valid.any(-1, keepdim=True)
+        w = torch.softmax(torch.where(any_, s, torch.zeros_like(s)), dim=-1) * any_
+        return (w[..., None] * vs).sum(-2)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_edges={self.num_edges}, predictor_dim={self.predictor_dim}"

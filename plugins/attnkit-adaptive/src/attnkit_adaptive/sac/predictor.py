@@ -14,7 +14,7 @@ def distance_bucket(d: Tensor, buckets: int) -> Tensor:
 def allowed_pairs(rows: Tensor, S: int, L: int, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
     """bool ``(B' , 1, R, S)``: which keys the query rows ``rows`` may reach (causal bottom-right, key padding)."""
     j = torch.arange(S, device=rows.device)
-    keep = torch.ones(len(rows), S, dtype=torch.bool, device=rows.device)
+    keep = torch.ones(rows.shape[0], S, dtype=torch.bool, device=rows.device)
     if causal:
         keep = j[None, :] <= rows[:, None] + (S - L)
     keep = keep[None, None]

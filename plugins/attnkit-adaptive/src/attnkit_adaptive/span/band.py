@@ -32,13 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.transforms import chunk_count, symbolic
+
 __all__ = ["band_blocks", "span_band_attention"]
 
 
-def band_blocks(z_max: float, ramp: float, block_size: int, num_blocks: int) -> int:
-    """How many key blocks before its own a query block needs: every key at distance < ``z_max + ramp``."""
+def band_blocks(z_max: float, ramp: float, block_size: int, num_blocks: int | None) -> int:
+    """How many key blocks before its own a query block needs: every key at distance < ``z_max + ramp``
+    (at most ``num_blocks - 1``; ``num_blocks`` None: no cap)."""
     far = max(math.ceil(z_max + ramp) - 1, 0)  # the largest distance with m_z > 0
-    return min(math.ceil(far / block_size), max(num_blocks - 1, 0))
+    nb = math.ceil(far / block_size)
+    return nb if num_blocks is None else min(nb, max(num_blocks - 1, 0))
 
 
 def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float, *, scale: float,
@@ -64,14 +68,18 @@ def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float,
     B, H, L, D = q.shape
     E = v.shape[-1]
     C = block_size
-    nq = -(-L // C)
+    dynamic = symbolic(L)
+    # a length torch.export traces as dynamic: the block count an unbacked size (a backed ceil(L / C) draws
+    # guards the shape solver cannot prove for every length), the band not capped by it (keys before the
+    # sequence are invalid below anyway)
+    nq = chunk_count(L, C) if dynamic else -(-L // C)
     Lp = nq * C
     zd = z.detach()
     if z_bound is not None and torch.compiler.is_exporting():
         z_max = float(z_bound)
     else:
         z_max = float(torch.nan_to_num(zd, nan=0.0, posinf=0.0).clamp_min(0).max()) if zd.numel() else 0.0
-    nb = band_blocks(z_max, ramp, C, nq)
+    nb = band_blocks(z_max, ramp, C, None if dynamic else nq)
     W = (nb + 1) * C
     dev = q.device
     qc = F.pad(q, (0, 0, 0, Lp - L)).view(B, H, nq, C, D)
