@@ -1,6 +1,7 @@
 """torch.export with a dynamic length: the chunked torch forms of linear and gated (rfa) attention take a chunk count
 of their own (``common.chunk_count``) and no Python loop over it, so one program serves every length; the numba
-operators take any length; fast-weight's torch form and performer's causal form still fix the length."""
+operators take any length; performer's log-space form decides its pairwise chunks with one torch.cond; fast-weight's
+torch form still fixes the length."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def test_split_chunks_keeps_a_static_length_when_the_caller_loops():
 
 
 @pytest.mark.parametrize("name,backend", [("linear", "numba"), ("linear", "torch"), ("rfa", "numba"),
-                                          ("rfa", "torch"), ("fast-weight", "numba")])
+                                          ("rfa", "torch"), ("fast-weight", "numba"), ("performer", "numba"),
+                                          ("performer", "torch")])
 def test_causal_programs_with_a_dynamic_length_equal_eager(name, backend):
     """The declared backends (``Capabilities.export_dynamic``) with a key padding mask as an input of the same
     dynamic length: one program, the eager output at every length."""
@@ -106,7 +108,7 @@ def test_causal_programs_with_a_dynamic_length_equal_eager(name, backend):
         torch.testing.assert_close(program(*a), Call()(*a), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,backend", [("fast-weight", "torch"), ("performer", "numba"), ("performer", "torch")])
+@pytest.mark.parametrize("name,backend", [("fast-weight", "torch")])
 def test_undeclared_causal_forms_fix_the_length(name, backend):
     """Not declared in export_dynamic: torch.export reports the length as specialised (no wrong program)."""
     assert backend not in attnkit.get_spec(name).capabilities.export_dynamic
@@ -123,3 +125,48 @@ def test_undeclared_causal_forms_fix_the_length(name, backend):
     L = torch.export.Dim("L", min=1, max=4096)
     with pytest.raises(Exception, match="Constraints violated"):
         _export(Call(), tuple(torch.randn(1, 2, 24, 8) for _ in range(3)), ({2: L}, {2: L}, {2: L}))
+
+
+@pytest.mark.parametrize("feature_map", ["positive", "trig"])
+def test_performer_program_takes_the_pairwise_branch_for_large_norms(feature_map):
+    """Queries and keys scaled by 10 and 30: the key maxima grow past the limit inside chunks, so the program's
+    torch.cond takes the branch with the pairwise blocks; the program still equals eager (no overflow, no
+    all-zero rows) at lengths across chunk boundaries, saved and loaded."""
+    import io
+
+    from attnkit_kernelized.performer.chunk import GROWTH_LIMIT
+
+    torch.manual_seed(0)
+    attn = attnkit.build("performer", num_heads=2, head_dim=8, feature_map=feature_map).eval()
+
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, q, k, v):
+            return self.attn(q, k, v, causal=True)
+
+    L = torch.export.Dim("L", min=1, max=4096)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(Call(), tuple(torch.randn(2, 2, 24, 8) for _ in range(3)),
+                                       dynamic_shapes=({2: L},) * 3)
+        buf = io.BytesIO()
+        torch.export.save(exported, buf)
+        buf.seek(0)
+        program = torch.export.load(buf).module()
+    assert "cond" in str(exported.graph)
+    for scale in (1.0, 10.0, 30.0):
+        for n in (5, 65, 200):
+            g = torch.Generator().manual_seed(n)
+            q, k, v = (torch.randn(2, 2, n, 8, generator=g) for _ in range(3))
+            q, k = q * scale, k * scale
+            with torch.no_grad():
+                want = Call()(q, k, v)
+                lk, _ = attn.log_features(k)
+            if scale == 30.0 and feature_map == "positive":   # the case is the one meant: growth past the limit
+                assert (lk.amax(2) - lk[:, :, :1].amax(2)).amax() > GROWTH_LIMIT[torch.float32]
+            got = program(q, k, v)
+            assert torch.isfinite(got).all() and (got.abs().sum(-1) > 0).all()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

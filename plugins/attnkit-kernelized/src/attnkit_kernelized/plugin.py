@@ -70,6 +70,7 @@ PERFORMER = AttentionSpec(
     error_bound=1.5,
     capabilities=Capabilities(
         func_transforms=("grad", "vmap", "jvp"), export=True, export_backends=("numba", "torch"),
+        export_dynamic=("numba", "torch"),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True,
         causal_cross=False, streaming="exact", context_parallel=True, dtypes=HALF_AND_FULL,
         backends=BACKENDS, time=_KERNEL_TIME, memory=_KERNEL_MEMORY,

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import transforms
+from attnkit.transforms import chunk_count
 
 from ..common import DEFAULT_CHUNK, normalize, with_ones_column
 
@@ -63,10 +64,11 @@ GROWTH_LIMIT = {torch.float32: 20.0, torch.float64: 200.0}
 NO_KEY = -1e30
 
 
-def _chunks(x: Tensor, C: int, N: int, fill: float) -> Tensor:
-    """``(B, H, L, F)`` -> ``(B, H, N, C, F)``, the tail padded with ``fill``."""
+def _chunks(x: Tensor, C: int, N: int, fill: float, always: bool = False) -> Tensor:
+    """``(B, H, L, F)`` -> ``(B, H, N, C, F)``, the tail padded with ``fill`` (``always``: even by 0, no branch
+    on a symbolic size)."""
     extra = N * C - x.shape[2]
-    if extra:
+    if always or extra:
         x = F.pad(x, (0, 0, 0, extra), value=fill)
     return x.reshape(*x.shape[:2], N, C, x.shape[-1])
 
@@ -112,7 +114,8 @@ def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, l
 
 def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None, b: Tensor | None = None,
                      pad: Tensor | None = None, state: tuple[Tensor, Tensor, Tensor] | None = None, *,
-                     chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+                     chunk: int = DEFAULT_CHUNK, recompute: str = "auto"
+                     ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Causal random-feature attention from log-space features; ``(out (B, H, L, E), (S, z, m))``.
 
     Args:
@@ -124,15 +127,17 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         state: ``(S (B, H, M, E), z (B, H, M), m (B, H, Mk))`` carried in (``m`` the reference of ``S``
             and ``z``, ``Mk`` = ``lk``'s last dim), or None (nothing seen).
         chunk: positions per chunk.
+        recompute: which chunks get the pairwise block: ``"auto"`` those whose growth exceeds the limit (a
+            branch on the data, or ``torch.cond`` in a program), ``"none"`` or ``"marked"`` (every chunk's
+            block computed, taken where marked; no branch): the two branches of :func:`log_space_causal_dynamic`.
 
     Returns:
         The normalised output (0 where a query has seen no key) and the new state.
     """
     B, H, L, _ = lq.shape
-    if transforms.symbolic(L):
-        # a dynamic length under torch.export: this form loops over its chunks and branches per chunk, so the
-        # program fixes the length (torch.export reports the dimension as specialised)
-        L = int(L)
+    if recompute == "auto" and transforms.symbolic(L):   # a length torch.export traces as dynamic
+        return log_space_causal_dynamic(lq, lk, v, a, b, pad, state, chunk=chunk)
+    dynamic = recompute != "auto"      # a branch of log_space_causal_dynamic (traced by torch.cond)
     M = lq.shape[-1] if a is None else a.shape[-1]
     M = max(M, lk.shape[-1] if b is None else b.shape[-1])
     Mk = lk.shape[-1]
@@ -148,11 +153,11 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     else:
         S0, z0, m0 = state
         Sp = torch.cat([S0, z0.unsqueeze(-1)], dim=-1)
-    if L == 0:
+    if not dynamic and L == 0:
         return v.new_zeros(B, H, 0, E), (Sp[..., :E], Sp[..., E], m0)
-    C = max(1, min(chunk, L))
-    N = -(-L // C)
-    lk_c = _chunks(lk.masked_fill(pad, NO_KEY) if pad is not None else lk, C, N, NO_KEY)
+    C = max(1, chunk) if dynamic else max(1, min(chunk, L))
+    N = chunk_count(L, C) if dynamic else -(-L // C)
+    lk_c = _chunks(lk.masked_fill(pad, NO_KEY) if pad is not None else lk, C, N, NO_KEY, dynamic)
     with torch.no_grad():
         lk_cd = lk_c.detach()
         # references per chunk, all from keys up to the chunk's first position or its end (prefix-safe):
@@ -163,12 +168,12 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         first = torch.maximum(prev, lk_cd[:, :, :, :1])
         growth = (end - first).amax(dim=(-2, -1))                                         # (B, H, N)
         pairwise = growth > limit
-    lq_c = _chunks(lq, C, N, NO_KEY)                                        # tail queries: factors exp(-1e30) = 0
-    a_c = None if a is None else _chunks(a, C, N, 0.0)
+    lq_c = _chunks(lq, C, N, NO_KEY, dynamic)                               # tail queries: factors exp(-1e30) = 0
+    a_c = None if a is None else _chunks(a, C, N, 0.0, dynamic)
     if b is not None and pad is not None:
         b = b.masked_fill(pad, 0.0)                                         # NaN there must not reach A @ v
-    b_c = None if b is None else _chunks(b, C, N, 0.0)
-    vp_c = _chunks(vp, C, N, 0.0)
+    b_c = None if b is None else _chunks(b, C, N, 0.0, dynamic)
+    vp_c = _chunks(vp, C, N, 0.0, dynamic)
 
     def times(x: Tensor, y: Tensor | None) -> Tensor:
         return x if y is None else x * y
@@ -183,7 +188,11 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     k_state = times(k_state, b_c)
     future = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
     A = (q_intra @ k_intra.transpose(-1, -2)).masked_fill(future, 0.0)     # (B, H, N, C, C)
-    if torch.compiler.is_exporting() and not transforms.active():
+    if recompute == "marked":
+        A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
+    elif recompute == "none":
+        pass
+    elif torch.compiler.is_exporting() and not transforms.active():
         # a program branches with torch.cond: the dense recomputation of every chunk (what torch.compile runs,
         # 37x the eager torch path at 4K) only where some chunk needs it
         def recompute(A: Tensor, q_inter: Tensor) -> tuple[Tensor, Tensor]:
@@ -195,6 +204,21 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
     intra = A @ vp_c                                                        # (B, H, N, C, E+1)
     kv = k_state.transpose(-1, -2) @ vp_c                                   # (B, H, N, M, E+1)
+    if dynamic:
+        # every chunk's start state at once (a loop would fix the chunk count of the program):
+        # S_n = sum_{j<n} exp(end_j - prev_n) kv_j + exp(m0 - prev_n) S_0 per feature, every exponent <= 0 (the
+        # references never decrease); O(N^2 Mk) weights and O(N^2 M E) work for the N chunks
+        e_, p_ = end[:, :, :, 0], prev[:, :, :, 0]                                  # (B, H, N, Mk)
+        before = torch.ones(e_.shape[2], e_.shape[2], dtype=torch.bool, device=v.device).tril(-1)
+        W = (e_.unsqueeze(2) - p_.unsqueeze(3)).masked_fill(~before[..., None], float("-inf")).exp()
+        starts_ = torch.einsum("bhnjm,bhjmf->bhnmf", W, kv.expand(B, H, -1, M, E + 1)) \
+            + torch.exp(m0.detach()[:, :, None] - p_).unsqueeze(-1) * Sp.unsqueeze(2)     # (B, H, N, M, E+1)
+        out = torch.baddbmm(intra.reshape(-1, C, E + 1), q_inter.reshape(-1, C, M),
+                            starts_.reshape(-1, M, E + 1)).reshape(B, H, -1, E + 1)[:, :, :L]
+        last = e_[:, :, -1:]                                                        # (B, H, 1, Mk)
+        Sp = torch.einsum("bhjm,bhjmf->bhmf", torch.exp(e_ - last).expand(B, H, -1, M), kv) \
+            + torch.exp(m0.detach() - last[:, :, 0]).unsqueeze(-1) * Sp
+        return normalize(out[..., :E], out[..., E]), (Sp[..., :E], Sp[..., E], end[:, :, -1, 0])
     decay = torch.exp(prev - end).transpose(-1, -2)                         # (B, H, N, Mk, 1), <= 1
     starts = [Sp]
     for n in range(N - 1):  # over chunks, not positions: one fused op each (few ops: cheap under contention)
@@ -205,3 +229,51 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     out = out.reshape(B, H, N * C, E + 1)[:, :, :L]
     m_end = end[:, :, -1, 0]
     return normalize(out[..., :E], out[..., E]), (Sp[..., :E], Sp[..., E], m_end)
+
+
+def log_space_causal_dynamic(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None, b: Tensor | None = None,
+                             pad: Tensor | None = None, state: tuple[Tensor, Tensor, Tensor] | None = None, *,
+                             chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """:func:`log_space_causal` for a length ``torch.export`` traces as dynamic: one program for every length.
+
+    Whether some chunk needs its pairwise block is decided on the unchunked sequence (each position's chunk
+    found by index arithmetic on the running maximum), and a ``torch.cond`` takes the form without any pairwise
+    block or the one that computes every chunk's block and keeps the marked ones; each branch splits the
+    sequence into its own :func:`attnkit.transforms.chunk_count` chunks (the predicate and the operands hold
+    only the length itself).
+    """
+    B, H, L, _ = lq.shape
+    C = max(1, chunk)
+    limit = GROWTH_LIMIT.get(v.dtype, 20.0)
+    with torch.no_grad():
+        lkd = lk.detach() if pad is None else lk.detach().masked_fill(pad, NO_KEY)
+        run = torch.cummax(lkd, dim=2).values                                 # (B, H, L, Mk)
+        if state is not None:
+            run = torch.maximum(run, state[2].detach().unsqueeze(2))
+        t = torch.arange(L, device=v.device)
+        start = t - t % C                                                    # each position's chunk start
+        stop = torch.clamp(start + (C - 1), max=L - 1)                       # ... and its last position
+        prev = run.index_select(2, torch.clamp(start - 1, min=0))
+        m0 = (lkd.new_full((B, H, 1, lk.shape[-1]), NO_KEY) if state is None
+              else state[2].detach().unsqueeze(2))
+        prev = torch.where((start == 0).view(1, 1, -1, 1), m0, prev)
+        first = torch.maximum(prev, lkd.index_select(2, start))
+        growth = (run.index_select(2, stop) - first).amax()
+        needed = growth > limit
+
+    operands = [x for x in (lq, lk, v, a, b, pad) if x is not None] + (list(state) if state is not None else [])
+
+    def branch(mode: str):
+        def run_branch(*xs: Tensor) -> tuple[Tensor, ...]:
+            it = iter(xs)
+            lq_, lk_, v_ = next(it), next(it), next(it)
+            a_ = next(it) if a is not None else None
+            b_ = next(it) if b is not None else None
+            pad_ = next(it) if pad is not None else None
+            st = (next(it), next(it), next(it)) if state is not None else None
+            out, (S, z, m) = log_space_causal(lq_, lk_, v_, a_, b_, pad_, st, chunk=C, recompute=mode)
+            return out, S.clone(), z.clone(), m.clone()   # (cond outputs may not alias one another)
+        return run_branch
+
+    out, S, z, m = torch.cond(needed, branch("marked"), branch("none"), tuple(operands))
+    return out, (S, z, m)
