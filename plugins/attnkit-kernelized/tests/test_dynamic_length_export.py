@@ -77,11 +77,11 @@ def test_split_chunks_keeps_a_static_length_when_the_caller_loops():
 
 
 @pytest.mark.parametrize("name,backend", [("linear", "numba"), ("linear", "torch"), ("rfa", "numba"),
-                                          ("rfa", "torch"), ("fast-weight", "numba"), ("performer", "numba"),
-                                          ("performer", "torch")])
+                                          ("rfa", "torch"), ("fast-weight", "numba")])
 def test_causal_programs_with_a_dynamic_length_equal_eager(name, backend):
     """The declared backends (``Capabilities.export_dynamic``) with a key padding mask as an input of the same
-    dynamic length: one program, the eager output at every length."""
+    dynamic length: one program, the eager output at every length. (performer's programs: the kit's
+    export_dynamic check and the large-norm test below.)"""
     assert backend in attnkit.get_spec(name).capabilities.export_dynamic
     torch.manual_seed(0)
     attn = attnkit.build(name, num_heads=2, head_dim=8, backend=backend).eval()
