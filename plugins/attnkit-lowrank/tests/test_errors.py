@@ -43,8 +43,12 @@ def test_nystrom_refuses_more_landmarks_than_tokens(L, S):
     if min(L, S) >= 8:
         assert attn(*_qkv(L, S)).shape == (1, 2, L, 6)
         return
-    with pytest.raises(InvalidInputError, match=rf"num_landmarks: 8 landmarks outnumber.*L={L}.*S={S}"):
+    assert attn.limits.why_not(L, S) is not None        # a limit of the instance (the kit and programs keep to it)
+    with pytest.raises(UnsupportedFeatureError, match=rf"L={L}, S={S}: .*num_landmarks 8: 8 landmarks need at least "
+                                                      r"8 queries and 8 keys"):
         attn(*_qkv(L, S))
+    with pytest.raises(InvalidInputError, match=rf"num_landmarks: 8 landmarks outnumber.*L={L}.*S={S}"):
+        attn.landmark_count(L, S)                       # asked directly (the plain reference does)
 
 
 def test_nystrom_conv_residual_needs_num_heads_odd_kernel_and_equal_lengths():
@@ -69,11 +73,15 @@ def test_soft_refuses_cross_attention():
 
 
 def test_soft_refuses_a_stride_that_does_not_fit():
+    """A limit of the instance (``limits``: the conformance kit and torch.export programs keep to it)."""
     attn = attnkit.build("soft", stride=16, bottleneck="pool")
-    with pytest.raises(InvalidInputError, match=r"stride: a bottleneck window of 16 positions does not fit in the "
-                                                r"S=9 keys; expected stride <= 9"):
+    assert attn.limits.why_not(9, 9) is not None and attn.limits.why_not(16, 16) is None
+    with pytest.raises(UnsupportedFeatureError, match=r"L=9, S=9: .*stride 16: a bottleneck window of 16 positions "
+                                                      r"needs at least 16 keys"):
         attn(*_qkv(9))
     assert attn(*_qkv(16)).shape == (1, 2, 16, 6)
+    assert attn(*_qkv(0)).shape == (1, 2, 0, 6)                     # empty in, empty out
+    assert attnkit.build("soft", bottleneck="pool")(*_qkv(9)).shape == (1, 2, 9, 6)   # stride=None: any length
 
 
 def test_soft_conv_needs_head_dim():
@@ -96,9 +104,12 @@ def test_bad_options_name_the_option(name, options, match):
 
 def test_memory_compressed_refuses_a_stride_that_does_not_fit_and_a_wrong_value_dim():
     attn = attnkit.build("mca", stride=4, compression="pool")
-    with pytest.raises(InvalidInputError, match=r"stride: a compression window of 4 positions does not fit in the "
-                                                r"S=3 keys; expected stride <= 3"):
+    assert attn.limits.why_not(8, 3) is not None and attn.limits.why_not(2, 4) is None
+    with pytest.raises(UnsupportedFeatureError, match=r"L=8, S=3: .*stride 4: a compression window of 4 positions "
+                                                      r"needs at least 4 keys"):
         attn(*_qkv(8, 3))
+    assert attn(*_qkv(2, 4)).shape == (1, 2, 2, 6)                 # fewer queries than the stride: any number
+    assert attn(*_qkv(5, 0)).shape == (1, 2, 5, 6)                 # no keys: zeros
     attn = attnkit.build("mca", head_dim=8)                       # value_dim defaults to head_dim
     with pytest.raises(InvalidInputError, match=r"v: the value convolution was built for E=8"):
         attn(*_qkv(9, E=6))

@@ -9,11 +9,14 @@ iterations themselves against :func:`torch.linalg.pinv`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+import attnkit
 from attnkit import InvalidInputError, transforms
 from attnkit.first_order import first_order
 from attnkit.half import HALF_DTYPES, Float32Inside  # noqa: F401 - the core's mixin, used by the modules
@@ -43,6 +46,96 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise InvalidInputError(f"{name}: expected one of {list(choices)}, got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class ShortestLengths(attnkit.Limits):
+    """An instance's limits (``base``) with a shortest non-empty length: ``0 < L < min_queries`` or
+    ``0 < S < min_keys`` is refused too (``reason`` says why: a window or a landmark count of the options that
+    does not fit), as ``max_length`` refuses longer ones; empty sequences stay accepted (empty in, empty or zeros
+    out). The fields of :class:`attnkit.Limits` are ``base``'s (:func:`shortest_lengths` makes one).
+
+    While ``torch.export`` traces a dynamic length (:func:`attnkit.transforms.symbolic`) the shortest length is
+    not asked (a comparison would fix the dimension's range): the module asserts it in the program instead
+    (:func:`assert_at_least`), so the program refuses what the eager forward refuses.
+    """
+
+    min_queries: int = 1
+    min_keys: int = 1
+    reason: str = ""
+    base: attnkit.Limits | None = None
+
+    def why_not(self, L: int, S: int) -> str | None:
+        why = super().why_not(L, S) if self.base is None else self.base.why_not(L, S)
+        if why is not None or transforms.symbolic(L, S):
+            return why
+        if 0 < L < self.min_queries or 0 < S < self.min_keys:
+            return self.reason
+        return None
+
+
+def shortest_lengths(base: attnkit.Limits, reason: str, *, min_queries: int = 1,
+                     min_keys: int = 1) -> attnkit.Limits:
+    """``base`` (an instance's other limits) with the shortest lengths of :class:`ShortestLengths`; ``base`` itself
+    when both are 1."""
+    if min_queries <= 1 and min_keys <= 1:
+        return base
+    return ShortestLengths(max_length=base.max_length, equal_length=base.equal_length,
+                           length_multiple=base.length_multiple, min_queries=min_queries, min_keys=min_keys,
+                           reason=reason, base=base)
+
+
+def assert_at_least(n: int, minimum: int, what: str) -> None:
+    """While ``torch.export`` traces ``n`` as a dynamic length: the program raises when it runs with ``n`` below
+    ``minimum`` (the eager forward's :class:`ShortestLengths` refuses those). The assertion is on an unbacked
+    copy of ``n`` (read back with ``.item()``): asserting on ``n`` itself would narrow the dimension's range,
+    which ``torch.export`` reports as a violated constraint of a dimension declared from 1. Nothing otherwise."""
+    if minimum > 1 and transforms.symbolic(n):
+        u = torch.scalar_tensor(n, dtype=torch.int64).item()
+        torch._check(u >= minimum, lambda: f"{what}: expected at least {minimum} positions")
+
+
+def capped_count(n: int, cap: int) -> int:
+    """``min(n, cap)`` for a length :func:`attnkit.transforms.symbolic` says is dynamic, as a size of its own (an
+    unbacked symbol read with ``.item()``, ``1 <= count <= cap`` and ``count <= n`` asserted when the program
+    runs): a backed ``min`` would fix which side the length is on (a guard ``n <= cap`` or ``n > cap``). Plain
+    ``min(n, cap)`` otherwise."""
+    if not transforms.symbolic(n):
+        return min(n, cap)
+    u = torch.scalar_tensor(n, dtype=torch.int64).clamp(max=cap).item()
+    torch._check(u >= 1)
+    torch._check(u <= cap)
+    torch._check(u <= n)
+    return u
+
+
+def window_count(n: int, size: int) -> int:
+    """``ceil(n / size)``: for a length :func:`attnkit.transforms.symbolic` says is dynamic
+    :func:`attnkit.transforms.chunk_count` (an unbacked size), except for ``size`` 1 (``n`` itself: the count's
+    asserted bounds pin it to ``n``, whose traced range starts at 2, and the program would refuse n = 1)."""
+    if size == 1:
+        return n
+    return transforms.chunk_count(n, size) if transforms.symbolic(n) else -(-n // size)
+
+
+def windows(x: Tensor, size: int) -> Tensor:
+    """``x`` ``(B, H, n, C)`` zero-padded at the end to ``m·size`` positions and split into ``m = ceil(n / size)``
+    windows: ``(B, H, m, size, C)``. A length ``torch.export`` traces as dynamic takes ``m`` from
+    :func:`window_count` (the backed ``ceil`` would draw guards on the length) and is always padded."""
+    n = x.shape[2]
+    m = window_count(n, size)
+    if transforms.symbolic(n) and size > 1:
+        x = F.pad(x, (0, 0, 0, m * size - n))
+    elif m * size != n:
+        x = F.pad(x, (0, 0, 0, m * size - n))
+    return x.unflatten(2, (m, size))
+
+
+def window_counts(n: int, m: int, size: int, like: Tensor) -> Tensor:
+    """``(m, 1)`` positions in each of the ``m`` windows of :func:`windows` over ``n`` (the last may be short),
+    in ``like``'s dtype and device."""
+    starts = torch.arange(m, device=like.device) * size
+    return (n - starts).clamp(max=size).to(like.dtype)[:, None]
 
 
 def _eye_like(a: Tensor) -> Tensor:

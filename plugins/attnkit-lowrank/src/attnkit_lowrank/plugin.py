@@ -35,7 +35,7 @@ NYSTROM = AttentionSpec(
     # no bound: on unstructured inputs its error is that of mean(V) until m nears L (docs/lowrank.md)
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         causal=False, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("key_padding",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         queries_interact=True,
@@ -57,7 +57,7 @@ LINFORMER = AttentionSpec(
                    "attention with learned projections, not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=(), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O((L + S)·proj_len·D)", memory="O(L·proj_len) per head + proj_len x max_length parameters",
@@ -79,7 +79,7 @@ SOFT = AttentionSpec(
                    "factorisation through bottleneck tokens: not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         causal=False, noncausal=True, key_padding_mask=False, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=(), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         shared_qk=True,      # the paper's shared Q/K projection: MultiHeadAttention passes k = q
@@ -103,7 +103,7 @@ MCA = AttentionSpec(
                    "attention, not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         causal=True, noncausal=True, key_padding_mask=False, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal",), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),
         time="O(L·S/stride·D + S·D^2)", memory="O(L·S/stride) per head",
@@ -216,7 +216,7 @@ LUNA = AttentionSpec(
                    "estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=True, causal_cross=False,
         mask_kinds=("causal", "key_padding"), streaming="segment", dtypes=HALF_AND_FULL,
         backends=("torch",),
@@ -238,7 +238,7 @@ POOLINGFORMER = AttentionSpec(
                    "attention, not an estimate of softmax attention"),
     error_bound=None,
     capabilities=Capabilities(
-        func_transforms=("grad", "vmap", "jvp"), export=True,
+        func_transforms=("grad", "vmap", "jvp"), export=True, export_dynamic=("torch",),
         export_masks=(),   # key padding: the pooled segments are those of each row's kept keys (from the data)
         causal=True, noncausal=True, key_padding_mask=True, attn_mask=False, cross=False, causal_cross=False,
         mask_kinds=("causal", "key_padding"), streaming=None, dtypes=HALF_AND_FULL, backends=("torch",),

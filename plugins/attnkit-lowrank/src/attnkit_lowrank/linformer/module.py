@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 import attnkit
 from attnkit import InvalidInputError
+from attnkit.transforms import symbolic
 
 from ..common import Float32Inside, check_bool, check_int, softmax_attend
 from ..plugin import LINFORMER
@@ -85,7 +86,11 @@ class LinformerAttention(Float32Inside, attnkit.Attention):
         """``E, F`` restricted to S keys: ``(1 or H, proj_len, S)`` each, in ``dtype``."""
         def cut(w: Tensor) -> Tensor:
             # all S = max_length columns: the parameter itself (a slice's backward zero-fills a whole
-            # parameter-sized gradient and copies into it: 2 x 16 MiB per call at 16K, proj_len 256)
+            # parameter-sized gradient and copies into it: 2 x 16 MiB per call at 16K, proj_len 256); a length
+            # torch.export traces as dynamic is always sliced (a branch on it would fix the length)
+            if symbolic(S):
+                # a gather, not a slice: a slice's layout (contiguous iff S == max_length) is a guard on S
+                return w.to(dtype).index_select(-1, torch.arange(S, device=w.device))
             return (w if S == w.shape[-1] else w[:, :, :S]).to(dtype)
         e = cut(self.proj_k)
         f = e if self.proj_v is None else cut(self.proj_v)

@@ -29,7 +29,9 @@ form as two causal products of the shape of linear attention, O(L·chunk·(D + m
 + E) + L·m·(D + E)); the prefix softmax O(L·chunk·m·(D + E)). The state after
 a causal call is the softmax pack of the whole chunk (for the next segment: it
 summarises the chunk's future, so it is not for the next layer over the same
-positions).
+positions). While ``torch.export`` traces a dynamic length both causal forms
+run with their chunks batched (``*_causal_unpack_batched``: no loop over a
+chunk count, memory still linear in L), so one program serves every length.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from torch import Tensor, nn
 
 import attnkit
 from attnkit import InvalidInputError
+from attnkit.transforms import symbolic
 
-from ..common import Float32Inside, check_bool, check_choice, check_int, softmax_attend
+from ..common import Float32Inside, check_bool, check_choice, check_int, softmax_attend, windows
 from ..plugin import LUNA
 
 CAUSAL_FORMS = ("paper", "prefix-softmax")
@@ -195,11 +198,109 @@ class LunaAttention(Float32Inside, attnkit.Attention):
             sv = sv + wc.transpose(-1, -2) @ vc
         return torch.cat(outs, 2)
 
+    def _chunked(self, *xs: Tensor) -> list[Tensor]:
+        """Each ``(B, ., L, F)`` tensor zero-padded to ``N·chunk_size`` positions and split: ``(B, ., N, chunk, F)``
+        (:func:`~attnkit_lowrank.common.windows`: ``N`` an unbacked count under a dynamic-length export)."""
+        return [windows(x, self.chunk_size) for x in xs]
+
+    def paper_causal_unpack_batched(self, q: Tensor, p: Tensor, k: Tensor, v: Tensor, scale: float,
+                                    keep: Tensor | None) -> Tensor:
+        """:meth:`paper_causal_unpack` with its chunks batched (the form a dynamic-length export takes): each
+        chunk's sums ``k_c^T w_c``, ``w_c^T v_c`` at once, the sums over earlier chunks an exclusive prefix sum
+        over them. Memory O(L·(chunk + m) + L / chunk·m·(D + E)) per head; the same output."""
+        B, H, L, D = q.shape
+        E = v.shape[-1]
+        p = p.expand(B, H, *p.shape[-2:])
+        w = nn.functional.elu((scale * k) @ p.transpose(-1, -2)) + 1           # (B, H, L, m)
+        if keep is None:
+            count = torch.arange(1, L + 1, device=q.device, dtype=q.dtype).expand(B, L)
+        else:
+            w = w * keep[:, None, :, None].to(w.dtype)
+            count = keep.to(q.dtype).cumsum(-1)
+        count = count.clamp(min=1)[:, None, :, None]                            # (B, 1, L, 1)
+        qc, kc, vc, wc = self._chunked(q, k, v, w)                              # (B, H, N, c, .)
+        n = windows(count - 1, self.chunk_size) + 1                             # (padded rows: 1, sliced off)
+        N, c = qc.shape[2], qc.shape[3]
+        sk_c, sv_c = kc.transpose(-1, -2) @ wc, wc.transpose(-1, -2) @ vc        # (B, H, N, D, m), (B, H, N, m, E)
+        m = w.shape[-1]
+        sk = torch.cat([k.new_zeros(B, H, 1, D, m), torch.cumsum(sk_c, 2)], 2)[:, :, :N]   # over earlier chunks
+        sv = torch.cat([v.new_zeros(B, H, 1, m, E), torch.cumsum(sv_c, 2)], 2)[:, :, :N]
+        tri = torch.ones(c, c, dtype=q.dtype, device=q.device).tril()          # [t, j]: j <= t
+        sq = (scale * (qc @ sk + ((qc @ kc.transpose(-1, -2)) * tri) @ wc)) / n
+        att = torch.softmax(sq, -1)
+        out = (att @ sv + ((att @ wc.transpose(-1, -2)) * tri) @ vc) / n        # (B, H, N, c, E)
+        return out.flatten(2, 3)[:, :, :L]
+
+    def causal_unpack_batched(self, q: Tensor, p: Tensor, k: Tensor, v: Tensor, scale: float,
+                              keep: Tensor | None) -> Tensor:
+        """:meth:`causal_unpack` with its chunks batched (the form a dynamic-length export takes).
+
+        The loop carries each chunk's start state (``lse0``, ``kp0``, ``vp0``: the log-sum-exp of the pack scores
+        before the chunk and the packs normalised by it) from the chunk before. Here every chunk's start state
+        comes at once from the chunks' own ones (``T_j`` the log-sum-exp of chunk j's scores, ``K_j`` its pack
+        normalised by ``T_j``): ``lse0_n`` is the exclusive log-cumulative-sum-exp of ``T`` and
+        ``kp0_n = sum_{j<n} exp(T_j - lse0_n) K_j``, its positive and negative parts each a log-cumulative-sum-exp
+        of ``T_j + log K_j^±`` (no overflow, no 0/0, as the loop). Within a chunk the loop's expressions, batched.
+        Memory O(L·m·(chunk + D + E)) per head (the loop: O(chunk·m·(chunk + D + E))); the same output to
+        rounding.
+        """
+        B, H, L, D = q.shape
+        p = p.expand(B, H, *p.shape[-2:])
+        s = (scale * p) @ k.transpose(-1, -2)                                  # (B, H, m, L)
+        if keep is not None:
+            s = s.masked_fill(~keep[:, None, None, :], torch.finfo(s.dtype).min)
+        qc, kc, vc = self._chunked(q, k, v)                                     # (B, H, N, c, .)
+        N, c = qc.shape[2], qc.shape[3]
+        # pad scores with -inf (no weight; a chunk of padding has T = -inf and packs 0), split (B, H, m, N, c)
+        sc = windows(s.transpose(-1, -2), c).transpose(-1, -2).transpose(-2, -3)
+        pad = torch.arange(N * c, device=q.device).view(N, c) >= L
+        sc = sc.masked_fill(pad, float("-inf"))
+        kw = None if keep is None else windows(keep[:, None, :, None].to(q.dtype), c)[:, :, None, :, :, 0]
+
+        def weights(x: Tensor, lse: Tensor) -> Tensor:   # exp(x - lse), 0 where both are -inf
+            return torch.exp(x - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+
+        T = torch.logsumexp(sc, -1)                                             # (B, H, m, N)
+        own = weights(sc, T[..., None])                                         # (B, H, m, N, c)
+        if kw is not None:
+            own = own * kw
+        lcse = torch.logcumsumexp(T, -1)
+        lse0 = torch.cat([torch.full_like(T[..., :1], float("-inf")), lcse], -1)[..., :N]   # before chunk n
+
+        def before(x: Tensor) -> Tensor:   # sum_{j<n} exp(T_j - lse0_n) X_j for X (B, H, m, N, F) = own-weighted x
+            X = torch.einsum("bhmnc,bhncf->bhmnf", own, x)                        # each chunk's own pack
+            parts = []
+            for sign in (1.0, -1.0):
+                Xs = X * sign
+                logx = torch.where(Xs > 0, torch.log(torch.where(Xs > 0, Xs, torch.ones_like(Xs))),
+                                   torch.full_like(Xs, float("-inf")))
+                acc = torch.logcumsumexp(T[..., None] + logx, 3)
+                acc = torch.cat([torch.full_like(acc[:, :, :, :1], float("-inf")), acc], 3)[:, :, :, :N]
+                parts.append(weights(acc, lse0[..., None]))
+            return parts[0] - parts[1]
+
+        kp0, vp0 = before(kc), before(vc)                                       # (B, H, m, N, D / E)
+        lse = torch.logaddexp(lse0[..., None], torch.logcumsumexp(sc, -1))      # (B, H, m, N, c)
+        carry = weights(lse0[..., None], lse)
+        tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        w = torch.exp((sc[..., None, :] - lse[..., :, None]).masked_fill(~tri, float("-inf")))   # (B,H,m,N,t,j)
+        if kw is not None:
+            w = w * kw[..., None, :]
+        kp = carry[..., None] * kp0[..., None, :] + w @ kc[:, :, None]          # (B, H, m, N, t, D)
+        vp = carry[..., None] * vp0[..., None, :] + w @ vc[:, :, None]
+        sq = scale * torch.einsum("bhntd,bhmntd->bhntm", qc, kp)
+        out = torch.einsum("bhntm,bhmnte->bhnte", torch.softmax(sq, -1), vp)
+        return out.flatten(2, 3)[:, :, :L]
+
     def _luna(self, q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None, causal: bool,
               state: Tensor | None, want_state: bool) -> Tensor | tuple[Tensor, Tensor]:
         p = self.start(q, state)
         k_p, v_p = self.pack(p, k, v, scale, keep)
-        if causal and self.causal_form == "paper":
+        if causal and symbolic(q.shape[2]):
+            # a dynamic length under torch.export: the chunks batched (a loop over them would fix the length)
+            unpack = self.paper_causal_unpack_batched if self.causal_form == "paper" else self.causal_unpack_batched
+            out = unpack(q, p, k, v, scale, keep)
+        elif causal and self.causal_form == "paper":
             out = self.paper_causal_unpack(q, p, k, v, scale, keep)
         elif causal:
             out = self.causal_unpack(q, p, k, v, scale, keep)

@@ -17,13 +17,21 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnkit
 from attnkit import InvalidInputError
 
-from ..common import Float32Inside, check_choice, check_int, softmax_attend
+from ..common import (
+    Float32Inside,
+    assert_at_least,
+    check_choice,
+    check_int,
+    shortest_lengths,
+    softmax_attend,
+    window_counts,
+    windows,
+)
 from ..plugin import MCA
 
 COMPRESSIONS = ("conv", "pool")
@@ -32,19 +40,16 @@ COMPRESSIONS = ("conv", "pool")
 def compress(x: Tensor, stride: int, weight: Tensor | None) -> Tensor:
     """``ceil(S / stride)`` windows of ``x`` ``(B, H, S, C)``: ``weight`` ``(C, C, stride)`` conv, or mean."""
     B, H, S, C = x.shape
-    m = -(-S // stride)
-    xp = F.pad(x, (0, 0, 0, m * stride - S)).reshape(B, H, m, stride, C)
+    xp = windows(x, stride)                                                # (B, H, m, stride, C)
+    m = xp.shape[2]
     if weight is None:
-        counts = torch.full((m, 1), float(stride), dtype=x.dtype, device=x.device)
-        counts[-1] = S - (m - 1) * stride
-        return xp.sum(3) / counts
+        return xp.sum(3) / window_counts(S, m, stride, x)
     w = weight.to(x.dtype).permute(2, 1, 0).reshape(stride * C, C)        # [t·C + c_in, c_out]
     return xp.reshape(B, H, m, stride * C) @ w
 
 
-def visible(L: int, S: int, stride: int, device: torch.device) -> Tensor:
+def visible(L: int, S: int, m: int, stride: int, device: torch.device) -> Tensor:
     """bool ``(L, m)``: query i sees compressed key j iff its window ends at or before i (causal form)."""
-    m = -(-S // stride)
     last = torch.clamp(torch.arange(1, m + 1, device=device) * stride, max=S) - 1
     return last[None, :] <= torch.arange(L, device=device)[:, None]
 
@@ -61,15 +66,16 @@ class MemoryCompressedAttention(Float32Inside, attnkit.Attention):
         scale: multiplier of ``q·k``; None means ``1/sqrt(D)``.
         backend: ``"auto"`` or ``"torch"``.
         stride: compression factor (kernel = stride; the paper's 3); must not
-            exceed S.
+            exceed S (a limit of the instance: :attr:`limits`).
         compression: ``"conv"`` (learned strided convolutions of keys and of
             values, no bias, the paper's) or ``"pool"`` (window means).
         value_dim: value dimension E of the value convolution (None: head_dim).
 
     Raises:
         InvalidInputError: an option of the wrong type or out of range; at call
-            time a stride longer than the key sequence, values of another E.
-        UnsupportedFeatureError: key padding, ``attn_mask``, causal with L != S.
+            time values of another E.
+        UnsupportedFeatureError: key padding, ``attn_mask``, causal with L != S,
+            fewer than ``stride`` keys (S > 0).
     """
 
     option_constraints = {"stride": {"minimum": 1}, "compression": {"choices": COMPRESSIONS},
@@ -98,14 +104,19 @@ class MemoryCompressedAttention(Float32Inside, attnkit.Attention):
         else:
             self.conv_k = self.conv_v = None
 
+    @property
+    def limits(self) -> attnkit.Limits:
+        """A compression window must fit in the keys: ``S >= stride`` (or S = 0)."""
+        return shortest_lengths(super().limits, min_keys=self.stride, reason=(
+            f"stride {self.stride}: a compression window of {self.stride} positions needs at least {self.stride} "
+            "keys"))
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, stride={self.stride}, compression={self.compression!r}"
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
         L, S = q.shape[2], k.shape[2]
-        if self.stride > S:
-            raise InvalidInputError(f"stride: a compression window of {self.stride} positions does not fit in the "
-                                    f"S={S} keys; expected stride <= {S}")
+        assert_at_least(S, self.stride, "memory-compressed: the keys of a compression window")   # (see limits)
         if self.conv_v is not None and v.shape[-1] != self.conv_v.shape[0]:
             raise InvalidInputError(f"v: the value convolution was built for E={self.conv_v.shape[0]} "
                                     f"(value_dim), got v {tuple(v.shape)}")
@@ -114,7 +125,7 @@ class MemoryCompressedAttention(Float32Inside, attnkit.Attention):
         if not ctx.causal:
             return softmax_attend(q, (ctx.scale * k_c).transpose(-1, -2), v_c)
         s = q @ (ctx.scale * k_c).transpose(-1, -2)                      # (B, H, L, m)
-        keep = visible(L, S, self.stride, q.device)
+        keep = visible(L, S, k_c.shape[2], self.stride, q.device)
         s = s.masked_fill(~keep, torch.finfo(s.dtype).min)
         w = torch.softmax(s, -1) * keep                                    # rows with no visible key: 0
         return w @ v_c

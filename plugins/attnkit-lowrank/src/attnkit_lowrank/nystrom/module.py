@@ -28,11 +28,14 @@ from attnkit.first_order import first_order
 from ..common import (
     Float32Inside,
     Scratch,
+    assert_at_least,
+    capped_count,
     check_int,
     chunk_rows,
     grad_like,
     nystrom_pinv,
     segment_weights,
+    shortest_lengths,
     softmax_attend,
 )
 from ..plugin import NYSTROM
@@ -43,7 +46,7 @@ DEFAULT_LANDMARKS = 64        # the paper's
 def landmarks(x: Tensor, keep: Tensor | None, m: int) -> Tensor:
     """``m`` segment means of ``x`` ``(B, H, n, D)`` over the kept tokens -> ``(B, H, m, D)``."""
     B, _, n, _ = x.shape
-    if keep is None and n % m == 0:
+    if keep is None and not transforms.symbolic(n, m) and n % m == 0:
         # sum, then divide the small (m, D) result: mean's backward divided and materialised an (n, D)
         # gradient (two passes at 16K x 8 heads); sum's backward is an expand
         return x.unflatten(2, (m, n // m)).sum(3) / (n // m)
@@ -128,7 +131,12 @@ class NystromAttention(Float32Inside, attnkit.Attention):
 
     @property
     def limits(self) -> attnkit.Limits:
-        return attnkit.Limits() if self.conv_kernel_size is None else _SameLength(equal_length=True)
+        """L == S with the convolution; at least ``num_landmarks`` queries and keys when it is given (or none)."""
+        base = attnkit.Limits() if self.conv_kernel_size is None else _SameLength(equal_length=True)
+        m = self.num_landmarks or 1
+        return shortest_lengths(base, min_queries=m, min_keys=m, reason=(
+            f"num_landmarks {m}: {m} landmarks need at least {m} queries and {m} keys (num_landmarks=None: any "
+            "length)"))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_landmarks={self.num_landmarks}, "
@@ -141,8 +149,12 @@ class NystromAttention(Float32Inside, attnkit.Attention):
         it (fewer real keys than m: key landmarks repeat, see ``segment_weights``).
         """
         if self.num_landmarks is None:
-            return min(DEFAULT_LANDMARKS, L)
-        check_landmarks("num_landmarks", self.num_landmarks, L, S)
+            return capped_count(L, DEFAULT_LANDMARKS)   # (an unbacked count for a dynamic L under torch.export)
+        if transforms.symbolic(L, S):   # torch.export with a dynamic length: the program checks it (see limits)
+            assert_at_least(L, self.num_landmarks, "nystrom: queries for num_landmarks")
+            assert_at_least(S, self.num_landmarks, "nystrom: keys for num_landmarks")
+        else:
+            check_landmarks("num_landmarks", self.num_landmarks, L, S)
         return self.num_landmarks
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:

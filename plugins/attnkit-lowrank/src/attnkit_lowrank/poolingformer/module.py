@@ -16,7 +16,9 @@ Each query i gets the sum of two softmax attentions over the same q, k, v:
 own projections (its queries are a projection of the first level's output);
 the attention contract takes q, k, v already projected, so both levels use
 them. Query chunks slice only the keys and segments they can see:
-O(L·(window + pool_window / stride)·D) time, no L x S matrix.
+O(L·(window + pool_window / stride)·D) time, no L x S matrix. While
+``torch.export`` traces a dynamic length (no key padding) the chunks run
+batched (:meth:`PoolingformerAttention._levels_batched`), one program for every length.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 import attnkit
 from attnkit import InvalidInputError
+from attnkit.transforms import symbolic
 
-from ..common import Float32Inside, check_int
+from ..common import Float32Inside, check_int, window_count
 from ..plugin import POOLINGFORMER
 
 
@@ -48,6 +52,29 @@ def pool(x: Tensor, size: int, stride: int) -> Tensor:
     flat = x.reshape(B * H, S, C).transpose(1, 2)
     out = torch.nn.functional.avg_pool1d(flat, size, stride, ceil_mode=True, count_include_pad=False)
     return out.transpose(1, 2).reshape(B, H, -1, C)
+
+
+def segment_count(S: int, size: int, stride: int) -> int:
+    """The number of :func:`segments` of ``S`` keys, ``ceil(max(S - size, 0) / stride) + 1``; for a length
+    ``torch.export`` traces as dynamic an unbacked size of its own (read with ``.item()``, ``>= 1``), as
+    :func:`attnkit.transforms.chunk_count` (the backed expression would draw guards on S)."""
+    if not symbolic(S):
+        return 1 if S <= size else math.ceil((S - size) / stride) + 1
+    n = torch.scalar_tensor(S, dtype=torch.int64).clamp(min=size).sub(size).add(stride - 1).div(
+        stride, rounding_mode="floor").add(1).item()
+    torch._check(n >= 1)
+    torch._check((n - 1) * stride < S)
+    return n
+
+
+def pool_gathered(x: Tensor, start: Tensor, size: int) -> Tensor:
+    """Means of ``x`` ``(B, H, S, C)`` over ``[start_p, min(start_p + size, S))`` for each start ``(P,)`` ->
+    ``(B, H, P, C)``: :func:`pool` by gathering the segments (no branch on S: the dynamic-length form)."""
+    S = x.shape[2]
+    idx = start[:, None] + torch.arange(size, device=x.device)                   # (P, size)
+    inside = idx < S
+    parts = x.index_select(2, torch.clamp(idx, max=S - 1).flatten()).unflatten(2, idx.shape)
+    return (parts * inside[..., None].to(x.dtype)).sum(3) / inside.sum(-1, keepdim=True).to(x.dtype)
 
 
 def _softmax_rows(s: Tensor, keep: Tensor, v: Tensor) -> Tensor:
@@ -121,6 +148,8 @@ class PoolingformerAttention(Float32Inside, attnkit.Attention):
         L = q.shape[2]
         keep = ctx.key_padding_mask
         kq = ctx.scale * k
+        if keep is None and symbolic(L):
+            return self._levels_batched(q, kq, v, ctx.causal)
         if keep is None:
             return self._levels(q, kq, v, torch.arange(L, device=q.device), ctx.causal)
         # key padding: each batch row attends over its kept keys only, numbered 0..c-1 in order (padded keys
@@ -184,3 +213,50 @@ class PoolingformerAttention(Float32Inside, attnkit.Attention):
             z = _softmax_rows(qc @ k2[n].transpose(-1, -2), keep2, v2[n])
             outs.append(y + z)
         return torch.cat(outs, 2)
+
+    def _levels_batched(self, q: Tensor, kq: Tensor, v: Tensor, causal: bool) -> Tensor:
+        """:meth:`_levels` without key padding for a length ``torch.export`` traces as dynamic: the same windows,
+        segments and chunks, batched (the chunk loop and the host lists of :meth:`_levels` would fix the length).
+
+        ``N = chunk_count(L, chunk_size)`` query chunks, each with a fixed-width window of keys (the widest any
+        chunk can have: ``chunk_size + window // 2``, twice ``window // 2`` non-causal) and of segments; the
+        ``P`` segments (an unbacked count, :func:`segment_count`) are gathered means. The masks are
+        :meth:`_levels`' with rank ``arange(L)``; columns past a chunk's window are masked as there (the same
+        output, summed over more zero weights). Memory O(L·(window + pool_window / pool_stride)) as there.
+        """
+        B, H, L, _ = q.shape
+        r1, r2 = self.window // 2, self.pool_window // 2
+        size, ps, st = self.chunk_size, self.pool_size, self.pool_stride
+        dev = q.device
+        P = segment_count(L, ps, st)
+        start = torch.arange(P, device=dev) * st
+        end = torch.clamp(start + ps, max=L)
+        kp, vp = pool_gathered(kq, start, ps), pool_gathered(v, start, ps)
+        N = window_count(L, size)
+        first = torch.arange(N, device=dev) * size                     # each chunk's first and last query
+        last = torch.clamp(first + size - 1, max=L - 1)
+        lo1 = torch.clamp(first - r1, min=0)
+        hi1 = torch.maximum(lo1, last + 1 if causal else torch.clamp(last + r1 + 1, max=L))
+        lo2 = torch.clamp(torch.div(first - r2 - ps, st, rounding_mode="floor"), min=0)
+        hi2 = torch.maximum(lo2, torch.clamp(torch.div(last + r2, st, rounding_mode="floor") + 1, max=P))
+        # the widest windows: hi1 - lo1 <= size + r1 (+ r1 non-causal); hi2 - lo2 <= (size - 1 + 2 r2 + ps) // st
+        # + 2 (floor(b / st) - floor(a / st) <= floor((b - a) / st) + 1)
+        w1 = size + r1 if causal else size + 2 * r1
+        w2 = (size - 1 + 2 * r2 + ps) // st + 2
+        idx1 = lo1[:, None] + torch.arange(w1, device=dev)                # (N, w1)
+        valid1, idx1 = idx1 < hi1[:, None], torch.clamp(idx1, max=L - 1)
+        idx2 = lo2[:, None] + torch.arange(w2, device=dev)                # (N, w2)
+        valid2, idx2 = idx2 < hi2[:, None], torch.clamp(idx2, max=P - 1)
+
+        def gather(x: Tensor, idx: Tensor) -> Tensor:
+            return x.index_select(2, idx.flatten()).unflatten(2, idx.shape)          # (B, H, N, width, C)
+
+        qs = F.pad(q, (0, 0, 0, N * size - L)).unflatten(2, (N, size))          # (B, H, N, size, D)
+        i = torch.arange(N * size, device=dev).view(N, size, 1)                  # query positions
+        j = idx1[:, None, :]
+        keep1 = valid1[:, None, :] & (i - j <= r1) & ((j <= i) if causal else (j - i <= r1))
+        y = _softmax_rows(qs @ gather(kq, idx1).transpose(-1, -2), keep1, gather(v, idx1))
+        s_, e_ = start[idx2][:, None, :], end[idx2][:, None, :] - 1                 # inclusive ends
+        keep2 = valid2[:, None, :] & (e_ >= i - r2) & ((e_ <= i) if causal else (s_ <= i + r2))
+        z = _softmax_rows(qs @ gather(kp, idx2).transpose(-1, -2), keep2, gather(vp, idx2))
+        return (y + z).flatten(2, 3)[:, :, :L]

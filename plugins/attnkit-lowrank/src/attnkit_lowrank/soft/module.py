@@ -30,8 +30,19 @@ from torch import Tensor, nn
 
 import attnkit
 from attnkit import InvalidInputError
+from attnkit.transforms import symbolic
 
-from ..common import Float32Inside, check_choice, check_int, newton_pinv, newton_pinv_sym
+from ..common import (
+    Float32Inside,
+    assert_at_least,
+    check_choice,
+    check_int,
+    newton_pinv,
+    newton_pinv_sym,
+    shortest_lengths,
+    window_counts,
+    windows,
+)
 from ..plugin import SOFT
 from .chunk import soft_kernel_product
 
@@ -71,17 +82,18 @@ class SoftAttention(Float32Inside, attnkit.Attention):
         stride: bottleneck window: each bottleneck token summarises ``stride``
             consecutive keys (the last window may be shorter), so
             ``m = ceil(L / stride)``; taken literally, a stride longer than L is
-            an error. None (default): 64 (the paper reduces 3136 tokens to 49, a
-            factor of 64), and a shorter sequence is one zero-filled window.
+            refused (a limit of the instance: :attr:`limits`). None (default):
+            64 (the paper reduces 3136 tokens to 49, a factor of 64), and a
+            shorter sequence is one zero-filled window.
         bottleneck: ``"conv"`` (a learned strided convolution, kernel = stride,
             no bias; the paper's better choice) or ``"pool"`` (average pooling).
         pinv_iterations: Newton-Raphson iterations of the Moore-Penrose inverse
             (the paper's 20).
 
     Raises:
-        InvalidInputError: an option of the wrong type or out of range; at call
-            time a stride longer than the sequence.
-        UnsupportedFeatureError: L != S, causal, any mask.
+        InvalidInputError: an option of the wrong type or out of range.
+        UnsupportedFeatureError: L != S, causal, any mask, a sequence shorter
+            than an explicit ``stride`` (L > 0).
     """
 
     option_constraints = {"stride": {"minimum": 1}, "bottleneck": {"choices": BOTTLENECKS},
@@ -112,6 +124,13 @@ class SoftAttention(Float32Inside, attnkit.Attention):
         else:
             self.conv_weight = None
 
+    @property
+    def limits(self) -> attnkit.Limits:
+        """An explicit stride must fit in the sequence: ``L = S >= stride`` (or 0); the default any length."""
+        s = self.stride or 1
+        return shortest_lengths(super().limits, min_queries=s, min_keys=s, reason=(
+            f"stride {s}: a bottleneck window of {s} positions needs at least {s} keys (stride=None: any length)"))
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, stride={self.stride}, bottleneck={self.bottleneck!r}, "
                 f"pinv_iterations={self.pinv_iterations}")
@@ -120,6 +139,14 @@ class SoftAttention(Float32Inside, attnkit.Attention):
         """``ceil(S / stride)`` bottleneck tokens of ``k`` ``(B, H, S, D)`` -> ``(B, H, m, D)``."""
         B, H, S, D = k.shape
         s = self.window
+        if symbolic(S):
+            # a dynamic length under torch.export: m from chunk_count, the windows always padded (a branch on
+            # S % s would fix the length); the same tokens as below
+            x = windows(k, s)                                                    # (B, H, m, s, D)
+            m = x.shape[2]
+            if self.conv_weight is None:
+                return x.sum(3) / window_counts(S, m, s, k)
+            return x.reshape(B, H, m, s * D) @ self.conv_weight.to(k.dtype).permute(2, 1, 0).reshape(s * D, D)
         m = -(-S // s)
         if self.conv_weight is None:
             if S % s == 0:
@@ -134,11 +161,8 @@ class SoftAttention(Float32Inside, attnkit.Attention):
         return x @ w
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx) -> Tensor:
-        S = k.shape[2]
-        if self.stride is not None and self.stride > S:
-            raise InvalidInputError(
-                f"stride: a bottleneck window of {self.stride} positions does not fit in the S={S} keys; "
-                f"expected stride <= {S}")
+        if self.stride is not None:
+            assert_at_least(k.shape[2], self.stride, "soft: the keys of a bottleneck window")   # (see limits)
         scale = ctx.scale
         k_b = self.bottleneck_tokens(k)
         a = gaussian_kernel(k_b, k_b, scale)
