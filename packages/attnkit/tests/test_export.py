@@ -90,6 +90,26 @@ def test_symbolic_is_true_only_for_a_dynamic_size_while_exporting():
     assert seen[-1] == (False, False)       # eager
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunk_count_in_a_program_is_the_ceiling_at_every_length(chunk):
+    from attnkit.transforms import chunk_count, symbolic
+
+    class Chunks(torch.nn.Module):
+        def forward(self, x):
+            L = x.shape[1]
+            N = chunk_count(L, chunk) if symbolic(L) else -(-L // chunk)
+            padded = torch.nn.functional.pad(x, (0, N * chunk - L))
+            return padded.reshape(x.shape[0], N, chunk).sum(-1)        # one sum per chunk
+
+    n = torch.export.Dim("n", min=1, max=1000)
+    program = torch.export.export(Chunks(), (torch.randn(2, 10),), dynamic_shapes=({1: n},)).module()
+    for L in (1, 2, chunk, chunk + 1, 200):
+        x = torch.randn(2, L)
+        got = program(x)
+        assert got.shape == (2, -(-L // chunk))
+        torch.testing.assert_close(got, Chunks()(x))
+
+
 def test_a_dynamic_length_softmax_program_equals_eager_at_other_lengths():
     m = _Call(attnkit.build("softmax").eval(), causal=True)
     L = torch.export.Dim("L", min=1, max=1024)

@@ -489,7 +489,8 @@ class Attention(AuxLossMixin, nn.Module):
         why = self.limits.why_not(L, S)
         if why is not None:
             raise UnsupportedFeatureError(self.impl_name, f"sequences of L={L}, S={S}",
-                                          f"beyond its limit ({why}) with these options")
+                                          f"beyond its limit ({why}) with these options",
+                                          instead="Build it with options whose limit fits these lengths")
         if not isinstance(return_state, bool):
             raise InvalidInputError(f"return_state: expected a bool, got {_describe(return_state)}")
         stateful = state is not None or return_state

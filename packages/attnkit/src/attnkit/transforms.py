@@ -55,6 +55,8 @@ def chunk_count(length: torch.SymInt, chunk: int) -> torch.SymInt:
     ``N·chunk != length``, which ``torch.export`` reports as a violated constraint). Loops in Python over the
     count are not possible: write the loop as batched operators (a prefix sum, a masked product).
     """
+    if chunk == 1:        # the count is the length itself (an unbacked copy would be asserted >= 2, as the
+        return length     # traced length is: a program would then refuse length 1)
     n = torch.scalar_tensor(length, dtype=torch.int64).add(chunk - 1).div(chunk, rounding_mode="floor").item()
     torch._check(n >= 1)
     torch._check(n * chunk >= length)
