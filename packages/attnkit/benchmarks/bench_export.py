@@ -55,7 +55,8 @@ def main() -> None:
             runs = {"auto": auto, "torch": plain, "program": _saved_program(name, causal, (q, k, v), None)}
             if args.dynamic:
                 # exported at a quarter of the length, the length declared dynamic, timed at the full length
-                length = torch.export.Dim("L", min=1, max=max(4096, 2 * args.length))
+                top = auto.attn.limits.max_length or max(4096, 2 * args.length)   # (linformer: its max_length)
+                length = torch.export.Dim("L", min=1, max=top)
                 example = tuple(t[:, :, :max(2, args.length // 4)].contiguous() for t in (q, k, v))
                 try:
                     runs["dynamic"] = _saved_program(name, causal, example, ({2: length},) * 3)

@@ -70,6 +70,22 @@ def test_attend_band_equals_the_engine_with_a_wide_band_and_masked_rows():
     assert torch.all(got[:, :, :40] == 0)
 
 
+@pytest.mark.parametrize("before,after,extra", [(0, 3, None), (40, 0, (10, 40)), (300, 0, (200, 300)),
+                                                (0, 70, (-70, -30))])
+def test_attend_band_with_bands_on_either_side(before, after, extra):
+    """Bands wholly in the past or in the future (no key at distance 0) and a band ahead of the queries: the key
+    windows line up with the query chunks whatever side of the query they lie on."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 333, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    m = masks.sliding_window(before, after)
+    if extra is not None:
+        lo, hi = extra
+        m = m & masks.from_function(lambda b, h, qi, ki: (qi - ki >= lo) & (qi - ki <= hi), name="ring")
+    band = band_of(m) if extra is None else (max(-after, extra[0]), min(before, extra[1]))
+    torch.testing.assert_close(attend_band(q, k, v, m, band, 0.5), attend(q, k, v, m, scale=0.5, backend="torch"),
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_band_of_follows_the_reach_of_the_parts():
     assert band_of(masks.causal()) is None                           # unbounded to the past
     assert band_of(masks.causal() & masks.sliding_window(7, 0)) == (0, 7)
@@ -87,3 +103,29 @@ def test_patterns_without_a_band_fix_the_length(name):
     L = torch.export.Dim("L", min=1, max=2048)
     with pytest.raises(Exception, match="Constraints violated"):
         _export(module, _args(24, 0), ({2: L}, {2: L}, {2: L}, {1: L}))
+
+
+def test_a_function_mask_input_over_several_blocks_exports():
+    """A mask function reading an input of the program, over more than one block (session 47's kit case had
+    one): the function is evaluated at the gathered pairs with index tensors of more than four dimensions,
+    and its result was checked against a four-dimensional shape (an InvalidInputError)."""
+    attn = attnkit.build("local", num_heads=2, head_dim=8, window=40).eval()
+
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, q, k, v, visible):
+            m = masks.from_function(lambda b, h, qp, kp: visible[b, kp], name="visible", batch_dependent=True)
+            return self.attn(q, k, v, causal=True, mask=m)
+
+    g = torch.Generator().manual_seed(0)
+    xs = tuple(torch.randn(2, 2, 200, 8, generator=g) for _ in range(3))
+    visible = torch.rand(2, 200, generator=g) > 0.3
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(Call(), (*xs, visible)).module()
+        other = torch.rand(2, 200, generator=g) > 0.5
+        for vis in (visible, other):
+            torch.testing.assert_close(program(*xs, vis), Call()(*xs, vis), rtol=1e-5, atol=1e-6)

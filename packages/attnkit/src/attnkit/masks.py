@@ -648,12 +648,15 @@ class _Function(Mask):
         if not isinstance(out, Tensor) or out.dtype != torch.bool:
             raise InvalidInputError(
                 f"mask function {self.name!r} must return a bool tensor (True = may attend), got {_describe(out)}")
+        # the shape of the pairs asked for: (B', H', L, S) for a whole mask; engines that evaluate gathered
+        # pairs pass index tensors of more dimensions (blocks, chunks), broadcast the same way
+        want = torch.broadcast_shapes(b.shape, h.shape, qi.shape, ki.shape)
         try:
-            torch.broadcast_shapes(out.shape, (b.shape[0], h.shape[1], qi.shape[2], ki.shape[3]))
+            torch.broadcast_shapes(out.shape, want)
         except RuntimeError:
             raise InvalidInputError(
-                f"mask function {self.name!r} returned shape {tuple(out.shape)}, not broadcastable to "
-                f"(B', H', L, S) = {(b.shape[0], h.shape[1], qi.shape[2], ki.shape[3])}") from None
+                f"mask function {self.name!r} returned shape {tuple(out.shape)}, not broadcastable to the "
+                f"(b, h, q_pos, kv_pos) it was called with, {tuple(want)}") from None
         return out
 
     def __repr__(self) -> str:

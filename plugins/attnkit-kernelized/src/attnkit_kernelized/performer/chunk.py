@@ -236,29 +236,22 @@ def log_space_causal_dynamic(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None
                              chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """:func:`log_space_causal` for a length ``torch.export`` traces as dynamic: one program for every length.
 
-    Whether some chunk needs its pairwise block is decided on the unchunked sequence (each position's chunk
-    found by index arithmetic on the running maximum), and a ``torch.cond`` takes the form without any pairwise
-    block or the one that computes every chunk's block and keeps the marked ones; each branch splits the
-    sequence into its own :func:`attnkit.transforms.chunk_count` chunks (the predicate and the operands hold
-    only the length itself).
+    Whether some chunk needs its pairwise block is decided first (the chunks' key maxima, as the form computes
+    them), and a ``torch.cond`` takes the form without any pairwise block or the one that computes every chunk's
+    block and keeps the marked ones; each branch splits the sequence into its own
+    :func:`attnkit.transforms.chunk_count` chunks (the operands of a ``torch.cond`` may hold only the length
+    itself: sizes made inside the trace lose their facts in the branches).
     """
     B, H, L, _ = lq.shape
     C = max(1, chunk)
     limit = GROWTH_LIMIT.get(v.dtype, 20.0)
-    with torch.no_grad():
+    with torch.no_grad():   # the chunks' growth, as log_space_causal computes it (its own chunks, a size here)
         lkd = lk.detach() if pad is None else lk.detach().masked_fill(pad, NO_KEY)
-        run = torch.cummax(lkd, dim=2).values                                 # (B, H, L, Mk)
-        if state is not None:
-            run = torch.maximum(run, state[2].detach().unsqueeze(2))
-        t = torch.arange(L, device=v.device)
-        start = t - t % C                                                    # each position's chunk start
-        stop = torch.clamp(start + (C - 1), max=L - 1)                       # ... and its last position
-        prev = run.index_select(2, torch.clamp(start - 1, min=0))
-        m0 = (lkd.new_full((B, H, 1, lk.shape[-1]), NO_KEY) if state is None
-              else state[2].detach().unsqueeze(2))
-        prev = torch.where((start == 0).view(1, 1, -1, 1), m0, prev)
-        first = torch.maximum(prev, lkd.index_select(2, start))
-        growth = (run.index_select(2, stop) - first).amax()
+        lk_c = _chunks(lkd, C, chunk_count(L, C), NO_KEY, True)                  # (B, H, N, C, Mk)
+        m0 = lkd.new_full((B, H, 1, lk.shape[-1]), NO_KEY) if state is None else state[2].detach().unsqueeze(2)
+        end = torch.maximum(torch.cummax(lk_c.amax(3), dim=2).values, m0)       # (B, H, N, Mk)
+        prev = torch.cat([m0, end], dim=2)[:, :, :end.shape[2]]
+        growth = (end - torch.maximum(prev, lk_c[:, :, :, 0])).amax()
         needed = growth > limit
 
     operands = [x for x in (lq, lk, v, a, b, pad) if x is not None] + (list(state) if state is not None else [])

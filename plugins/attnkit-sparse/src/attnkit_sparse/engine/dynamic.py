@@ -50,18 +50,19 @@ def attend_band(q: Tensor, k: Tensor, v: Tensor, mask: Mask, band: tuple[int, in
     left, right = max(0, -first), max(0, last)
     K = last - first + 1
 
-    def chunks(x: Tensor, before: int, after: int) -> Tensor:
-        x = F.pad(x, (0, 0, before * C, N * C - L + after * C))
-        return x.reshape(B, H, -1, C, x.shape[-1])
+    def padded(x: Tensor, before: int, after: int) -> Tensor:
+        return F.pad(x, (0, 0, before * C, N * C - L + after * C))
 
-    qc = chunks(q, 0, 0)                                                 # (B, H, N, C, D)
-    kc, vc = chunks(k, left, right), chunks(v, left, right)              # (B, H, left + N + right, C, *)
-    ks = torch.cat([kc[:, :, left + o:left + o + N] for o in range(first, last + 1)], dim=3)   # (B,H,N,K·C,D)
-    vs = torch.cat([vc[:, :, left + o:left + o + N] for o in range(first, last + 1)], dim=3)
+    qc = padded(q * scale, 0, 0).reshape(B, H, -1, C, q.shape[-1])      # (B, H, N, C, D), scaled once
+    kc = padded(k, left, right).reshape(B, H, -1, C, k.shape[-1])       # (B, H, left + N + right, C, D)
+    vc = padded(v, left, right).reshape(B, H, -1, C, E)
+    # the K key chunks of query chunk i are chunks i + first .. i + last: one slice of whole chunks per offset
+    # (contiguous operands for the products, no gathered copies of k and v)
+    offsets = [left + o for o in range(first, last + 1)]
     dev = q.device
     start = torch.arange(N, device=dev).mul(C).view(N, 1)                # each chunk's first position
     qpos = start + torch.arange(C, device=dev)                           # (N, C)
-    kpos = start + torch.cat([torch.arange(C, device=dev) + o * C for o in range(first, last + 1)])  # (N, K·C)
+    kpos = start + torch.arange(first * C, (last + 1) * C, device=dev)   # (N, K·C)
     qi, ki = qpos.view(1, 1, N, C, 1), kpos.view(1, 1, N, 1, K * C)
     real = (qi < L) & (ki >= 0) & (ki < L) & (qi - ki >= lo) & (qi - ki <= hi)
     geom = Geometry(B, H, L, L, dev, None)
@@ -70,11 +71,12 @@ def attend_band(q: Tensor, k: Tensor, v: Tensor, mask: Mask, band: tuple[int, in
     # indices outside the sequence clamped for the evaluation (a mask may index a table with them): those
     # pairs are masked by ``real`` whatever the mask says
     keep = real & mask._keep(b, h, qi.clamp(0, L - 1), ki.clamp(0, L - 1), geom)
-    s = (qc @ ks.transpose(-1, -2)) * scale                              # (B, H, N, C, K·C)
-    s = s.masked_fill(~keep, float("-inf"))
-    top = s.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row with no allowed key
-    p = torch.exp(s - top)                                               # exp(-inf) = 0 off the mask
-    den = p.sum(-1, keepdim=True)
-    out = (p @ vs) / torch.where(den > 0, den, torch.ones_like(den))
+    # masked scores at the dtype's lowest finite value, not -inf: a row with no allowed key then has a finite
+    # (uniform) softmax and finite gradients, and its output is set to 0 below
+    s = torch.cat([qc @ kc[:, :, o:o + N].transpose(-1, -2) for o in offsets], dim=-1)   # (B, H, N, C, K·C)
+    p = torch.softmax(s.masked_fill_(~keep, torch.finfo(q.dtype).min), dim=-1)
+    out = p[..., :C] @ vc[:, :, offsets[0]:offsets[0] + N]
+    for n, o in enumerate(offsets[1:], 1):
+        out = out + p[..., n * C:(n + 1) * C] @ vc[:, :, o:o + N]       # (B, H, N, C, E)
+    out = out.masked_fill(~keep.any(-1, keepdim=True), 0.0)
     return out.reshape(B, H, -1, E)[:, :, :L]
