@@ -1,6 +1,7 @@
 """torch.export with a dynamic length: the span band takes its block count from ``attnkit.transforms.chunk_count``
-(an unbacked size) and a band sized from ``max_span``; sparse-adaptive scores all query rows at once and always
-takes ``num_edges`` edges (invalid ones appended), so one program serves every length, causal and not."""
+(an unbacked size) and its width from the spans' values at run time (another unbacked size); sparse-adaptive
+scores all query rows at once and always takes ``num_edges`` edges (invalid ones appended), so one program serves
+every length, causal and not."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnkit
 
@@ -70,10 +72,69 @@ def _span(name):
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("name", ["adaptive-span", "dynamic-span"])
 def test_span_programs_with_a_dynamic_length_equal_eager(name, padded):
-    """Exported at L = 12 (two blocks of 8) with the band sized from max_span: the eager output at lengths from
-    one position to several blocks (the eager band follows the spans, the program's the bound)."""
+    """Exported at L = 12 (two blocks of 8): the eager output at lengths from one position to several blocks."""
     assert attnkit.get_spec(name).capabilities.export_dynamic == ("torch",)
     _check(_span(name), True, padded, SPAN_LENGTHS)
+
+
+def _set_spans(attn, which):
+    """Spans near 0 ("small") or near max_span = 20 ("large") on every head (and every query)."""
+    with torch.no_grad():
+        if hasattr(attn, "span_fraction"):
+            attn.span_fraction.fill_(0.0 if which == "small" else 1.0)
+        else:
+            attn.span_weight.zero_()
+            attn.span_bias.fill_(-20.0 if which == "small" else 20.0)
+
+
+class _Largest(TorchDispatchMode):
+    """The most elements of any tensor an operator returns (the band's scores: B·H·nq·C·(nb + 1)·C)."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def _largest(fn, *args):
+    with torch.no_grad(), _Largest() as mode:
+        fn(*args)
+    return mode.most
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", ["adaptive-span", "dynamic-span"])
+def test_span_programs_follow_the_spans_given_after_export(name, padded, dynamic):
+    """The band of a program is sized from the spans at run time (an unbacked size, asserted within the band of
+    max_span): exported with spans near 0, then given spans near max_span (and back) through the program's
+    state dict, it equals eager with those spans, and its largest tensor is that of eager (a band of
+    ceil(2 / 8) = 1 block before its own for spans near 0, ceil(22 / 8) = 3 for spans near max_span = 20, ramp 3),
+    at a static length and a dynamic one."""
+    attn = _span(name)
+    _set_spans(attn, "small")
+    module = _Call(attn.eval(), True, padded)
+    L = torch.export.Dim("L", min=1, max=4096)
+    dims = (({2: L}, {2: L}, {2: L}) + (({1: L},) if padded else ())) if dynamic else None
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(module, _args(40, 0, padded), dynamic_shapes=dims).module()
+    B, H, C = 2, 2, 8
+    for which, nb in (("small", 1), ("large", 3), ("small", 1)):
+        _set_spans(attn, which)
+        program.load_state_dict(module.state_dict())
+        for n in ((1, 9, 40, 65) if dynamic else (40,)):
+            a = _args(n, n, padded)
+            with torch.no_grad():
+                torch.testing.assert_close(program(*a), module(*a), rtol=1e-5, atol=1e-6)
+        a = _args(40, 1, padded)
+        assert _largest(program, *a) == _largest(module, *a) == B * H * 5 * C * (nb + 1) * C
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -45,6 +45,23 @@ def band_blocks(z_max: float, ramp: float, block_size: int, num_blocks: int | No
     return nb if num_blocks is None else min(nb, max(num_blocks - 1, 0))
 
 
+def _traced_band_blocks(z: Tensor, ramp: float, block_size: int, num_blocks: int | None,
+                        z_bound: float) -> torch.SymInt:
+    """:func:`band_blocks` of the spans' maximum while ``torch.export`` traces: tensor operators (the same
+    float64 arithmetic as the eager host path) read with ``.item()``, so the band width is an unbacked size
+    of the program that follows the spans' values at run time, asserted in ``[0, band_blocks(z_bound)]``."""
+    top = band_blocks(float(z_bound), ramp, block_size, num_blocks)
+    if top == 0:   # one block of a static length, or a bound within the ramp: no band whatever the spans
+        return 0
+    flat = torch.nan_to_num(z.reshape(-1), nan=0.0, posinf=0.0)
+    z_max = torch.cat([flat, flat.new_zeros(1)]).max().double()   # the appended 0: no spans gives 0 too
+    far = torch.ceil(z_max + ramp).sub(1).clamp_min(0)
+    nb = torch.ceil(far / block_size).clamp_max(top).to(torch.int64).item()
+    torch._check(nb >= 0)
+    torch._check(nb <= top)
+    return nb
+
+
 def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float, *, scale: float,
                         key_padding_mask: Tensor | None = None, block_size: int = 64,
                         z_bound: float | None = None) -> Tensor:
@@ -58,9 +75,11 @@ def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float,
         scale: multiplier of ``q · k``.
         key_padding_mask: bool ``(B, L)``, True = a real key, or None.
         block_size: query and key block size.
-        z_bound: an upper bound of the spans (the module's ``max_span``). While ``torch.export`` traces, the
-            band is sized from it instead of from the spans' values (a size read from the data cannot be
-            exported): the same output, over a band as wide as the bound.
+        z_bound: an upper bound of the spans (the module's ``max_span``). While ``torch.export`` traces (and
+            it is given), the band's block count is computed from the spans with tensor operators and read with
+            ``.item()``: an unbacked size of the program, asserted within the band of the bound, so a program's
+            band follows the spans' values at run time as the eager band does (the windows then gathered by
+            index: ``unfold`` takes no unbacked width).
 
     Returns:
         ``(B, H, L, E)``; a query that sees no real key gets 0.
@@ -76,26 +95,34 @@ def span_band_attention(q: Tensor, k: Tensor, v: Tensor, z: Tensor, ramp: float,
     Lp = nq * C
     zd = z.detach()
     if z_bound is not None and torch.compiler.is_exporting():
-        z_max = float(z_bound)
+        nb = _traced_band_blocks(zd, ramp, C, None if dynamic else nq, z_bound)
     else:
         z_max = float(torch.nan_to_num(zd, nan=0.0, posinf=0.0).clamp_min(0).max()) if zd.numel() else 0.0
-    nb = band_blocks(z_max, ramp, C, None if dynamic else nq)
+        nb = band_blocks(z_max, ramp, C, None if dynamic else nq)
     W = (nb + 1) * C
     dev = q.device
     qc = F.pad(q, (0, 0, 0, Lp - L)).view(B, H, nq, C, D)
-    kw = F.pad(k, (0, 0, nb * C, Lp - L)).unfold(2, W, C).contiguous()        # (B, H, nq, D, W)
-    vw = F.pad(v, (0, 0, nb * C, Lp - L)).unfold(2, W, C).transpose(-1, -2).contiguous()  # (B, H, nq, W, E)
-    s = torch.matmul(qc, kw) * scale                                           # (B, H, nq, C, W)
     ar_c = torch.arange(C, device=dev)
     ar_w = torch.arange(W, device=dev)
+    band = torch.arange(nq, device=dev)[:, None] * C + ar_w[None, :]          # padded key index, (nq, W)
+    if isinstance(nb, int):
+        kw = F.pad(k, (0, 0, nb * C, Lp - L)).unfold(2, W, C).contiguous()    # (B, H, nq, D, W)
+        vw = F.pad(v, (0, 0, nb * C, Lp - L)).unfold(2, W, C).transpose(-1, -2).contiguous()  # (B, H, nq, W, E)
+    else:
+        # an unbacked band (exporting): unfold cannot take a window of unbacked width; a gather of the
+        # same windows can
+        kw = F.pad(k, (0, 0, nb * C, Lp - L))[:, :, band].transpose(-1, -2)   # (B, H, nq, D, W)
+        vw = F.pad(v, (0, 0, nb * C, Lp - L))[:, :, band]                     # (B, H, nq, W, E)
+    s = torch.matmul(qc, kw) * scale                                           # (B, H, nq, C, W)
     x = (ar_c[:, None] + nb * C - ar_w[None, :]).to(q.dtype)                   # distance i - j, (C, W)
-    keypos = torch.arange(nq, device=dev)[:, None] * C - nb * C + ar_w[None, :]  # (nq, W)
+    keypos = band - nb * C                                                     # (nq, W)
     # keys before the sequence are invalid; the zero keys padded after it are seen only by the padded
     # queries (a real query never looks forward), which keeps every padded row's diagonal: no empty row
     valid = (keypos >= 0)[None, None, :, None, :]                               # (1, 1, nq, 1, W)
     if key_padding_mask is not None:
         kp = F.pad(F.pad(key_padding_mask, (0, Lp - L), value=True), (nb * C, 0), value=False)
-        valid = valid & kp.unfold(1, W, C)[:, None, :, None, :]                 # (B, 1, nq, 1, W)
+        kpw = kp.unfold(1, W, C) if isinstance(nb, int) else kp[:, band]        # (B, nq, W)
+        valid = valid & kpw[:, None, :, None, :]                                # (B, 1, nq, 1, W)
     zb = z if z.dim() == 3 else z.reshape(z.shape[-3:])
     if zb.shape[-1] == 1:
         zc = zb[..., None, None]                                                # (Bz, H, 1, 1, 1)
