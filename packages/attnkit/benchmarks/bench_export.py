@@ -44,7 +44,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, L = {args.length}, medians of {args.rounds} rounds")
     dyn = "   dynamic L  dynamic / auto" if args.dynamic else ""
-    print(f"{'mechanism':12s} {'eager auto':>12s} {'eager torch':>12s} {'program':>12s} {'program / auto':>15s}{dyn}")
+    print(f"{'mechanism':18s} {'eager auto':>12s} {'eager torch':>12s} {'program':>12s} {'program / auto':>15s}{dyn}")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, args.length, 64, generator=g) for _ in range(3))
     for name in args.only:
@@ -75,7 +75,7 @@ def main() -> None:
         extra = "" if not args.dynamic else (
             f" {med['dynamic']:10.1f}ms {med['dynamic'] / med['auto']:14.2f}x" if "dynamic" in med else
             f" {'-':>12s} {'-':>15s}")
-        print(f"{name:12s} {med['auto']:10.1f}ms {med['torch']:10.1f}ms {med['program']:10.1f}ms "
+        print(f"{name:18s} {med['auto']:10.1f}ms {med['torch']:10.1f}ms {med['program']:10.1f}ms "
               f"{med['program'] / med['auto']:14.2f}x{extra}", flush=True)
 
 

@@ -4,9 +4,9 @@ backend (the figures in docs/user-guide.md, "torch.func transforms" and "torch.e
 Per implementation, eval mode, B = 2, H = 2, D = 8: ``grad`` of ``out.square().sum()`` w.r.t. q (float64, L = 16)
 against autograd; ``vmap`` over two query sets with k, v fixed (float64) against a loop; ``torch.export.export``
 of a module calling it (float32, L = 24) against eager, on a fresh module and after one eager call with the
-same shapes; and with a dynamic length (``dynamic_shapes``, L in 1..4096, exported at L = 24, run at 1, 40 and
-130; "specialised": the implementation fixes the length, which ``torch.export`` reports as a violated
-constraint), each causal mode.
+same shapes; and with a dynamic length (``dynamic_shapes``, L from 1 to the instance's ``max_length`` or 4096,
+exported at L = 24, run at those of 1, 40 and 130 its limits accept; "specialised": the implementation fixes
+the length, which ``torch.export`` reports as a violated constraint), each causal mode.
 A refusal (``attnkit.UnsupportedFeatureError``) is reported as such, any other exception as a failure::
 
     python packages/attnkit/benchmarks/probe_func_export.py [--only NAME ...] [--out FILE.txt]
@@ -81,12 +81,13 @@ def probe(name: str) -> dict[str, str]:
 
     def dyn(c: bool) -> float:
         m = _Call(build(torch.float32), c)
-        L = torch.export.Dim("L", min=1, max=4096)
+        limits = m.attn.limits
+        L = torch.export.Dim("L", min=1, max=limits.max_length or 4096)
         with torch.no_grad():
             program = torch.export.export(m, tuple(rand(24, torch.float32, s) for s in range(3)),
                                           dynamic_shapes=({2: L}, {2: L}, {2: L})).module()
             worst = 0.0
-            for n in (1, 40, 130):
+            for n in (n for n in (1, 40, 130) if limits.why_not(n, n) is None):
                 xs = tuple(rand(n, torch.float32, s) for s in range(3))
                 worst = max(worst, (program(*xs) - m(*xs)).abs().max().item())
             return worst
