@@ -18,6 +18,17 @@ from attnkit_kernelized.rfa.chunk import gated_num_den
 LENGTHS = (1, 2, 63, 64, 65, 128, 129, 300)
 
 
+class _Causal(torch.nn.Module):
+    """``attn(q, k, v, causal=True)``, with a key padding mask when one is given."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, q, k, v, kpm=None):
+        return self.attn(q, k, v, causal=True, key_padding_mask=kpm)
+
+
 def _export(module, args, dims):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -85,14 +96,7 @@ def test_causal_programs_with_a_dynamic_length_equal_eager(name, backend):
     assert backend in attnkit.get_spec(name).capabilities.export_dynamic
     torch.manual_seed(0)
     attn = attnkit.build(name, num_heads=2, head_dim=8, backend=backend).eval()
-
-    class Call(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = attn
-
-        def forward(self, q, k, v, kpm):
-            return self.attn(q, k, v, causal=True, key_padding_mask=kpm)
+    call = _Causal(attn)
 
     def args(n, seed):
         g = torch.Generator().manual_seed(seed)
@@ -102,10 +106,10 @@ def test_causal_programs_with_a_dynamic_length_equal_eager(name, backend):
         return q, k, v, kpm
 
     L = torch.export.Dim("L", min=1, max=4096)
-    program = _export(Call(), args(24, 0), ({2: L}, {2: L}, {2: L}, {1: L}))
+    program = _export(call, args(24, 0), ({2: L}, {2: L}, {2: L}, {1: L}))
     for n in (1, 40, 64, 65, 200):
         a = args(n, n)
-        torch.testing.assert_close(program(*a), Call()(*a), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(program(*a), call(*a), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name,backend", [("fast-weight", "torch")])
@@ -113,18 +117,11 @@ def test_undeclared_causal_forms_fix_the_length(name, backend):
     """Not declared in export_dynamic: torch.export reports the length as specialised (no wrong program)."""
     assert backend not in attnkit.get_spec(name).capabilities.export_dynamic
     attn = attnkit.build(name, num_heads=2, head_dim=8, backend=backend).eval()
-
-    class Call(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = attn
-
-        def forward(self, q, k, v):
-            return self.attn(q, k, v, causal=True)
+    call = _Causal(attn)
 
     L = torch.export.Dim("L", min=1, max=4096)
     with pytest.raises(Exception, match="Constraints violated"):
-        _export(Call(), tuple(torch.randn(1, 2, 24, 8) for _ in range(3)), ({2: L}, {2: L}, {2: L}))
+        _export(call, tuple(torch.randn(1, 2, 24, 8) for _ in range(3)), ({2: L}, {2: L}, {2: L}))
 
 
 @pytest.mark.parametrize("feature_map", ["positive", "trig"])
@@ -138,19 +135,12 @@ def test_performer_program_takes_the_pairwise_branch_for_large_norms(feature_map
 
     torch.manual_seed(0)
     attn = attnkit.build("performer", num_heads=2, head_dim=8, feature_map=feature_map).eval()
-
-    class Call(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = attn
-
-        def forward(self, q, k, v):
-            return self.attn(q, k, v, causal=True)
+    call = _Causal(attn)
 
     L = torch.export.Dim("L", min=1, max=4096)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exported = torch.export.export(Call(), tuple(torch.randn(2, 2, 24, 8) for _ in range(3)),
+        exported = torch.export.export(call, tuple(torch.randn(2, 2, 24, 8) for _ in range(3)),
                                        dynamic_shapes=({2: L},) * 3)
         buf = io.BytesIO()
         torch.export.save(exported, buf)
@@ -163,7 +153,7 @@ def test_performer_program_takes_the_pairwise_branch_for_large_norms(feature_map
             q, k, v = (torch.randn(2, 2, n, 8, generator=g) for _ in range(3))
             q, k = q * scale, k * scale
             with torch.no_grad():
-                want = Call()(q, k, v)
+                want = call(q, k, v)
                 lk, _ = attn.log_features(k)
             if scale == 30.0 and feature_map == "positive":   # the case is the one meant: growth past the limit
                 assert (lk.amax(2) - lk[:, :, :1].amax(2)).amax() > GROWTH_LIMIT[torch.float32]

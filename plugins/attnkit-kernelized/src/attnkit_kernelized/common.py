@@ -49,6 +49,41 @@ def split_chunks(chunk: int, *xs: Tensor, dynamic: bool = True) -> tuple[int, in
     return C, N, [split(x) for x in xs]
 
 
+def chunk_start_states(ends: Tensor, starts: Tensor, init: Tensor, kv: Tensor, S0: Tensor) -> tuple[Tensor, Tensor]:
+    """Every chunk's start state of a decaying recurrence at once, and the final state (no loop over chunks: the
+    form a dynamic-length export takes, whose chunk count a Python loop cannot follow).
+
+    The states are held relative to log-scale levels: chunk ``j`` adds ``kv_j`` at level ``ends_j``, chunk ``n``
+    starts at level ``starts_n``, ``S0`` is at level ``init``; a state moved from level ``a`` to ``b`` is scaled
+    by ``exp(a - b)`` (<= 1: levels never fall). So ``S_n = sum_{j<n} exp(ends_j - starts_n) kv_j +
+    exp(init - starts_n) S0`` and the final state is ``S_N`` at level ``ends_{N-1}``. ``O(N^2 K)`` weights and
+    ``O(N^2 M F)`` work for ``N`` chunks.
+
+    Args:
+        ends, starts: ``(B, H, N, K)`` levels per chunk, ``K`` = ``M`` (a level per feature) or 1 (one for all).
+        init: ``(B, H, K)`` the level of ``S0``.
+        kv: ``(B, H, N, M, F)`` each chunk's contribution; S0: ``(B, H, M, F)``.
+
+    Returns:
+        ``(starts (B, H, N, M, F), final (B, H, M, F))``.
+    """
+    N = ends.shape[2]
+    before = torch.ones(N, N, dtype=torch.bool, device=kv.device).tril(-1)           # [n, j]: j < n
+    last = ends[:, :, -1:]                                                            # (B, H, 1, K)
+    if ends.shape[-1] == 1:   # one level for every feature: (N, N) weights, one product over M·F
+        W = (ends[..., 0].unsqueeze(2) - starts[..., 0].unsqueeze(3)).masked_fill(~before, float("-inf")).exp()
+        flat = kv.flatten(-2)
+        at_starts = (W @ flat).unflatten(-1, kv.shape[-2:])
+        final = (torch.exp(ends[..., 0] - last[..., 0]).unsqueeze(-2) @ flat).squeeze(-2).unflatten(-1, kv.shape[-2:])
+    else:
+        W = (ends.unsqueeze(2) - starts.unsqueeze(3)).masked_fill(~before[..., None], float("-inf")).exp()
+        at_starts = torch.einsum("bhnjm,bhjmf->bhnmf", W, kv)
+        final = torch.einsum("bhjm,bhjmf->bhmf", torch.exp(ends - last), kv)
+    at_starts = at_starts + torch.exp(init.unsqueeze(2) - starts).unsqueeze(-1) * S0.unsqueeze(2)
+    final = final + torch.exp(init - last[:, :, 0]).unsqueeze(-1) * S0
+    return at_starts, final
+
+
 def padded(key_padding_mask: Tensor | None) -> Tensor | None:
     """``(B, 1, S, 1)`` bool, True at padded keys (from a ``(B, S)`` mask, True = real), or None."""
     return None if key_padding_mask is None else ~key_padding_mask[:, None, :, None]

@@ -54,7 +54,7 @@ from torch import Tensor
 from attnkit import transforms
 from attnkit.transforms import chunk_count
 
-from ..common import DEFAULT_CHUNK, normalize, with_ones_column
+from ..common import DEFAULT_CHUNK, chunk_start_states, normalize, with_ones_column
 
 #: largest growth (in the exponent) of a feature's key maximum inside one chunk for the factored
 #: (matrix-product) form; beyond it the chunk's block is computed pairwise (per dtype)
@@ -71,6 +71,16 @@ def _chunks(x: Tensor, C: int, N: int, fill: float, always: bool = False) -> Ten
     if always or extra:
         x = F.pad(x, (0, 0, 0, extra), value=fill)
     return x.reshape(*x.shape[:2], N, C, x.shape[-1])
+
+
+def _references(lk_c: Tensor, m0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """References per chunk of ``lk_c (B, H, N, C, Mk)`` from the state's ``m0 (B, H, Mk)``, all from keys up to
+    the chunk's first position or its end (prefix-safe), each ``(B, H, N, 1, Mk)``: ``end`` the running maximum
+    through the chunk's last key (R'), ``prev`` the one before (R), ``first`` = max(prev, the chunk's first key).
+    """
+    end = torch.maximum(torch.cummax(lk_c.amax(3), dim=2).values, m0.unsqueeze(2)).unsqueeze(3)
+    prev = torch.cat([m0[:, :, None, None], end], dim=2)[:, :, :end.shape[2]]
+    return end, prev, torch.maximum(prev, lk_c[:, :, :, :1])
 
 
 def _pairwise(lq: Tensor, lk: Tensor, c: Tensor, a: Tensor | None, b: Tensor | None, future: Tensor) -> Tensor:
@@ -159,13 +169,7 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     N = chunk_count(L, C) if dynamic else -(-L // C)
     lk_c = _chunks(lk.masked_fill(pad, NO_KEY) if pad is not None else lk, C, N, NO_KEY, dynamic)
     with torch.no_grad():
-        lk_cd = lk_c.detach()
-        # references per chunk, all from keys up to the chunk's first position or its end (prefix-safe):
-        # end = running max through the chunk's last key (R'), prev = the one before (R), first = max(prev,
-        # the chunk's first key), all (B, H, N, 1, Mk)
-        end = torch.maximum(torch.cummax(lk_cd.amax(3), dim=2).values, m0.detach().unsqueeze(2)).unsqueeze(3)
-        prev = torch.cat([m0.detach()[:, :, None, None], end[:, :, :-1]], dim=2)
-        first = torch.maximum(prev, lk_cd[:, :, :, :1])
+        end, prev, first = _references(lk_c.detach(), m0.detach())
         growth = (end - first).amax(dim=(-2, -1))                                         # (B, H, N)
         pairwise = growth > limit
     lq_c = _chunks(lq, C, N, NO_KEY, dynamic)                               # tail queries: factors exp(-1e30) = 0
@@ -204,20 +208,11 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
     intra = A @ vp_c                                                        # (B, H, N, C, E+1)
     kv = k_state.transpose(-1, -2) @ vp_c                                   # (B, H, N, M, E+1)
-    if dynamic:
-        # every chunk's start state at once (a loop would fix the chunk count of the program):
-        # S_n = sum_{j<n} exp(end_j - prev_n) kv_j + exp(m0 - prev_n) S_0 per feature, every exponent <= 0 (the
-        # references never decrease); O(N^2 Mk) weights and O(N^2 M E) work for the N chunks
-        e_, p_ = end[:, :, :, 0], prev[:, :, :, 0]                                  # (B, H, N, Mk)
-        before = torch.ones(e_.shape[2], e_.shape[2], dtype=torch.bool, device=v.device).tril(-1)
-        W = (e_.unsqueeze(2) - p_.unsqueeze(3)).masked_fill(~before[..., None], float("-inf")).exp()
-        starts_ = torch.einsum("bhnjm,bhjmf->bhnmf", W, kv.expand(B, H, -1, M, E + 1)) \
-            + torch.exp(m0.detach()[:, :, None] - p_).unsqueeze(-1) * Sp.unsqueeze(2)     # (B, H, N, M, E+1)
+    if dynamic:   # every chunk's start state at once (a loop would fix the chunk count of the program)
+        starts, Sp = chunk_start_states(end[:, :, :, 0], prev[:, :, :, 0], m0.detach(),
+                                        kv.expand(B, H, -1, M, E + 1), Sp)
         out = torch.baddbmm(intra.reshape(-1, C, E + 1), q_inter.reshape(-1, C, M),
-                            starts_.reshape(-1, M, E + 1)).reshape(B, H, -1, E + 1)[:, :, :L]
-        last = e_[:, :, -1:]                                                        # (B, H, 1, Mk)
-        Sp = torch.einsum("bhjm,bhjmf->bhmf", torch.exp(e_ - last).expand(B, H, -1, M), kv) \
-            + torch.exp(m0.detach() - last[:, :, 0]).unsqueeze(-1) * Sp
+                            starts.reshape(-1, M, E + 1)).reshape(B, H, -1, E + 1)[:, :, :L]
         return normalize(out[..., :E], out[..., E]), (Sp[..., :E], Sp[..., E], end[:, :, -1, 0])
     decay = torch.exp(prev - end).transpose(-1, -2)                         # (B, H, N, Mk, 1), <= 1
     starts = [Sp]
@@ -248,11 +243,9 @@ def log_space_causal_dynamic(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None
     with torch.no_grad():   # the chunks' growth, as log_space_causal computes it (its own chunks, a size here)
         lkd = lk.detach() if pad is None else lk.detach().masked_fill(pad, NO_KEY)
         lk_c = _chunks(lkd, C, chunk_count(L, C), NO_KEY, True)                  # (B, H, N, C, Mk)
-        m0 = lkd.new_full((B, H, 1, lk.shape[-1]), NO_KEY) if state is None else state[2].detach().unsqueeze(2)
-        end = torch.maximum(torch.cummax(lk_c.amax(3), dim=2).values, m0)       # (B, H, N, Mk)
-        prev = torch.cat([m0, end], dim=2)[:, :, :end.shape[2]]
-        growth = (end - torch.maximum(prev, lk_c[:, :, :, 0])).amax()
-        needed = growth > limit
+        m0 = lkd.new_full((B, H, lk.shape[-1]), NO_KEY) if state is None else state[2].detach()
+        end, _, first = _references(lk_c, m0)
+        needed = (end - first).amax() > limit
 
     operands = [x for x in (lq, lk, v, a, b, pad) if x is not None] + (list(state) if state is not None else [])
 

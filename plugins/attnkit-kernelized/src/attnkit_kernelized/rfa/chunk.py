@@ -17,7 +17,7 @@ from torch import Tensor
 
 from attnkit.transforms import symbolic
 
-from ..common import DEFAULT_CHUNK, normalize, split_chunks, with_ones_column
+from ..common import DEFAULT_CHUNK, chunk_start_states, normalize, split_chunks, with_ones_column
 
 
 def gated_num_den(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, S0: Tensor | None = None,
@@ -49,19 +49,13 @@ def gated_num_den(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, S0: Te
                    (phi_q.new_zeros(B, H, M) if z0 is None else z0).unsqueeze(-1)], dim=-1)
     if dynamic:
         # a dynamic length under torch.export (a Python loop would fix the chunk count): every chunk's start
-        # state at once, S_n = sum_{j<n} exp(G_n - G_{j+1}) kv_j + exp(G_n) S_0 with G_n the log decay before
-        # chunk n (exponents <= 0); O(N^2 M E) for the N chunks instead of the loop's O(N M E)
+        # state at once; levels are minus the log decay since the sequence start (chunk j ends at -(G_j + lt_j),
+        # chunk n starts at -G_n, the carried state at 0)
         lt = cum[..., -1]                                                          # (B, H, N)
-        G = torch.cumsum(lt, dim=-1) - lt                                          # decay before chunk n
-        rel = (G.unsqueeze(-1) - (G + lt).unsqueeze(-2))                           # G_n - G_{j+1}, (B, H, N, N)
-        before = torch.ones_like(rel, dtype=torch.bool).tril(-1)                   # j < n
-        W = rel.masked_fill(~before, float("-inf")).exp()
-        starts = torch.einsum("bhnj,bhjf->bhnf", W, kv.flatten(-2)).unflatten(-1, (M, E + 1)) \
-            + G.exp()[..., None, None] * S.unsqueeze(2)                            # (B, H, N, M, E+1)
+        G = torch.cumsum(lt, dim=-1) - lt                                          # log decay before chunk n
+        starts, S = chunk_start_states((-(G + lt)).unsqueeze(-1), (-G).unsqueeze(-1), lt.new_zeros(B, H, 1),
+                                       kv, S)
         out = (intra + (q * from_start) @ starts).reshape(B, H, -1, E + 1)[:, :, :L]
-        S = lt.sum(-1).exp()[..., None, None] * S + torch.einsum("bhj,bhjf->bhf", (G[..., -1:] + lt[..., -1:]
-                                                                                   - G - lt).exp(),
-                                                                  kv.flatten(-2)).unflatten(-1, (M, E + 1))
         return out[..., :E], out[..., E], S[..., :E], S[..., E]
     outs = [q.new_zeros(B, H, 0, E + 1)]
     for n in range(N):  # over chunks, not positions

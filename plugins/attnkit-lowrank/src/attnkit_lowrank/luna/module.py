@@ -160,6 +160,20 @@ class LunaAttention(Float32Inside, attnkit.Attention):
             lse0, kp0, vp0 = lse[..., -1], kp[..., -1, :], vp[..., -1, :]
         return torch.cat(outs, 2)
 
+    @staticmethod
+    def _paper_weights(q: Tensor, p: Tensor, k: Tensor, scale: float, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The paper form's pack weights ``w = elu(scale · P k) + 1`` ``(B, H, L, m)`` (0 at padded keys) and each
+        query's count of visible real keys ``(B, 1, L, 1)`` (at least 1: a query with none sums 0)."""
+        B, H, L, _ = q.shape
+        p = p.expand(B, H, *p.shape[-2:])
+        w = nn.functional.elu((scale * k) @ p.transpose(-1, -2)) + 1
+        if keep is None:
+            count = torch.arange(1, L + 1, device=q.device, dtype=q.dtype).expand(B, L)
+        else:
+            w = w * keep[:, None, :, None].to(w.dtype)
+            count = keep.to(q.dtype).cumsum(-1)                                  # real keys among 0..t
+        return w, count.clamp(min=1)[:, None, :, None]
+
     def paper_causal_unpack(self, q: Tensor, p: Tensor, k: Tensor, v: Tensor, scale: float,
                             keep: Tensor | None) -> Tensor:
         """The paper's causal form: pack weights ``elu(s) + 1``, the mean over the visible keys; ``(B, H, L, E)``.
@@ -176,14 +190,7 @@ class LunaAttention(Float32Inside, attnkit.Attention):
         """
         B, H, L, D = q.shape
         E = v.shape[-1]
-        p = p.expand(B, H, *p.shape[-2:])
-        w = nn.functional.elu((scale * k) @ p.transpose(-1, -2)) + 1           # (B, H, L, m)
-        if keep is None:
-            count = torch.arange(1, L + 1, device=q.device, dtype=q.dtype).expand(B, L)
-        else:
-            w = w * keep[:, None, :, None].to(w.dtype)
-            count = keep.to(q.dtype).cumsum(-1)                                  # real keys among 0..t
-        count = count.clamp(min=1)[:, None, :, None]                            # (B, 1, L, 1); 0 keys: sums 0
+        w, count = self._paper_weights(q, p, k, scale, keep)
         m = w.shape[-1]
         sk, sv = k.new_zeros(B, H, D, m), v.new_zeros(B, H, m, E)               # sums over earlier chunks
         outs = []
@@ -210,14 +217,7 @@ class LunaAttention(Float32Inside, attnkit.Attention):
         over them. Memory O(L·(chunk + m) + L / chunk·m·(D + E)) per head; the same output."""
         B, H, L, D = q.shape
         E = v.shape[-1]
-        p = p.expand(B, H, *p.shape[-2:])
-        w = nn.functional.elu((scale * k) @ p.transpose(-1, -2)) + 1           # (B, H, L, m)
-        if keep is None:
-            count = torch.arange(1, L + 1, device=q.device, dtype=q.dtype).expand(B, L)
-        else:
-            w = w * keep[:, None, :, None].to(w.dtype)
-            count = keep.to(q.dtype).cumsum(-1)
-        count = count.clamp(min=1)[:, None, :, None]                            # (B, 1, L, 1)
+        w, count = self._paper_weights(q, p, k, scale, keep)
         qc, kc, vc, wc = self._chunked(q, k, v, w)                              # (B, H, N, c, .)
         n = windows(count - 1, self.chunk_size) + 1                             # (padded rows: 1, sliced off)
         N, c = qc.shape[2], qc.shape[3]
