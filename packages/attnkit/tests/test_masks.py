@@ -222,3 +222,40 @@ def test_band_composition_classifies_a_long_window_without_refining(monkeypatch)
     assert int((st == PARTIAL).sum()) == 1024 + 1020   # diagonal tiles, and the far edge of full windows
     assert int((st == FULL).sum()) == 3 * 1024 - 6
     assert st[10, 10] == PARTIAL and st[10, 6] == PARTIAL and st[10, 7] == FULL and st[10, 5] == SKIP
+
+
+def test_cover_bounds_every_allowed_pair():
+    """``Mask._cover``: a band plus global key / query positions holding every allowed pair, checked against the
+    pairs themselves; ``&`` intersects the bands and keeps each part's positions, ``|`` takes the hull."""
+    inf = float("inf")
+
+    class Keys(M.Mask):   # keys at fixed positions: no band, the positions
+        kind = "function"
+
+        def __init__(self, at):
+            super().__init__()
+            self.at = at
+
+        def _keep(self, b, h, qi, ki, geom):
+            return torch.isin(ki, torch.tensor(self.at)).expand(torch.broadcast_shapes(qi.shape, ki.shape))
+
+        def _cover(self):
+            return inf, -inf, frozenset(self.at), frozenset()
+
+    win = M.sliding_window(3, 1)
+    assert win._cover() == (-1, 3, frozenset(), frozenset())
+    assert M.causal()._cover()[:2] == (0, inf)
+    assert M.key_padding(torch.ones(1, 8, dtype=torch.bool))._cover() is None
+    cases = {(win | Keys([0, 5])) & M.causal(): (0, 3, {0, 5}, set()),
+             win | M.sliding_window(0, 4): (-4, 3, set(), set()),
+             Keys([2]) & M.causal(): (inf, -inf, {2}, set())}
+    L = 12
+    qi, ki = torch.arange(L).view(1, 1, L, 1), torch.arange(L).view(1, 1, 1, L)
+    geom = Geometry(1, 1, L, L, torch.device("cpu"), None)
+    for mask, (lo, hi, keys, queries) in cases.items():
+        assert mask._cover() == (lo, hi, frozenset(keys), frozenset(queries))
+        allowed = mask._keep(torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                             qi, ki, geom).expand(1, 1, L, L)
+        inside = ((qi - ki >= lo) & (qi - ki <= hi)) | torch.isin(ki, torch.tensor(sorted(keys) or [-1]))
+        assert allowed.any() and not (allowed & ~inside).any(), mask
+    assert (win | M.causal())._cover() == (-1, inf, frozenset(), frozenset())    # unbounded: no band to attend in

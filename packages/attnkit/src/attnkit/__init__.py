@@ -13,7 +13,7 @@ from typing import Any
 
 from . import masks
 from ._version import API_VERSION, __version__
-from .attention import Attention, Limits
+from .attention import Attention, Limits, ShortestLengths, shortest_lengths
 from .aux import aux_losses, clear_aux_losses
 from .context import CallContext
 from .errors import (
@@ -38,6 +38,7 @@ __all__ = [
     "API_VERSION", "__version__", "Attention", "AttentionSpec", "Capabilities", "OptionSpec", "Paper",
     "MultiHeadAttention", "Transformer", "TransformerBlock", "Block", "hookimpl",
     "masks", "Mask", "BlockIndex", "Positions", "AttentionState", "CallContext", "Limits",
+    "ShortestLengths", "shortest_lengths",
     "aux_losses", "clear_aux_losses", "BlockSpec", "build_block", "get_block_spec", "blocks",
     "register_block", "registered_block",
     "build", "get_spec", "available", "register", "unregister", "registered", "plugin", "plugin_records", "reload",

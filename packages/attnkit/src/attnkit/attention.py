@@ -91,6 +91,42 @@ class Limits:
         return None
 
 
+@dataclass(frozen=True)
+class ShortestLengths(Limits):
+    """An instance's limits (``base``) with a shortest non-empty length: ``0 < L < min_queries`` or
+    ``0 < S < min_keys`` is refused too (``reason`` says why: a window, a landmark count or a global position of
+    the options that does not fit), as ``max_length`` refuses longer ones; empty sequences stay accepted (empty
+    in, empty or zeros out). The fields of :class:`Limits` are ``base``'s (:func:`shortest_lengths` makes one).
+
+    While ``torch.export`` traces a dynamic length (:func:`attnkit.transforms.symbolic`) the shortest length is
+    not asked (a comparison would fix the dimension's range): the module asserts it in the program instead
+    (:func:`attnkit.transforms.assert_at_least`), so the program refuses what the eager forward refuses.
+    """
+
+    min_queries: int = 1
+    min_keys: int = 1
+    reason: str = ""
+    base: Limits | None = None
+
+    def why_not(self, L: int, S: int) -> str | None:
+        why = super().why_not(L, S) if self.base is None else self.base.why_not(L, S)
+        if why is not None or _transforms.symbolic(L, S):
+            return why
+        if 0 < L < self.min_queries or 0 < S < self.min_keys:
+            return self.reason
+        return None
+
+
+def shortest_lengths(base: Limits, reason: str, *, min_queries: int = 1, min_keys: int = 1) -> Limits:
+    """``base`` (an instance's other limits) with the shortest lengths of :class:`ShortestLengths`; ``base`` itself
+    when both are 1."""
+    if min_queries <= 1 and min_keys <= 1:
+        return base
+    return ShortestLengths(max_length=base.max_length, equal_length=base.equal_length,
+                           length_multiple=base.length_multiple, min_queries=min_queries, min_keys=min_keys,
+                           reason=reason, base=base)
+
+
 class Attention(AuxLossMixin, nn.Module):
     """Base class of every attnkit attention implementation.
 

@@ -275,6 +275,22 @@ class Mask:
         that cannot build a block plan (a length ``torch.export`` traces as dynamic) attends within it."""
         return self._band()
 
+    def _cover(self) -> tuple[float, float, frozenset[int], frozenset[int]] | None:
+        """``(lo, hi, keys, queries)`` such that every allowed pair has ``lo <= q_pos - kv_pos <= hi``, or its key
+        position in ``keys``, or its query position in ``queries`` (a band with global keys and queries holding
+        the mask; ``lo > hi`` for no band), or None when no such bound is known. Default: :meth:`_reach` with no
+        global positions; position sets (global tokens) and ``&`` / ``|`` of covered parts define their own. A
+        dynamic-length program attends within the band and to the global positions apart."""
+        reach = self._reach()
+        return None if reach is None else (reach[0], reach[1], frozenset(), frozenset())
+
+    def _relative(self) -> bool:
+        """True when the mask depends on the query and key positions only through ``q_pos - kv_pos`` (it may
+        depend on ``b`` and ``h``): its element mask over a grid of pairs is the same at every shift of the grid,
+        so a dynamic-length program evaluates it once per chunk shape. Default: an exact position band
+        (:meth:`_band`); ``&`` / ``|`` of relative parts are relative."""
+        return self._band() is not None
+
     def _shift_invariant(self, geom: Geometry) -> bool:
         """True when, on ``geom``, the mask depends only on ``q_idx - kv_idx`` (not on b, h or the indices
         themselves), so two tiles with the same offset and the same valid region have the same element mask."""
@@ -718,6 +734,9 @@ class _Compound(Mask):
     def _shift_invariant(self, geom):
         return all(p._shift_invariant(geom) for p in self.parts)
 
+    def _relative(self):
+        return all(p._relative() for p in self.parts)
+
     def _block_parts(self, geom: Geometry) -> list[Mask]:
         return self.parts
 
@@ -758,6 +777,14 @@ class _And(_Compound):
         if not reaches:
             return None
         return max(r[0] for r in reaches), min(r[1] for r in reaches)
+
+    def _cover(self):
+        # a pair allowed by every part lies in every part's band, or in some part's global positions
+        covers = [c for c in (p._cover() for p in self.parts) if c is not None]
+        if not covers:
+            return None
+        return (max(c[0] for c in covers), min(c[1] for c in covers), frozenset().union(*(c[2] for c in covers)),
+                frozenset().union(*(c[3] for c in covers)))
 
     def _block_parts(self, geom):
         # position bands (causal, sliding windows) intersect into one band, classified exactly from block
@@ -812,6 +839,16 @@ class _Or(_Compound):
         if any(r is None for r in reaches):
             return None
         return min(r[0] for r in reaches), max(r[1] for r in reaches)  # type: ignore[index]
+
+    def _cover(self):
+        covers = [p._cover() for p in self.parts]
+        if any(c is None for c in covers):
+            return None
+        bands = [c for c in covers if c[0] <= c[1]]  # type: ignore[index]
+        lo = min((c[0] for c in bands), default=math.inf)  # type: ignore[index]
+        hi = max((c[1] for c in bands), default=-math.inf)  # type: ignore[index]
+        return (lo, hi, frozenset().union(*(c[2] for c in covers)),  # type: ignore[index]
+                frozenset().union(*(c[3] for c in covers)))  # type: ignore[index]
 
     @staticmethod
     def _combine_keep(a: Tensor, b: Tensor) -> Tensor:

@@ -63,3 +63,14 @@ def chunk_count(length: torch.SymInt, chunk: int) -> torch.SymInt:
     # (no upper bound asserted: inside a torch.cond branch its runtime assert becomes torch.sym_sum, which
     # torch.export.save cannot serialise; nothing needs it)
     return n
+
+
+def assert_at_least(n: int, minimum: int, what: str) -> None:
+    """While ``torch.export`` traces ``n`` as a dynamic length (:func:`symbolic`): the program raises when it runs
+    with ``n`` below ``minimum`` (the eager forward's :class:`attnkit.attention.ShortestLengths` refuses those).
+    The assertion is on an unbacked copy of ``n`` (read back with ``.item()``): asserting on ``n`` itself would
+    narrow the dimension's range, which ``torch.export`` reports as a violated constraint of a dimension
+    declared from 1. Nothing otherwise."""
+    if minimum > 1 and symbolic(n):
+        u = torch.scalar_tensor(n, dtype=torch.int64).item()
+        torch._check(u >= minimum, lambda: f"{what}: expected at least {minimum} positions")

@@ -9,17 +9,17 @@ iterations themselves against :func:`torch.linalg.pinv`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import attnkit
 from attnkit import InvalidInputError, transforms
+from attnkit.attention import ShortestLengths, shortest_lengths  # noqa: F401 - the core's, used by the modules
 from attnkit.first_order import first_order
 from attnkit.half import HALF_DTYPES, Float32Inside  # noqa: F401 - the core's mixin, used by the modules
+from attnkit.transforms import assert_at_least  # noqa: F401 - the core's, used by the modules
 
 from .kept import KeptBuffer
 
@@ -46,53 +46,6 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise InvalidInputError(f"{name}: expected one of {list(choices)}, got {value!r}")
     return value
-
-
-@dataclass(frozen=True)
-class ShortestLengths(attnkit.Limits):
-    """An instance's limits (``base``) with a shortest non-empty length: ``0 < L < min_queries`` or
-    ``0 < S < min_keys`` is refused too (``reason`` says why: a window or a landmark count of the options that
-    does not fit), as ``max_length`` refuses longer ones; empty sequences stay accepted (empty in, empty or zeros
-    out). The fields of :class:`attnkit.Limits` are ``base``'s (:func:`shortest_lengths` makes one).
-
-    While ``torch.export`` traces a dynamic length (:func:`attnkit.transforms.symbolic`) the shortest length is
-    not asked (a comparison would fix the dimension's range): the module asserts it in the program instead
-    (:func:`assert_at_least`), so the program refuses what the eager forward refuses.
-    """
-
-    min_queries: int = 1
-    min_keys: int = 1
-    reason: str = ""
-    base: attnkit.Limits | None = None
-
-    def why_not(self, L: int, S: int) -> str | None:
-        why = super().why_not(L, S) if self.base is None else self.base.why_not(L, S)
-        if why is not None or transforms.symbolic(L, S):
-            return why
-        if 0 < L < self.min_queries or 0 < S < self.min_keys:
-            return self.reason
-        return None
-
-
-def shortest_lengths(base: attnkit.Limits, reason: str, *, min_queries: int = 1,
-                     min_keys: int = 1) -> attnkit.Limits:
-    """``base`` (an instance's other limits) with the shortest lengths of :class:`ShortestLengths`; ``base`` itself
-    when both are 1."""
-    if min_queries <= 1 and min_keys <= 1:
-        return base
-    return ShortestLengths(max_length=base.max_length, equal_length=base.equal_length,
-                           length_multiple=base.length_multiple, min_queries=min_queries, min_keys=min_keys,
-                           reason=reason, base=base)
-
-
-def assert_at_least(n: int, minimum: int, what: str) -> None:
-    """While ``torch.export`` traces ``n`` as a dynamic length: the program raises when it runs with ``n`` below
-    ``minimum`` (the eager forward's :class:`ShortestLengths` refuses those). The assertion is on an unbacked
-    copy of ``n`` (read back with ``.item()``): asserting on ``n`` itself would narrow the dimension's range,
-    which ``torch.export`` reports as a violated constraint of a dimension declared from 1. Nothing otherwise."""
-    if minimum > 1 and transforms.symbolic(n):
-        u = torch.scalar_tensor(n, dtype=torch.int64).item()
-        torch._check(u >= minimum, lambda: f"{what}: expected at least {minimum} positions")
 
 
 def capped_count(n: int, cap: int) -> int:
