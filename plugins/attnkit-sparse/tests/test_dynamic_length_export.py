@@ -1,5 +1,6 @@
-"""torch.export with a dynamic length: banded patterns (local, dilated, block-local) attend within their band
-(engine/dynamic.py) instead of a block plan, so one program serves every length; the others fix the length."""
+"""torch.export with a dynamic length: banded patterns (local, dilated, block-local, and global and longformer with
+their global tokens apart) attend within their band (engine/dynamic.py) instead of a block plan, so one program
+serves every length; the others fix the length."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 import attnkit
 from attnkit import masks
 from attnkit_sparse.engine import attend
-from attnkit_sparse.engine.dynamic import attend_band, band_of
-from attnkit_sparse.patterns._atoms import BlockBand, PeriodicBand
+from attnkit_sparse.engine.dynamic import attend_band, attend_dynamic, band_of, cover_of
+from attnkit_sparse.patterns._atoms import BlockBand, PeriodicBand, PositionSet
+from attnkit_sparse.patterns.global_ import longformer_mask
 
-BANDED = [("local", {"window": 5}), ("dilated", {"window": 4, "dilation": 2}), ("block-local", {"block_size": 4})]
+BANDED = [("local", {"window": 5}), ("dilated", {"window": 4, "dilation": 2}), ("block-local", {"block_size": 4}),
+          ("global", {"window": 5, "num_global": 3}), ("longformer", {"window": 6, "dilation": 2, "num_global": 2})]
 
 
 def _export(module, args, dims):
@@ -96,7 +99,7 @@ def test_band_of_follows_the_reach_of_the_parts():
     assert band_of(None) is None
 
 
-@pytest.mark.parametrize("name", ["bigbird", "longformer", "strided"])
+@pytest.mark.parametrize("name", ["bigbird", "random", "strided"])
 def test_patterns_without_a_band_fix_the_length(name):
     assert attnkit.get_spec(name).capabilities.export_dynamic == ()
     module = _Call(attnkit.build(name, num_heads=2, head_dim=8).eval(), False)
@@ -129,3 +132,96 @@ def test_a_function_mask_input_over_several_blocks_exports():
         other = torch.rand(2, 200, generator=g) > 0.5
         for vis in (visible, other):
             torch.testing.assert_close(program(*xs, vis), Call()(*xs, vis), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "two-kernel-backward"])
+@pytest.mark.parametrize("before,after,block", [(100, 0, 32), (40, 7, 16), (3, 3, 64), (0, 70, 16), (300, 0, 64)])
+def test_band_index_runs_the_engine_kernels_like_a_plan(monkeypatch, fused, before, after, block):
+    """The block index a dynamic program builds from tensors (engine/dynamic.py, band_index) drives the numba
+    kernels to the torch backend's result, forward and backward, in float64: bands in the past, around the
+    query and ahead of it, key padding that empties whole rows (per-batch tiles), lengths that are not
+    multiples of the block."""
+    from attnkit_sparse.engine import numba_ops
+    from attnkit_sparse.engine.dynamic import band_index
+
+    monkeypatch.setattr(numba_ops, "FUSED_BACKWARD", fused)
+    g = torch.Generator().manual_seed(before + after + block)
+    L = 301
+    kpm = torch.rand(3, L, generator=g) > 0.4
+    kpm[:, :30] = False
+    m = masks.sliding_window(before, after) & masks.key_padding(kpm)
+    q, k, v = (torch.randn(3, 2, L, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    index = band_index(q, m, band_of(m), block)
+    assert index[0].shape == (3, 1, -(-L // block))          # one row per batch element (the padding differs)
+    got = numba_ops.attend_index(q, k, v, index, (block, block), 0.5)
+    want = attend(q, k, v, m, scale=0.5, backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    gout = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), gout), torch.autograd.grad(want, (q, k, v), gout)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_numba_dynamic_program_holds_the_engine_operator():
+    """The numba backend's dynamic program runs the engine's kernel (not the torch band path), and the torch
+    backend's does not."""
+    args = _args(40, 1)
+    L = torch.export.Dim("L", min=1, max=2048)
+    for backend, holds in (("numba", True), ("torch", False)):
+        module = _Call(attnkit.build("local", num_heads=2, head_dim=8, window=20, backend=backend).eval(), True)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(module, args, dynamic_shapes=({2: L}, {2: L}, {2: L}, {1: L}))
+        ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+        assert any("numba_block_attention" in o for o in ops) is holds, sorted(ops)
+        torch.testing.assert_close(ep.module()(*_args(77, 2)), module(*_args(77, 2)), rtol=1e-5, atol=1e-6)
+
+
+def test_cover_holds_a_band_with_global_positions():
+    keys, queries = PositionSet((0, 9), "key"), PositionSet((4,), "query")
+    band = masks.sliding_window(3, 2)
+    assert cover_of(band | keys | queries) == (-2, 3, (0, 9), (4,))
+    # & intersects the bands and keeps every part's global positions (a pair in them may lie outside the band)
+    assert cover_of((band | keys) & masks.causal()) == (0, 3, (0, 9), ())
+    assert cover_of(keys & masks.causal()) == (1, 0, (0, 9), ())              # no band, the global keys only
+    assert cover_of(masks.causal() | keys) is None                           # unbounded to the past
+    assert cover_of(longformer_mask(8, (0, 5), causal=True)) == (0, 8, (0, 5), (0, 5))
+    assert cover_of(masks.causal()) is None and cover_of(None) is None
+
+
+@pytest.mark.parametrize("block", [None, 16], ids=["torch-band", "numba-kernels"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attend_dynamic_with_global_positions_equals_the_engine(block, causal):
+    """Band, global keys and global queries apart, merged by their log-sum-exps, against the plan's torch backend
+    in float64, forward and backward: global positions inside and past the sequence, a global key inside the
+    band (counted once), key padding that leaves some rows with no key at all."""
+    g = torch.Generator().manual_seed(7 + causal)
+    L = 70
+    kpm = torch.rand(2, L, generator=g) > 0.3
+    kpm[1, :12] = False
+    m = longformer_mask(10, (0, 3, 40, 90), causal=causal) & masks.key_padding(kpm)
+    cover = cover_of(m)
+    assert cover == ((0, 10) if causal else (-5, 5)) + ((0, 3, 40, 90), (0, 3, 40, 90))
+    q, k, v = (torch.randn(2, 2, L, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    got = attend_dynamic(q, k, v, m, cover, 0.5, block)
+    want = attend(q, k, v, m, scale=0.5, backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    gout = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(got, (q, k, v), gout)
+    for a, b in zip(grads, torch.autograd.grad(want, (q, k, v), gout)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_explicit_global_positions_are_a_limit_the_program_asserts():
+    """Explicit global positions need keys reaching past the last one: a limit of the instance in eager, an
+    assertion of the dynamic program (exported with the length from 1: no constraint violated)."""
+    attn = attnkit.build("global", num_heads=2, head_dim=8, window=5, global_positions=[0, 7, 30]).eval()
+    module = _Call(attn, False)
+    L = torch.export.Dim("L", min=1, max=2048)
+    program = _export(module, _args(40, 0), ({2: L}, {2: L}, {2: L}, {1: L}))
+    for n in (31, 64, 100):
+        torch.testing.assert_close(program(*_args(n, n)), module(*_args(n, n)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(attnkit.UnsupportedFeatureError, match="the global position 30 needs at least 31 keys"):
+        module(*_args(30, 1))
+    with pytest.raises(Exception, match=r">= 31"):     # (the program keeps the expression, not the message)
+        program(*_args(30, 1))

@@ -53,8 +53,13 @@ def test_global_positions(name):
     with pytest.raises(InvalidInputError, match=r"num_global / global_positions: give one of them"):
         attnkit.build(name, num_global=2, global_positions=[0])
     attn = attnkit.build(name, global_positions=[0, 12])
-    with pytest.raises(InvalidInputError, match=r"global_positions: expected positions in \[0, 9\).*got \[12\] out"):
+    # a limit of the instance (as a grid's length): the forward refuses the length, the pattern the positions
+    with pytest.raises(UnsupportedFeatureError, match=r"L=9, S=9: beyond its limit \(global_positions: the global "
+                                                       r"position 12 needs at least 13 keys"):
         attn(q, k, v)
+    assert attn.limits.why_not(13, 13) is None and attn.limits.why_not(20, 12) is not None
+    with pytest.raises(InvalidInputError, match=r"global_positions: expected positions in \[0, 9\).*got \[12\] out"):
+        attn.pattern_mask(9, 9)
 
 
 @pytest.mark.parametrize("name", ["local-2d", "axial"])

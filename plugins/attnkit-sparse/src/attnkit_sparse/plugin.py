@@ -37,8 +37,9 @@ _CHILD = Paper("Child, Gray, Radford, Sutskever", 2019, "Generating Long Sequenc
 
 def _caps(*, causal: bool = True, cross: bool = True, streaming: str | None = None, time: str,
           context_parallel: bool = False, banded: bool = False) -> Capabilities:
-    # banded: the pattern's pairs lie in a finite position band, so a program with a dynamic length attends
-    # within it (engine/dynamic.py); every other pattern's block plan fixes the length of a program
+    # banded: the pattern's pairs lie in a finite position band, with global keys and queries apart, so a program
+    # with a dynamic length attends within it (engine/dynamic.py); every other pattern's block plan fixes the
+    # length of a program
     return Capabilities(
         causal=causal, noncausal=True, key_padding_mask=True, attn_mask=True, cross=cross,
         causal_cross=causal and cross, streaming=streaming, positions=True, context_parallel=context_parallel,
@@ -74,13 +75,13 @@ GLOBAL = _spec("global", "GlobalAttention", "global_",
                "Local window plus global tokens that see every key and are seen by every query.",
                Paper("Ainslie, Ontanon, Alberti, Cvicek, Fisher, Pham, Ravula, Sanghai, Wang, Yang", 2020,
                      "ETC: Encoding Long and Structured Inputs in Transformers", "2004.08483"),
-               _caps(time="O(L·(window + G)·D + G·S·D)"))
+               _caps(time="O(L·(window + G)·D + G·S·D)", banded=True))
 RANDOM = _spec("random", "RandomAttention", "random_",
                "Each query block sees `num_random` random key blocks, reproducible from `seed` (per head optional).",
                _BIGBIRD, _caps(time="O(L·num_random·block_size·D)"))
 LONGFORMER = _spec("longformer", "LongformerAttention", "global_",
                    "Longformer: (dilated) sliding window of w/2 keys per side plus global tokens (w = 512, the "
-                   "first token global).", _LONGFORMER, _caps(time="O(L·(window + G)·D + G·S·D)"))
+                   "first token global).", _LONGFORMER, _caps(time="O(L·(window + G)·D + G·S·D)", banded=True))
 BIGBIRD = _spec("bigbird", "BigBirdAttention", "random_",
                 "BigBird-ITC on blocks: window blocks + global blocks (first and last) + random blocks; no causal "
                 "form.", _BIGBIRD, _caps(causal=False, time="O(L·(w + g + r)·block_size·D)"))

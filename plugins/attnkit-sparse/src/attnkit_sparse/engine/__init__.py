@@ -200,14 +200,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
         keep = kpm.to(q.device)[:, None, :, None]
         k = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
         v = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device))
-    if symbolic(L, S) and positions is None:
-        # torch.export with a dynamic length: a plan would fix the length; a banded pattern attends within its
-        # band instead (one program for every length), any other fixes the length below
-        from .dynamic import attend_band, band_of
+    if symbolic(L, S) and positions is None and L == S:
+        # torch.export with a dynamic length: a plan would fix the length; a pattern inside a band (plus global
+        # keys and queries) attends within it instead, one program for every length (engine/dynamic.py); any
+        # other fixes the length below
+        from .dynamic import attend_dynamic, cover_of
 
-        band = band_of(mask)
-        if band is not None and L == S:
-            return attend_band(q, k, v, mask, band, scale)
+        cover = cover_of(mask)
+        if cover is not None:
+            bq, bk = check_block_size(block_size)
+            return attend_dynamic(q, k, v, mask, cover, scale, bq if name == "numba" and bq == bk else None)
     if mask is not None and reads_traced(mask, positions):   # (torch.export with a mask among its inputs)
         return _attend_traced(q, k, v, mask, scale, block_size, positions)
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)

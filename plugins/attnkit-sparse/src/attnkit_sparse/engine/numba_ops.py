@@ -218,12 +218,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, scale: float, *,
         ``return_lse`` also the log-sum-exp ``(B, H, L)`` of the scaled scores per row (``+inf`` for a row
         with no allowed key; float32 for half inputs).
     """
-    bq, bk = plan.block_size
+    index = (plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx, plan.q_tile, plan.q_slot,
+             plan.key_major_bank(), plan.span)
+    return attend_index(q, k, v, index, plan.block_size, scale, return_lse=return_lse)
+
+
+def attend_index(q: Tensor, k: Tensor, v: Tensor, index: tuple[Tensor, ...], block_size: tuple[int, int],
+                 scale: float, *, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`attend` over the plan's tensors ``(kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot,
+    key-major bank, span)`` (:class:`~attnkit_sparse.engine.plan.BlockPlan`), however they were built: a
+    dynamic-length program builds them from tensors (:func:`.dynamic.band_index`)."""
+    bq, bk = block_size
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    out, lse = numba_block_attention(q, k, v, plan.kv_count, plan.kv_idx, plan.kv_tile, plan.q_count, plan.q_idx,
-                                   plan.q_tile, plan.q_slot, plan.key_major_bank(), plan.span, bq, bk,
-                                   float(scale))
+    out, lse = numba_block_attention(q, k, v, *index, bq, bk, float(scale))
     out = out.to(dtype)
     return (out, lse) if return_lse else out

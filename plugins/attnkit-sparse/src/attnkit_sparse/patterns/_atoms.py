@@ -141,6 +141,9 @@ class PeriodicBand(Atom):
                 f"{where}: {self.name}: expected one dilation per head (H = {geom.H}), got "
                 f"{self.period.numel()} values {tuple(self.period.tolist())}")
 
+    def _relative(self):
+        return True   # a function of pos(q) - pos(k) (and of the head, for per-head periods)
+
     def _bounds(self, geom: Geometry) -> tuple[Any, Any, Any]:
         p = _per_head(self.period, geom)
         lo = -self.after * p if self.after < BIG else -BIG
@@ -249,6 +252,11 @@ class PositionSet(Atom):
     def _allow(self, h, qpos, kpos, geom):
         hit = self._members(kpos if self.side == "key" else qpos)
         return hit.expand(torch.broadcast_shapes(qpos.shape, kpos.shape))
+
+    def _cover(self):
+        # no band: every allowed pair has its key (query) at one of the positions
+        at = frozenset(int(p) for p in self.positions.tolist())
+        return (math.inf, -math.inf, at, frozenset()) if self.side == "key" else (math.inf, -math.inf, frozenset(), at)
 
     def _count(self, lo: Tensor, hi: Tensor) -> Tensor:
         pos = self.positions.to(lo.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from attnkit import Limits, shortest_lengths, transforms
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Mask
 from attnkit.masks import causal as causal_mask
@@ -61,7 +62,24 @@ class _GlobalTokens(SparsePatternAttention):
             self.global_positions = tuple(range(self.num_global))
             self._explicit = False
 
+    @property
+    def limits(self) -> Limits:
+        """The base's limits; with explicit ``global_positions``, keys reaching past the last of them (a shorter
+        sequence is refused as a limit: :class:`attnkit.ShortestLengths`)."""
+        base = super().limits
+        if not self._explicit:
+            return base
+        last = self.global_positions[-1]
+        return shortest_lengths(base, min_keys=last + 1, reason=(
+            f"global_positions: the global position {last} needs at least {last + 1} keys (build it with "
+            "positions inside the sequence)"))
+
     def _check_lengths(self, L: int, S: int) -> None:
+        if transforms.symbolic(L, S):
+            # a dynamic-length program: asserted when it runs (a comparison would fix the length's range)
+            if self._explicit:
+                transforms.assert_at_least(S, self.global_positions[-1] + 1, "global_positions: the keys")
+            return
         n = max(L, S)
         if self._explicit and n and self.global_positions[-1] >= n:
             bad = [p for p in self.global_positions if p >= n]
