@@ -39,6 +39,34 @@ def _pow_support(base: Tensor, exponent: Tensor, support: Tensor) -> Tensor:
     return torch.where(support, safe.pow(exponent), torch.zeros((), dtype=base.dtype, device=base.device))
 
 
+def _bisect(Xd: Tensor, mx: Tensor, amd: Tensor, invd: Tensor, iters: int) -> Tensor:
+    """The threshold ``tau`` of each row of ``Xd = (alpha - 1) · scores`` (``-inf`` at masked entries; ``mx``
+    the row maxima, 0 for rows of only ``-inf``) by ``iters`` halvings of ``[mx - 1, mx - (1/n)^(alpha - 1)]``;
+    ``amd = alpha - 1``, ``invd = 1 / (alpha - 1)``. No gradient."""
+    n = Xd.shape[-1]
+    lo = mx - 1.0
+    hi = mx - (1.0 / n) ** amd
+    for _ in range(iters):
+        mid = (lo + hi) * 0.5
+        f = (Xd - mid).clamp_min(0).pow(invd).sum(-1, keepdim=True) - 1.0
+        up = f >= 0
+        lo = torch.where(up, mid, lo)
+        hi = torch.where(up, hi, mid)
+    return (lo + hi) * 0.5
+
+
+@torch.library.custom_op("attnkit_adaptive::entmax_threshold", mutates_args=())
+def entmax_threshold(Xd: Tensor, mx: Tensor, amd: Tensor, invd: Tensor, iters: int) -> Tensor:
+    """:func:`_bisect` as one custom operator (what an exported program holds; load it with
+    ``import attnkit_adaptive``)."""
+    return _bisect(Xd, mx, amd, invd, iters)
+
+
+@entmax_threshold.register_fake
+def _(Xd: Tensor, mx: Tensor, amd: Tensor, invd: Tensor, iters: int) -> Tensor:
+    return mx.new_empty(torch.broadcast_shapes(mx.shape, amd.shape, invd.shape))
+
+
 def entmax_bisect(scores: Tensor, alpha: Tensor, *, n_iter: int | None = None) -> Tensor:
     """alpha-entmax over the last dimension.
 
@@ -50,7 +78,6 @@ def entmax_bisect(scores: Tensor, alpha: Tensor, *, n_iter: int | None = None) -
     Returns:
         ``(..., n)``, rows summing to one (0 for rows with no finite score), exact zeros below the threshold.
     """
-    n = scores.shape[-1]
     iters = bisection_iterations(scores.dtype) if n_iter is None else n_iter
     am1 = (alpha - 1).to(scores.dtype)
     zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
@@ -62,16 +89,11 @@ def entmax_bisect(scores: Tensor, alpha: Tensor, *, n_iter: int | None = None) -
         mx = Xd.amax(-1, keepdim=True)
         mx = torch.where(torch.isinf(mx), zero, mx)
         amd = am1.detach()
-        lo = mx - 1.0
-        hi = mx - (1.0 / n) ** amd
         invd = inv.detach()
-        for _ in range(iters):
-            mid = (lo + hi) * 0.5
-            f = (Xd - mid).clamp_min(0).pow(invd).sum(-1, keepdim=True) - 1.0
-            up = f >= 0
-            lo = torch.where(up, mid, lo)
-            hi = torch.where(up, hi, mid)
-        tau0 = (lo + hi) * 0.5
+        # exporting: the loop as one operator of the program (unrolled, its 32-60 steps made programs of
+        # hundreds of nodes that took seconds to trace); eager and torch.compile: the loop itself
+        bisect = entmax_threshold if torch.compiler.is_exporting() else _bisect
+        tau0 = bisect(Xd, mx, amd, invd, iters)
         support = ((Xd - tau0) > 0) & keep
         # -df/dtau = sum over the support of p^(2 - alpha) / (alpha - 1)
         g = _pow_support(Xd - tau0, (1.0 - amd) * invd, support).sum(-1, keepdim=True) * invd
