@@ -196,7 +196,9 @@ def band_index(q: Tensor, mask: Mask, band: tuple[int, int], C: int, drop_keys: 
     dev = q.device
     tiles = keep.view(bp, hp, N, C, K, C)                                 # [b', h', i, row, o, column]
     full = tiles.all(-1).all(3)                                           # (B', H', N, K)
-    span = _spans(tiles).permute(0, 1, 2, 4, 3, 5).reshape(-1, C, 2)     # (P, C, 2), entry p = ((b'H' + h')N + i)K + o
+    # the kernels read a tile's span as the union over its rows (the columns P·V visits): each row gets the
+    # tile's own first and last column, from one pass over the tile instead of one per row
+    span = _spans(tiles.any(3)).unsqueeze(-2).expand(bp, hp, N, K, C, 2).reshape(-1, C, 2)   # (P, C, 2)
     bank = tiles.permute(0, 1, 2, 4, 5, 3).reshape(-1, C, C)              # key-major (P, BK, BQ)
     entry = torch.arange(bp * hp, device=dev).view(bp, hp, 1, 1) * N * K
     slot = torch.arange(K, device=dev)
