@@ -1,7 +1,7 @@
-"""torch.export with a dynamic length: the span band takes its block count from ``attnkit.transforms.chunk_count``
-(an unbacked size) and its width from the spans' values at run time (another unbacked size); sparse-adaptive
-scores all query rows at once and always takes ``num_edges`` edges (invalid ones appended), so one program serves
-every length, causal and not."""
+"""torch.export with a dynamic length on the torch backend (the numba programs: test_span_export_numba.py): the
+span band takes its block count from ``attnkit.transforms.chunk_count`` (an unbacked size) and its width from the
+spans' values at run time (another unbacked size); sparse-adaptive scores all query rows at once and always takes
+``num_edges`` edges (invalid ones appended), so one program serves every length, causal and not."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _span(name):
 @pytest.mark.parametrize("name", ["adaptive-span", "dynamic-span"])
 def test_span_programs_with_a_dynamic_length_equal_eager(name, padded):
     """Exported at L = 12 (two blocks of 8): the eager output at lengths from one position to several blocks."""
-    assert attnkit.get_spec(name).capabilities.export_dynamic == ("torch",)
+    assert attnkit.get_spec(name).capabilities.export_dynamic == ("numba", "torch")
     _check(_span(name), True, padded, SPAN_LENGTHS)
 
 

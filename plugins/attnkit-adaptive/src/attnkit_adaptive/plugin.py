@@ -41,7 +41,8 @@ ADAPTIVE_SPAN = AttentionSpec(
                   "attention (equal to causal softmax when every span covers the sequence and R -> 0)",
     aux_losses={"span_l1": 2e-6},
     capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "vmap", "jvp"), export=True,
-                                     export_masks=None, export_backends=("torch",), export_dynamic=("torch",)),
+                                     export_masks=None, export_backends=("numba", "torch"),
+                                     export_dynamic=("numba", "torch")),
 )
 
 DYNAMIC_SPAN = AttentionSpec(
@@ -56,7 +57,8 @@ DYNAMIC_SPAN = AttentionSpec(
                   "renormalised: a different attention",
     aux_losses={"span_l1": 2e-6},
     capabilities=dataclasses.replace(_SPAN_CAPS, func_transforms=("grad", "jvp"), export=True,
-                                     export_masks=None, export_backends=("torch",), export_dynamic=("torch",)),
+                                     export_masks=None, export_backends=("numba", "torch"),
+                                     export_dynamic=("numba", "torch")),
 )
 
 ENTMAX = AttentionSpec(
