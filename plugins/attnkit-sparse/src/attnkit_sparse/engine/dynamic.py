@@ -1,14 +1,16 @@
 """Banded attention for a length ``torch.export`` traces as dynamic: no block plan, one program for every length.
 
 A block plan is built from the length (Python integers), so a program holding one fixes the length. A
-pattern whose allowed pairs lie in a position band, ``lo <= q - k <= hi`` with both bounds finite
-(:meth:`attnkit.masks.Mask._reach`: sliding windows, dilated bands, block bands), needs no plan: split the
-padded sequence into ``N`` chunks of ``C`` positions (``N`` from :func:`attnkit.transforms.chunk_count`, a
-size of its own), give each query chunk the ``K`` key chunks the band can reach (``K`` depends on the band
-and ``C`` only), evaluate the whole mask at every gathered pair (the pattern, the causal rule and any mask
-input such as a key padding mask) and take the masked softmax there. Work and memory ``O(L·K·C·(D + E))``:
-the band's width, not the length. The result is the engine's (same allowed pairs, rows with no allowed key
-give 0); only rounding differs from the plan's tiles.
+pattern whose allowed pairs lie in a position band, ``lo <= q - k <= hi`` with both bounds finite, apart from
+fixed global key and query positions (:meth:`attnkit.masks.Mask._cover`: sliding windows, dilated bands, block
+bands, global tokens), needs no plan: split the sequence into ``N`` chunks of ``C`` positions (``N`` from
+:func:`attnkit.transforms.chunk_count`, a size of its own), give each query chunk the ``K`` key chunks the band
+can reach (``K`` depends on the band and ``C`` only) and evaluate the whole mask at those pairs (:func:`_keep`).
+Then either the engine's numba kernels run over a block index built from those pairs with tensor operators
+(:func:`band_index`: eager's kernels, forward and backward), or the masked softmax runs over the gathered
+chunks with torch operators (:func:`attend_band`: work and memory ``O(L·K·C·(D + E))``). Global keys and
+queries are attended apart and merged (:func:`attend_dynamic`). The result is the engine's (same allowed
+pairs, rows with no allowed key give 0); only rounding differs from the plan's tiles.
 """
 
 from __future__ import annotations
