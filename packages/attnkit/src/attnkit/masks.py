@@ -33,7 +33,9 @@ bool (True = may attend) or additive float broadcastable to ``(B, H, L, S)``.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -283,6 +285,12 @@ class Mask:
         dynamic-length program attends within the band and to the global positions apart."""
         reach = self._reach()
         return None if reach is None else (reach[0], reach[1], frozenset(), frozenset())
+
+    def _without_globals(self) -> Mask | None:
+        """This mask on the pairs whose key and query are not among the global positions of :meth:`_cover`: the
+        ``|``-ed parts whose cover has no band (they allow global pairs only) left out, through ``&`` and ``|``;
+        None when no such pair is allowed. Default: the mask itself."""
+        return self
 
     def _relative(self) -> bool:
         """True when the mask depends on the query and key positions only through ``q_pos - kv_pos`` (it may
@@ -778,6 +786,10 @@ class _And(_Compound):
             return None
         return max(r[0] for r in reaches), min(r[1] for r in reaches)
 
+    def _without_globals(self):
+        parts = [p._without_globals() for p in self.parts]
+        return None if any(p is None for p in parts) else functools.reduce(operator.and_, parts)
+
     def _cover(self):
         # a pair allowed by every part lies in every part's band, or in some part's global positions
         covers = [c for c in (p._cover() for p in self.parts) if c is not None]
@@ -839,6 +851,14 @@ class _Or(_Compound):
         if any(r is None for r in reaches):
             return None
         return min(r[0] for r in reaches), max(r[1] for r in reaches)  # type: ignore[index]
+
+    def _without_globals(self):
+        def has_band(p: Mask) -> bool:
+            cover = p._cover()
+            return cover is None or cover[0] <= cover[1]
+
+        kept = [m for m in (p._without_globals() for p in self.parts if has_band(p)) if m is not None]
+        return functools.reduce(operator.or_, kept) if kept else None
 
     def _cover(self):
         covers = [p._cover() for p in self.parts]

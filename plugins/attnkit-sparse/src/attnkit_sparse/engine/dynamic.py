@@ -15,16 +15,16 @@ pairs, rows with no allowed key give 0); only rounding differs from the plan's t
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.masks import Geometry, Mask, _And, _Or
+from attnkit.masks import Geometry, Mask
 from attnkit.transforms import chunk_count
+
+from ..patterns._atoms import members
 
 #: positions per chunk when the band is narrow (a wider band takes chunks near its width)
 MIN_CHUNK = 16
@@ -59,12 +59,6 @@ def cover_of(mask: Mask | None) -> Cover | None:
     return int(math.floor(lo)), int(math.ceil(hi)), tuple(sorted(keys)), tuple(sorted(queries))
 
 
-def _members(positions: Tensor, x: Tensor) -> Tensor:
-    """Bool, shaped as ``x``: ``x`` is one of ``positions`` (sorted, non-empty)."""
-    idx = torch.searchsorted(positions, x.contiguous()).clamp(max=positions.numel() - 1)
-    return positions[idx] == x
-
-
 def band_of(mask: Mask | None) -> tuple[int, int] | None:
     """``(lo, hi)``, finite bounds of ``q - k`` over the allowed pairs of ``mask``, or None."""
     reach = None if mask is None else mask._reach()
@@ -96,7 +90,7 @@ def _keep(q: Tensor, mask: Mask, band: tuple[int, int], C: int, drop_keys: Tenso
     qpos, kpos = start + rows, start + cols                              # (N, C), (N, K·C)
     kin = (kpos >= 0) & (kpos < L)
     if drop_keys is not None:
-        kin = kin & ~_members(drop_keys, kpos)
+        kin = kin & ~members(drop_keys, kpos)[0]
     geom = Geometry(B, H, L, L, dev, None)
     b = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
     h = torch.arange(H, device=dev).view(1, H, 1, 1, 1)
@@ -116,24 +110,6 @@ def _keep(q: Tensor, mask: Mask, band: tuple[int, int], C: int, drop_keys: Tenso
         # pairs are masked above whatever the part says
         keep = keep & p._keep(b, h, qi.clamp(0, L - 1), ki.clamp(0, L - 1), geom)
     return keep, N, first, left, right, K
-
-
-def off_globals(mask: Mask) -> Mask | None:
-    """``mask`` on the pairs whose key and query are not global positions of its cover (:func:`cover_of`): the
-    ``|``-ed parts whose cover has no band (they allow global pairs only) left out, recursively through ``&``;
-    None when nothing is left (no such pair is allowed)."""
-    if isinstance(mask, _Or):
-        kept = [m for m in (off_globals(p) for p in mask.parts if _has_band(p)) if m is not None]
-        return functools.reduce(operator.or_, kept) if kept else None
-    if isinstance(mask, _And):
-        parts = [off_globals(p) for p in mask.parts]
-        return None if any(p is None for p in parts) else functools.reduce(operator.and_, parts)
-    return mask
-
-
-def _has_band(mask: Mask) -> bool:
-    cover = mask._cover()
-    return cover is None or cover[0] <= cover[1]
 
 
 def chunk_size(band: tuple[int, int]) -> int:
@@ -253,9 +229,8 @@ def attend_dynamic(q: Tensor, k: Tensor, v: Tensor, mask: Mask, cover: Cover, sc
     wanted = bool(gkeys or gqueries)      # the band's log-sum-exp (only a merge needs it)
     # the band's pairs have neither a global key (dropped there) nor a global query (rows replaced below): the
     # mask's parts that allow global pairs only are left out there
-    inner = off_globals(mask) if wanted else mask
-    if lo <= hi and inner is not None:
-        mask_band = inner
+    mask_band = mask._without_globals() if wanted else mask
+    if lo <= hi and mask_band is not None:
         if block is not None:
             from . import numba_ops
 
@@ -317,9 +292,8 @@ def _global_queries(q: Tensor, k: Tensor, v: Tensor, mask: Mask, positions: Tens
     keep = mask._keep(b, h, at.view(1, 1, -1, 1), kpos.view(1, 1, 1, L), geom)
     s = (q.index_select(2, at) * scale) @ k.transpose(-1, -2)          # (B, H, G, L)
     rows, _ = _masked_softmax(s, keep.expand(s.shape), v)
-    slot = torch.searchsorted(positions, kpos).clamp(max=positions.numel() - 1)
-    is_global = (positions[slot] == kpos).view(1, 1, L, 1)            # row r is a global query, at slot[r]
-    return torch.where(is_global, rows.index_select(2, slot).to(out.dtype), out)
+    is_global, slot = members(positions, kpos)                         # row r is a global query, at slot[r]
+    return torch.where(is_global.view(1, 1, L, 1), rows.index_select(2, slot).to(out.dtype), out)
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:

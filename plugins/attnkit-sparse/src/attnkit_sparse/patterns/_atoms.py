@@ -234,6 +234,15 @@ class KeyResidue(Atom):
         return f"{self.name}(period={self.period}, residues {self.lo}..{self.hi})"
 
 
+def members(positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(hit, slot)`` shaped as ``x``: whether ``x`` is one of ``positions`` (sorted) and, where it is, its index
+    there (clamped into range elsewhere)."""
+    if positions.numel() == 0:
+        return torch.zeros_like(x, dtype=torch.bool), torch.zeros_like(x)
+    slot = torch.searchsorted(positions, x.contiguous()).clamp(max=positions.numel() - 1)
+    return positions[slot] == x, slot
+
+
 class PositionSet(Atom):
     """The key (``side="key"``) or the query (``side="query"``) sits at one of ``positions``."""
 
@@ -243,11 +252,7 @@ class PositionSet(Atom):
         self.side, self.name = side, name
 
     def _members(self, x: Tensor) -> Tensor:
-        pos = self.positions.to(x.device)
-        if pos.numel() == 0:
-            return torch.zeros_like(x, dtype=torch.bool)
-        idx = torch.searchsorted(pos, x.contiguous()).clamp(max=pos.numel() - 1)
-        return pos[idx] == x
+        return members(self.positions.to(x.device), x)[0]
 
     def _allow(self, h, qpos, kpos, geom):
         hit = self._members(kpos if self.side == "key" else qpos)
