@@ -49,7 +49,7 @@ def test_values_and_gradients_match_the_torch_expressions(dtype):
     q, k, w, kpm = _inputs(dtype)
     pad = padded(kpm)
     scale = 0.36
-    got = positive_features(q, k, w, scale, pad)
+    got = positive_features(q, k, w, scale, pad)[:4]
     # the reference cannot take the poisoned keys (NaN * 0 is NaN): it gets them zeroed, which changes no real key
     k_ref = k.detach().masked_fill(pad, 0.0).requires_grad_()
     ref = _reference(q, k_ref, w, scale, pad)
@@ -69,10 +69,37 @@ def test_values_and_gradients_match_the_torch_expressions(dtype):
 def test_a_fully_padded_sequence_has_no_exponent_range_and_zero_features():
     q, k, w, kpm = _inputs(torch.float64, poison=False)
     kpm[0] = False
-    phi_q, phi_k, hi, lo = positive_features(q, k, w, 1.0, padded(kpm))
+    phi_q, phi_k, hi, lo, growth = positive_features(q, k, w, 1.0, padded(kpm))
     assert (phi_k[0] == 0).all() and torch.isneginf(hi[0]).all() and torch.isposinf(lo[0]).all()
     assert torch.isfinite(hi[1]).all() and torch.isfinite(lo[1]).all()
     assert ((phi_q > 0) & (phi_q <= 1)).all() and torch.allclose(phi_q.amax(-1), torch.ones(()).double())
+    assert (growth[0] == 0).all()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+@pytest.mark.parametrize("pad_first", [False, True])
+def test_growth_is_the_log_space_forms(chunk, pad_first):
+    """The key operator's growth (the largest growth of a feature's running key maximum inside a chunk, which a
+    program's torch.cond reads) equals what the log-space form computes from its chunks' references
+    (performer/chunk.py: ``_references``), from no earlier key: at a length no chunk divides, with padded keys
+    (holding NaN/Inf), keys of large norm and, with ``pad_first``, a chunk whose first keys are padded (then a
+    feature's first key inside it is unbounded growth)."""
+    from attnkit_kernelized.performer.chunk import NO_KEY, _chunks, _references
+
+    q, k, w, kpm = _inputs(torch.float64, L=77)
+    k = (k.detach() * torch.linspace(0.5, 4.0, 77, dtype=torch.float64)[:, None]).requires_grad_()   # maxima grow
+    if pad_first:
+        kpm[0, :chunk + 2] = False
+    pad = padded(kpm)
+    growth = positive_features(q, k, w, 0.36, pad, chunk)[4]
+    lk = k.detach().masked_fill(pad, 0.0) @ w.T - 0.18 * (k.detach().masked_fill(pad, 0.0) ** 2).sum(-1, keepdim=True)
+    lk_c = _chunks(lk.masked_fill(pad, NO_KEY), chunk, -(-77 // chunk), NO_KEY)
+    end, _, first = _references(lk_c, lk.new_full((2, 3, w.shape[0]), NO_KEY))
+    want = (end - first).amax(dim=(-3, -2, -1))                                   # (B, H)
+    want = torch.where(want > 1e29, torch.full_like(want, float("inf")), want)     # NO_KEY against a real key
+    torch.testing.assert_close(growth, want, atol=1e-10, rtol=1e-12)
+    if chunk > 1:   # (one key a chunk: no growth)
+        assert (growth[1] > 0).all() and (not pad_first or torch.isposinf(growth[0]).all())
 
 
 def test_refuses_what_it_cannot_run():

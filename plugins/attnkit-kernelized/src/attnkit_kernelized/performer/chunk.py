@@ -54,7 +54,7 @@ from torch import Tensor
 from attnkit import transforms
 from attnkit.transforms import chunk_count
 
-from ..common import DEFAULT_CHUNK, chunk_start_states, normalize, with_ones_column
+from ..common import DEFAULT_CHUNK, chunk_outputs, group_chunk_count, normalize, with_ones_column
 
 #: largest growth (in the exponent) of a feature's key maximum inside one chunk for the factored
 #: (matrix-product) form; beyond it the chunk's block is computed pairwise (per dtype)
@@ -101,19 +101,27 @@ def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, l
     ``c'_t = max_m (lq_tm + max(prev_m, max_{j <= t} lk_jm)) >= c_t``: their block pairwise (every exponent
     <= 0) and their across-chunk query factors multiplied by ``exp(c_t - c'_t) <= 1``, so numerator and
     denominator of each row keep one shift. Under ``torch.compile``: every chunk, selected (no data-dependent
-    branch), and so under torch.func transforms (vmap cannot select by the data)."""
-    dense = torch.compiler.is_compiling() or transforms.active()
-    if dense:
-        sel = (slice(None),) * 3
-    else:
-        sel = pairwise.nonzero(as_tuple=True)
+    branch), and so under torch.func transforms (vmap cannot select by the data). In a program
+    (``torch.export``) the marked chunks are selected (a count of its own, unbacked), their shifts taken from
+    every chunk's (a cumulative maximum over a selection of unbacked size does not trace): the blocks, ``C x C x M``
+    each, only where marked, as eager computes them; every chunk's block took 13 s at L = 4,096 (H = 8, M = 256)."""
+    dense = (torch.compiler.is_compiling() and not torch.compiler.is_exporting()) or transforms.active()
+    sel = (slice(None),) * 3 if dense else pairwise.nonzero(as_tuple=True)
+
+    def shifts(lq: Tensor, lk: Tensor, prev: Tensor) -> tuple[Tensor, Tensor]:
+        # from detached values (no grad-mode switch: a program's torch.cond branches hold none)
+        mk = torch.maximum(torch.cummax(lk.detach(), dim=-2).values, prev.detach())
+        c_pos = (lq.detach() + mk).amax(-1, keepdim=True)                 # per position
+        c_chunk = (lq.detach() + torch.maximum(prev.detach(), lk.detach()[..., :1, :])).amax(-1, keepdim=True)
+        return c_pos, c_chunk
+
     lq_s, lk_s, prev_s = lq[sel], lk[sel], prev[sel]
     a_s = None if a is None else a[sel]
     b_s = None if b is None else b[sel]
-    with torch.no_grad():
-        mk = torch.maximum(torch.cummax(lk_s.detach(), dim=-2).values, prev_s.detach())
-        c_pos = (lq_s.detach() + mk).amax(-1, keepdim=True)                 # per position
-        c_chunk = (lq_s.detach() + torch.maximum(prev_s.detach(), lk_s.detach()[..., :1, :])).amax(-1, keepdim=True)
+    if torch.compiler.is_exporting() and not dense:
+        c_pos, c_chunk = (c[sel] for c in shifts(lq, lk, prev))
+    else:
+        c_pos, c_chunk = shifts(lq_s, lk_s, prev_s)
     block = _pairwise(lq_s, lk_s, c_pos, a_s, b_s, future)
     rescale = torch.exp(c_chunk - c_pos)                                   # (..., C, 1), <= 1
     if dense:
@@ -124,7 +132,7 @@ def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, l
 
 def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None, b: Tensor | None = None,
                      pad: Tensor | None = None, state: tuple[Tensor, Tensor, Tensor] | None = None, *,
-                     chunk: int = DEFAULT_CHUNK, recompute: str = "auto"
+                     chunk: int = DEFAULT_CHUNK, recompute: str = "auto", dynamic: bool | None = None
                      ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Causal random-feature attention from log-space features; ``(out (B, H, L, E), (S, z, m))``.
 
@@ -138,16 +146,21 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
             and ``z``, ``Mk`` = ``lk``'s last dim), or None (nothing seen).
         chunk: positions per chunk.
         recompute: which chunks get the pairwise block: ``"auto"`` those whose growth exceeds the limit (a
-            branch on the data, or ``torch.cond`` in a program), ``"none"`` or ``"marked"`` (every chunk's
-            block computed, taken where marked; no branch): the two branches of :func:`log_space_causal_dynamic`.
+            branch on the data, or ``torch.cond`` in a program), ``"none"`` or ``"marked"`` (those marked; no
+            branch): the branches of :func:`log_space_causal_dynamic` and of a program's choice in
+            :meth:`.module.PerformerAttention._program_causal`.
+        dynamic: the length is one ``torch.export`` traces as dynamic (with ``"auto"``:
+            :func:`log_space_causal_dynamic`; the chunk count from :func:`.common.group_chunk_count`, the chunks'
+            start states from :func:`.common.chunk_outputs`); None: :func:`attnkit.transforms.symbolic` says (a
+            caller inside a ``torch.cond`` branch, where the length no longer reads as symbolic, passes it).
 
     Returns:
         The normalised output (0 where a query has seen no key) and the new state.
     """
     B, H, L, _ = lq.shape
-    if recompute == "auto" and transforms.symbolic(L):   # a length torch.export traces as dynamic
+    dynamic = transforms.symbolic(L) if dynamic is None else dynamic
+    if recompute == "auto" and dynamic:
         return log_space_causal_dynamic(lq, lk, v, a, b, pad, state, chunk=chunk)
-    dynamic = recompute != "auto"      # a branch of log_space_causal_dynamic (traced by torch.cond)
     M = lq.shape[-1] if a is None else a.shape[-1]
     M = max(M, lk.shape[-1] if b is None else b.shape[-1])
     Mk = lk.shape[-1]
@@ -166,12 +179,12 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     if not dynamic and L == 0:
         return v.new_zeros(B, H, 0, E), (Sp[..., :E], Sp[..., E], m0)
     C = max(1, chunk) if dynamic else max(1, min(chunk, L))
-    N = chunk_count(L, C) if dynamic else -(-L // C)
+    N = group_chunk_count(L, C) if dynamic else -(-L // C)     # dynamic: whole groups of chunk_outputs
     lk_c = _chunks(lk.masked_fill(pad, NO_KEY) if pad is not None else lk, C, N, NO_KEY, dynamic)
-    with torch.no_grad():
-        end, prev, first = _references(lk_c.detach(), m0.detach())
-        growth = (end - first).amax(dim=(-2, -1))                                         # (B, H, N)
-        pairwise = growth > limit
+    # (detached: no grad-mode switch, see _pairwise_chunks)
+    end, prev, first = _references(lk_c.detach(), m0.detach())
+    growth = (end - first).amax(dim=(-2, -1))                                         # (B, H, N)
+    pairwise = growth > limit
     lq_c = _chunks(lq, C, N, NO_KEY, dynamic)                               # tail queries: factors exp(-1e30) = 0
     a_c = None if a is None else _chunks(a, C, N, 0.0, dynamic)
     if b is not None and pad is not None:
@@ -197,8 +210,7 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     elif recompute == "none":
         pass
     elif torch.compiler.is_exporting() and not transforms.active():
-        # a program branches with torch.cond: the dense recomputation of every chunk (what torch.compile runs,
-        # 37x the eager torch path at 4K) only where some chunk needs it
+        # a program branches with torch.cond: the pairwise blocks only where some chunk needs them
         def recompute(A: Tensor, q_inter: Tensor) -> tuple[Tensor, Tensor]:
             return _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
 
@@ -208,11 +220,10 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
     intra = A @ vp_c                                                        # (B, H, N, C, E+1)
     kv = k_state.transpose(-1, -2) @ vp_c                                   # (B, H, N, M, E+1)
-    if dynamic:   # every chunk's start state at once (a loop would fix the chunk count of the program)
-        starts, Sp = chunk_start_states(end[:, :, :, 0], prev[:, :, :, 0], m0.detach(),
-                                        kv.expand(B, H, -1, M, E + 1), Sp)
-        out = torch.baddbmm(intra.reshape(-1, C, E + 1), q_inter.reshape(-1, C, M),
-                            starts.reshape(-1, M, E + 1)).reshape(B, H, -1, E + 1)[:, :, :L]
+    if dynamic:   # every chunk's start state in two levels (a loop over the chunks would fix their count)
+        out, Sp = chunk_outputs(end[:, :, :, 0], m0.detach(), kv.expand(B, H, -1, M, E + 1), Sp,
+                                q_inter.expand(B, H, -1, C, M), intra)
+        out = out.reshape(B, H, -1, E + 1)[:, :, :L]
         return normalize(out[..., :E], out[..., E]), (Sp[..., :E], Sp[..., E], end[:, :, -1, 0])
     decay = torch.exp(prev - end).transpose(-1, -2)                         # (B, H, N, Mk, 1), <= 1
     starts = [Sp]
@@ -232,20 +243,21 @@ def log_space_causal_dynamic(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None
     """:func:`log_space_causal` for a length ``torch.export`` traces as dynamic: one program for every length.
 
     Whether some chunk needs its pairwise block is decided first (the chunks' key maxima, as the form computes
-    them), and a ``torch.cond`` takes the form without any pairwise block or the one that computes every chunk's
-    block and keeps the marked ones; each branch splits the sequence into its own
-    :func:`attnkit.transforms.chunk_count` chunks (the operands of a ``torch.cond`` may hold only the length
-    itself: sizes made inside the trace lose their facts in the branches).
+    them), and a ``torch.cond`` takes the form without any pairwise block or the one that computes the marked
+    chunks' blocks; each branch splits the sequence into its own chunk count
+    (:func:`.common.group_chunk_count`; the operands of a ``torch.cond`` may hold only the length itself: sizes
+    made inside the trace lose their facts in the branches) and takes every chunk's start state from
+    :func:`.common.chunk_outputs`.
     """
     B, H, L, _ = lq.shape
     C = max(1, chunk)
     limit = GROWTH_LIMIT.get(v.dtype, 20.0)
-    with torch.no_grad():   # the chunks' growth, as log_space_causal computes it (its own chunks, a size here)
-        lkd = lk.detach() if pad is None else lk.detach().masked_fill(pad, NO_KEY)
-        lk_c = _chunks(lkd, C, chunk_count(L, C), NO_KEY, True)                  # (B, H, N, C, Mk)
-        m0 = lkd.new_full((B, H, lk.shape[-1]), NO_KEY) if state is None else state[2].detach()
-        end, _, first = _references(lk_c, m0)
-        needed = (end - first).amax() > limit
+    # the chunks' growth, as log_space_causal computes it (its own chunks, a size here), detached
+    lkd = lk.detach() if pad is None else lk.detach().masked_fill(pad, NO_KEY)
+    lk_c = _chunks(lkd, C, chunk_count(L, C), NO_KEY, True)                  # (B, H, N, C, Mk)
+    m0 = lkd.new_full((B, H, lk.shape[-1]), NO_KEY) if state is None else state[2].detach()
+    end, _, first = _references(lk_c, m0)
+    needed = (end - first).amax() > limit
 
     operands = [x for x in (lq, lk, v, a, b, pad) if x is not None] + (list(state) if state is not None else [])
 
@@ -257,7 +269,7 @@ def log_space_causal_dynamic(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None
             b_ = next(it) if b is not None else None
             pad_ = next(it) if pad is not None else None
             st = (next(it), next(it), next(it)) if state is not None else None
-            out, (S, z, m) = log_space_causal(lq_, lk_, v_, a_, b_, pad_, st, chunk=C, recompute=mode)
+            out, (S, z, m) = log_space_causal(lq_, lk_, v_, a_, b_, pad_, st, chunk=C, recompute=mode, dynamic=True)
             return out, S.clone(), z.clone(), m.clone()   # (cond outputs may not alias one another)
         return run_branch
 

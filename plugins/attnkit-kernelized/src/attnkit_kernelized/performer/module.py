@@ -25,7 +25,9 @@ constant that cancels between numerator and denominator, and is detached):
   reference ``m`` of its sums (``{"S", "z", "m"}``). The positive map runs
   on the linear kernels instead (unshifted keys) while every key exponent
   lies within :data:`BOUNDED_EXPONENT` (no feature can under- or overflow
-  there); the two forms pass the state to each other.
+  there); the two forms pass the state to each other. A program
+  (``torch.export``) on numba makes that choice with ``torch.cond``
+  (:meth:`PerformerAttention._program_causal`).
 The random projection lives in the ``features`` buffer (state_dict, ``.to()``),
 drawn from ``seed`` (or torch's global RNG when ``seed`` is None), and can be
 redrawn on demand (:meth:`PerformerAttention.redraw_features`) or every
@@ -40,6 +42,7 @@ import torch
 from torch import Tensor
 
 from attnkit import transforms
+from attnkit.transforms import symbolic
 
 from .._ops import backend_module, kernel_inputs, runnable_backend
 from ..base import KernelizedAttention
@@ -47,7 +50,7 @@ from ..common import padded, zero_padded
 from ..feature_maps import draw_gaussian_features, favor_generalized, key_max
 from ..options import check_bool, check_choice, check_int, check_seed
 from ..plugin import PERFORMER
-from .chunk import NO_KEY, log_space_causal
+from .chunk import GROWTH_LIMIT, NO_KEY, log_space_causal
 
 #: the positive map's causal form runs on the linear kernels (no shift of the keys) when every key exponent
 #: lies within [-bound, bound] for the dtype (features between e^-bound and e^bound: far from under- and overflow)
@@ -214,24 +217,131 @@ class PerformerAttention(KernelizedAttention):
         return (*zeros[:2], zeros[2].fill_(NO_KEY)) if self._log_space else zeros
 
     def _log_space_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
-                          chunk: int) -> tuple[Tensor, Any]:
+                          chunk: int, recompute: str = "auto", dynamic: bool | None = None) -> tuple[Tensor, Any]:
         lq, a = self.log_features(q)
         lk, b = self.log_features(k)
         if self.feature_map == "trig":
             lq = torch.zeros_like(lk)           # the query factor exp(|q|^2/2) cancels
         # v may be half here (a triton call on half inputs): the log-space form runs in float32
-        return log_space_causal(lq, lk, v.to(lq.dtype), a, b, padded(kpm), state, chunk=chunk)
+        return log_space_causal(lq, lk, v.to(lq.dtype), a, b, padded(kpm), state, chunk=chunk, recompute=recompute,
+                                dynamic=dynamic)
 
     def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                         backend: str) -> tuple[Tensor, Any]:
         if not self._log_space:
             return super()._causal_segment(q, k, v, kpm, state, backend)
-        # the bounded form chooses by the data (a branch neither torch.compile nor torch.func.vmap can follow)
-        if self.feature_map == "positive" and not torch.compiler.is_compiling() and not transforms.active():
-            out = self._bounded_causal(q, k, v, kpm, state, backend)
+        # the bounded form chooses by the data (a branch neither torch.compile nor torch.func.vmap can follow; a
+        # program takes it with a torch.cond)
+        if self.feature_map == "positive" and not transforms.active():
+            if torch.compiler.is_exporting():
+                out = self._program_causal(q, k, v, kpm, state, backend)
+            elif not torch.compiler.is_compiling():
+                out = self._bounded_causal(q, k, v, kpm, state, backend)
+            else:
+                out = None
             if out is not None:
                 return out
         return self._log_space_causal(q, k, v, kpm, state, self.chunk_size)
+
+    def _program_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                        backend: str) -> tuple[Tensor, Any] | None:
+        """The positive map's causal form in a program (``torch.export``, a static or a dynamic length) on the
+        ``numba`` backend: :meth:`_bounded_causal`'s choice by ``torch.cond``; None elsewhere (the log-space form
+        alone, :func:`.chunk.log_space_causal`).
+
+        The features come first, from the feature operators of :mod:`.numba_features` (custom operators: the
+        program holds them, and they take any length), with their exponent bounds and the largest growth of a
+        feature's key maximum inside a chunk. A first ``torch.cond`` runs the linear kernels on them when every
+        key exponent and the state's reference lie within :data:`BOUNDED_EXPONENT` (:meth:`_bounded_linear`).
+        With a dynamic length two more follow, the log-space form without pairwise blocks when the bounds fail,
+        with the marked chunks' pairwise blocks when also some chunk grows past :data:`.chunk.GROWTH_LIMIT` (the
+        form marks its chunks itself: the growth read here only decides whether to look): conditions in a row,
+        not one inside another, since a branch holding a ``torch.cond`` is traced once more (the dynamic export
+        of an H = 8, D = 64 layer took ~30 s so, ~20 s in a row; :func:`.chunk.log_space_causal_dynamic` holds
+        one). A static length takes the log-space form whole in the first one's other branch (its own
+        ``torch.cond`` holds the pairwise blocks alone). On inputs of moderate norm the program then costs what
+        the eager module's unfused numba path does (the fused kernel has no backward); the log-space form alone,
+        what every program ran before, took 8.5x the eager module at L = 4,096 with a dynamic length, 2.6x with a
+        static one (docs/benchmarks.md, session 48).
+        """
+        L = q.shape[2]
+        dynamic = symbolic(L)
+        if (runnable_backend(backend, q, k, v) != "numba" or q.dtype not in (torch.float32, torch.float64)
+                or v.dtype != q.dtype or k.dtype != q.dtype or (not dynamic and L == 0)):
+            return None
+        from .numba_features import positive_features
+
+        bound = BOUNDED_EXPONENT[q.dtype]
+        s = self.get_scale(q) ** 0.5
+        phi_q, phi_k, hi, lo, growth = positive_features(q, k, self.features.to(q.dtype) * s, s * s, padded(kpm),
+                                                         self.chunk_size)
+        # (hi, lo, growth and m carry no gradient: no grad-mode switch, which torch.export's passes split at)
+        ok = (lo.amin() >= -bound) & (hi.amax() <= bound)
+        if state is not None:
+            m0 = state[2].detach()
+            ok = ok & ((m0.abs() <= bound) | (m0 <= NO_KEY / 2)).all()
+        marked = ~ok & (growth.amax() > GROWTH_LIMIT.get(q.dtype, 20.0))
+        operands = (q, k, v, phi_q, phi_k, hi) + ((kpm,) if kpm is not None else ()) + (tuple(state) if state else ())
+
+        sizes = [tuple(x.shape) for x in operands]
+
+        def unpack(xs: tuple[Tensor, ...]) -> tuple[Tensor | None, tuple[Tensor, ...] | None]:
+            # a branch is traced with every size symbolic, each operand's its own: a static program's are fixed
+            # again (the static form's torch.cond takes no symbolic batch or head count: its outputs' strides
+            # would not be dense in the sizes); a dynamic one's lengths are one (else the branches' outputs would
+            # differ in their sizes, and the program would take a length of its own, asserted >= 2)
+            if not dynamic:
+                for x, size in zip(xs, sizes, strict=True):
+                    for d, n in enumerate(size):
+                        torch._check(x.shape[d] == n)
+            for x in xs[1:5]:
+                torch._check(x.shape[2] == xs[0].shape[2])
+            rest = xs[6:]
+            if kpm is not None:
+                torch._check(rest[0].shape[1] == xs[0].shape[2])
+            kpm_ = rest[0] if kpm is not None else None
+            st = rest[1:] if kpm is not None else rest
+            return kpm_, (tuple(st) if state is not None else None)
+
+        def bounded(*xs: Tensor) -> tuple[Tensor, ...]:
+            _, st = unpack(xs)
+            out, (S, z, m) = self._bounded_linear(xs[3], xs[4], xs[2], st, xs[5], "numba")
+            return out, S, z, m
+
+        def log_space(recompute: str) -> Any:
+            def run(*xs: Tensor) -> tuple[Tensor, ...]:
+                kpm_, st = unpack(xs)
+                out, (S, z, m) = self._log_space_causal(xs[0], xs[1], xs[2], kpm_, st, self.chunk_size,
+                                                        recompute=recompute, dynamic=dynamic)
+                return out, S.clone(), z.clone(), m.clone()     # (cond outputs may not alias one another)
+            return run
+
+        if not dynamic:   # the static form's own torch.cond (around the pairwise blocks alone) is a small one
+            out, S, z, m = torch.cond(ok, bounded, log_space("auto"), operands)
+            return out, (S, z, m)
+
+        def nothing(*xs: Tensor) -> tuple[Tensor, ...]:
+            unpack(xs)
+            q_, v_, phi_q_, hi_ = xs[0], xs[2], xs[3], xs[5]
+            S = v_.new_zeros(*q_.shape[:2], phi_q_.shape[-1], v_.shape[-1])
+            return v_.new_zeros(v_.shape), S, S.new_zeros(S.shape[:3]), torch.zeros_like(hi_)
+
+        def instead(recompute: str) -> Any:      # (the first four operands: the result so far)
+            def run(*xs: Tensor) -> tuple[Tensor, ...]:
+                torch._check(xs[0].shape[2] == xs[4].shape[2])
+                return log_space(recompute)(*xs[4:])
+            return run
+
+        def keep(*xs: Tensor) -> tuple[Tensor, ...]:
+            torch._check(xs[0].shape[2] == xs[4].shape[2])
+            unpack(xs[4:])
+            return tuple(x.clone() for x in xs[:4])
+
+        # three conditions in a row, each branch traced once and one heavy branch run
+        result = torch.cond(ok, bounded, nothing, operands)
+        result = torch.cond(~ok & ~marked, instead("none"), keep, tuple(result) + operands)
+        out, S, z, m = torch.cond(marked, instead("marked"), keep, tuple(result) + operands)
+        return out, (S, z, m)
 
     def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                   backend: str) -> tuple[Tensor, Any]:
@@ -302,7 +412,7 @@ class PerformerAttention(KernelizedAttention):
             from .numba_features import positive_features
 
             s = self.get_scale(q) ** 0.5
-            phi_q, phi_k, hi, lo = positive_features(q, k, self.features.to(q.dtype) * s, s * s, pad)
+            phi_q, phi_k, hi, lo, _ = positive_features(q, k, self.features.to(q.dtype) * s, s * s, pad)
         else:
             lq, _ = self.log_features(q)
             lk, _ = self.log_features(k)
@@ -324,11 +434,20 @@ class PerformerAttention(KernelizedAttention):
         if phi_q is None:
             phi_q = torch.exp(lq - lq.detach().amax(-1, keepdim=True))
             phi_k = zero_padded(torch.exp(lk), pad)
-        if fresh:
+        return self._bounded_linear(phi_q, phi_k, v, state, hi, chosen)
+
+    def _bounded_linear(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, state: Any, hi: Tensor,
+                        chosen: str) -> tuple[Tensor, Any]:
+        """The bounded form's product: linear attention of the unshifted features ``phi_k = exp(lk)`` from
+        ``state`` (brought to exponent 0), on ``chosen``'s kernels; the state comes back relative to the
+        per-feature key maximum ``max(hi, m)`` (``hi (B, H, M)``, the segment's largest key exponents)."""
+        if state is None:
             S0 = z0 = None
             ref = hi
         else:
-            S0r, z0r, _ = state
+            S0r, z0r, m0 = state
+            m0 = m0.detach()
+            seen = m0 > NO_KEY / 2
             scale = torch.where(seen, torch.exp(torch.where(seen, m0, torch.zeros_like(m0))),
                                 torch.zeros_like(m0))                    # the state relative to exponent 0
             S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale

@@ -11,8 +11,10 @@ Here each tensor gets **one** numba pass over blocks of 16 rows: the projection
 ``X W'^T`` of the block (:func:`attnkit_kernelized._tiles.axpy_rows`, into a buffer
 that stays in cache), the shift, the bounds and ``exp`` there, and one write of the
 features; the backward likewise forms ``g * phi`` a block at a time and multiplies it
-by ``W'`` in the same pass (no ``(B, H, L, M)`` temporary). The autograd functions
-below wrap them:
+by ``W'`` in the same pass (no ``(B, H, L, M)`` temporary). Custom operators wrap them
+(``torch.library``, the backward a third one), so a program (``torch.export``) holds them
+and they take any length: a causal performer program on numba reads its bounds and chooses
+its form from them (:meth:`.module.PerformerAttention._program_causal`):
 
 * queries: ``phi_q[r] = exp(p[r] - max_m p[r, m])`` with ``p = q W'^T``
   (``W' = sqrt(scale) · W``). The squared-norm term ``|q'|^2/2`` is a per-row
@@ -21,7 +23,9 @@ below wrap them:
 * keys: ``lk = p - |k'|^2/2``, ``phi_k = exp(lk)`` (0 at padded keys) and, in
   the same pass, the largest exponent per feature over the real keys
   ``hi (B, H, M)`` and the smallest of a sequence ``lo (B, H)``, which decide
-  whether the bounded path may run at all. Backward:
+  whether the bounded path may run at all, and the largest growth of a feature's
+  running maximum inside a chunk ``growth (B, H)`` (whether the log-space form
+  needs pairwise blocks; a program reads it). Backward:
   ``dk = G W' - (sum_m G) · scale · k`` with ``G = g * phi_k`` (0 at padded keys).
 
 ``exp`` is :func:`attnkit_kernelized._vexp.exp_row` (vectorised; the bounded path's arguments,
@@ -35,9 +39,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.first_order import first_order
-
 from .._numba import FASTMATH, arr, output, rows
+from .._ops import define
 from .._tiles import axpy_rows
 from .._vexp import HALF, constants, exp_row
 
@@ -83,10 +86,14 @@ def _query_rows(X, WT, P, cst, is32, r0, r1):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, n0, n1):  # pragma: no cover - compiled
+def _key_rows(X, WT, pad, s2h, cst, is32, chunk, P, hi, lo, grow, n0, n1):  # pragma: no cover - compiled
     """For the sequences ``n0 <= n < n1`` of ``X (N, L, D)``: ``P[n, t] = exp(X[n, t] WT - s2h |X[n, t]|^2)``
     (0 where ``pad[n, t]``; ``pad`` may be ``(N, 0)``: nothing padded), ``hi[n, m]`` the largest exponent of
-    feature m and ``lo[n]`` the smallest exponent over the real keys (-inf and +inf when there is none)."""
+    feature m and ``lo[n]`` the smallest exponent over the real keys (-inf and +inf when there is none), and
+    ``grow[n]`` the largest growth of a feature's running maximum inside a chunk of ``chunk`` positions: over the
+    chunks, ``max_m (h_m at the chunk's end - h_m after its first key)`` with ``h`` the running maximum over the
+    real keys (the growth :func:`.chunk.log_space_causal` decides its pairwise chunks by, from no
+    earlier key; +inf when a chunk's first key is padded and a feature sees its first key later in it)."""
     N, L, D = X.shape
     M = WT.shape[1]
     has_pad = pad.shape[1] > 0
@@ -94,38 +101,48 @@ def _key_rows(X, WT, pad, s2h, cst, is32, P, hi, lo, n0, n1):  # pragma: no cove
     ninf = -np.inf * cst[HALF] * 2   # typed -inf
     buf = np.empty((_BLOCK, M), dtype=P.dtype)
     nbuf = np.empty(M, dtype=np.int32)
+    first = np.empty(M, dtype=P.dtype)   # the running maximum after each chunk's first key
     for n in range(n0, n1):
         Xn = X[n]; Pn = P[n]
         h = hi[n]
         for j in range(M):
             h[j] = ninf
         low = -ninf
+        g = zero
         for b0 in range(0, L, _BLOCK):
             nb = min(_BLOCK, L - b0)
             _project(buf, Xn[b0:], WT, nb, zero)
             for i in range(nb):
+                t = b0 + i
                 row = buf[i]
-                out = Pn[b0 + i]
-                if has_pad and pad[n, b0 + i]:
+                out = Pn[t]
+                if has_pad and pad[n, t]:
                     for j in range(M):
                         out[j] = zero
-                    continue
-                kr = Xn[b0 + i]
-                sq = zero
-                for d in range(D):
-                    sq += kr[d] * kr[d]
-                c = s2h * sq
-                rmin = row[0]
-                for j in range(M):
-                    x = row[j]
-                    rmin = x if x < rmin else rmin
-                    xc = x - c
-                    h[j] = xc if xc > h[j] else h[j]
-                low = min(low, rmin - c)
-                exp_row(row, c, nbuf, cst, is32)
-                for j in range(M):
-                    out[j] = row[j]
+                else:
+                    kr = Xn[t]
+                    sq = zero
+                    for d in range(D):
+                        sq += kr[d] * kr[d]
+                    c = s2h * sq
+                    rmin = row[0]
+                    for j in range(M):
+                        x = row[j]
+                        rmin = x if x < rmin else rmin
+                        xc = x - c
+                        h[j] = xc if xc > h[j] else h[j]
+                    low = min(low, rmin - c)
+                    exp_row(row, c, nbuf, cst, is32)
+                    for j in range(M):
+                        out[j] = row[j]
+                if t % chunk == 0:
+                    for j in range(M):
+                        first[j] = h[j]
+                if t % chunk == chunk - 1 or t == L - 1:
+                    for j in range(M):
+                        g = np.fmax(g, h[j] - first[j])     # fmax: a feature with no key yet (-inf - -inf) adds no NaN
         lo[n] = low
+        grow[n] = g
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
@@ -167,76 +184,109 @@ def _back_rows(G, PHI, W, X, pad, scale, DX, r0, r1):  # pragma: no cover - comp
                     out[d] = o[d]
 
 
-class _QueryFeatures(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, w: Tensor) -> Tensor:
-        B, H, L, D = q.shape
-        M = w.shape[0]
-        X = arr(q).reshape(B * H * L, D)
-        P = output((B * H * L, M), X.dtype)
-        phi = torch.from_numpy(P).view(B, H, L, M)
-        cst = constants(X.dtype)
-        rows(_query_rows, X.shape[0], X, arr(w.t()), P, cst, X.dtype == np.float32, item=_ITEM)
-        ctx.save_for_backward(phi, w)
-        return phi
-
-    @staticmethod
-    @first_order
-    def backward(ctx, g: Tensor) -> tuple[Tensor | None, None]:
-        if not ctx.needs_input_grad[0]:
-            return None, None
-        phi, w = ctx.saved_tensors
-        B, H, L, M = phi.shape
-        D = w.shape[1]
-        PHI = phi.numpy().reshape(-1, M)
-        dq = output((PHI.shape[0], D), PHI.dtype)
-        no_pad = np.zeros(0, dtype=np.bool_)
-        rows(_back_rows, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
-              np.zeros((1, D), dtype=PHI.dtype), no_pad, PHI.dtype.type(0), dq, item=_ITEM)
-        return torch.from_numpy(dq).view(B, H, L, D), None
+def _row_pad(pad: Tensor | None, B: int, H: int, L: int) -> np.ndarray:
+    """``pad (B, 1, L, 1)`` as one flag per row of ``(B*H*L)`` (empty: nothing padded)."""
+    if pad is None:
+        return np.zeros(0, dtype=np.bool_)
+    return arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(B * H * L))
 
 
-class _KeyFeatures(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, k: Tensor, w: Tensor, scale: float, pad: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        B, H, L, D = k.shape
-        M = w.shape[0]
-        X = arr(k).reshape(B * H, L, D)
-        padn = (np.zeros((B * H, 0), dtype=np.bool_) if pad is None
-                else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(B * H, L)))
-        P = output((B * H, L, M), X.dtype)
-        phi = torch.from_numpy(P).view(B, H, L, M)
-        hi = np.empty((B * H, M), dtype=X.dtype)
-        lo = np.empty(B * H, dtype=X.dtype)
-        cst = constants(X.dtype)
-        args = (X, arr(w.t()), padn, X.dtype.type(0.5 * scale), cst, X.dtype == np.float32,
-                P, hi, lo)
-        rows(_key_rows, B * H, *args)
-        hi_t, lo_t = torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H)
-        ctx.mark_non_differentiable(hi_t, lo_t)
-        ctx.save_for_backward(phi, w, k)
-        ctx.scale = scale
-        ctx.padn = padn.reshape(-1)
-        return phi, hi_t, lo_t
-
-    @staticmethod
-    @first_order
-    def backward(ctx, g: Tensor, _g_hi: Tensor, _g_lo: Tensor) -> tuple[Tensor | None, None, None, None]:
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        phi, w, k = ctx.saved_tensors
-        B, H, L, M = phi.shape
-        D = w.shape[1]
-        PHI = phi.numpy().reshape(-1, M)
-        dk = output((PHI.shape[0], D), PHI.dtype)
-        # 0 at padded keys, whatever they hold (NaN, Inf): phi is 0 there and the row is skipped
-        rows(_back_rows, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w),
-              arr(k).reshape(-1, D), ctx.padn, PHI.dtype.type(ctx.scale), dk, item=_ITEM)
-        return torch.from_numpy(dk).view(B, H, L, D), None, None, None
+def _query_features(q: Tensor, w: Tensor) -> Tensor:
+    B, H, L, D = q.shape
+    M = w.shape[0]
+    X = arr(q).reshape(B * H * L, D)
+    P = output((B * H * L, M), X.dtype)
+    rows(_query_rows, X.shape[0], X, arr(w.t()), P, constants(X.dtype), X.dtype == np.float32, item=_ITEM)
+    return torch.from_numpy(P).view(B, H, L, M)
 
 
-def positive_features(q: Tensor, k: Tensor, w: Tensor, scale: float, pad: Tensor | None
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _query_features_fake(q, w):
+    return q.new_empty(*q.shape[:3], w.shape[0])
+
+
+def _key_features(k: Tensor, w: Tensor, scale: float, pad: Tensor | None,
+                  chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    B, H, L, D = k.shape
+    M = w.shape[0]
+    X = arr(k).reshape(B * H, L, D)
+    padn = _row_pad(pad, B, H, L).reshape(B * H, L if pad is not None else 0)
+    P = output((B * H, L, M), X.dtype)
+    hi = np.empty((B * H, M), dtype=X.dtype)
+    lo = np.empty(B * H, dtype=X.dtype)
+    grow = np.empty(B * H, dtype=X.dtype)
+    rows(_key_rows, B * H, X, arr(w.t()), padn, X.dtype.type(0.5 * scale), constants(X.dtype),
+         X.dtype == np.float32, max(1, int(chunk)), P, hi, lo, grow)
+    return (torch.from_numpy(P).view(B, H, L, M), torch.from_numpy(hi).view(B, H, M),
+            torch.from_numpy(lo).view(B, H), torch.from_numpy(grow).view(B, H))
+
+
+def _key_features_fake(k, w, scale, pad, chunk):
+    B, H, L, _ = k.shape
+    M = w.shape[0]
+    return k.new_empty(B, H, L, M), k.new_empty(B, H, M), k.new_empty(B, H), k.new_empty(B, H)
+
+
+def _features_backward(g: Tensor, phi: Tensor, w: Tensor, x: Tensor | None, pad: Tensor | None,
+                       scale: float) -> Tensor:
+    B, H, L, M = phi.shape
+    D = w.shape[1]
+    PHI = arr(phi).reshape(-1, M)
+    dx = output((PHI.shape[0], D), PHI.dtype)
+    X = np.zeros((1, D), dtype=PHI.dtype) if x is None else arr(x).reshape(-1, D)
+    # 0 at padded keys, whatever they hold (NaN, Inf): phi is 0 there and the row is skipped
+    rows(_back_rows, PHI.shape[0], arr(g.to(phi.dtype)).reshape(-1, M), PHI, arr(w.to(phi.dtype)), X,
+         _row_pad(pad, B, H, L), PHI.dtype.type(scale), dx, item=_ITEM)
+    return torch.from_numpy(dx).view(B, H, L, D)
+
+
+def _features_backward_fake(g, phi, w, x, pad, scale):
+    return phi.new_empty(*phi.shape[:3], w.shape[1])
+
+
+#: ``attnkit_kernelized::numba_performer_features_backward``: ``(g * phi) W' - scale · sum_m (g * phi)_m · x``
+#: per row (``x`` None: the queries' form), 0 at padded rows
+numba_performer_features_backward = define("numba_performer_features_backward", _features_backward,
+                                           _features_backward_fake)
+
+
+def _query_setup(ctx, inputs, output):
+    _, w = inputs
+    ctx.save_for_backward(output, w)
+
+
+def _query_backward(ctx, g):
+    if not ctx.needs_input_grad[0]:
+        return None, None
+    phi, w = ctx.saved_tensors
+    return numba_performer_features_backward(g, phi, w, None, None, 0.0), None
+
+
+def _key_setup(ctx, inputs, output):
+    k, w, scale, pad, _ = inputs
+    phi, hi, lo, grow = output
+    ctx.mark_non_differentiable(hi, lo, grow)
+    ctx.save_for_backward(phi, w, k, pad)
+    ctx.scale = scale
+
+
+def _key_backward(ctx, g, _g_hi, _g_lo, _g_grow):
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    phi, w, k, pad = ctx.saved_tensors
+    return numba_performer_features_backward(g, phi, w, k, pad, ctx.scale), None, None, None, None
+
+
+#: ``attnkit_kernelized::numba_performer_query_features``: ``(q (B, H, L, D), w (M, D)) -> phi_q (B, H, L, M)``
+numba_performer_query_features = define("numba_performer_query_features", _query_features, _query_features_fake,
+                                        backward=_query_backward, setup_context=_query_setup)
+#: ``attnkit_kernelized::numba_performer_key_features``: ``(k, w, scale, pad, chunk) -> (phi_k, hi (B, H, M),
+#: lo (B, H), growth (B, H))``
+numba_performer_key_features = define("numba_performer_key_features", _key_features, _key_features_fake,
+                                      backward=_key_backward, setup_context=_key_setup)
+
+
+def positive_features(q: Tensor, k: Tensor, w: Tensor, scale: float, pad: Tensor | None, chunk: int = 64
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The bounded causal path's features on CPU, differentiable in ``q`` and ``k``.
 
     Args:
@@ -244,17 +294,20 @@ def positive_features(q: Tensor, k: Tensor, w: Tensor, scale: float, pad: Tensor
         w: ``(M, D)``, the random projection times ``sqrt(scale)`` (no gradient).
         scale: the attention scale (``|k'|^2/2 = scale · |k|^2 / 2``).
         pad: ``(B, 1, L, 1)`` bool, True at padded keys (:func:`..common.padded`), or None.
+        chunk: positions per chunk of ``growth``.
 
     Returns:
-        ``(phi_q (B, H, L, M), phi_k (B, H, L, M), hi (B, H, M), lo (B, H))``: ``phi_q`` each query row
-        shifted by its largest exponent, ``phi_k = exp(W' k' - |k'|^2/2)`` (0 at padded keys), ``hi`` the
-        largest key exponent per feature and ``lo`` the smallest of each sequence over the real keys
-        (``-inf`` / ``+inf`` when a sequence has none); ``hi`` and ``lo`` carry no gradient.
+        ``(phi_q (B, H, L, M), phi_k (B, H, L, M), hi (B, H, M), lo (B, H), growth (B, H))``: ``phi_q`` each
+        query row shifted by its largest exponent, ``phi_k = exp(W' k' - |k'|^2/2)`` (0 at padded keys), ``hi``
+        the largest key exponent per feature and ``lo`` the smallest of each sequence over the real keys
+        (``-inf`` / ``+inf`` when a sequence has none), ``growth`` the largest growth of a feature's running key
+        maximum inside a chunk of ``chunk`` positions (what :func:`.chunk.log_space_causal` decides its pairwise
+        chunks by, from no earlier key); ``hi``, ``lo`` and ``growth`` carry no gradient.
     """
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or k.dtype != q.dtype:
         raise ValueError(f"positive_features: q and k must be float32 or float64 CPU tensors of one dtype; got "
                          f"{q.dtype} and {k.dtype} on {q.device}")
     w = w.detach().to(q.dtype)
-    phi_q = _QueryFeatures.apply(q, w)
-    phi_k, hi, lo = _KeyFeatures.apply(k, w, float(scale), pad)
-    return phi_q, phi_k, hi, lo
+    phi_q = numba_performer_query_features(q, w)
+    phi_k, hi, lo, growth = numba_performer_key_features(k, w, float(scale), pad, int(chunk))
+    return phi_q, phi_k, hi, lo, growth

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from attnkit.transforms import symbolic
 
-from ..common import DEFAULT_CHUNK, chunk_start_states, normalize, split_chunks, with_ones_column
+from ..common import DEFAULT_CHUNK, START_GROUP, chunk_outputs, normalize, split_chunks, with_ones_column
 
 
 def gated_num_den(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, S0: Tensor | None = None,
@@ -33,7 +33,8 @@ def gated_num_den(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, S0: Te
     """
     B, H, L, M = phi_q.shape
     E = v.shape[-1]
-    C, N, (q, k, w, lg) = split_chunks(chunk, phi_q, phi_k, with_ones_column(v), log_g.unsqueeze(-1))
+    C, N, (q, k, w, lg) = split_chunks(chunk, phi_q, phi_k, with_ones_column(v), log_g.unsqueeze(-1),
+                                       group=START_GROUP)
     lg = lg.squeeze(-1)                                     # (B, H, N, C)
     cum = torch.cumsum(lg, dim=-1)                          # log decay from chunk start to t (inclusive)
     future = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
@@ -44,19 +45,18 @@ def gated_num_den(phi_q: Tensor, phi_k: Tensor, v: Tensor, log_g: Tensor, S0: Te
     kv = (k * to_end.unsqueeze(-1)).transpose(-1, -2) @ w   # the chunk's own contribution to its end state
     from_start = cum.exp().unsqueeze(-1)                    # decay from the chunk start to t
     dynamic = symbolic(N)
-    total = cum[..., -1].exp() if dynamic or N else cum.new_zeros(B, H, 0)   # (B, H, N) decay across a chunk
     S = torch.cat([phi_q.new_zeros(B, H, M, E) if S0 is None else S0,
                    (phi_q.new_zeros(B, H, M) if z0 is None else z0).unsqueeze(-1)], dim=-1)
     if dynamic:
-        # a dynamic length under torch.export (a Python loop would fix the chunk count): every chunk's start
-        # state at once; levels are minus the log decay since the sequence start (chunk j ends at -(G_j + lt_j),
-        # chunk n starts at -G_n, the carried state at 0)
-        lt = cum[..., -1]                                                          # (B, H, N)
-        G = torch.cumsum(lt, dim=-1) - lt                                          # log decay before chunk n
-        starts, S = chunk_start_states((-(G + lt)).unsqueeze(-1), (-G).unsqueeze(-1), lt.new_zeros(B, H, 1),
-                                       kv, S)
-        out = (intra + (q * from_start) @ starts).reshape(B, H, -1, E + 1)[:, :, :L]
+        # a dynamic length under torch.export (a Python loop would fix the chunk count, a multiple of the group
+        # here): every chunk's start state in two levels (chunk_outputs); levels are minus the log decay since the
+        # sequence start (chunk j ends at minus the decay through it, the carried state at 0)
+        ends = -torch.cumsum(cum[..., -1], dim=-1)                                 # (B, H, N)
+        out, S = chunk_outputs(ends.unsqueeze(-1), ends.new_zeros(B, H, 1), kv, S, q * from_start, intra,
+                               group=START_GROUP)
+        out = out.reshape(B, H, -1, E + 1)[:, :, :L]
         return out[..., :E], out[..., E], S[..., :E], S[..., E]
+    total = cum[..., -1].exp() if N else cum.new_zeros(B, H, 0)   # (B, H, N) decay across a chunk
     outs = [q.new_zeros(B, H, 0, E + 1)]
     for n in range(N):  # over chunks, not positions
         outs.append(intra[:, :, n] + (q[:, :, n] * from_start[:, :, n]) @ S)
