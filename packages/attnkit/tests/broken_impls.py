@@ -271,6 +271,14 @@ class LengthSpecialisingAttention(NaiveAttention):
         return super()._forward(q + 0 * ramp[:, None], k, v, **kw)
 
 
+class ExportDetachAttention(NaiveAttention):
+    """Declares ``Capabilities.export_dynamic`` and detaches the values while exporting (a careless way to keep a
+    custom kernel's autograd out of the trace): the program's outputs are right, its gradient of v is None."""
+
+    def _forward(self, q, k, v, **kw):
+        return super()._forward(q, k, v.detach() if torch.compiler.is_exporting() else v, **kw)
+
+
 class NondeterministicAttention(NaiveAttention):
     """Redraws a random perturbation on every call, even in eval mode."""
 
@@ -701,6 +709,10 @@ CASES: list[BrokenCase] = [
     BrokenCase(LengthHintAttention, "broken-export-length-hint", "export_dynamic",
                r"torch.export with a dynamic length \(exported at L = \d+\), causal=\w+, no mask input, "
                r"backend='torch', at length \d+: .*vs eager",
+               {"exact": True, "capabilities": Capabilities(export=True, export_dynamic=("torch",))}),
+    BrokenCase(ExportDetachAttention, "broken-export-detached", "export_dynamic",
+               r"gradients through the dynamic-length program \(exported at L = \d+\), causal=\w+, no mask input, "
+               r"backend='torch', at length \d+: dv is None in the program, a tensor in eager",
                {"exact": True, "capabilities": Capabilities(export=True, export_dynamic=("torch",))}),
     BrokenCase(LengthSpecialisingAttention, "broken-export-specialised", "export_dynamic",
                r"torch.export.export with a dynamic length \(1..\d+\), causal=False, no mask input, "

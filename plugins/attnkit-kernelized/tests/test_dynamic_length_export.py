@@ -248,3 +248,45 @@ def test_performer_programs_of_two_layers_and_their_gradients():
         for a, b in zip(torch.autograd.grad(got.square().sum(), args), torch.autograd.grad(want.square().sum(), args),
                         strict=True):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_performer_dynamic_program_gradients_equal_eager():
+    """Gradients through a dynamic-length causal performer program (float64, numba, exported at 24, run at 131)
+    equal eager's for inputs taking each of its three forms, read from the key operator's bounds and growth as
+    the program reads them: the linear kernels (scale 1), the log-space form (one key of large norm repeated:
+    beyond float64's bounds, no growth) and its pairwise blocks (scale 30). Autograd re-traces the program's
+    ``torch.cond`` branches, where a padding of symbolic width once failed (``F.pad`` reads its widths as
+    integers: ``common.pad_length`` concatenates)."""
+    from attnkit_kernelized.performer.chunk import GROWTH_LIMIT
+    from attnkit_kernelized.performer.module import BOUNDED_EXPONENT
+    from attnkit_kernelized.performer.numba_features import positive_features
+
+    torch.manual_seed(0)
+    attn = attnkit.build("performer", num_heads=2, head_dim=8, backend="numba").double()
+    model = _Causal(attn)
+    L = torch.export.Dim("L", min=2, max=512)
+    example = tuple(torch.randn(1, 2, 24, 8, dtype=torch.float64) for _ in range(3))
+    program = _export(model, example, ({2: L},) * 3)
+    seen = set()
+    for scale in (1.0, "one key", 30.0):
+        g = torch.Generator().manual_seed(131)
+        q, k, v = (torch.randn(1, 2, 131, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        if scale == "one key":
+            k = 40.0 * k[:, :, :1].expand_as(k).contiguous()
+        else:
+            q, k = q * scale, k * scale
+        s = attn.get_scale(q) ** 0.5
+        with torch.no_grad():
+            _, _, hi, lo, growth = positive_features(q, k, attn.features * s, s * s, None, attn.chunk_size)
+        bound = BOUNDED_EXPONENT[torch.float64]
+        seen.add("linear" if bool(lo.amin() >= -bound) and bool(hi.amax() <= bound) else
+                 "pairwise" if growth.amax() > GROWTH_LIMIT[torch.float64] else "log-space")
+        grads = []
+        for fn in (program, model):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = fn(*leaves)
+            grads.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+        for got, want in zip(*grads, strict=True):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    assert seen == {"linear", "log-space", "pairwise"}

@@ -4,7 +4,6 @@ of a dynamic-length program, key masks."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.transforms import chunk_count, symbolic
@@ -45,10 +44,17 @@ def split_chunks(chunk: int, *xs: Tensor, dynamic: bool = True, group: int = 1) 
 
     def split(x: Tensor) -> Tensor:
         extra = N * C - x.shape[2]
-        x = F.pad(x, (0, 0, 0, extra)) if dynamic or extra else x
+        x = pad_length(x, extra) if dynamic or extra else x
         return x.reshape(*x.shape[:2], N, C, x.shape[-1])
 
     return C, N, [split(x) for x in xs]
+
+
+def pad_length(x: Tensor, extra: int | torch.SymInt, fill: float = 0.0) -> Tensor:
+    """``x (B, H, L, F)`` with ``extra`` positions of ``fill`` after its last (dim 2), by a concatenation:
+    ``F.pad``'s kernel reads its widths as concrete integers, which fails in a dynamic-length program's
+    ``torch.cond`` branch run with autograd (the branch is traced again there)."""
+    return torch.cat([x, x.new_full((*x.shape[:2], extra, x.shape[-1]), fill)], dim=2)
 
 
 #: chunks per group of :func:`chunk_outputs` (a dynamic-length program's chunk count is a multiple of it)
@@ -107,7 +113,7 @@ def chunk_outputs(ends: Tensor, init: Tensor, kv: Tensor, S0: Tensor, q: Tensor,
     xs = x.unbind(3)                                                                  # G x (B, H, P, M, F)
     total = xs[0]                          # each group's total at its end level, from zero at its start
     for i in range(1, G):
-        total = torch.addcmul(xs[i], step[i], total)
+        total = xs[i] + step[i] * total
     # across groups: group g starts at levels[g] from the totals of the groups before it; levels[P] is the end
     before = torch.ones(P + 1, P, dtype=torch.bool, device=kv.device).tril(-1)        # [g, h]: h < g
     W = (group_end.unsqueeze(2) - levels.unsqueeze(3)).masked_fill(~before[..., None], float("-inf")).exp()
@@ -123,7 +129,7 @@ def chunk_outputs(ends: Tensor, init: Tensor, kv: Tensor, S0: Tensor, q: Tensor,
     for i in range(G):      # inside every group from its start state
         outs.append(torch.matmul(qs[i], S) + ins[i])                                  # (B, H, P, C, F)
         if i < G - 1:
-            S = torch.addcmul(xs[i], step[i], S)
+            S = xs[i] + step[i] * S
     return torch.stack(outs, dim=3).reshape(B, H, N, C, Fd), starts[:, :, -1]
 
 

@@ -144,9 +144,10 @@ def check_export_dynamic(cfg: ConformanceConfig) -> None:
     as an input of that length when ``export_masks`` holds ``key_padding``): the export must succeed and the
     program (saved and loaded) must give the eager output at lengths 1 (without a mask), 3, L + 5, the long
     length and 131 (those the instance's limits accept), so no value derived from the example's length stays in
-    the program. Without a declaration the automatic choice is tried once in the last causal mode: it may fix the
-    length (``torch.export`` then reports the dimension), but a program it does produce must be right at every
-    length too.
+    the program; on a backend with a backward, the gradients of q, k and v through the program equal eager's at
+    the longest of those lengths (the last causal mode, no mask input). Without a declaration the automatic
+    choice is tried once in the last causal mode: it may fix the length (``torch.export`` then reports the
+    dimension), but a program it does produce must be right at every length too.
     """
     c = Ctx("export_dynamic", cfg)
     caps = c.caps
@@ -160,8 +161,8 @@ def check_export_dynamic(cfg: ConformanceConfig) -> None:
         declared = [b for b in runnable if b in caps.export_dynamic]
     n = 0
     for backend in declared:
-        for causal in modes:
-            _dynamic_case(c, causal, backend, False, n, required=True)
+        for causal in modes:   # (gradients in the last causal mode: a program's backward retraces its conditions)
+            _dynamic_case(c, causal, backend, False, n, required=True, gradients=causal == modes[-1])
             n += 1
         if "key_padding" in caps.export_masks:
             _dynamic_case(c, modes[-1], backend, True, n, required=True)
@@ -170,7 +171,8 @@ def check_export_dynamic(cfg: ConformanceConfig) -> None:
         _dynamic_case(c, modes[-1], None, False, n, required=False)
 
 
-def _dynamic_case(c: Ctx, causal: bool, backend: str | None, padded: bool, n: int, *, required: bool) -> None:
+def _dynamic_case(c: Ctx, causal: bool, backend: str | None, padded: bool, n: int, *, required: bool,
+                  gradients: bool = False) -> None:
     dt, L, B = c.precise(), c.L, c.B
     attn = c.build(dtype=dt, backend=backend)
     module = _Exported(attn, causal, "key_padding" if padded else None)
@@ -216,3 +218,33 @@ def _dynamic_case(c: Ctx, causal: bool, backend: str | None, padded: bool, n: in
                    f"{type(exc).__name__}: {exc}")
         c.close(got.detach(), want, f"torch.export with a dynamic length (exported at L = {L}), {label}, at "
                 f"length {m}", dtype=dt, against="eager")
+    if gradients and c.trains(backend) and lengths:
+        _dynamic_gradients(c, module, program, args, max(lengths), n, label)
+
+
+def _dynamic_gradients(c: Ctx, module: torch.nn.Module, program: Any, args: Any, m: int, n: int,
+                       label: str) -> None:
+    """The gradients of q, k and v through the dynamic-length program at length ``m`` equal eager's (a
+    program trained through, or differentiated for attributions, at a length other than the example's)."""
+    dt, L = c.precise(), c.L
+    inputs = args(m, n + 90 + m)
+    leaves = tuple(x.detach().requires_grad_() for x in inputs[:3])
+    weight = torch.randn(*inputs[0].shape[:3], inputs[2].shape[-1], generator=torch.Generator().manual_seed(m),
+                         dtype=dt).to(c.device)
+    case = f"gradients through the dynamic-length program (exported at L = {L}), {label}, at length {m}"
+    grads = []
+    for which, fn in (("eager", module), ("program", program)):
+        try:
+            with torch.enable_grad():
+                out = fn(*leaves, *inputs[3:])
+                grads.append(torch.autograd.grad((out * weight).sum(), leaves, allow_unused=True))
+        except Exception as exc:  # noqa: BLE001
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            c.fail(f"{case}: the {which} side raised {type(exc).__name__}: {first}")
+    for name, got, want in zip("qkv", grads[1], grads[0], strict=True):
+        if want is None and got is None:
+            continue
+        if got is None or want is None:
+            c.fail(f"{case}: d{name} is {'None' if got is None else 'a tensor'} in the program, "
+                   f"{'None' if want is None else 'a tensor'} in eager")
+        c.close(got, want, f"{case}: d{name}", dtype=dt, what="gradient", against="eager")

@@ -48,13 +48,12 @@ nothing and never enter a maximum. ``chunk=1`` is the recurrent step form
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import transforms
 from attnkit.transforms import chunk_count
 
-from ..common import DEFAULT_CHUNK, chunk_outputs, group_chunk_count, normalize, with_ones_column
+from ..common import DEFAULT_CHUNK, chunk_outputs, group_chunk_count, normalize, pad_length, with_ones_column
 
 #: largest growth (in the exponent) of a feature's key maximum inside one chunk for the factored
 #: (matrix-product) form; beyond it the chunk's block is computed pairwise (per dtype)
@@ -69,7 +68,7 @@ def _chunks(x: Tensor, C: int, N: int, fill: float, always: bool = False) -> Ten
     on a symbolic size)."""
     extra = N * C - x.shape[2]
     if always or extra:
-        x = F.pad(x, (0, 0, 0, extra), value=fill)
+        x = pad_length(x, extra, fill)
     return x.reshape(*x.shape[:2], N, C, x.shape[-1])
 
 
