@@ -161,6 +161,40 @@ def test_band_index_runs_the_engine_kernels_like_a_plan(monkeypatch, fused, befo
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "two-kernel-backward"])
+@pytest.mark.parametrize("block_size,previous,block", [(16, False, 16), (16, True, 16), (24, True, 16)])
+def test_band_index_leaves_out_tiles_with_no_allowed_pair(monkeypatch, fused, block_size, previous, block):
+    """Block-local masks hold tiles inside their band where no pair is allowed (a key block past the query's
+    block): the index lists only the tiles with an allowed pair (fewer than the band's key blocks inside the
+    sequence, the count of each row exactly its used tiles, the key-major lists the same tiles), and the kernels
+    still give the torch backend's result, forward and backward, in float64."""
+    from attnkit_sparse.engine import numba_ops
+    from attnkit_sparse.engine.dynamic import _keep, band_index
+    from attnkit_sparse.patterns.local import block_local_mask
+
+    monkeypatch.setattr(numba_ops, "FUSED_BACKWARD", fused)
+    g = torch.Generator().manual_seed(block_size + previous + block)
+    L = 123
+    m = block_local_mask(block_size, causal=True, previous=previous)
+    q, k, v = (torch.randn(2, 2, L, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    index = band_index(q, m, band_of(m), block)
+    kv_count, kv_idx, kv_tile, q_count = index[:4]
+    keep, N, first, _, _, K = _keep(q, m, band_of(m), block)
+    used = keep.view(*keep.shape[:3], block, K, block).any(-1).any(3)        # (1, 1, N, K)
+    j = torch.arange(N).view(N, 1) + first + torch.arange(K)                  # each row's key blocks in the band
+    in_sequence = int(((j >= 0) & (j < N)).sum())
+    assert (kv_count == used.sum(-1)).all() and int(kv_count.sum()) < in_sequence
+    assert int(kv_count.sum()) == int(q_count.sum())                          # the same tiles, key-major
+    listed = torch.arange(K) < kv_count.unsqueeze(-1)
+    assert (kv_tile[listed] != -2).all() and (kv_tile[~listed] == -2).all()
+    got = numba_ops.attend_index(q, k, v, index, (block, block), 0.5)
+    want = attend(q, k, v, m, scale=0.5, backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    gout = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), gout), torch.autograd.grad(want, (q, k, v), gout)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_a_numba_dynamic_program_holds_the_engine_operator():
     """The numba backend's dynamic program runs the engine's kernel (not the torch band path), and the torch
     backend's does not."""

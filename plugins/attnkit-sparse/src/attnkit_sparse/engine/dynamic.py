@@ -161,12 +161,13 @@ def attend_band(q: Tensor, k: Tensor, v: Tensor, mask: Mask, band: tuple[int, in
 def band_index(q: Tensor, mask: Mask, band: tuple[int, int], C: int, drop_keys: Tensor | None = None,
                ) -> tuple[Tensor, ...]:
     """The block index of the engine's kernels for a banded mask, built from tensors without the length as a
-    Python integer: query block ``i`` (``C`` positions, the blocks ``(C, C)``) visits key blocks
-    ``i + first .. i + first + K - 1`` inside the sequence, each tile FULL or a bank entry of its own (the mask
-    evaluated at the tile's pairs, :func:`_keep`). Returns ``(kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile,
-    q_slot, bank (key-major, (P, C, C)), span)``, the tensors :class:`~.plan.BlockPlan` documents, with
-    ``P = B'·H'·N·K`` entries (one per reachable tile; a few for a shift-invariant mask in a cached plan, but a
-    plan is built from the length). ``drop_keys``: sorted key positions left out (or None)."""
+    Python integer: query block ``i`` (``C`` positions, the blocks ``(C, C)``) visits those of key blocks
+    ``i + first .. i + first + K - 1`` that hold an allowed pair (the mask evaluated at the tile's pairs,
+    :func:`_keep`; a tile with none, outside the sequence or masked whole, is left out of the lists), each FULL
+    or a bank entry of its own. Returns ``(kv_count, kv_idx, kv_tile, q_count, q_idx, q_tile, q_slot, bank
+    (key-major, (P, C, C)), span)``, the tensors :class:`~.plan.BlockPlan` documents, with ``P = B'·H'·N·K``
+    entries (one per reachable tile; a few for a shift-invariant mask in a cached plan, but a plan is built from
+    the length). ``drop_keys``: sorted key positions left out (or None)."""
     from .plan import FULL_TILE, PAD_TILE, _spans
 
     keep, N, first, _, _, K = _keep(q, mask, band, C, drop_keys)
@@ -176,43 +177,45 @@ def band_index(q: Tensor, mask: Mask, band: tuple[int, int], C: int, drop_keys: 
     full = tiles.all(-1).all(3)                                           # (B', H', N, K)
     # the kernels read a tile's span as the union over its rows (the columns P·V visits): each row gets the
     # tile's own first and last column, from one pass over the tile instead of one per row
-    span = _spans(tiles.any(3)).unsqueeze(-2).expand(bp, hp, N, K, C, 2).reshape(-1, C, 2)   # (P, C, 2)
+    cols = tiles.any(3)                                                   # (B', H', N, K, C)
+    used = cols.any(-1)                                                   # (B', H', N, K): an allowed pair
+    span = _spans(cols).unsqueeze(-2).expand(bp, hp, N, K, C, 2).reshape(-1, C, 2)   # (P, C, 2)
     bank = tiles.permute(0, 1, 2, 4, 5, 3).reshape(-1, C, C)              # key-major (P, BK, BQ)
     entry = torch.arange(bp * hp, device=dev).view(bp, hp, 1, 1) * N * K
-    slot = torch.arange(K, device=dev)
-    blocks = torch.arange(N, device=dev)
+    offset = torch.arange(K, device=dev)
+    blocks = torch.arange(N, device=dev).view(N, 1)
 
-    def tile(i: Tensor, o: Tensor, valid: Tensor) -> Tensor:
-        """The tile entry of query block ``i`` and key block offset ``o`` (``-1`` FULL, ``-2`` padding)."""
-        local = ((i * K + o).clamp(0, N * K - 1)).expand(bp, hp, N, K)
-        is_full = full.view(bp, hp, -1).gather(-1, local.reshape(bp, hp, -1)).view(local.shape)
-        p = entry + local
-        t = torch.where(is_full, torch.full_like(p, FULL_TILE), p)
-        return torch.where(valid, t, torch.full_like(p, PAD_TILE)).to(torch.int32)
+    def tile(i: Tensor, o: Tensor) -> Tensor:
+        """The tile entry of query block ``i`` and key block offset ``o`` (``-1`` FULL), ``(B', H', N, K)``."""
+        local = i * K + o
+        is_full = full.reshape(bp, hp, -1).gather(-1, local.reshape(bp, hp, -1)).view(local.shape)
+        return torch.where(is_full, torch.full_like(local, FULL_TILE), entry + local)
 
-    # query-major: key blocks j0(i) + t, t < count(i)
-    i = blocks.view(N, 1)
-    j0 = (i + first).clamp(min=0)
-    kv_n = ((i + first + K - 1).clamp(max=N - 1) - j0 + 1).clamp(min=0)     # (N, 1)
-    j = j0 + slot
-    ok = slot < kv_n
-    kv_idx = torch.where(ok, j, 0)
-    kv_tile = tile(i, j - i - first, ok)
-    # key-major: query blocks i0(j) + u that see key block j, with each entry's slot in its query block's row
-    jb = blocks.view(N, 1)
-    i0 = (jb - first - K + 1).clamp(min=0)
-    q_n = ((jb - first).clamp(max=N - 1) - i0 + 1).clamp(min=0)
-    qi = i0 + slot
-    okq = slot < q_n
-    q_idx = torch.where(okq, qi, 0)
-    q_tile = tile(qi, jb - qi - first, okq)
-    q_slot = torch.where(okq, jb - (qi + first).clamp(min=0), 0)
+    def compact(valid: Tensor, *xs: Tensor) -> tuple[Tensor, ...]:
+        """Per row of ``valid (B', H', N, K)``: its count and each ``x`` with the valid entries first, in order."""
+        order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+        count = valid.sum(-1)
+        kept = offset < count.unsqueeze(-1)
+        return (count.to(torch.int32),) + tuple(
+            torch.where(kept, x.gather(-1, order), torch.full_like(x, PAD_TILE if n == 0 else 0)).to(torch.int32)
+            .contiguous() for n, x in enumerate(xs))
 
-    def heads(x: Tensor) -> Tensor:
-        return x.to(torch.int32).expand(bp, hp, *x.shape).contiguous()
-
-    return (heads(kv_n.view(N)), heads(kv_idx), kv_tile.contiguous(), heads(q_n.view(N)), heads(q_idx),
-            q_tile.contiguous(), heads(q_slot), bank.contiguous(), span.contiguous())
+    # query-major: the used tiles of query block i, key blocks i + first + o in increasing o
+    whole = (bp, hp, N, K)
+    o_q = offset.expand(whole)
+    kv_n, kv_tile, kv_idx = compact(used, tile(blocks.expand(whole), o_q), (blocks + first + offset).expand(whole))
+    # each used tile's slot in its query block's row (the fused backward's dS buffer)
+    slot_of = torch.cumsum(used.to(torch.int32), dim=-1) - 1                          # (B', H', N, K)
+    # key-major: the query blocks i = j - first - o that see key block j, in increasing i (decreasing o)
+    o_k = (K - 1 - offset).expand(whole)
+    i_k = blocks - first - o_k                                                        # (B', H', N, K)
+    inside = (i_k >= 0) & (i_k < N)
+    at = (i_k.clamp(0, N - 1) * K + o_k).reshape(bp, hp, -1)
+    seen = inside & used.reshape(bp, hp, -1).gather(-1, at).view(whole)
+    q_slot_all = slot_of.reshape(bp, hp, -1).gather(-1, at).view(whole)
+    q_n, q_tile, q_idx, q_slot = compact(seen, tile(i_k.clamp(0, N - 1), o_k), i_k, q_slot_all)
+    return (kv_n.contiguous(), kv_idx, kv_tile, q_n.contiguous(), q_idx, q_tile, q_slot, bank.contiguous(),
+            span.contiguous())
 
 
 def attend_dynamic(q: Tensor, k: Tensor, v: Tensor, mask: Mask, cover: Cover, scale: float,
