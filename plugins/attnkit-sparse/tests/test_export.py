@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import subprocess
 import sys
@@ -20,6 +21,15 @@ class _Call(torch.nn.Module):
 
     def forward(self, q, k, v, kpm):
         return self.attn(q, k, v, causal=self.causal, key_padding_mask=kpm)
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self, attn, causal=True):
+        super().__init__()
+        self.attn, self.causal = attn, causal
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v, causal=self.causal)
 
 
 def _inputs(seed=0, L=40):
@@ -109,3 +119,35 @@ def test_position_tensors_among_the_inputs_are_refused_clearly():
     with pytest.raises(attnkit.InvalidInputError, match=r"positions: position tensors among the inputs of "
                                                         r"torch\.export"):
         _export(WithPositions(), (q, k, v, pos))
+
+
+@pytest.mark.parametrize("name,causal", [("block-sparse", False), ("local", True), ("sinkhorn", True)])
+def test_caches_filled_under_a_func_transform_keep_no_wrapper(name, causal):
+    """A call under ``torch.func.grad`` builds its plans from the transform's wrapper tensors, which outlive it
+    without storage: kept in a cache (the plan of an unmasked call is shared by every module, a pattern's is
+    kept on its mask, sinkhorn's on the module), a later call that reads their memory failed (found in the
+    kit's export check after its func_transforms check: "Cannot access storage of TensorWrapper" on save).
+    Now nothing built under a transform is kept: the same module, and a fresh one, then run on numba and their
+    programs save."""
+    plans = importlib.import_module("attnkit_sparse.engine.plan")   # (the module: its caches)
+    plans._UNMASKED.clear()
+    plans._PLANS.clear()
+    attn = attnkit.build(name, num_heads=2, head_dim=8).double().eval()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    dq = torch.func.grad(lambda a: attn(a, k, v, causal=causal).sum())(q)
+    assert torch.isfinite(dq).all()
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    kept = [t for p in list(plans._UNMASKED.values()) + [p for d in plans._PLANS.values() for p in d.values()]
+            for t in vars(p).values() if isinstance(t, torch.Tensor)]
+    kept += [t for p in attn.__dict__.get("_plans", {}).values() for t in vars(p).values()
+             if isinstance(t, torch.Tensor)]
+    assert not any(wrapped(t) for t in kept)
+    for module in (attn, attnkit.build(name, num_heads=2, head_dim=8).double().eval()):
+        want = module(q, k, v, causal=causal)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(_Plain(module, causal), (q, k, v))
+        buf = io.BytesIO()
+        torch.export.save(ep, buf)
+        torch.testing.assert_close(ep.module()(q, k, v), want)

@@ -11,6 +11,11 @@ made is a *fake* tensor: a cache filled then would hold tensors without data, an
 tensor values (``nonzero``, ``int(t.max())``: block plans) fails there ("Could not extract specialized
 integer from data-dependent expression"). A build that depends only on shapes and options runs inside
 :func:`outside_trace` on real tensors; the trace then records its result as a constant.
+
+Under a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``) every tensor made is the transform's wrapper,
+which outlives it without storage: kept in a cache, it fails a later call that reads its memory (numba kernels,
+``torch.export.save``: "Cannot access storage of TensorWrapper"). Store an entry only when :func:`may_keep`
+says so; a build under a transform serves that call alone.
 """
 
 from __future__ import annotations
@@ -22,7 +27,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["kept_tensors", "outside_trace", "reads_traced"]
+__all__ = ["kept_tensors", "outside_trace", "reads_traced", "may_keep"]
+
+
+def may_keep() -> bool:
+    """False while a ``torch.func`` transform runs the current call: tensors made now are its wrappers, not to
+    be kept between calls (a cache built then serves this call only; one built outside is read as usual)::
+
+        entry = cache.get(key)
+        if entry is None:
+            with attnkit.caching.kept_tensors():
+                entry = build_plan(...)
+            if attnkit.caching.may_keep():
+                cache[key] = entry
+    """
+    return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None
 
 
 @contextlib.contextmanager

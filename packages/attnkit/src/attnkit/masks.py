@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .caching import kept_tensors, outside_trace
+from .caching import kept_tensors, may_keep, outside_trace
 from .errors import InvalidInputError
 from .positions import Positions
 
@@ -418,7 +418,7 @@ class Mask:
         # cached: never an inference tensor a later training call would meet, nor (under torch.export) a fake one
         with outside_trace(self, positions), kept_tensors():
             index = BlockIndex(self._blocks(geom, bq, bk), (bq, bk), L, S)
-        if key is not None:
+        if key is not None and may_keep():   # (not a torch.func transform's wrappers)
             if len(self._cache) > 32:
                 self._cache.clear()
             self._cache[key] = index

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.caching import kept_tensors, outside_trace
+from attnkit.caching import kept_tensors, may_keep, outside_trace
 from attnkit.errors import InvalidInputError
 from attnkit.masks import FULL, PARTIAL, SKIP, Geometry, Mask
 from attnkit.positions import Positions
@@ -319,7 +319,7 @@ def plan(mask: Mask | None, B: int, H: int, L: int, S: int, *, block_size: Any =
     # tensors (a constant of the exported program) unless the mask or positions come from the traced inputs
     with outside_trace(mask, positions), kept_tensors():
         out = _build(mask, B, H, L, S, bq, bk, device, positions)
-    if key is not None:
+    if key is not None and may_keep():   # (not a torch.func transform's wrappers: they outlive it without storage)
         if len(cache) > 16:
             cache.clear()
         cache[key] = out

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.caching import kept_tensors, outside_trace
+from attnkit.caching import kept_tensors, may_keep, outside_trace
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Geometry, Mask, _gather, _states
 
@@ -303,7 +303,9 @@ class BlockTable(Atom):
                 self._tables.clear()
             # cached: never an inference tensor a later training call would meet, nor a fake one (torch.export)
             with outside_trace(self, geom), kept_tensors():
-                hit = self._tables[key] = self.table(geom)
+                hit = self.table(geom)
+            if may_keep():   # (not a torch.func transform's wrappers)
+                self._tables[key] = hit
         return hit
 
     def _table_key(self, geom: Geometry) -> Any:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit import Attention
-from attnkit.caching import kept_tensors, outside_trace
+from attnkit.caching import kept_tensors, may_keep, outside_trace
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 from attnkit.recompute import recomputing
@@ -285,13 +285,17 @@ class RoutingAttention(Attention):
         cached: without causal or key padding every routed slot is used and every pair of a cluster attended."""
         key = (C, W, tile, str(device), dims)
         cache = self.__dict__.setdefault("_plans", {})
-        if key not in cache:
-            if len(cache) > 8:
-                cache.clear()
-            # cached: never an inference tensor a later training call would meet, nor (torch.export) a fake one
-            with outside_trace(), kept_tensors():
-                cache[key] = _cluster_plan(torch.ones(*dims, C, W, W, dtype=torch.bool, device=device), tile)
-        return cache[key]
+        if key in cache:
+            return cache[key]
+        if len(cache) > 8:
+            cache.clear()
+        # cached: never an inference tensor a later training call would meet, nor (torch.export) a fake one, nor
+        # a torch.func transform's wrapper
+        with outside_trace(), kept_tensors():
+            built = _cluster_plan(torch.ones(*dims, C, W, W, dtype=torch.bool, device=device), tile)
+        if may_keep():
+            cache[key] = built
+        return built
 
     def _gather_attend_combine_numba(self, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor,
                                      plan: Any, scale: float) -> Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import Attention
-from attnkit.caching import kept_tensors, outside_trace
+from attnkit.caching import kept_tensors, may_keep, outside_trace
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
@@ -138,8 +138,10 @@ class SinkhornAttention(Attention):
         # cached: never an inference tensor a later training call would meet, nor a fake one (torch.export: it
         # depends on the shape only, so it is built on real tensors and becomes a constant of the program)
         with outside_trace(), kept_tensors():
-            cache[key] = self._build_plan(L, b, causal, device)
-        return cache[key]
+            built = self._build_plan(L, b, causal, device)
+        if may_keep():   # (not a torch.func transform's wrappers)
+            cache[key] = built
+        return built
 
     @staticmethod
     def _build_plan(L: int, b: int, causal: bool, device: torch.device) -> Any:
