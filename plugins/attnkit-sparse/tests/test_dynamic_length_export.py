@@ -134,6 +134,19 @@ def test_a_function_mask_input_over_several_blocks_exports():
             torch.testing.assert_close(program(*xs, vis), Call()(*xs, vis), rtol=1e-5, atol=1e-6)
 
 
+def _index_equals_torch(index, q, k, v, m, block, g):
+    """The engine's numba kernels over ``index`` against the torch backend on ``m``: outputs and the gradients of
+    q, k and v in float64."""
+    from attnkit_sparse.engine import numba_ops
+
+    got = numba_ops.attend_index(q, k, v, index, (block, block), 0.5)
+    want = attend(q, k, v, m, scale=0.5, backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    gout = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), gout), torch.autograd.grad(want, (q, k, v), gout)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "two-kernel-backward"])
 @pytest.mark.parametrize("before,after,block", [(100, 0, 32), (40, 7, 16), (3, 3, 64), (0, 70, 16), (300, 0, 64)])
 def test_band_index_runs_the_engine_kernels_like_a_plan(monkeypatch, fused, before, after, block):
@@ -153,12 +166,7 @@ def test_band_index_runs_the_engine_kernels_like_a_plan(monkeypatch, fused, befo
     q, k, v = (torch.randn(3, 2, L, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     index = band_index(q, m, band_of(m), block)
     assert index[0].shape == (3, 1, -(-L // block))          # one row per batch element (the padding differs)
-    got = numba_ops.attend_index(q, k, v, index, (block, block), 0.5)
-    want = attend(q, k, v, m, scale=0.5, backend="torch")
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    gout = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), gout), torch.autograd.grad(want, (q, k, v), gout)):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    _index_equals_torch(index, q, k, v, m, block, g)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "two-kernel-backward"])
@@ -187,12 +195,7 @@ def test_band_index_leaves_out_tiles_with_no_allowed_pair(monkeypatch, fused, bl
     assert int(kv_count.sum()) == int(q_count.sum())                          # the same tiles, key-major
     listed = torch.arange(K) < kv_count.unsqueeze(-1)
     assert (kv_tile[listed] != -2).all() and (kv_tile[~listed] == -2).all()
-    got = numba_ops.attend_index(q, k, v, index, (block, block), 0.5)
-    want = attend(q, k, v, m, scale=0.5, backend="torch")
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    gout = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), gout), torch.autograd.grad(want, (q, k, v), gout)):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    _index_equals_torch(index, q, k, v, m, block, g)
 
 
 def test_a_numba_dynamic_program_holds_the_engine_operator():
