@@ -48,6 +48,16 @@ from attnkit.transforms import symbolic
 from ..common import Float32Inside, check_bool, check_choice, check_int, softmax_attend, windows
 from ..plugin import LUNA
 
+
+def _logcumsumexp(x: Tensor, dim: int) -> Tensor:
+    """``torch.logcumsumexp`` whose gradient stays finite where inputs are ``-inf``: they count as the dtype's
+    lowest finite value / 4 (their terms still vanish: ``exp`` of it is 0 against any real term), so an output
+    over nothing but such terms is that value, not ``-inf`` (torch's backward divides by ``exp`` of the output
+    and gave NaN there: every dk of a dynamic-length prefix-softmax program). No gradient reaches the clamped
+    inputs."""
+    return torch.logcumsumexp(x.clamp_min(torch.finfo(x.dtype).min / 4), dim)
+
+
 CAUSAL_FORMS = ("paper", "prefix-softmax")
 
 
@@ -264,7 +274,7 @@ class LunaAttention(Float32Inside, attnkit.Attention):
         own = weights(sc, T[..., None])                                         # (B, H, m, N, c)
         if kw is not None:
             own = own * kw
-        lcse = torch.logcumsumexp(T, -1)
+        lcse = _logcumsumexp(T, -1)
         lse0 = torch.cat([torch.full_like(T[..., :1], float("-inf")), lcse], -1)[..., :N]   # before chunk n
 
         def before(x: Tensor) -> Tensor:   # sum_{j<n} exp(T_j - lse0_n) X_j for X (B, H, m, N, F) = own-weighted x
@@ -274,13 +284,13 @@ class LunaAttention(Float32Inside, attnkit.Attention):
                 Xs = X * sign
                 logx = torch.where(Xs > 0, torch.log(torch.where(Xs > 0, Xs, torch.ones_like(Xs))),
                                    torch.full_like(Xs, float("-inf")))
-                acc = torch.logcumsumexp(T[..., None] + logx, 3)
+                acc = _logcumsumexp(T[..., None] + logx, 3)
                 acc = torch.cat([torch.full_like(acc[:, :, :, :1], float("-inf")), acc], 3)[:, :, :, :N]
                 parts.append(weights(acc, lse0[..., None]))
             return parts[0] - parts[1]
 
         kp0, vp0 = before(kc), before(vc)                                       # (B, H, m, N, D / E)
-        lse = torch.logaddexp(lse0[..., None], torch.logcumsumexp(sc, -1))      # (B, H, m, N, c)
+        lse = torch.logaddexp(lse0[..., None], _logcumsumexp(sc, -1))           # (B, H, m, N, c)
         carry = weights(lse0[..., None], lse)
         tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         w = torch.exp((sc[..., None, :] - lse[..., :, None]).masked_fill(~tri, float("-inf")))   # (B,H,m,N,t,j)
