@@ -363,6 +363,61 @@ def test_uncollected_eager_record_does_not_break_a_compiled_step():
         torch.testing.assert_close(got.detach(), 3 * (q.detach() * 2.0).square().mean())
 
 
+class DetachedPenalised(SharedPenalised):
+    """Records a diagnostic outside the graph (no gradient), made from q: under a transform, its wrapper."""
+
+    def _attend(self, q, k, v, ctx):
+        self.record_aux_loss("penalty", (q.detach() * 2.0).square().mean())
+        return Recorder._attend(self, q, k, v, ctx)
+
+
+def test_aux_losses_under_torch_func_grad_collected_inside_and_stale_records_dropped():
+    """Collected inside ``torch.func.grad``, a record counts in the transformed loss as under autograd. A record
+    left uncollected that the output's backward does not drop (one outside the graph) is the transform's wrapper
+    without storage: the next record or collection outside the transform drops it (kept, adaptive-span's program
+    failed to export after a grad call: found by the kit's export check)."""
+    import dataclasses
+    import io
+    import warnings
+
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for cls in (SharedPenalised, DetachedPenalised):
+        caps = dataclasses.replace(cls.capabilities, func_transforms=("grad",), export=True)
+        with attnkit.registered(cls, name="penalised-func", capabilities=caps, aux_losses={"penalty": 1.0}):
+            attn = attnkit.build("penalised-func").double().eval()
+            q, k, v = qkv(dtype=torch.float64)
+
+            def loss(a, attn=attn, k=k, v=v):
+                return attn(a, k, v).square().sum() + sum(attnkit.aux_losses(attn).values())
+
+            got = torch.func.grad(loss)(q)
+            x = q.clone().requires_grad_(True)
+            want, = torch.autograd.grad(loss(x), x)
+            torch.testing.assert_close(got, want)
+            torch.func.grad(lambda a, attn=attn, k=k, v=v: attn(a, k, v).square().sum())(q)   # not collected
+            left = attn.__dict__["_attnkit_aux"]["penalty"]
+            assert [wrapped(t) for t in left] == ([True] if cls is DetachedPenalised else [])
+            assert attn.pending_aux_losses() == {}                    # not read outside the transform
+            attn(q, k, v)                                             # the next record drops it
+            assert not any(wrapped(t) for t in attn.__dict__["_attnkit_aux"]["penalty"])
+            scale = 2.0 if cls is DetachedPenalised else attn.w.detach()
+            torch.testing.assert_close(attnkit.aux_losses(attn)["penalty"].detach(), (q * scale).square().mean())
+            torch.func.grad(lambda a, attn=attn, k=k, v=v: attn(a, k, v).square().sum())(q)
+
+            class Plain(torch.nn.Module):
+                def __init__(self, attn):
+                    super().__init__()
+                    self.attn = attn
+
+                def forward(self, a, b, c):
+                    return self.attn(a, b, c)
+
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = torch.export.export(Plain(attn), (q, k, v))
+            torch.export.save(program, io.BytesIO())                  # failed while the stale record was kept
+
+
 def _shared_step(attn, q, k, v, collect=True):
     out = attn(q, k, v)
     loss = out.square().sum()

@@ -24,6 +24,11 @@ module warns once.
 
 Under ``torch.compile`` the records are kept until collected (the binding to the
 output is not traced).
+
+Under a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``) a record is the transform's wrapper: collect it
+inside the transformed function (``loss = task + sum(attnkit.aux_losses(model).values())`` there). One left
+uncollected when the transform ends has no storage; it is dropped at the module's next record or collection
+outside any transform (kept, it failed a later ``torch.export`` of the module).
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ class AuxLossMixin:
         # input of the next one's addition, and a compiled forward (one autograd node for the whole region)
         # would then backpropagate its output's gradient into an earlier step's freed graph.
         values = self.__dict__.setdefault("_attnkit_aux", {}).setdefault(name, [])
+        if values:
+            values[:] = _live(values)
         if not value.requires_grad and values and not values[-1].requires_grad:
             values[-1] = values[-1] + value   # constants (a diagnostic, a no-grad call): one running value
         else:
@@ -126,7 +133,8 @@ class AuxLossMixin:
 
     def pending_aux_losses(self) -> dict[str, Tensor]:
         """Recorded, not yet collected losses of this module alone (unweighted), each summed over its records."""
-        return {name: _total(values) for name, values in self.__dict__.get("_attnkit_aux", {}).items() if values}
+        store = self.__dict__.get("_attnkit_aux", {})
+        return {name: _total(live) for name, values in store.items() if (live := _live(values))}
 
     def aux_weight(self, name: str) -> float:
         override = self.__dict__.get("aux_weights") or {}
@@ -159,6 +167,7 @@ def aux_losses(model: nn.Module | Any, *, weighted: bool = True, clear: bool = T
         if not store:
             continue
         for name, values in store.items():
+            values = _live(values)
             if not values:
                 continue
             value = _total(values)
@@ -222,6 +231,15 @@ def _drop_unused(module_ref: Any, unbound: list, used: set[int]) -> None:
                 if counts.get(name, 0) > 0:
                     counts[name] -= 1
                 break
+
+
+def _live(values: list[Tensor]) -> list[Tensor]:
+    """``values`` less the records a ``torch.func`` transform made and left when it ended (its wrappers, without
+    storage); all of them while a transform runs (its own records are read there) or Dynamo traces."""
+    if torch.compiler.is_dynamo_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return values
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return [v for v in values if not wrapped(v)]
 
 
 def _total(values: list[Tensor]) -> Tensor:
