@@ -10,7 +10,7 @@ from broken_impls import NaiveAttention
 
 import attnkit
 from attnkit import Capabilities
-from attnkit.caching import outside_trace, reads_traced
+from attnkit.caching import cached, outside_trace, reads_traced
 from attnkit.errors import InvalidInputError, UnsupportedFeatureError
 
 
@@ -214,6 +214,43 @@ def test_outside_trace_builds_a_real_cache_during_export_and_nothing_changes_in_
     bad = _Cached(outside=False)
     _export(bad, torch.zeros(3, 5))
     assert is_fake(bad.table[5][0])          # what outside_trace prevents: a fake tensor kept after the trace
+
+
+def test_cached_builds_once_keeps_real_ordinary_tensors_and_nothing_made_under_a_transform():
+    from torch._subclasses.fake_tensor import is_fake
+
+    calls = []
+
+    def build(n: int) -> torch.Tensor:
+        calls.append(n)
+        return torch.arange(float(n))
+
+    cache: dict = {}
+    first = cached(cache, 3, lambda: build(3))
+    assert cached(cache, 3, lambda: build(3)) is first and calls == [3]        # a hit: no second build
+    assert cached(cache, None, lambda: build(4)).tolist() == [0, 1, 2, 3]      # key None: built, never kept
+    assert list(cache) == [3] and calls == [3, 4]
+    with torch.inference_mode():
+        made = cached(cache, 5, lambda: build(5))
+    assert not made.is_inference()                                             # a later training call may save it
+    for n in range(6, 9):                                                      # limit: cleared when over it
+        cached(cache, n, lambda n=n: build(n), limit=2)
+    assert sorted(cache) == [7, 8]
+
+    def under_grad(x):                                                         # a build reading the transform's input
+        return (x * cached(cache, "grad", lambda: x.detach() * 0 + 1)).sum()
+
+    torch.func.grad(under_grad)(torch.ones(3))
+    assert "grad" not in cache                                                 # its wrapper served that call alone
+    under_grad(torch.ones(3))
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(cache["grad"])
+
+    class Traced(torch.nn.Module):                                             # built on real tensors under export
+        def forward(self, x):
+            return x + cached(cache, ("trace", x.shape[-1]), lambda: torch.arange(float(x.shape[-1])))
+
+    _export(Traced(), torch.zeros(2, 4))
+    assert not is_fake(cache[("trace", 4)])
 
 
 def _with_empty_cell():

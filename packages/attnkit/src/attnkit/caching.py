@@ -12,27 +12,67 @@ tensor values (``nonzero``, ``int(t.max())``: block plans) fails there ("Could n
 integer from data-dependent expression"). A build that depends only on shapes and options runs inside
 :func:`outside_trace` on real tensors; the trace then records its result as a constant.
 
-Under a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``) every tensor made is the transform's wrapper,
-which outlives it without storage: kept in a cache, it fails a later call that reads its memory (numba kernels,
-``torch.export.save``: "Cannot access storage of TensorWrapper"). Store an entry only when :func:`may_keep`
-says so; a build under a transform serves that call alone.
+Under a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``) every tensor made from its inputs (``q * 2``,
+``q.new_ones(n)``, ``torch.ones_like(q)``) is the transform's wrapper, which outlives it without storage: kept in
+a cache, it fails a later call that reads its memory (numba kernels, ``torch.export.save``: "Cannot access
+storage of TensorWrapper"). Store an entry only when :func:`may_keep` says so; a build under a transform serves
+that call alone.
+
+:func:`cached` does all three for a dict-like cache: look up, build on real ordinary tensors, keep when allowed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator, MutableMapping
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["kept_tensors", "outside_trace", "reads_traced", "may_keep"]
+__all__ = ["cached", "kept_tensors", "outside_trace", "reads_traced", "may_keep"]
+
+T = TypeVar("T")
+
+
+def cached(cache: MutableMapping[Any, T], key: Hashable | None, build: Callable[[], T], *reads: Any,
+           limit: int | None = None) -> T:
+    """``cache[key]``, or ``build()`` made the way a kept entry must be and stored when it may be kept.
+
+    On a miss ``build()`` runs inside :func:`outside_trace` (``reads``: what it reads, as there) and
+    :func:`kept_tensors`; its result is stored unless ``key`` is None (an entry that is never kept: one for
+    explicit position tensors) or :func:`may_keep` is False (a ``torch.func`` transform runs the call: the
+    result serves this call alone). A stored entry is never None.
+
+    Args:
+        cache: a dict (or other mutable mapping) of kept entries.
+        key: the entry's key, or None to build without storing.
+        build: makes the entry; called with no arguments, only on a miss.
+        reads: what the build reads (masks, positions, tensors), for :func:`outside_trace`.
+        limit: when the cache already holds more than ``limit`` entries, it is cleared before the new one is
+            stored (a bound on what a process keeps; None: unbounded).
+
+    Example::
+
+        plan = attnkit.caching.cached(self._plans, (L, block, str(device)),
+                                      lambda: build_plan(L, block, device), limit=8)
+    """
+    if key is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    with outside_trace(*reads), kept_tensors():
+        built = build()
+    if key is not None and may_keep():
+        if limit is not None and len(cache) > limit:
+            cache.clear()
+        cache[key] = built
+    return built
 
 
 def may_keep() -> bool:
-    """False while a ``torch.func`` transform runs the current call: tensors made now are its wrappers, not to
-    be kept between calls (a cache built then serves this call only; one built outside is read as usual)::
+    """False while a ``torch.func`` transform runs the current call: tensors made from its inputs are its wrappers, not
+    to be kept between calls (a cache built then serves this call only; one built outside is read as usual)::
 
         entry = cache.get(key)
         if entry is None:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .caching import kept_tensors, may_keep, outside_trace
+from .caching import cached
 from .errors import InvalidInputError
 from .positions import Positions
 
@@ -409,20 +409,14 @@ class Mask:
                 raise InvalidInputError(f"{name}: expected an int >= 1, got {n!r}")
         geom = Geometry(B, H, L, S, torch.device(device), positions)
         key = geom.cache_key()
-        if key is not None:
-            key = (*key, bq, bk)
-            hit = self._cache.get(key)
-            if hit is not None:
-                return hit
-        self.check(geom, "block_index")
-        # cached: never an inference tensor a later training call would meet, nor (under torch.export) a fake one
-        with outside_trace(self, positions), kept_tensors():
-            index = BlockIndex(self._blocks(geom, bq, bk), (bq, bk), L, S)
-        if key is not None and may_keep():   # (not a torch.func transform's wrappers)
-            if len(self._cache) > 32:
-                self._cache.clear()
-            self._cache[key] = index
-        return index
+
+        def build() -> BlockIndex:
+            self.check(geom, "block_index")
+            return BlockIndex(self._blocks(geom, bq, bk), (bq, bk), L, S)
+
+        # cached: never an inference tensor a later training call would meet, nor (under torch.export) a fake one,
+        # nor a torch.func transform's wrapper
+        return cached(self._cache, None if key is None else (*key, bq, bk), build, self, positions, limit=32)
 
     def mask_mod(self, geom: Geometry) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
         """A FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx)`` bound to ``geom`` (indices, not positions)."""

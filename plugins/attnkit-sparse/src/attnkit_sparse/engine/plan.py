@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.caching import kept_tensors, may_keep, outside_trace
+from attnkit.caching import cached, kept_tensors, outside_trace
 from attnkit.errors import InvalidInputError
 from attnkit.masks import FULL, PARTIAL, SKIP, Geometry, Mask
 from attnkit.positions import Positions
@@ -312,15 +312,8 @@ def plan(mask: Mask | None, B: int, H: int, L: int, S: int, *, block_size: Any =
             raise InvalidInputError(f"plan: {name} must be an int >= 1, got {n!r}")
     gkey = Geometry(B, H, L, S, device, positions).cache_key()
     key = None if gkey is None else (*gkey, bq, bk)
-    cache = _UNMASKED if mask is None else _PLANS.setdefault(mask, {})
-    if key is not None and key in cache:
-        return cache[key]
     # cached: never an inference tensor a later training call would meet; under torch.export, built on real
-    # tensors (a constant of the exported program) unless the mask or positions come from the traced inputs
-    with outside_trace(mask, positions), kept_tensors():
-        out = _build(mask, B, H, L, S, bq, bk, device, positions)
-    if key is not None and may_keep():   # (not a torch.func transform's wrappers: they outlive it without storage)
-        if len(cache) > 16:
-            cache.clear()
-        cache[key] = out
-    return out
+    # tensors (a constant of the exported program) unless the mask or positions come from the traced inputs; never
+    # a torch.func transform's wrapper (they outlive it without storage)
+    return cached(_UNMASKED if mask is None else _PLANS.setdefault(mask, {}), key,
+                  lambda: _build(mask, B, H, L, S, bq, bk, device, positions), mask, positions, limit=16)

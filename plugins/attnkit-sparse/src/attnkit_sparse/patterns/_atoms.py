@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.caching import kept_tensors, may_keep, outside_trace
+from attnkit.caching import cached
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Geometry, Mask, _gather, _states
 
@@ -297,16 +297,9 @@ class BlockTable(Atom):
     def _cached_table(self, geom: Geometry) -> tuple[int, int, Tensor]:
         key = (position_extent(geom), geom.H if self.head_dependent else 1, str(geom.device),
                self._table_key(geom))
-        hit = self._tables.get(key)
-        if hit is None:
-            if len(self._tables) > 8:
-                self._tables.clear()
-            # cached: never an inference tensor a later training call would meet, nor a fake one (torch.export)
-            with outside_trace(self, geom), kept_tensors():
-                hit = self.table(geom)
-            if may_keep():   # (not a torch.func transform's wrappers)
-                self._tables[key] = hit
-        return hit
+        # cached: never an inference tensor a later training call would meet, nor a fake one (torch.export), nor a
+        # torch.func transform's wrapper
+        return cached(self._tables, key, lambda: self.table(geom), self, geom, limit=8)
 
     def _table_key(self, geom: Geometry) -> Any:
         qp, _ = geom.pos()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit import Attention
-from attnkit.caching import kept_tensors, may_keep, outside_trace
+from attnkit.caching import cached
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 from attnkit.recompute import recomputing
@@ -283,19 +283,11 @@ class RoutingAttention(Attention):
                    dims: tuple[int, int] = (1, 1)) -> Any:
         """The block-diagonal plan of ``C`` clusters of ``W`` rows with no element mask (index dims ``dims``),
         cached: without causal or key padding every routed slot is used and every pair of a cluster attended."""
-        key = (C, W, tile, str(device), dims)
-        cache = self.__dict__.setdefault("_plans", {})
-        if key in cache:
-            return cache[key]
-        if len(cache) > 8:
-            cache.clear()
         # cached: never an inference tensor a later training call would meet, nor (torch.export) a fake one, nor
         # a torch.func transform's wrapper
-        with outside_trace(), kept_tensors():
-            built = _cluster_plan(torch.ones(*dims, C, W, W, dtype=torch.bool, device=device), tile)
-        if may_keep():
-            cache[key] = built
-        return built
+        return cached(self.__dict__.setdefault("_plans", {}), (C, W, tile, str(device), dims),
+                      lambda: _cluster_plan(torch.ones(*dims, C, W, W, dtype=torch.bool, device=device), tile),
+                      limit=8)
 
     def _gather_attend_combine_numba(self, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor,
                                      plan: Any, scale: float) -> Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import Attention
-from attnkit.caching import kept_tensors, may_keep, outside_trace
+from attnkit.caching import cached
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 
@@ -129,19 +129,11 @@ class SinkhornAttention(Attention):
         (never the end padding; causal: the own block up to the query, no sorted block for block 0). It
         depends on ``L``, ``b`` and ``causal`` only: cached."""
         L, b = int(L), int(b)   # dynamic sizes of a torch.export trace: the plan follows them (the trace specialises)
-        key = (L, b, causal, str(device))
-        cache = self.__dict__.setdefault("_plans", {})
-        if key in cache:
-            return cache[key]
-        if len(cache) > 8:
-            cache.clear()
         # cached: never an inference tensor a later training call would meet, nor a fake one (torch.export: it
-        # depends on the shape only, so it is built on real tensors and becomes a constant of the program)
-        with outside_trace(), kept_tensors():
-            built = self._build_plan(L, b, causal, device)
-        if may_keep():   # (not a torch.func transform's wrappers)
-            cache[key] = built
-        return built
+        # depends on the shape only, so it is built on real tensors and becomes a constant of the program), nor a
+        # torch.func transform's wrapper
+        return cached(self.__dict__.setdefault("_plans", {}), (L, b, causal, str(device)),
+                      lambda: self._build_plan(L, b, causal, device), limit=8)
 
     @staticmethod
     def _build_plan(L: int, b: int, causal: bool, device: torch.device) -> Any:
