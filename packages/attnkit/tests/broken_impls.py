@@ -279,6 +279,35 @@ class ExportDetachAttention(NaiveAttention):
         return super()._forward(q, k, v.detach() if torch.compiler.is_exporting() else v, **kw)
 
 
+class TransformCacheAttention(NaiveAttention):
+    """Declares ``export`` and ``grad`` and keeps a per-shape scale made from q in a cache every module shares,
+    careful under ``torch.export`` (nothing kept while exporting) but not under ``torch.func`` (no
+    ``attnkit.caching.may_keep``): a call under ``torch.func.grad`` keeps the transform's wrapper, and a later
+    program holding it as a constant fails to save."""
+
+    _SCALES: dict[Any, Tensor] = {}
+
+    def _forward(self, q, k, v, **kw):
+        key = (tuple(q.shape), q.dtype)
+        scale = self._SCALES.get(key)
+        if scale is None:
+            scale = q.detach().new_ones(q.shape[-1])
+            if not torch.compiler.is_exporting():
+                self._SCALES[key] = scale
+        return super()._forward(q * scale, k, v, **kw)
+
+
+class StridesIgnoredAttention(NaiveAttention):
+    """Reads k's memory as if it were contiguous (what a kernel handed ``k.data_ptr()`` without its strides
+    does): right on contiguous inputs, wrong on a transposed view."""
+
+    def _forward(self, q, k, v, **kw):
+        dense = torch.empty(k.shape, dtype=k.dtype).stride()
+        if k.storage_offset() == 0 and k.untyped_storage().nbytes() >= k.numel() * k.element_size():
+            k = k.as_strided(k.shape, dense)
+        return super()._forward(q, k, v, **kw)
+
+
 class NondeterministicAttention(NaiveAttention):
     """Redraws a random perturbation on every call, even in eval mode."""
 
@@ -669,6 +698,9 @@ CASES: list[BrokenCase] = [
                {"exact": True, "capabilities": Capabilities(key_padding_mask=False)}),
     BrokenCase(WrongScaleAttention, "broken-scale", "reference", "output vs reference",
                {"exact": True, "capabilities": BASIC}),
+    BrokenCase(StridesIgnoredAttention, "broken-strides", "layouts",
+               r"q, k, v transposed from \(B, L, H, D\): output vs the same values contiguous",
+               {"exact": True, "capabilities": BASIC}),
     BrokenCase(WrongDtypeAttention, "broken-dtype", "shapes_dtypes", "output dtype torch.float32",
                {"exact": True, "capabilities": BASIC}),
     BrokenCase(BatchMixingAttention, "broken-batch-mixing", "batch_independence", "batch element 0",
@@ -706,6 +738,11 @@ CASES: list[BrokenCase] = [
     BrokenCase(PaddingShortcutAttention, "broken-export-padding", "export",
                r"causal=True, a key_padding mask as an input \(declared in Capabilities.export_masks\) raised",
                {"exact": True, "capabilities": Capabilities(export=True)}),
+    BrokenCase(TransformCacheAttention, "broken-transform-cache", "export",
+               r"torch.export.save / load of the program, causal=\w+, no mask input, after torch.func.grad, the module "
+               r"that ran it, raised \w+: Cannot access storage of TensorWrapper; a cache kept a tensor made "
+               r"under torch.func.grad",
+               {"exact": True, "capabilities": Capabilities(export=True, func_transforms=("grad",))}),
     BrokenCase(LengthHintAttention, "broken-export-length-hint", "export_dynamic",
                r"torch.export with a dynamic length \(exported at L = \d+\), causal=\w+, no mask input, "
                r"backend='torch', at length \d+: .*vs eager",

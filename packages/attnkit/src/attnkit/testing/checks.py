@@ -6,7 +6,7 @@ module of its concern (one screen each):
 ==========================  ===================================================
 module                      checks
 ==========================  ===================================================
-``shapes_dtypes``           shapes_dtypes, cross_attention, batch_independence, determinism
+``shapes_dtypes``           shapes_dtypes, layouts, cross_attention, batch_independence, determinism
 ``bad_input``               refusals, empty_sequences, padded_values, nan_queries
 ``causality``               causality
 ``masks``                   key_padding, fully_masked_rows, attn_mask, mask_objects
@@ -67,7 +67,13 @@ from .masks import check_attn_mask, check_fully_masked_rows, check_key_padding, 
 from .reference import check_error_bound, check_reference
 from .scaled_inputs import check_scaled_inputs
 from .serialisation import check_meta_init, check_serialisation, check_state_dict
-from .shapes_dtypes import check_batch_independence, check_cross_attention, check_determinism, check_shapes_dtypes
+from .shapes_dtypes import (
+    check_batch_independence,
+    check_cross_attention,
+    check_determinism,
+    check_layouts,
+    check_shapes_dtypes,
+)
 from .streaming import check_state_validation, check_streaming
 
 __all__ = [
@@ -79,6 +85,7 @@ __all__ = [
     "check_empty_sequences", "check_error_bound", "check_export",
     "check_export_dynamic", "check_func_transforms", "check_fuzz",
     "check_fully_masked_rows", "check_gradcheck", "check_gradients", "check_inference_mode", "check_key_padding",
+    "check_layouts",
     "check_mask_objects",
     "check_meta_init", "check_nan_queries", "check_padded_values", "check_reference", "check_refusals",
     "check_serialisation", "check_shapes_dtypes", "check_scaled_inputs", "check_state_dict",
@@ -90,6 +97,7 @@ __all__ = [
 CHECKS: dict[str, Callable[[ConformanceConfig], Any]] = {
     name: isolated(fn) for name, fn in (
         ("shapes_dtypes", check_shapes_dtypes),
+        ("layouts", check_layouts),
         ("refusals", check_refusals),
         ("causality", check_causality),
         ("key_padding", check_key_padding),

@@ -63,10 +63,18 @@ def check_export(cfg: ConformanceConfig) -> None:
     refused with ``UnsupportedFeatureError``. The module is built with ``backend="auto"``; then each backend of
     ``export_backends`` that runs here is forced (no mask input, the last causal mode), and each other backend
     that runs here must be refused. The programs without a mask input are saved and loaded first.
+
+    When the spec declares both ``export`` and ``grad`` (``Capabilities.func_transforms``), first of all a module
+    runs ``torch.func.grad`` (each declared causal mode, a length no other case uses, so no cache holds it yet),
+    then its program and a fresh module's at that length are exported, saved, loaded and compared as above (the
+    last causal mode): a cache that kept a tensor made under the transform (its wrapper, without storage) fails
+    there, as in a training script that exports its model.
     """
     c = Ctx("export", cfg)
     caps = c.caps
     modes = c.causal_modes()
+    if caps.export and "grad" in caps.func_transforms:
+        _after_grad(c, modes)
     for n, causal in enumerate(modes):
         _export_case(c, causal, None, None, n)
     for n, kind in enumerate(k for k in TRACED_MASK_KINDS if k in caps.mask_kinds):
@@ -76,10 +84,30 @@ def check_export(cfg: ConformanceConfig) -> None:
         _export_case(c, modes[-1], None, backend, 20 + n)
 
 
-def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n: int) -> None:
+def _after_grad(c: Ctx, modes: list[bool]) -> None:
+    """Export a module that ran ``torch.func.grad``, and a fresh one after it (caches shared between modules)."""
+    from torch.func import grad
+
+    dt, L = c.precise(), c.L + 3
+    attn = c.build(dtype=dt).eval()
+    q, k, v = c.inputs(L, L, dt, seed_offset=40)
+    for causal in modes:
+        try:
+            grad(lambda a, causal=causal: attn(a, k, v, causal=causal).square().sum())(q)
+        except Exception:  # noqa: BLE001
+            return   # the func_transforms check reports it
+    hint = ("; a cache kept a tensor made under torch.func.grad (the transform's wrapper, without storage): keep "
+            "entries only when attnkit.caching.may_keep(), or build them with attnkit.caching.cached")
+    for n, (module, which) in enumerate(((attn, "the module that ran it"), (None, "a fresh module"))):
+        _export_case(c, modes[-1], None, None, 30 + n, attn=module, L=L,
+                     after=f", after torch.func.grad, {which}", hint=hint)
+
+
+def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n: int, attn: Any = None,
+                 L: int | None = None, after: str = "", hint: str = "") -> None:
     caps, dt = c.caps, c.precise()
-    L, B, H = c.L, c.B, c.H
-    module = _Exported(c.build(dtype=dt, backend=backend).eval(), causal, kind)
+    L, B, H = c.L if L is None else L, c.B, c.H
+    module = _Exported(c.build(dtype=dt, backend=backend).eval() if attn is None else attn, causal, kind)
     q, k, v = c.inputs(L, L, dt, seed_offset=n)
     q2, k2, v2 = c.inputs(L, L, dt, seed_offset=n + 50)
     extra: tuple[Tensor, ...] = ()
@@ -88,7 +116,7 @@ def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n:
         first, second = _mask_inputs(kind, B, H, L, c.device)
         extra, other = (first,), (second,)
     label = (f"causal={causal}, " + ("no mask input" if kind is None else f"a {kind} mask as an input")
-             + ("" if backend is None else f", backend={backend!r}"))
+             + ("" if backend is None else f", backend={backend!r}") + after)
 
     def export() -> Any:
         with torch.no_grad(), warnings.catch_warnings():
@@ -107,9 +135,9 @@ def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n:
     try:
         exported = export()
     except Exception as exc:  # noqa: BLE001
-        c.fail(f"torch.export.export of a fresh module, {label} (declared in Capabilities.export"
-               f"{'' if kind is None else '_masks'}{'' if backend is None else '_backends'}) raised "
-               f"{type(exc).__name__}: {exc}")
+        c.fail(f"torch.export.export of {'a fresh module' if attn is None else 'the module'}, {label} (declared "
+               f"in Capabilities.export{'' if kind is None else '_masks'}{'' if backend is None else '_backends'}) "
+               f"raised {type(exc).__name__}: {exc}{hint}")
     try:   # what a deployment runs: the program saved and loaded again (once per causal mode and backend)
         if kind is None:
             buf = io.BytesIO()
@@ -118,7 +146,7 @@ def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n:
             exported = torch.export.load(buf)
         program = exported.module()
     except Exception as exc:  # noqa: BLE001
-        c.fail(f"torch.export.save / load of the program, {label}, raised {type(exc).__name__}: {exc}")
+        c.fail(f"torch.export.save / load of the program, {label}, raised {type(exc).__name__}: {exc}{hint}")
     for which, args in (("the inputs it was exported with", (q, k, v, *extra)),
                         ("other inputs", (q2, k2, v2, *other))):
         want = c.call(module, f"eager after torch.export, {label}", *args[:3],
@@ -129,7 +157,7 @@ def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n:
         try:   # with gradients enabled, as a caller would (its parameters require them)
             got = program(*args)
         except Exception as exc:  # noqa: BLE001
-            c.fail(f"the exported program, {label}, on {which}, raised {type(exc).__name__}: {exc}")
+            c.fail(f"the exported program, {label}, on {which}, raised {type(exc).__name__}: {exc}{hint}")
         c.close(got.detach(), want, f"torch.export, {label}, on {which}", dtype=dt, against="eager")
 
 

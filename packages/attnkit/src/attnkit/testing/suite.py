@@ -130,6 +130,10 @@ class AttentionConformance:
         """Output (B, H, L, E), input dtype and device, finite; inputs not modified."""
         self.run_check("shapes_dtypes")
 
+    def test_layouts(self) -> None:
+        """Transposed (non-contiguous) and head-expanded (stride 0) inputs give what contiguous ones give."""
+        self.run_check("layouts")
+
     def test_refusals(self) -> None:
         """Undeclared capabilities, mask kinds, positions, streaming, limits and dtypes are refused."""
         self.run_check("refusals")
