@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from attnkit import Attention
 from attnkit.attention import Limits
+from attnkit.caching import may_keep
 from attnkit.context import CallContext
 
 from .._checks import MAX_SPAN_LIMIT, positive_int, real
@@ -186,7 +187,8 @@ class DynamicSpanAttention(_SpanAttention):
         """``(B, H, L)`` spans ``S · sigmoid(w_h · q_t + b_h)``, in the graph."""
         logits = torch.einsum("bhld,hd->bhl", q, self.span_weight.to(q.dtype)) + self.span_bias.to(q.dtype)[:, None]
         z = self.max_span * torch.sigmoid(logits)
-        self._last_spans = z.detach().mean(dim=(0, 2))
+        if may_keep() and not torch.compiler.is_exporting():   # never a transform's wrapper nor a traced tensor
+            self._last_spans = z.detach().mean(dim=(0, 2))
         return z
 
     @property

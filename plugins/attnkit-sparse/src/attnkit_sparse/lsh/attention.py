@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from attnkit import Attention
+from attnkit.caching import cached
 from attnkit.context import CallContext
 
 from .._half import is_half, wide
@@ -138,12 +139,9 @@ class LSHAttention(Attention):
         dtype = wide(dtype)
         L = int(L)   # a dynamic length of a torch.export trace: the bucket count follows it (specialised)
         cols = max(1, n_buckets(L, self.bucket_size) // 2)
-        key = (cols, D, dtype, str(device))
-        if key not in self._rot:
-            if len(self._rot) > 8:
-                self._rot.clear()
-            self._rot[key] = rotations(self.seed, self.n_hashes, D, cols, dtype=dtype, device=device)
-        return self._rot[key]
+        # cached (attnkit.caching.cached: never a torch.func transform's wrapper, an inference tensor or a fake one)
+        return cached(self._rot, (cols, D, dtype, str(device)),
+                      lambda: rotations(self.seed, self.n_hashes, D, cols, dtype=dtype, device=device), limit=8)
 
     def sorted_rounds_inverse(self, k: Tensor, key_padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """:meth:`sorted_rounds` and its inverse permutation (position -> sorted index), ``(B, H, n_hashes, L)``."""
@@ -177,23 +175,23 @@ class LSHAttention(Attention):
         every row of chunk ``c - 1`` and of chunk ``c`` but itself (a round sorts a permutation, so a position
         meets itself only on the diagonal of its own chunk), never a row past ``L``. It depends on ``L`` and
         the chunk size only: cached, built without a pass over the sorted positions."""
+        L, cs = int(L), int(cs)   # (a dynamic length of a torch.export trace is specialised: the plan follows it)
+        return cached(self._rot, ("plan", L, cs, str(device)), lambda: self._build_shared_plan(L, cs, device),
+                      limit=8)
+
+    @staticmethod
+    def _build_shared_plan(L: int, cs: int, device: torch.device) -> Any:
         from ..engine import band_plan
 
-        L, cs = int(L), int(cs)   # (a dynamic length of a torch.export trace is specialised: the plan follows it)
-        key = ("plan", L, cs, str(device))
-        if key not in self._rot:
-            if len(self._rot) > 8:
-                self._rot.clear()
-            nq = -(-L // cs)
-            row = torch.arange(nq * cs, device=device).view(nq, cs)
-            real = row < L
-            prev = torch.cat([torch.zeros_like(real[:1]), real[:-1]], 0)           # chunk c - 1 (none for 0)
-            eye = torch.eye(cs, dtype=torch.bool, device=device)
-            slot0 = real[:, :, None] & prev[:, None, :]
-            slot1 = real[:, :, None] & real[:, None, :] & ~eye
-            bank = torch.stack([slot0, slot1], 1).view(1, 1, nq, 2, cs, cs)
-            self._rot[key] = band_plan(bank, L)
-        return self._rot[key]
+        nq = -(-L // cs)
+        row = torch.arange(nq * cs, device=device).view(nq, cs)
+        real = row < L
+        prev = torch.cat([torch.zeros_like(real[:1]), real[:-1]], 0)           # chunk c - 1 (none for 0)
+        eye = torch.eye(cs, dtype=torch.bool, device=device)
+        slot0 = real[:, :, None] & prev[:, None, :]
+        slot1 = real[:, :, None] & real[:, None, :] & ~eye
+        bank = torch.stack([slot0, slot1], 1).view(1, 1, nq, 2, cs, cs)
+        return band_plan(bank, L)
 
     def _attend_numba(self, q: Tensor, k: Tensor, v: Tensor, perm: Tensor, kpm: Tensor | None, causal: bool,
                       cs: int, scale: float) -> Tensor:

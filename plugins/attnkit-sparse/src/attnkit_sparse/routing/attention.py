@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit import Attention
-from attnkit.caching import cached
+from attnkit.caching import cached, may_keep
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 from attnkit.recompute import recomputing
+from attnkit.transforms import plain_torch
 
 from .._half import is_half, wide
 from ..base import check_int, content_backend_order
@@ -157,7 +158,7 @@ class RoutingAttention(Attention):
         cents = self.centroids_for(q)
         if not self.training:
             return cents
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not may_keep():   # (nor a torch.func transform's wrapper kept)
             return cents.detach().clone()
         kept = self.__dict__.setdefault("_first_run_centroids", collections.deque(maxlen=8))
         if recomputing():
@@ -174,10 +175,11 @@ class RoutingAttention(Attention):
         means (detached) and the commitment term without gathering a centroid per token:
         ``Σ_i ‖x̂_i − μ_c(i)‖² = Σ_i ‖x̂_i‖² − 2 Σ_c μ_c·S_c + Σ_c n_c ‖μ_c‖²`` (centroids held constant, so its
         gradient is ``2 (x̂_i − μ_c(i))``). On CPU a numba kernel per side with its own backward
-        (:func:`.gather.commitment`); elsewhere ``index_add`` under autograd (:meth:`_commitment_torch`).
+        (:func:`.gather.commitment`); elsewhere, and under ``torch.func`` transforms or a ``torch.export`` trace,
+        ``index_add`` under autograd (:meth:`_commitment_torch`).
         """
         mu = cents   # (H, C, D): _routing_centroids' private copy (the loss keeps it; the EMA updates the buffer)
-        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and _numba_ok():
+        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and _numba_ok() and not plain_torch():
             from .gather import commitment
             loss, sums, counts = commitment(q, k, near, kpm, mu)     # one numba pass per side, its own backward
         else:
