@@ -635,6 +635,25 @@ class OldStyleFunctionAttention(SavedProbsAttention):
     """Declares ``torch.func.grad`` while its kernel is an autograd.Function without ``setup_context``."""
 
 
+class TrainingOnlyFunctionAttention(NaiveAttention):
+    """Declares ``torch.func.grad``; in training mode (only) its plain case runs an autograd.Function without
+    ``setup_context`` (as routing's commitment loss did): right under autograd, refused by ``torch.func``."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if self.training and not causal and key_padding_mask is None and attn_mask is None:
+            return _SavedProbs.apply(q, k, v, self.get_scale(q))
+        return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+
+
+class LastQueryNormAttention(NaiveAttention):
+    """Declares ``torch.func.grad`` and keeps the last call's mean query norm for reports (as dynamic-span kept its
+    spans): after a call under a transform the module holds the transform's wrapper."""
+
+    def _forward(self, q, k, v, **kw):
+        self.last_query_norm = q.detach().norm(dim=-1).mean()
+        return super()._forward(q, k, v, **kw)
+
+
 class PenalisedAttention(NaiveAttention):
     """Correct, with an auxiliary loss in the graph (the mean square of its output), recorded inside ``_forward``."""
 
@@ -729,6 +748,14 @@ CASES: list[BrokenCase] = [
     BrokenCase(OldStyleFunctionAttention, "broken-func-transforms", "func_transforms",
                r"under torch.func.grad \(declared in Capabilities.func_transforms \('grad',\)\) raised RuntimeError",
                {"exact": True, "capabilities": Capabilities(causal=False, func_transforms=("grad",))}),
+    BrokenCase(TrainingOnlyFunctionAttention, "broken-func-training", "func_transforms",
+               r"training mode, torch.func.grad with the buffers passed in \(functional_call\) \(grad declared in "
+               r"Capabilities.func_transforms\) raised RuntimeError",
+               {"exact": True, "capabilities": Capabilities(causal=False, func_transforms=("grad",))}),
+    BrokenCase(LastQueryNormAttention, "broken-func-kept", "func_transforms",
+               r"under torch.func.grad: afterwards the module keeps a tensor made under the transform in "
+               r"LastQueryNormAttention.last_query_norm",
+               {"exact": True, "capabilities": Capabilities(func_transforms=("grad",))}),
     BrokenCase(TraceCacheAttention, "broken-trace-cache", "export",
                r"eager after torch.export, causal=\w+, no mask input: the output is a fake tensor",
                {"exact": True, "capabilities": Capabilities(export=True)}),

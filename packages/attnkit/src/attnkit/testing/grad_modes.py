@@ -154,6 +154,14 @@ def check_func_transforms(cfg: ConformanceConfig) -> None:
     directional derivative along random tangents equals the central difference (step 1e-6, to 1e-6 + 1e-5·|value|,
     float64 only). Cases: the generator's plain and padding cases (each declared causal mode), the precise dtype,
     eval mode.
+
+    With ``grad`` declared, also a training step the ``torch.func`` way (the last causal mode, plain and padding
+    cases): the module in training mode, its buffers passed in (``torch.func.functional_call``: an update such as
+    an EMA writes them), ``grad`` of ``(out · g).sum()`` plus the auxiliary losses collected inside, equal to
+    autograd's gradients on a twin module (same seed, same starting buffers), and the buffers after the step equal
+    to the twin's. After each transformed call no attribute of any submodule (nor a list, tuple, dict or deque in
+    one) may hold a tensor made under the transform (its wrapper outlives it without storage: a later export or
+    kernel fails).
     """
     c = Ctx("func_transforms", cfg)
     declared = c.caps.func_transforms
@@ -163,6 +171,80 @@ def check_func_transforms(cfg: ConformanceConfig) -> None:
     for name in ("grad", "vmap", "jvp"):
         for n, case in enumerate(cases if name in declared else cases[:1]):
             _transform_case(c, attn, name, case, n, dt)
+    if "grad" in declared:
+        train = c.build(dtype=dt).train()
+        for n, case in enumerate(c.cases(train, ["plain", "padding"], causal_modes=c.causal_modes()[-1:])):
+            _training_grad_case(c, train, case, 50 + n, dt)
+
+
+def _training_grad_case(c: Ctx, attn: Any, case: Any, n: int, dt: torch.dtype) -> None:
+    from torch.func import functional_call, grad
+
+    from ..aux import aux_losses, clear_aux_losses
+
+    cfg = c.cfg
+    atol, rtol = c.tol(dt, 10.0)
+    kw = case.kwargs(dt)
+    label = f"{case.describe(dt)}, training mode, torch.func.grad with the buffers passed in (functional_call)"
+    q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n)
+    g = noise_like(torch.empty(*q.shape[:3], v.shape[-1], dtype=dt, device=c.device), cfg.seed + 2700 + n)
+    start = {name: b.detach().clone() for name, b in attn.named_buffers()}
+    twin = c.build(dtype=dt).train()
+    twin.load_state_dict(attn.state_dict())
+    for name, b in twin.named_buffers():
+        b.copy_(start[name])
+    clear_aux_losses(attn)
+    clear_aux_losses(twin)
+
+    def loss(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = functional_call(attn, buffers, (a, b, d), kw)
+        return (out * g).sum() + sum(aux_losses(attn).values())
+
+    buffers = {name: t.clone() for name, t in start.items()}
+    try:
+        with seeded(cfg.seed + n):
+            got = grad(loss, argnums=(0, 1, 2))(q, k, v, buffers)
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"{label} (grad declared in Capabilities.func_transforms) raised {type(exc).__name__}: {exc}")
+    _no_wrapper_kept(c, attn, label)
+    x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with seeded(cfg.seed + n):
+        total = (twin(*x, **kw) * g).sum() + sum(aux_losses(twin).values())
+    want = torch.autograd.grad(total, x)
+    for which, a, b in zip("qkv", got, want):
+        c.close(a, b, label, dtype=dt, what=f"gradient of {which}", against="autograd's (a twin module)",
+                atol=atol, rtol=rtol)
+    for name, b in twin.named_buffers():
+        c.close(buffers[name], b, label, dtype=dt, what=f"buffer {name!r} after the step",
+                against="the twin's after autograd's step", atol=atol, rtol=rtol)
+    with torch.no_grad():
+        for name, b in attn.named_buffers():
+            b.copy_(buffers[name])
+
+
+def _no_wrapper_kept(c: Ctx, attn: Any, when: str) -> None:
+    """Fail when an attribute of a submodule holds a ``torch.func`` wrapper after the transforms of ``when``."""
+    import collections
+
+    from ..aux import _STATE_KEYS
+
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for mname, module in attn.named_modules():
+        # (auxiliary-loss records a transform leaves are dropped at the module's next record or collection)
+        todo = [(f"{mname or type(attn).__name__}.{key}", value) for key, value in vars(module).items()
+                if key not in _STATE_KEYS]
+        while todo:
+            path, value = todo.pop()
+            if isinstance(value, torch.Tensor):
+                if wrapped(value):
+                    c.fail(f"{when}: afterwards the module keeps a tensor made under the transform in "
+                           f"{path}: its wrapper, which outlives it without storage (a later "
+                           "torch.export or kernel reading it fails); keep such values only when "
+                           "attnkit.caching.may_keep() is True (attnkit.caching.cached does)")
+            elif isinstance(value, dict):
+                todo.extend((f"{path}[{key!r}]", x) for key, x in value.items())
+            elif isinstance(value, (list, tuple, collections.deque)):
+                todo.extend((f"{path}[{i}]", x) for i, x in enumerate(value))
 
 
 def _transform_case(c: Ctx, attn: Any, name: str, case: Any, n: int, dt: torch.dtype) -> None:
@@ -201,6 +283,7 @@ def _transform_case(c: Ctx, attn: Any, name: str, case: Any, n: int, dt: torch.d
         got = run()
     except Exception as exc:  # noqa: BLE001
         c.fail(f"{label} (declared in Capabilities.func_transforms {declared}) raised {type(exc).__name__}: {exc}")
+    _no_wrapper_kept(c, attn, label)
     if name == "grad":
         x = [t.clone().requires_grad_(True) for t in (q, k, v)]
         with seeded(cfg.seed + n):
