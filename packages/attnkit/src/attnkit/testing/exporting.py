@@ -65,7 +65,8 @@ def check_export(cfg: ConformanceConfig) -> None:
     that runs here must be refused. The programs without a mask input are saved and loaded first.
 
     When the spec declares both ``export`` and ``grad`` (``Capabilities.func_transforms``), first of all a module
-    runs ``torch.func.grad`` (each declared causal mode, a length no other case uses, so no cache holds it yet),
+    runs ``torch.func.grad`` (each declared causal mode, a length no other case uses, the first from L + 3 the
+    instance's limits accept, so no cache holds it yet),
     then its program and a fresh module's at that length are exported, saved, loaded and compared as above (the
     last causal mode): a cache that kept a tensor made under the transform (its wrapper, without storage) fails
     there, as in a training script that exports its model.
@@ -88,8 +89,10 @@ def _after_grad(c: Ctx, modes: list[bool]) -> None:
     """Export a module that ran ``torch.func.grad``, and a fresh one after it (caches shared between modules)."""
     from torch.func import grad
 
-    dt, L = c.precise(), c.L + 3
+    dt = c.precise()
     attn = c.build(dtype=dt).eval()
+    limits = getattr(attn, "limits", None)
+    L = next((n for n in range(c.L + 3, 4 * c.L + 8) if limits is None or limits.why_not(n, n) is None), c.L)
     q, k, v = c.inputs(L, L, dt, seed_offset=40)
     for causal in modes:
         try:
