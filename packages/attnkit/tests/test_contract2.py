@@ -593,6 +593,31 @@ def test_torch_func_transforms_run_the_torch_backend_or_are_refused():
             grad(lambda x: forced(x, k, v).sum())(q)
 
 
+def test_batched_finds_a_vmapped_tensor_in_masks_at_any_level_of_wrapping():
+    """``attnkit.transforms.batched``: a per-sample mask under vmap (also inside grad inside vmap, where it is
+    wrapped again), never a mask captured from outside, never outside a transform."""
+    from torch.func import grad, vmap
+
+    from attnkit.transforms import batched
+
+    seen = {}
+    shared = torch.ones(1, 4, dtype=torch.bool)
+
+    def f(a, m):
+        seen["own mask"] = batched(attnkit.masks.key_padding(m[None]))
+        seen["captured mask"] = batched(attnkit.masks.key_padding(shared))
+        seen["closure"] = batched(attnkit.masks.from_function(lambda b, h, q, kv: m[kv], name="per-sample"))
+        return (a * m).sum()
+
+    vmap(f)(torch.randn(3, 4), torch.ones(3, 4, dtype=torch.bool))
+    assert seen == {"own mask": True, "captured mask": False, "closure": True}
+    vmap(grad(f))(torch.randn(3, 4), torch.ones(3, 4, dtype=torch.bool))
+    assert seen["own mask"] and not seen["captured mask"]
+    grad(f)(torch.randn(4), torch.ones(4, dtype=torch.bool))                  # grad alone: nothing batched
+    assert not seen["own mask"]
+    assert not batched(attnkit.masks.key_padding(shared))
+
+
 def test_setting_the_backend_attribute_after_a_call_switches():
     caps = Capabilities(backends=("torch", "kitfake"))
     q, k, v = qkv()

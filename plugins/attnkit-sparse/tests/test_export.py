@@ -151,3 +151,33 @@ def test_caches_filled_under_a_func_transform_keep_no_wrapper(name, causal):
         buf = io.BytesIO()
         torch.export.save(ep, buf)
         torch.testing.assert_close(ep.module()(q, k, v), want)
+
+
+@pytest.mark.parametrize("name,causal", [("local", True), ("bigbird", False), ("block-sparse", False)])
+def test_per_sample_gradients_with_each_sample_s_masks_equal_a_loop(name, causal):
+    """``vmap(grad(...))`` over the batch with each sample's key padding mask and attn_mask (per-sample gradients,
+    as DP-SGD takes them): a plan cannot be read from masks batched by vmap (``nonzero`` raised inside vmap); the
+    engine then evaluates them at the gathered pairs of the pattern's plan. Equal to one autograd call per sample,
+    float64."""
+    from torch.func import grad, vmap
+
+    attn = attnkit.build(name, num_heads=2, head_dim=8).double().eval()
+    g = torch.Generator().manual_seed(3)
+    B, L = 3, 40
+    q, k, v = (torch.randn(B, 2, L, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    kpm = torch.ones(B, L, dtype=torch.bool)
+    kpm[1, 30:] = False
+    kpm[2, :7] = False
+    am = torch.rand(B, L, L, generator=g) > 0.3
+    am |= torch.eye(L, dtype=torch.bool)
+
+    def loss(a, b, d, m, keep):
+        out = attn(a[None], b[None], d[None], causal=causal, key_padding_mask=m[None], attn_mask=keep)
+        return out.square().sum()
+
+    got = vmap(grad(loss, argnums=(0, 1, 2)))(q, k, v, kpm, am)
+    for i in range(B):
+        x = [t[i].clone().requires_grad_(True) for t in (q, k, v)]
+        want = torch.autograd.grad(loss(*x, kpm[i], am[i]), x)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a[i], b)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["cached", "kept_tensors", "outside_trace", "reads_traced", "may_keep"]
+__all__ = ["cached", "kept_tensors", "outside_trace", "reads_traced", "may_keep", "tensors_in"]
 
 T = TypeVar("T")
 
@@ -109,12 +109,18 @@ def _fake_mode_active() -> bool:
 def reads_traced(*reads: Any) -> bool:
     """True when a traced (fake) tensor is among ``reads``, searched through tensors, containers, the attributes
     of plain and slotted objects (masks, positions) and the closures of functions (a mask function's captured
-    tensors).
+    tensors) (:func:`tensors_in`).
     False at once when no fake-tensor trace is active."""
     if not _fake_mode_active():
         return False
     from torch._subclasses.fake_tensor import is_fake
 
+    return any(is_fake(t) for t in tensors_in(*reads))
+
+
+def tensors_in(*reads: Any) -> Iterator[torch.Tensor]:
+    """Every tensor among ``reads``, searched through containers, the attributes of plain and slotted objects
+    (masks, positions) and the closures of functions (a mask function's captured tensors); each object once."""
     seen: set[int] = set()
     todo = list(reads)
     while todo:
@@ -123,8 +129,7 @@ def reads_traced(*reads: Any) -> bool:
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
-            if is_fake(o):
-                return True
+            yield o
         elif isinstance(o, (list, tuple, set, frozenset)):
             todo.extend(o)
         elif isinstance(o, dict):
@@ -142,7 +147,6 @@ def reads_traced(*reads: Any) -> bool:
                 todo.extend(vars(o).values())
             for cls in type(o).__mro__:   # slotted objects (attnkit.Positions)
                 todo.extend(getattr(o, s) for s in getattr(cls, "__slots__", ()) if hasattr(o, s))
-    return False
 
 
 @contextlib.contextmanager

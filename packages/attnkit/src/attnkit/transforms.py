@@ -14,7 +14,7 @@ import torch
 
 from .spec import FUNC_TRANSFORMS
 
-__all__ = ["FUNC_TRANSFORMS", "active", "chunk_count", "plain_torch", "symbolic"]
+__all__ = ["FUNC_TRANSFORMS", "active", "batched", "chunk_count", "plain_torch", "symbolic"]
 
 
 def active() -> tuple[str, ...]:
@@ -27,6 +27,25 @@ def active() -> tuple[str, ...]:
     names = {TransformType.Grad: "grad", TransformType.Vmap: "vmap", TransformType.Jvp: "jvp"}
     found = (names.get(i.key()) for i in retrieve_all_functorch_interpreters())
     return tuple(dict.fromkeys(n for n in found if n is not None))
+
+
+def batched(*reads: object) -> bool:
+    """True when a tensor among ``reads`` (searched as :func:`attnkit.caching.tensors_in` does: masks, positions,
+    containers, closures) is batched by an active ``torch.func.vmap``, at any level of wrapping: a per-sample
+    key padding mask or tensor mask, one value per vmapped sample. Code that reads such a tensor's values
+    (``nonzero``, ``.item()``, a block plan) cannot follow it; elementwise masking can. False at once outside
+    transforms."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    from .caching import tensors_in
+
+    f = torch._C._functorch
+    for t in tensors_in(*reads):
+        while f.is_functorch_wrapped_tensor(t):
+            if f.is_batchedtensor(t):
+                return True
+            t = f.get_unwrapped(t)
+    return False
 
 
 def plain_torch() -> bool:

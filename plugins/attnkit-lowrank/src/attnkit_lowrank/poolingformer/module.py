@@ -31,7 +31,8 @@ from torch import Tensor
 
 import attnkit
 from attnkit import InvalidInputError
-from attnkit.transforms import symbolic
+from attnkit.errors import UnsupportedFeatureError
+from attnkit.transforms import batched, symbolic
 
 from ..common import Float32Inside, check_int, window_count
 from ..plugin import POOLINGFORMER
@@ -154,6 +155,12 @@ class PoolingformerAttention(Float32Inside, attnkit.Attention):
             return self._levels(q, kq, v, torch.arange(L, device=q.device), ctx.causal)
         # key padding: each batch row attends over its kept keys only, numbered 0..c-1 in order (padded keys
         # are removed, not zeroed: the windows and segments are those of the sequence without them)
+        if batched(keep):
+            raise UnsupportedFeatureError(
+                self.impl_name, "a key_padding_mask batched by torch.func.vmap",
+                "its windows and pooled segments are those of each sequence without its padded keys, a shape that "
+                "differs from sample to sample, which vmap cannot batch",
+                instead="Pass one key_padding_mask for every vmapped sample (not batched), or loop over the samples")
         outs = []
         for b in range(q.shape[0]):
             idx = keep[b].nonzero().flatten()

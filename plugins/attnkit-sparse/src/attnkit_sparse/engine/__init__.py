@@ -34,7 +34,7 @@ from attnkit.caching import reads_traced
 from attnkit.errors import BackendUnavailableError, InvalidInputError
 from attnkit.masks import Geometry, Mask
 from attnkit.positions import Positions, as_positions
-from attnkit.transforms import symbolic
+from attnkit.transforms import batched, symbolic
 
 from .naive import reference_attend
 from .plan import DEFAULT_BLOCK_SIZE, BlockPlan, check_block_size, plan, tl_dot_blocks
@@ -210,8 +210,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
         if cover is not None:
             bq, bk = check_block_size(block_size)
             return attend_dynamic(q, k, v, mask, cover, scale, bq if name == "numba" and bq == bk else None)
-    if mask is not None and reads_traced(mask, positions):   # (torch.export with a mask among its inputs)
-        return _attend_traced(q, k, v, mask, scale, block_size, positions)
+    if mask is not None and _per_call(mask, positions):   # (torch.export's mask inputs; vmap's per-sample masks)
+        return _attend_per_call(q, k, v, mask, scale, block_size, positions)
     p = plan(mask, B, H, L, S, block_size=block_size, device=q.device, positions=positions)
     if name == "torch":
         from . import torch_ops
@@ -226,23 +226,30 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, *, scale: float |
     return triton_ops.attend(q, k, v, p, scale)
 
 
-def _attend_traced(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, block_size: Any,
-                   positions: Positions | None) -> Tensor:
-    """While ``torch.export`` traces a call whose mask holds inputs of the trace (a key padding mask, a tensor or
-    document mask passed to the exported program; padded k and v already zeroed by :func:`attend`), whatever
-    the backend, the torch backend: the plan of the
-    other ``&``-ed parts, built from the shape, and the traced parts evaluated at every gathered pair (a plan
-    cannot be read from traced values). Explicit position tensors among the inputs are not supported: a plan
-    follows the positions."""
+def _per_call(*reads: Any) -> bool:
+    """Whether ``reads`` hold values a plan cannot be read from: inputs of a ``torch.export`` trace (fake
+    tensors) or tensors batched by ``torch.func.vmap`` (one mask per vmapped sample)."""
+    return reads_traced(*reads) or batched(*reads)
+
+
+def _attend_per_call(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, block_size: Any,
+                     positions: Positions | None) -> Tensor:
+    """A call whose mask holds values a plan cannot be read from (:func:`_per_call`): while ``torch.export``
+    traces, the mask inputs of the program (a key padding mask, a tensor or document mask); under
+    ``torch.func.vmap``, masks batched over the vmapped samples (per-sample gradients with each sample's
+    padding). Padded k and v are already zeroed by :func:`attend`. Whatever the backend, the torch backend: the
+    plan of the other ``&``-ed parts, built from the shape, and the per-call parts evaluated at every gathered
+    pair. Explicit position tensors among those values are not supported: a plan follows the positions."""
     from . import torch_ops
 
     B, H, L, _ = q.shape
     S = k.shape[-2]
-    if positions is not None and reads_traced(positions):
-        raise InvalidInputError("positions: position tensors among the inputs of torch.export cannot decide a "
-                                "sparse pattern's block plan; export with positions as constants")
+    if positions is not None and _per_call(positions):
+        raise InvalidInputError("positions: position tensors among the inputs of torch.export, or batched by "
+                                "torch.func.vmap, cannot decide a sparse pattern's block plan; pass positions as "
+                                "constants (the same for every vmapped sample)")
     parts = mask.conjuncts()
-    is_traced = [reads_traced(p) for p in parts]
+    is_traced = [_per_call(p) for p in parts]
     traced = [p for p, t in zip(parts, is_traced) if t]
     static = [p for p, t in zip(parts, is_traced) if not t]
     rest = functools.reduce(operator.and_, static) if static else None
