@@ -654,6 +654,23 @@ class LastQueryNormAttention(NaiveAttention):
         return super()._forward(q, k, v, **kw)
 
 
+class CompactingPaddingAttention(NaiveAttention):
+    """Declares ``torch.func.vmap``; without causal or attn_mask it removes each row's padded keys by indexing
+    with ``key_padding_mask.nonzero()`` (as poolingformer does) and does not refuse a mask batched by vmap:
+    per-sample masks fail inside vmap with PyTorch's error."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if key_padding_mask is None or causal or attn_mask is not None:
+            return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        outs = []
+        for b in range(q.shape[0]):
+            idx = key_padding_mask[b].nonzero().flatten()
+            rows = (q[b:b + 1], k[b:b + 1, :, idx], v[b:b + 1, :, idx])
+            outs.append(naive_attention(*rows, scale=self.get_scale(q)) if idx.numel() else
+                        v.new_zeros(1, *q.shape[1:3], v.shape[-1]))
+        return torch.cat(outs)
+
+
 class PenalisedAttention(NaiveAttention):
     """Correct, with an auxiliary loss in the graph (the mean square of its output), recorded inside ``_forward``."""
 
@@ -756,6 +773,10 @@ CASES: list[BrokenCase] = [
                r"under torch.func.grad: afterwards the module keeps a tensor made under the transform in "
                r"LastQueryNormAttention.last_query_norm",
                {"exact": True, "capabilities": Capabilities(func_transforms=("grad",))}),
+    BrokenCase(CompactingPaddingAttention, "broken-vmap-masks", "func_transforms",
+               r"under torch.func.vmap with the key_padding_mask batched too \(vmap declared in "
+               r"Capabilities.func_transforms\) raised RuntimeError",
+               {"exact": True, "capabilities": Capabilities(func_transforms=("vmap",))}),
     BrokenCase(TraceCacheAttention, "broken-trace-cache", "export",
                r"eager after torch.export, causal=\w+, no mask input: the output is a fake tensor",
                {"exact": True, "capabilities": Capabilities(export=True)}),

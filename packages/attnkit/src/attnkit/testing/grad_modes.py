@@ -144,7 +144,7 @@ def _checkpointed_steps(c: Ctx, dt: torch.dtype, backend: str | None) -> None:
                             against="the plain step's")
 
 
-def check_func_transforms(cfg: ConformanceConfig) -> None:
+def check_func_transforms(cfg: ConformanceConfig) -> str | None:
     """``torch.func`` transforms: each one the spec declares (``Capabilities.func_transforms``) gives what
     autograd or a loop gives; each one it does not declare is refused with ``UnsupportedFeatureError``.
 
@@ -162,19 +162,58 @@ def check_func_transforms(cfg: ConformanceConfig) -> None:
     to the twin's. After each transformed call no attribute of any submodule (nor a list, tuple, dict or deque in
     one) may hold a tensor made under the transform (its wrapper outlives it without storage: a later export or
     kernel fails).
+
+    With ``vmap`` declared, the padding cases also run with the key padding mask batched too (each vmapped sample
+    its own mask: per-sample gradients with each sample's padding), equal to the two calls stacked; a clear
+    refusal (``UnsupportedFeatureError``) passes and is named in the note.
     """
     c = Ctx("func_transforms", cfg)
     declared = c.caps.func_transforms
     dt = c.precise()
     attn = c.build(dtype=dt)
     cases = c.cases(attn, ["plain", "padding"])
+    refused: list[str] = []
     for name in ("grad", "vmap", "jvp"):
         for n, case in enumerate(cases if name in declared else cases[:1]):
             _transform_case(c, attn, name, case, n, dt)
+            if name == "vmap" and name in declared and isinstance(case.kw.get("key_padding_mask"), torch.Tensor):
+                refused += _batched_mask_case(c, attn, case, n, dt)
     if "grad" in declared:
         train = c.build(dtype=dt).train()
         for n, case in enumerate(c.cases(train, ["plain", "padding"], causal_modes=c.causal_modes()[-1:])):
             _training_grad_case(c, train, case, 50 + n, dt)
+    if refused:
+        return f"vmap with a batched key_padding_mask refused (UnsupportedFeatureError): {refused[0]}"
+    return None
+
+
+def _batched_mask_case(c: Ctx, attn: Any, case: Any, n: int, dt: torch.dtype) -> list[str]:
+    """vmap over two input sets and two key padding masks (the case's, and the same flipped: padding first)."""
+    from torch.func import vmap
+
+    from ..errors import UnsupportedFeatureError
+
+    cfg = c.cfg
+    atol, rtol = c.tol(dt, 10.0)
+    kw = case.kwargs(dt)
+    first = kw.pop("key_padding_mask")
+    masks = torch.stack([first, first.flip(-1)])
+    label = f"{case.describe(dt)}, under torch.func.vmap with the key_padding_mask batched too"
+    q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n)
+    pair = [torch.stack([t, noise_like(t, cfg.seed + 2800 + n)]) for t in (q, k, v)]
+    try:
+        with seeded(cfg.seed + n):
+            out = vmap(lambda a, b, d, m: attn(a, b, d, key_padding_mask=m, **kw))(*pair, masks)
+    except UnsupportedFeatureError as exc:
+        return [str(exc)]
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"{label} (vmap declared in Capabilities.func_transforms) raised {type(exc).__name__}: {exc}; "
+               "support it or refuse it with attnkit.errors.UnsupportedFeatureError")
+    _no_wrapper_kept(c, attn, label)
+    with seeded(cfg.seed + n):
+        want = torch.stack([attn(*(t[i] for t in pair), key_padding_mask=masks[i], **kw) for i in range(2)])
+    c.close(out, want, label, dtype=dt, against="the two calls stacked", atol=atol, rtol=rtol)
+    return []
 
 
 def _training_grad_case(c: Ctx, attn: Any, case: Any, n: int, dt: torch.dtype) -> None:
