@@ -149,7 +149,9 @@ class PoolingformerAttention(Float32Inside, attnkit.Attention):
         L = q.shape[2]
         keep = ctx.key_padding_mask
         kq = ctx.scale * k
-        if keep is None and symbolic(L):
+        if keep is None and (symbolic(L) or torch.compiler.is_exporting()):
+            # (a static export too: the chunk loop's host lists of ranks become unbacked symbols in the trace,
+            # which made one export take 15-30 s at L = 9)
             return self._levels_batched(q, kq, v, ctx.causal)
         if keep is None:
             return self._levels(q, kq, v, torch.arange(L, device=q.device), ctx.causal)
