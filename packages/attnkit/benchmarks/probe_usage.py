@@ -1,0 +1,323 @@
+"""Ways users call attention that the conformance kit does not (or did not) try, on every installed implementation
+and every backend that runs here (docs/conformance.md, "Probes beyond the kit").
+
+Each probe prints one line per implementation: ``OK`` or what differed or raised. Eval mode unless said, float64
+where declared, the kit's shapes (``ConformanceConfig(name)``: B = 2, H = 2, L = 9, D = E = 8 by default):
+
+* ``compile``: ``torch.compile(backend="aot_eager")`` of the module, eval and training, with and without key
+  padding, forward and backward plus the auxiliary losses, against a twin module eagerly (same seed, same
+  buffers; buffers compared after), then the compiled module's original called eagerly again;
+* ``anomaly``: forward and backward under ``torch.autograd.detect_anomaly(check_nan=True)``, training mode,
+  each causal mode, no padding, some padding, a batch row fully padded (a NaN made and then masked in backward
+  raises there);
+* ``threads``: one module called from four Python threads at once (lengths 24-48, float32 where declared)
+  against sequential calls;
+* ``partial_grad``: gradients when only some of q, k, v require them against all three;
+* ``per_sample``: per-sample gradients ``vmap(grad(loss))`` over the batch with each sample's key padding mask,
+  w.r.t. the parameters and q, against one autograd call per sample (implementations declaring grad and vmap);
+* ``jacobian``: ``jacrev`` (grad declared) and ``jacfwd`` (jvp declared) of the output w.r.t. q, B = 1, L = 5,
+  against the Jacobian built row by row with autograd;
+* ``dims``: each non-torch CPU backend against ``torch`` at head dims 72 / 160 / 256 / 5 (value dims 24 / 200 /
+  64 / 3) and lengths 150 / 97 / 70 / 130 (several blocks, ragged), forward and gradients.
+
+A refusal (``attnkit.UnsupportedFeatureError``) is reported as such::
+
+    python packages/attnkit/benchmarks/probe_usage.py [--probe NAME ...] [--only IMPL ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import warnings
+from collections.abc import Callable
+
+import torch
+
+import attnkit
+from attnkit.errors import UnsupportedFeatureError
+from attnkit.testing import ConformanceConfig
+from attnkit.testing.cases import padding_mask
+from attnkit.testing.context import Ctx, seeded
+
+
+def _max_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    worst = 0.0
+    for x, y in zip(a, b):
+        if (x is None) != (y is None):
+            return float("inf")
+        if x is not None:
+            worst = max(worst, (x - y).abs().max().item())
+    return worst
+
+
+def probe_compile(name: str) -> list[str]:
+    import torch._dynamo
+
+    c = Ctx("probe", ConformanceConfig(name=name))
+    dt = c.precise()
+    causal = c.causal_modes()[-1]
+    msgs = []
+    for mode in ("eval", "train"):
+        torch._dynamo.reset()
+        a, b = c.build(dtype=dt).train(mode == "train"), c.build(dtype=dt).train(mode == "train")
+        compiled = torch.compile(a, backend="aot_eager")
+        q, k, v = c.inputs(c.L, c.L, dt)
+        for kpm in (None, padding_mask(c.B, c.L, c.device) if c.caps.key_padding_mask else None):
+            xs, ys = ([t.clone().requires_grad_(True) for t in (q, k, v)] for _ in range(2))
+            try:
+                with seeded(5):
+                    o1 = compiled(*xs, causal=causal, key_padding_mask=kpm)
+                g1 = torch.autograd.grad(o1.square().sum() + sum(attnkit.aux_losses(a).values()), xs, allow_unused=True)
+            except Exception as exc:  # noqa: BLE001
+                msgs.append(f"{mode}, padding={kpm is not None}: compiled raised {type(exc).__name__}: {exc}"[:300])
+                continue
+            with seeded(5):
+                o2 = b(*ys, causal=causal, key_padding_mask=kpm)
+            g2 = torch.autograd.grad(o2.square().sum() + sum(attnkit.aux_losses(b).values()), ys, allow_unused=True)
+            bufs = _max_diff([p for p in a.buffers() if p.is_floating_point()],
+                             [p for p in b.buffers() if p.is_floating_point()])
+            d, gd = _max_diff([o1], [o2]), _max_diff(list(g1), list(g2))
+            if d > 1e-9 or gd > 1e-8 or bufs > 1e-9:
+                msgs.append(f"{mode}, padding={kpm is not None}: output {d:.1e}, gradients {gd:.1e}, "
+                            f"buffers {bufs:.1e}")
+        try:
+            a(q, k, v, causal=causal)
+        except Exception as exc:  # noqa: BLE001
+            msgs.append(f"{mode}: eager after compiling raised {type(exc).__name__}: {exc}"[:300])
+    return msgs
+
+
+def probe_anomaly(name: str) -> list[str]:
+    c = Ctx("probe", ConformanceConfig(name=name))
+    dt = c.precise()
+    runnable, _ = c.backends()
+    msgs = []
+    for backend in runnable:
+        if not c.trains(backend):
+            continue
+        attn = c.build(dtype=dt, backend=backend).train()
+        q, k, v = c.inputs(c.L, c.L, dt)
+        masks: list[torch.Tensor | None] = [None]
+        if c.caps.key_padding_mask:
+            some = padding_mask(c.B, c.L, c.device).clone()
+            full = some.clone()
+            full[0] = False
+            masks += [some, full]
+        for causal in c.causal_modes():
+            for kpm in masks:
+                xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                try:
+                    with torch.autograd.detect_anomaly(check_nan=True):
+                        out = attn(*xs, causal=causal, key_padding_mask=kpm)
+                        (out.square().sum() + sum(attnkit.aux_losses(attn).values())).backward()
+                except Exception as exc:  # noqa: BLE001
+                    msgs.append(f"{backend}, causal={causal}, padding={kpm is not None}: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0]}"[:200])
+    return msgs
+
+
+def probe_threads(name: str) -> list[str]:
+    c = Ctx("probe", ConformanceConfig(name=name))
+    dt = torch.float32 if "float32" in c.caps.dtypes else c.precise()
+    runnable, _ = c.backends()
+    msgs = []
+    for backend in runnable:
+        attn = c.build(dtype=dt, backend=backend).eval()
+        causal = c.causal_modes()[-1]
+        inputs = [c.inputs(24 + 8 * i, 24 + 8 * i, dt, seed_offset=i) for i in range(4)]
+        with torch.no_grad():
+            want = [attn(*x, causal=causal) for x in inputs]
+        got, errors = _threaded_calls(attn, inputs, causal)
+        if errors:
+            msgs.append(f"{backend}: {errors[0]}")
+        elif (d := max(_max_diff([got[t][j]], [want[j]]) for t in range(4) for j in range(4))) > 1e-5:
+            msgs.append(f"{backend}: threaded calls differ by {d:.1e}")
+    return msgs
+
+
+def _threaded_calls(attn: torch.nn.Module, inputs: list, causal: bool) -> tuple[list[list], list[str]]:
+    """Four threads, each calling ``attn`` on every input five times (in a different order): outputs, errors."""
+    got: list[list[torch.Tensor | None]] = [[None] * len(inputs) for _ in range(4)]
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        try:
+            for _ in range(5):
+                for i in range(len(inputs)):
+                    j = (i + t) % len(inputs)
+                    with torch.no_grad():
+                        got[t][j] = attn(*inputs[j], causal=causal)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return got, errors
+
+
+def probe_partial_grad(name: str) -> list[str]:
+    c = Ctx("probe", ConformanceConfig(name=name))
+    dt = c.precise()
+    runnable, _ = c.backends()
+    msgs = []
+    for backend in runnable:
+        if not c.trains(backend):
+            continue
+        attn = c.build(dtype=dt, backend=backend)
+        q, k, v = c.inputs(c.L, c.L, dt)
+        kpm = padding_mask(c.B, c.L, c.device) if c.caps.key_padding_mask else None
+        causal = c.causal_modes()[-1]
+        full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        want = torch.autograd.grad(attn(*full, causal=causal, key_padding_mask=kpm).square().sum(), full)
+        for which in ((0,), (1,), (2,), (0, 2), (1, 2)):
+            xs = [t.clone().requires_grad_(i in which) for i, t in enumerate((q, k, v))]
+            try:
+                got = torch.autograd.grad(attn(*xs, causal=causal, key_padding_mask=kpm).square().sum(),
+                                          [xs[i] for i in which])
+            except Exception as exc:  # noqa: BLE001
+                msgs.append(f"{backend}, gradients of {'qkv'[which[0]]}...: {type(exc).__name__}: {exc}"[:200])
+                continue
+            if (d := _max_diff(list(got), [want[i] for i in which])) > 1e-9:
+                msgs.append(f"{backend}, gradients of {''.join('qkv'[i] for i in which)} alone differ by {d:.1e}")
+    return msgs
+
+
+def probe_per_sample(name: str) -> list[str]:
+    from torch.func import functional_call, grad, vmap
+
+    if not {"grad", "vmap"} <= set(attnkit.get_spec(name).capabilities.func_transforms):
+        return ["(skipped: grad and vmap not both declared)"]
+    c = Ctx("probe", ConformanceConfig(name=name))
+    dt = c.precise()
+    attn = c.build(dtype=dt)
+    q, k, v = c.inputs(c.L, c.L, dt)
+    causal = c.causal_modes()[-1]
+    kpm = padding_mask(c.B, c.L, c.device) if c.caps.key_padding_mask else torch.ones(c.B, c.L, dtype=torch.bool)
+    use_kpm = c.caps.key_padding_mask
+    params = {n: p.detach() for n, p in attn.named_parameters()}
+
+    def loss(p: dict, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        kw = {"causal": causal, "key_padding_mask": m[None] if use_kpm else None}
+        return functional_call(attn, p, (a[None], b[None], d[None]), kw).square().sum()
+
+    try:
+        got = vmap(grad(loss, argnums=(0, 1)), in_dims=(None, 0, 0, 0, 0))(params, q, k, v, kpm)
+    except UnsupportedFeatureError as exc:
+        return [f"refused: {exc}"[:250]]
+    except Exception as exc:  # noqa: BLE001
+        return [f"raised {type(exc).__name__}: {exc}"[:250]]
+    worst = 0.0
+    for i in range(c.B):
+        ps = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+        a = q[i].clone().requires_grad_(True)
+        want = torch.autograd.grad(loss(ps, a, k[i], v[i], kpm[i]), [*ps.values(), a], allow_unused=True)
+        want = [torch.zeros_like(x) if w is None else w for x, w in zip([*ps.values(), a], want)]
+        worst = max(worst, _max_diff([got[0][n][i] for n in ps] + [got[1][i]], want))
+    return [] if worst < 1e-8 else [f"per-sample gradients differ from a loop by {worst:.1e}"]
+
+
+def probe_jacobian(name: str) -> list[str]:
+    from torch.func import jacfwd, jacrev
+
+    declared = attnkit.get_spec(name).capabilities.func_transforms
+    c = Ctx("probe", ConformanceConfig(name=name, shapes=(2, 1, 5, 6, 3, 2)))
+    dt = c.precise()
+    attn = c.build(dtype=dt)
+    q, k, v = c.inputs(5, 5, dt, B=1)
+    causal = c.causal_modes()[-1]
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return attn(a, k, v, causal=causal)
+
+    x = q.clone().requires_grad_(True)
+    out = f(x)
+    rows = []
+    for i in range(out.numel()):
+        row, = torch.autograd.grad(out.flatten()[i], x, retain_graph=True, allow_unused=True)
+        rows.append(torch.zeros_like(q) if row is None else row)
+    want = torch.stack(rows).reshape(*out.shape, *q.shape)
+    msgs = []
+    for label, fn, needs in (("jacrev", jacrev, "grad"), ("jacfwd", jacfwd, "jvp")):
+        if needs not in declared:
+            continue
+        try:
+            if (d := _max_diff([fn(f)(q)], [want])) > 1e-8:
+                msgs.append(f"{label} differs by {d:.1e}")
+        except UnsupportedFeatureError as exc:
+            msgs.append(f"{label} refused: {str(exc).split(':')[0]}")
+        except Exception as exc:  # noqa: BLE001
+            msgs.append(f"{label} raised {type(exc).__name__}: {exc}"[:200])
+    return msgs
+
+
+def probe_dims(name: str) -> list[str]:
+    spec = attnkit.get_spec(name)
+    others = [b for b in spec.capabilities.backends if b not in ("torch", "triton", "flex")]
+    if not others or "torch" not in spec.capabilities.backends:
+        return ["(skipped: no CPU backend besides torch)"]
+    msgs = []
+    for D, E, L in ((72, 24, 150), (160, 200, 97), (256, 64, 70), (5, 3, 130)):
+        c = Ctx("probe", ConformanceConfig(name=name, shapes=(2, 2, L, L + 1, D, E)))
+        dt = c.precise()
+        mods = {b: c.build(dtype=dt, backend=b) for b in ["torch", *others]}
+        for b in others:
+            mods[b].load_state_dict(mods["torch"].state_dict())
+        q, k, v = c.inputs(L, L, dt)
+        kpm = padding_mask(2, L, c.device) if spec.capabilities.key_padding_mask else None
+        for causal in c.causal_modes():
+            results = {}
+            for b, m in mods.items():
+                xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                try:
+                    with seeded(0):
+                        o = m(*xs, causal=causal, key_padding_mask=kpm)
+                    results[b] = (o.detach(), torch.autograd.grad(o.square().sum(), xs, allow_unused=True))
+                except UnsupportedFeatureError:
+                    results[b] = None
+            base = results["torch"]
+            for b in others:
+                if base is None or results[b] is None:
+                    continue
+                scale = base[0].abs().max().item() + 1e-30
+                d = _max_diff([results[b][0]], [base[0]]) / scale
+                gd = _max_diff(list(results[b][1]), list(base[1]))
+                if d > 1e-9 or gd > 1e-6:
+                    msgs.append(f"D={D} E={E} L={L} causal={causal} {b}: output {d:.1e} (relative), gradients {gd:.1e}")
+    return msgs
+
+
+PROBES: dict[str, Callable[[str], list[str]]] = {
+    "compile": probe_compile, "anomaly": probe_anomaly, "threads": probe_threads,
+    "partial_grad": probe_partial_grad, "per_sample": probe_per_sample, "jacobian": probe_jacobian,
+    "dims": probe_dims,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--probe", nargs="+", choices=sorted(PROBES), default=list(PROBES))
+    parser.add_argument("--only", nargs="+", default=None, help="implementation names (default: every installed)")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    names = args.only or [s.name for s in attnkit.available()]
+    for probe in args.probe:
+        print(f"== {probe}", flush=True)
+        bad = 0
+        for name in names:
+            try:
+                msgs = PROBES[probe](name)
+            except Exception as exc:  # noqa: BLE001 - a probe's own failure is a finding too
+                msgs = [f"probe raised {type(exc).__name__}: {exc}"[:300]]
+            # a skip (not applicable) or a clear refusal by name is no finding
+            bad += any(not m.startswith("(skipped") and "refused" not in m for m in msgs)
+            print(f"{name:20s} {'OK' if not msgs else ' | '.join(msgs)}", flush=True)
+        print(f"-- {probe}: {len(names) - bad} of {len(names)} without a finding (skips and refusals by name "
+              "count as none)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
