@@ -593,6 +593,35 @@ def test_torch_func_transforms_run_the_torch_backend_or_are_refused():
             grad(lambda x: forced(x, k, v).sum())(q)
 
 
+def test_aux_records_of_an_ended_transform_are_dropped_inside_the_next_one():
+    """A record left by ``torch.func.hessian`` (nested transforms) is a wrapper at levels that ended; read inside
+    the next transform it raised PyTorch's internal "escaped?" assertion (adaptive-span, found by the kit's
+    hessian case). Records of an ended level are dropped there too; the live transform's own are kept."""
+    import dataclasses
+
+    from torch.func import grad, hessian
+
+    caps = dataclasses.replace(DetachedPenalised.capabilities, func_transforms=("grad", "vmap", "jvp"))
+    with attnkit.registered(DetachedPenalised, name="penalised-nested", capabilities=caps,
+                            aux_losses={"penalty": 1.0}):
+        attn = attnkit.build("penalised-nested").double()
+        q, k, v = qkv(B=1, H=1, L=3, D=2, E=2, dtype=torch.float64)
+
+        def f(a):
+            return attn(a, k, v).square().sum()
+
+        hessian(f)(q)
+        seen = {}
+
+        def g(a):
+            out = f(a)                                     # records its own penalty beside the ended one
+            seen["pending"] = attn.pending_aux_losses()    # read inside the transform: its own record only
+            return out
+
+        grad(g)(q)                                         # raised "escaped?" before
+        torch.testing.assert_close(seen["pending"]["penalty"], (q * 2.0).square().mean())
+
+
 def test_batched_finds_a_vmapped_tensor_in_masks_at_any_level_of_wrapping():
     """``attnkit.transforms.batched``: a per-sample mask under vmap (also inside grad inside vmap, where it is
     wrapped again), never a mask captured from outside, never outside a transform."""

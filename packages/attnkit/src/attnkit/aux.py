@@ -235,11 +235,25 @@ def _drop_unused(module_ref: Any, unbound: list, used: set[int]) -> None:
 
 def _live(values: list[Tensor]) -> list[Tensor]:
     """``values`` less the records a ``torch.func`` transform made and left when it ended (its wrappers, without
-    storage); all of them while a transform runs (its own records are read there) or Dynamo traces."""
-    if torch.compiler.is_dynamo_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+    storage, at a level no longer active: outside transforms every wrapper, inside one those of another, ended
+    transform); all of them while Dynamo traces."""
+    if torch.compiler.is_dynamo_compiling():
         return values
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return [v for v in values if not wrapped(v)]
+    f = torch._C._functorch
+    if f.peek_interpreter_stack() is None:
+        return [v for v in values if not f.is_functorch_wrapped_tensor(v)]
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    alive = {i.level() for i in retrieve_all_functorch_interpreters()}
+
+    def ended(t: Tensor) -> bool:
+        while f.is_functorch_wrapped_tensor(t):
+            if f.maybe_get_level(t) not in alive:
+                return True
+            t = f.get_unwrapped(t)
+        return False
+
+    return [v for v in values if not ended(v)]
 
 
 def _total(values: list[Tensor]) -> Tensor:

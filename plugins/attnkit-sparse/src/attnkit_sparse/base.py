@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attnkit import Attention
-from attnkit.caching import outside_trace
+from attnkit.caching import may_keep, outside_trace
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Mask
@@ -171,10 +171,13 @@ class SparsePatternAttention(Attention):
         if causal and not self.has_causal_form:
             self._refuse("causal=True", "it has no causal form", causal=True)
         self._check_lengths(L, S)
-        if causal not in self._patterns:
-            with outside_trace():   # options only: a first call under torch.export keeps no fake tensor
-                self._patterns[causal] = self._pattern(causal)
-        return self._patterns[causal]
+        if causal in self._patterns:
+            return self._patterns[causal]
+        with outside_trace():   # options only: a first call under torch.export keeps no fake tensor
+            pattern = self._pattern(causal)
+        if may_keep():          # never a torch.func transform's wrappers (nested transforms make them here)
+            self._patterns[causal] = pattern
+        return pattern
 
     def _check_lengths(self, L: int, S: int) -> None:
         """Raise InvalidInputError when the options do not fit these lengths (default: any)."""
@@ -222,6 +225,8 @@ class SparsePatternAttention(Attention):
             out = p if out is None else out & p
         if any(p.batch_dependent for p in rest):
             return out  # key padding and documents change with every batch: not worth keeping their plans
+        if not may_keep():
+            return out  # (under a torch.func transform: its pattern may hold the transform's wrappers)
         if len(self._combined) > 8:
             self._combined.clear()
         self._combined[key] = (rest, out)  # holds the parts: their ids cannot be reused while cached
