@@ -17,6 +17,8 @@ where declared, the kit's shapes (``ConformanceConfig(name)``: B = 2, H = 2, L =
   w.r.t. the parameters and q, against one autograd call per sample (implementations declaring grad and vmap);
 * ``jacobian``: ``jacrev`` (grad declared) and ``jacfwd`` (jvp declared) of the output w.r.t. q, B = 1, L = 5,
   against the Jacobian built row by row with autograd;
+* ``hessian``: ``torch.func.hessian`` of ``out.square().sum()`` w.r.t. q (grad, vmap and jvp declared; B = 1,
+  L = 4, D = 2) times a random direction, against the central difference of ``torch.func.grad`` (step 1e-5);
 * ``dims``: each non-torch CPU backend against ``torch`` at head dims 72 / 160 / 256 / 5 (value dims 24 / 200 /
   64 / 3) and lengths 150 / 97 / 70 / 130 (several blocks, ragged), forward and gradients.
 
@@ -254,6 +256,34 @@ def probe_jacobian(name: str) -> list[str]:
     return msgs
 
 
+def probe_hessian(name: str) -> list[str]:
+    from torch.func import grad, hessian
+
+    if not {"grad", "vmap", "jvp"} <= set(attnkit.get_spec(name).capabilities.func_transforms):
+        return ["(skipped: grad, vmap and jvp not all declared)"]
+    c = Ctx("probe", ConformanceConfig(name=name, shapes=(2, 1, 4, 5, 2, 2)))
+    dt = c.precise()
+    attn = c.build(dtype=dt)
+    q, k, v = c.inputs(4, 4, dt, B=1)
+    causal = c.causal_modes()[-1]
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return attn(a, k, v, causal=causal).square().sum()
+
+    try:
+        H = hessian(f)(q).reshape(q.numel(), q.numel())
+    except UnsupportedFeatureError as exc:
+        return [f"refused: {exc}"[:200]]
+    except Exception as exc:  # noqa: BLE001
+        return [f"raised {type(exc).__name__}: {exc}"[:200]]
+    d = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=dt)
+    eps = 1e-5
+    fd = (grad(f)(q + eps * d) - grad(f)(q - eps * d)) / (2 * eps)
+    hd = (H @ d.flatten()).reshape(q.shape)
+    err = (fd - hd).abs().max().item()
+    return [] if err <= 1e-7 + 1e-5 * hd.abs().max().item() else [f"H·d differs from the difference by {err:.1e}"]
+
+
 def probe_dims(name: str) -> list[str]:
     spec = attnkit.get_spec(name)
     others = [b for b in spec.capabilities.backends if b not in ("torch", "triton", "flex")]
@@ -293,7 +323,7 @@ def probe_dims(name: str) -> list[str]:
 PROBES: dict[str, Callable[[str], list[str]]] = {
     "compile": probe_compile, "anomaly": probe_anomaly, "threads": probe_threads,
     "partial_grad": probe_partial_grad, "per_sample": probe_per_sample, "jacobian": probe_jacobian,
-    "dims": probe_dims,
+    "hessian": probe_hessian, "dims": probe_dims,
 }
 
 

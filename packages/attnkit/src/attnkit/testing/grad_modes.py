@@ -159,13 +159,18 @@ def check_func_transforms(cfg: ConformanceConfig) -> str | None:
     cases): the module in training mode, its buffers passed in (``torch.func.functional_call``: an update such as
     an EMA writes them), ``grad`` of ``(out · g).sum()`` plus the auxiliary losses collected inside, equal to
     autograd's gradients on a twin module (same seed, same starting buffers), and the buffers after the step equal
-    to the twin's. After each transformed call no attribute of any submodule (nor a list, tuple, dict or deque in
-    one) may hold a tensor made under the transform (its wrapper outlives it without storage: a later export or
-    kernel fails).
+    to the twin's. After each transformed call no attribute of any submodule (nor what a list, tuple, dict, deque
+    or object in one holds: a mask, a plan) may hold a tensor made under the transform (its wrapper outlives it
+    without storage: a later export or kernel fails).
 
     With ``vmap`` declared, the padding cases also run with the key padding mask batched too (each vmapped sample
     its own mask: per-sample gradients with each sample's padding), equal to the two calls stacked; a clear
     refusal (``UnsupportedFeatureError``) passes and is named in the note.
+
+    With all three declared, nested transforms: ``torch.func.hessian`` (``jacfwd(jacrev(...))``) of
+    ``out.square().sum()`` w.r.t. q (float64, one head, L = 4, D = 2, the last causal mode) times a random
+    direction equals the central difference of ``torch.func.grad`` (step 1e-5, to 1e-7 + 1e-5·|value|); those
+    ``grad`` calls run after the hessian, where a value a nested transform left on the module fails.
     """
     c = Ctx("func_transforms", cfg)
     declared = c.caps.func_transforms
@@ -178,6 +183,8 @@ def check_func_transforms(cfg: ConformanceConfig) -> str | None:
             _transform_case(c, attn, name, case, n, dt)
             if name == "vmap" and name in declared and isinstance(case.kw.get("key_padding_mask"), torch.Tensor):
                 refused += _batched_mask_case(c, attn, case, n, dt)
+    if {"grad", "vmap", "jvp"} <= set(declared) and dt == torch.float64:
+        _hessian_case(c, dt)
     if "grad" in declared:
         train = c.build(dtype=dt).train()
         for n, case in enumerate(c.cases(train, ["plain", "padding"], causal_modes=c.causal_modes()[-1:])):
@@ -185,6 +192,35 @@ def check_func_transforms(cfg: ConformanceConfig) -> str | None:
     if refused:
         return f"vmap with a batched key_padding_mask refused (UnsupportedFeatureError): {refused[0]}"
     return None
+
+
+def _hessian_case(c: Ctx, dt: torch.dtype) -> None:
+    from torch.func import grad, hessian
+
+    from .context import make_inputs
+
+    attn = c.build(dtype=dt, heads=1, head_dim=2)
+    causal = c.causal_modes()[-1]
+    q, k, v = make_inputs(1, 1, 4, 4, 2, c.E, dtype=dt, device=c.device, seed=c.cfg.seed * 1000 + 2900)
+    label = f"causal={causal}, (B, H, L, D) = (1, 1, 4, 2), dtype=float64"
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return attn(a, k, v, causal=causal).square().sum()
+
+    try:
+        H = hessian(f)(q).reshape(q.numel(), q.numel())
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"{label}: torch.func.hessian (grad, vmap and jvp declared) raised {type(exc).__name__}: {exc}")
+    _no_wrapper_kept(c, attn, f"{label}, under torch.func.hessian")
+    d = noise_like(q, c.cfg.seed + 2901, scale=1.0)
+    eps = 1e-5
+    try:
+        fd = (grad(f)(q + eps * d) - grad(f)(q - eps * d)) / (2 * eps)
+    except Exception as exc:  # noqa: BLE001
+        c.fail(f"{label}: torch.func.grad after a torch.func.hessian call raised {type(exc).__name__}: {exc} (a "
+               "value made under the nested transforms was kept on the module or in a cache)")
+    c.close((H @ d.flatten()).reshape(q.shape), fd, f"{label}, torch.func.hessian times a direction", dtype=dt,
+            what="H·d", against="the central difference of torch.func.grad", atol=1e-7, rtol=1e-5)
 
 
 def _batched_mask_case(c: Ctx, attn: Any, case: Any, n: int, dt: torch.dtype) -> list[str]:
@@ -266,24 +302,28 @@ def _no_wrapper_kept(c: Ctx, attn: Any, when: str) -> None:
     import collections
 
     from ..aux import _STATE_KEYS
+    from ..caching import tensors_in
 
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     for mname, module in attn.named_modules():
         # (auxiliary-loss records a transform leaves are dropped at the module's next record or collection)
-        todo = [(f"{mname or type(attn).__name__}.{key}", value) for key, value in vars(module).items()
-                if key not in _STATE_KEYS]
-        while todo:
-            path, value = todo.pop()
-            if isinstance(value, torch.Tensor):
-                if wrapped(value):
+        for key, value in vars(module).items():
+            if key in _STATE_KEYS or key == "_modules":
+                continue
+            path = f"{mname or type(attn).__name__}.{key}"
+            todo = [(path, value)]
+            while todo:
+                where, x = todo.pop()
+                if isinstance(x, dict):
+                    todo.extend((f"{where}[{k!r}]", y) for k, y in x.items())
+                elif isinstance(x, (list, tuple, collections.deque)):
+                    todo.extend((f"{where}[{i}]", y) for i, y in enumerate(x))
+                elif any(wrapped(t) for t in tensors_in(x)):   # a tensor, or one held by an object (a mask, a plan)
                     c.fail(f"{when}: afterwards the module keeps a tensor made under the transform in "
-                           f"{path}: its wrapper, which outlives it without storage (a later "
-                           "torch.export or kernel reading it fails); keep such values only when "
-                           "attnkit.caching.may_keep() is True (attnkit.caching.cached does)")
-            elif isinstance(value, dict):
-                todo.extend((f"{path}[{key!r}]", x) for key, x in value.items())
-            elif isinstance(value, (list, tuple, collections.deque)):
-                todo.extend((f"{path}[{i}]", x) for i, x in enumerate(value))
+                           f"{where}{'' if isinstance(x, torch.Tensor) else ' (held by it)'}: its wrapper, which "
+                           "outlives it without storage (a later torch.export or kernel reading it fails); keep "
+                           "such values only when attnkit.caching.may_keep() is True (attnkit.caching.cached "
+                           "does)")
 
 
 def _transform_case(c: Ctx, attn: Any, name: str, case: Any, n: int, dt: torch.dtype) -> None:
