@@ -168,7 +168,7 @@ def check_func_transforms(cfg: ConformanceConfig) -> str | None:
     refusal (``UnsupportedFeatureError``) passes and is named in the note.
 
     With all three declared, nested transforms: ``torch.func.hessian`` (``jacfwd(jacrev(...))``) of
-    ``out.square().sum()`` w.r.t. q (float64, one head, L = 4, D = 2, the last causal mode) times a random
+    ``out.square().sum()`` w.r.t. q (float64, B = 1 and the configured shapes, the last causal mode) times a random
     direction equals the central difference of ``torch.func.grad`` (step 1e-5, to 1e-7 + 1e-5·|value|); those
     ``grad`` calls run after the hessian, where a value a nested transform left on the module fails.
     """
@@ -199,10 +199,10 @@ def _hessian_case(c: Ctx, dt: torch.dtype) -> None:
 
     from .context import make_inputs
 
-    attn = c.build(dtype=dt, heads=1, head_dim=2)
+    attn = c.build(dtype=dt)   # (the configured options and shapes: they may fix the heads or limit the length)
     causal = c.causal_modes()[-1]
-    q, k, v = make_inputs(1, 1, 4, 4, 2, c.E, dtype=dt, device=c.device, seed=c.cfg.seed * 1000 + 2900)
-    label = f"causal={causal}, (B, H, L, D) = (1, 1, 4, 2), dtype=float64"
+    q, k, v = make_inputs(1, c.H, c.L, c.L, c.D, c.E, dtype=dt, device=c.device, seed=c.cfg.seed * 1000 + 2900)
+    label = f"causal={causal}, (B, H, L, D) = {(1, c.H, c.L, c.D)}, dtype=float64"
 
     def f(a: torch.Tensor) -> torch.Tensor:
         return attn(a, k, v, causal=causal).square().sum()
