@@ -175,7 +175,7 @@ class SparsePatternAttention(Attention):
             return self._patterns[causal]
         with outside_trace():   # options only: a first call under torch.export keeps no fake tensor
             pattern = self._pattern(causal)
-        if may_keep():          # never a torch.func transform's wrappers (nested transforms make them here)
+        if may_keep():          # never a torch.func transform's wrappers (a pattern built under one holds them)
             self._patterns[causal] = pattern
         return pattern
 
