@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attnkit import Attention
-from attnkit.caching import may_keep, outside_trace
+from attnkit.caching import cached, may_keep
 from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Mask
@@ -171,13 +171,9 @@ class SparsePatternAttention(Attention):
         if causal and not self.has_causal_form:
             self._refuse("causal=True", "it has no causal form", causal=True)
         self._check_lengths(L, S)
-        if causal in self._patterns:
-            return self._patterns[causal]
-        with outside_trace():   # options only: a first call under torch.export keeps no fake tensor
-            pattern = self._pattern(causal)
-        if may_keep():          # never a torch.func transform's wrappers (a pattern built under one holds them)
-            self._patterns[causal] = pattern
-        return pattern
+        # options only, built once: never a fake tensor (torch.export), an inference tensor or a torch.func
+        # transform's wrapper (attnkit.caching.cached)
+        return cached(self._patterns, causal, lambda: self._pattern(causal))
 
     def _check_lengths(self, L: int, S: int) -> None:
         """Raise InvalidInputError when the options do not fit these lengths (default: any)."""
