@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -90,16 +90,22 @@ def probe_compile(name: str) -> list[str]:
     return msgs
 
 
-def probe_anomaly(name: str) -> list[str]:
+def _training_backends(name: str) -> Iterator[tuple[Ctx, str | None, torch.nn.Module, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor]]:
+    """``(ctx, backend, module, q, k, v)`` for each backend of ``name`` that runs here and trains (the precise
+    dtype, the kit's shapes)."""
     c = Ctx("probe", ConformanceConfig(name=name))
     dt = c.precise()
     runnable, _ = c.backends()
-    msgs = []
     for backend in runnable:
-        if not c.trains(backend):
-            continue
-        attn = c.build(dtype=dt, backend=backend).train()
-        q, k, v = c.inputs(c.L, c.L, dt)
+        if c.trains(backend):
+            yield (c, backend, c.build(dtype=dt, backend=backend), *c.inputs(c.L, c.L, dt))
+
+
+def probe_anomaly(name: str) -> list[str]:
+    msgs = []
+    for c, backend, attn, q, k, v in _training_backends(name):
+        attn.train()
         masks: list[torch.Tensor | None] = [None]
         if c.caps.key_padding_mask:
             some = padding_mask(c.B, c.L, c.device).clone()
@@ -162,15 +168,8 @@ def _threaded_calls(attn: torch.nn.Module, inputs: list, causal: bool) -> tuple[
 
 
 def probe_partial_grad(name: str) -> list[str]:
-    c = Ctx("probe", ConformanceConfig(name=name))
-    dt = c.precise()
-    runnable, _ = c.backends()
     msgs = []
-    for backend in runnable:
-        if not c.trains(backend):
-            continue
-        attn = c.build(dtype=dt, backend=backend)
-        q, k, v = c.inputs(c.L, c.L, dt)
+    for c, backend, attn, q, k, v in _training_backends(name):
         kpm = padding_mask(c.B, c.L, c.device) if c.caps.key_padding_mask else None
         causal = c.causal_modes()[-1]
         full = [t.clone().requires_grad_(True) for t in (q, k, v)]
