@@ -121,3 +121,24 @@ def test_bad_options_are_named():
     q, k, v = _qkv(L=10)
     with pytest.raises(attnkit.UnsupportedFeatureError):
         attnkit.build("poolingformer").double()(q[:, :, :5], k, v)
+
+
+def test_a_key_padding_mask_batched_by_vmap_is_refused_by_name_and_a_shared_one_works():
+    """Each sequence's windows are those of it without its padded keys: a per-sample mask under torch.func.vmap
+    is a per-sample shape, refused with attnkit's error (PyTorch's was 'aten::nonzero' inside vmap); the same
+    mask for every sample works and equals the calls one by one."""
+    from torch.func import vmap
+
+    from attnkit.errors import UnsupportedFeatureError
+
+    attn = attnkit.build("poolingformer", num_heads=2, head_dim=4).double()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 12, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    kpm = torch.ones(3, 12, dtype=torch.bool)
+    kpm[1, 8:] = False
+    with pytest.raises(UnsupportedFeatureError, match=r"key_padding_mask batched by torch.func.vmap.*Pass one"):
+        vmap(lambda a, b, d, m: attn(a[None], b[None], d[None], key_padding_mask=m[None]))(q, k, v, kpm)
+    shared = kpm[1:2]
+    got = vmap(lambda a, b, d: attn(a[None], b[None], d[None], key_padding_mask=shared)[0])(q, k, v)
+    want = torch.cat([attn(q[i:i + 1], k[i:i + 1], v[i:i + 1], key_padding_mask=shared) for i in range(3)])
+    torch.testing.assert_close(got, want)
