@@ -647,6 +647,27 @@ def test_batched_finds_a_vmapped_tensor_in_masks_at_any_level_of_wrapping():
     assert not batched(attnkit.masks.key_padding(shared))
 
 
+def test_a_per_sample_additive_attn_mask_under_vmap_equals_the_calls_and_nan_in_one_sample_raises():
+    """vmap over samples each with its own float ``attn_mask`` (one with ``-inf``, one finite): the values check and
+    the ``-inf`` split read beneath vmap's wrapper (a branch on the batched mask raised vmap's "data-dependent
+    control flow" error); a NaN in any sample raises InvalidInputError as eagerly."""
+    from torch.func import vmap
+
+    attn = attnkit.build("softmax").double()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    masks = torch.randn(2, 1, 1, 5, 5, generator=g, dtype=torch.float64)
+    masks[0, ..., 2] = float("-inf")
+    out = vmap(lambda a, b, d, m: attn(a, b, d, attn_mask=m))(q, k, v, masks)
+    want = torch.stack([attn(q[i], k[i], v[i], attn_mask=masks[i]) for i in range(2)])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert not out[0, ..., :].isnan().any()
+    bad = masks.clone()
+    bad[1, 0, 0, 3, 1] = float("nan")
+    with pytest.raises(InvalidInputError, match="attn_mask.*NaN or \\+inf"):
+        vmap(lambda a, b, d, m: attn(a, b, d, attn_mask=m))(q, k, v, bad)
+
+
 def test_setting_the_backend_attribute_after_a_call_switches():
     caps = Capabilities(backends=("torch", "kitfake"))
     q, k, v = qkv()

@@ -44,6 +44,37 @@ def test_softmax_exports_with_a_key_padding_input_and_runs_on_other_masks():
             torch.testing.assert_close(program(*xs, mask), m(*xs, mask), rtol=0, atol=1e-6)
 
 
+class _AttnMaskCall(torch.nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, q, k, v, m):
+        return self.attn(q, k, v, attn_mask=m)
+
+
+def test_an_additive_attn_mask_input_exports_runs_on_other_masks_and_the_program_refuses_nan():
+    """A float ``attn_mask`` as a program input: exporting read its values on the host (the NaN check, the ``-inf``
+    split) and failed on a data-dependent guard; now the program keeps the general form (so a mask without
+    ``-inf`` and one with it both give eager's output) and checks NaN / +inf when it runs."""
+    m = _AttnMaskCall(attnkit.build("softmax").eval())
+    q, k, v = _qkv()
+    g = torch.Generator().manual_seed(4)
+    finite = torch.randn(2, 1, 6, 6, generator=g)
+    with_inf = finite.masked_fill(torch.rand(2, 1, 6, 6, generator=g) < 0.3, float("-inf"))
+    with_inf[..., 0] = 0.0
+    program = _export(m, q, k, v, finite).module()
+    with torch.no_grad():
+        for mask in (finite, with_inf):
+            torch.testing.assert_close(program(q, k, v, mask), m(q, k, v, mask), rtol=0, atol=1e-6)
+    bad = finite.clone()
+    bad[1, 0, 2, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="attn_mask.*NaN or \\+inf"):
+        program(q, k, v, bad)
+    with pytest.raises(InvalidInputError, match="attn_mask.*NaN or \\+inf"):
+        m(q, k, v, bad)
+
+
 def test_export_masks_is_derived_from_the_mask_kinds():
     assert Capabilities().export_masks == ()
     assert Capabilities(export=True).export_masks == ("key_padding",)

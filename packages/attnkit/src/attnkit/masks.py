@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .caching import cached
+from .caching import cached, outside_trace
 from .errors import InvalidInputError
 from .positions import Positions
 
@@ -94,7 +94,14 @@ class Geometry:
         """``(q_pos (B', L), k_pos (B', S))``, cached on the geometry."""
         cached = self.__dict__.get("_pos")
         if cached is None:
-            cached = (self.positions or Positions()).resolve(self.B, self.L, self.S, self.device)
+            p = self.positions or Positions()
+            if all(isinstance(n, int) for n in (self.B, self.L, self.S)):
+                # real tensors while torch.export traces (unless they come from traced position inputs): tables
+                # built from position values (pattern tables) read them; the program holds them as constants
+                with outside_trace(p):
+                    cached = p.resolve(self.B, self.L, self.S, self.device)
+            else:
+                cached = p.resolve(self.B, self.L, self.S, self.device)
             object.__setattr__(self, "_pos", cached)
         return cached
 
@@ -599,7 +606,7 @@ class _TensorMask(Mask):
             self.keep_t, self.bias_t = t, None
         else:
             forbidden = torch.isneginf(t)
-            self.keep_t = ~forbidden if bool(forbidden.any()) else None
+            self.keep_t = ~forbidden if _may_hold(forbidden) else None
             self.bias_t = t.masked_fill(forbidden, 0.0)
         shape = (1,) * (4 - t.dim()) + tuple(t.shape)
         self.shape4 = shape
@@ -916,9 +923,34 @@ def from_tensor(attn_mask: Tensor) -> Mask:
     if m.dim() < 2 or m.dim() > 4:
         raise InvalidInputError(
             f"attn_mask must be broadcastable to (B, H, L, S) with at least (L, S), got shape {tuple(m.shape)}")
-    if m.is_floating_point() and bool(torch.isnan(m).any() | torch.isposinf(m).any()):
-        raise InvalidInputError("attn_mask: an additive mask may hold finite values and -inf, got NaN or +inf")
+    if m.is_floating_point():
+        _check_additive(m)
     return _TensorMask(m)
+
+
+def _may_hold(flags: Tensor) -> bool:
+    """Whether any of ``flags`` (bool) may be True: read beneath ``torch.func`` wrappers (any vmapped sample's
+    counts), and True while ``torch.export`` traces (the program keeps the general form for every input)."""
+    from . import transforms
+    from .caching import reads_traced
+
+    return reads_traced(flags) or bool(transforms.unwrapped(flags).any())
+
+
+def _check_additive(m: Tensor) -> None:
+    """NaN or +inf in an additive mask raises. Under ``torch.func`` transforms the values beneath the wrappers are
+    read (vmap refuses a branch on a batched tensor; a per-sample mask is checked whole); while ``torch.export``
+    traces, the program checks its mask input when it runs (``RuntimeError`` with the same message)."""
+    from . import transforms
+    from .caching import reads_traced
+
+    msg = "attn_mask: an additive mask may hold finite values and -inf, got NaN or +inf"
+    if reads_traced(m):
+        torch._assert_async(~(torch.isnan(m).any() | torch.isposinf(m).any()), msg)
+        return
+    u = transforms.unwrapped(m)
+    if bool(torch.isnan(u).any() | torch.isposinf(u).any()):
+        raise InvalidInputError(msg)
 
 
 def sliding_window(before: int, after: int = 0) -> Mask:
@@ -1033,7 +1065,7 @@ def split_attn_mask(attn_mask: Tensor | None) -> tuple[Tensor | None, Tensor | N
         return attn_mask, None
     forbidden = torch.isneginf(attn_mask)
     bias = attn_mask.masked_fill(forbidden, 0.0)
-    keep = ~forbidden if bool(forbidden.any()) else None
+    keep = ~forbidden if _may_hold(forbidden) else None
     return keep, bias
 
 

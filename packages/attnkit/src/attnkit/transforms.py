@@ -14,7 +14,7 @@ import torch
 
 from .spec import FUNC_TRANSFORMS
 
-__all__ = ["FUNC_TRANSFORMS", "active", "batched", "chunk_count", "plain_torch", "symbolic"]
+__all__ = ["FUNC_TRANSFORMS", "active", "batched", "chunk_count", "plain_torch", "symbolic", "unwrapped"]
 
 
 def active() -> tuple[str, ...]:
@@ -46,6 +46,17 @@ def batched(*reads: object) -> bool:
                 return True
             t = f.get_unwrapped(t)
     return False
+
+
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The tensor beneath every ``torch.func`` wrapper of ``t`` (``t`` itself outside transforms): the values
+    every vmapped sample's tensor is a slice of, for checks that read values on the host (a NaN in an input mask)
+    where the wrapper cannot be read (vmap refuses data-dependent control flow). Read it, never compute with it:
+    what is built from it is outside the transforms."""
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(t):
+        t = f.get_unwrapped(t)
+    return t
 
 
 def plain_torch() -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.caching import cached
+from attnkit.caching import cached, outside_trace
 from attnkit.errors import InvalidInputError
 from attnkit.masks import Geometry, Mask, _gather, _states
 
@@ -60,8 +60,9 @@ def tile_ranges(geom: Geometry, bq: int, bk: int, q0: int, k0: int) -> tuple[Ten
 def position_extent(geom: Geometry) -> tuple[int, int]:
     """Smallest and largest position of any query or key (the extent a pattern's universe covers)."""
     qp, kp = geom.pos()
-    lo = min(int(qp.min()) if qp.numel() else 0, int(kp.min()) if kp.numel() else 0)
-    hi = max(int(qp.max()) if qp.numel() else 0, int(kp.max()) if kp.numel() else 0)
+    with outside_trace(qp, kp):   # positions from sizes are real tensors while torch.export traces: read them
+        lo = min(int(qp.min()) if qp.numel() else 0, int(kp.min()) if kp.numel() else 0)
+        hi = max(int(qp.max()) if qp.numel() else 0, int(kp.max()) if kp.numel() else 0)
     return lo, hi
 
 
@@ -303,7 +304,8 @@ class BlockTable(Atom):
 
     def _table_key(self, geom: Geometry) -> Any:
         qp, _ = geom.pos()
-        return (int(qp.min()), int(qp.max())) if qp.numel() else (0, 0)
+        with outside_trace(qp):
+            return (int(qp.min()), int(qp.max())) if qp.numel() else (0, 0)
 
     def _allow(self, h, qpos, kpos, geom):
         qb0, kb0, sel = self._cached_table(geom)
