@@ -671,6 +671,17 @@ class CompactingPaddingAttention(NaiveAttention):
         return torch.cat(outs)
 
 
+class AllowAllShortcutAttention(NaiveAttention):
+    """Declares ``torch.func.vmap``; drops a bool ``attn_mask`` that allows every pair, deciding with
+    ``bool(attn_mask.all())``: a branch on the mask's values, which vmap refuses for a per-sample mask (core
+    attnkit's additive-mask checks did the same until session 52)."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if attn_mask is not None and attn_mask.dtype == torch.bool and bool(attn_mask.all()):
+            attn_mask = None
+        return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+
+
 class PenalisedAttention(NaiveAttention):
     """Correct, with an auxiliary loss in the graph (the mean square of its output), recorded inside ``_forward``."""
 
@@ -777,6 +788,10 @@ CASES: list[BrokenCase] = [
                r"under torch.func.vmap with the key_padding_mask batched too \(vmap declared in "
                r"Capabilities.func_transforms\) raised RuntimeError",
                {"exact": True, "capabilities": Capabilities(func_transforms=("vmap",))}),
+    BrokenCase(AllowAllShortcutAttention, "broken-vmap-attn-mask", "func_transforms",
+               r"attn_mask=<bool parity \(B, H, L, S\)>, .*under torch.func.vmap with the attn_mask batched too "
+               r"\(vmap declared in Capabilities.func_transforms\) raised RuntimeError",
+               {"exact": True, "capabilities": Capabilities(attn_mask=True, func_transforms=("vmap",))}),
     BrokenCase(TraceCacheAttention, "broken-trace-cache", "export",
                r"eager after torch.export, causal=\w+, no mask input: the output is a fake tensor",
                {"exact": True, "capabilities": Capabilities(export=True)}),

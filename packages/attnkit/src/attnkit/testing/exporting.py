@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import masks as _masks
 from ..errors import UnsupportedFeatureError
 from ..spec import TRACED_MASK_KINDS
-from .cases import document_ids, left_padding_mask, padding_mask, parity_mask
+from .cases import additive_bias, document_ids, left_padding_mask, padding_mask, parity_mask
 from .config import ConformanceConfig
 from .context import Ctx
 
@@ -40,10 +40,16 @@ class _Exported(torch.nn.Module):
         return self.attn(q, k, v, causal=self.causal, mask=m)
 
 
-def _mask_inputs(kind: str, B: int, H: int, L: int, device: Any) -> tuple[Tensor, Tensor]:
-    """Two different masks of ``kind`` for ``(B, H, L, L)``: the one exported with, and another."""
+def _mask_inputs(kind: str, B: int, H: int, L: int, device: Any, dtype: torch.dtype | None = None
+                 ) -> tuple[Tensor, Tensor]:
+    """Two different masks of ``kind`` for ``(B, H, L, L)``: the one exported with, and another. ``dtype`` (kind
+    ``tensor``): additive masks of that dtype instead of bool ones, the first with ``-inf`` where the parity mask
+    forbids, the second finite (a program must not keep the form of the first's ``-inf`` count)."""
     if kind in ("key_padding", "function"):
         return padding_mask(B, L, device), left_padding_mask(B, L, device)
+    if kind == "tensor" and dtype is not None:
+        bias = additive_bias(B, L, L, device).to(dtype)
+        return bias.masked_fill(~parity_mask(B, 1, L, L, device), float("-inf")), bias.flip(-1)
     if kind == "tensor":
         first = parity_mask(B, H, L, L, device)
         return first, ~first | (torch.arange(L, device=device) == 0)
@@ -58,7 +64,9 @@ def check_export(cfg: ConformanceConfig) -> None:
     the eager side being the same module called after the export (a cache it filled during the trace with
     fake tensors fails there); the program is saved and loaded (``torch.export.save`` / ``load``) and run with
     gradients enabled, as a caller would; each declared causal mode. Each mask kind of ``export_masks`` is an
-    input of the program (the last declared causal mode; a second mask of that kind is compared too); each
+    input of the program (the last declared causal mode; a second mask of that kind is compared too; for
+    ``tensor`` also additive float masks, one with ``-inf`` and one finite, and the program must raise on one
+    holding NaN, as eager does); each
     tensor mask kind the spec honours but does not declare there, and export itself when not declared, is
     refused with ``UnsupportedFeatureError``. The module is built with ``backend="auto"``; then each backend of
     ``export_backends`` that runs here is forced (no mask input, the last causal mode), and each other backend
@@ -80,6 +88,8 @@ def check_export(cfg: ConformanceConfig) -> None:
         _export_case(c, causal, None, None, n)
     for n, kind in enumerate(k for k in TRACED_MASK_KINDS if k in caps.mask_kinds):
         _export_case(c, modes[-1], kind, None, 10 + n)
+    if "tensor" in caps.export_masks:
+        _export_case(c, modes[-1], "tensor", None, 15, additive=True)
     runnable, _ = c.backends()
     for n, backend in enumerate(b for b in runnable if b is not None):
         _export_case(c, modes[-1], None, backend, 20 + n)
@@ -107,7 +117,7 @@ def _after_grad(c: Ctx, modes: list[bool]) -> None:
 
 
 def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n: int, attn: Any = None,
-                 L: int | None = None, after: str = "", hint: str = "") -> None:
+                 L: int | None = None, after: str = "", hint: str = "", additive: bool = False) -> None:
     caps, dt = c.caps, c.precise()
     L, B, H = c.L if L is None else L, c.B, c.H
     module = _Exported(c.build(dtype=dt, backend=backend).eval() if attn is None else attn, causal, kind)
@@ -116,9 +126,11 @@ def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n:
     extra: tuple[Tensor, ...] = ()
     other: tuple[Tensor, ...] = ()
     if kind is not None:
-        first, second = _mask_inputs(kind, B, H, L, c.device)
+        first, second = _mask_inputs(kind, B, H, L, c.device, dt if additive else None)
         extra, other = (first,), (second,)
-    label = (f"causal={causal}, " + ("no mask input" if kind is None else f"a {kind} mask as an input")
+    label = (f"causal={causal}, " + ("no mask input" if kind is None else
+                                     f"an additive {kind} mask as an input" if additive else
+                                     f"a {kind} mask as an input")
              + ("" if backend is None else f", backend={backend!r}") + after)
 
     def export() -> Any:
@@ -162,6 +174,16 @@ def _export_case(c: Ctx, causal: bool, kind: str | None, backend: str | None, n:
         except Exception as exc:  # noqa: BLE001
             c.fail(f"the exported program, {label}, on {which}, raised {type(exc).__name__}: {exc}{hint}")
         c.close(got.detach(), want, f"torch.export, {label}, on {which}", dtype=dt, against="eager")
+    if additive:   # the program cannot raise at trace time: it must check its mask input when it runs
+        bad = other[0].clone()
+        bad[..., 0, 1] = float("nan")
+        try:
+            out = program(q, k, v, bad)
+        except Exception:  # noqa: BLE001 - any clear refusal at run time (RuntimeError from an assertion)
+            return
+        c.fail(f"the exported program, {label}, ran an attn_mask holding NaN without raising (its output "
+               f"{'holds NaN' if bool(out.isnan().any()) else 'is finite: the NaN was ignored'}); eager raises "
+               "InvalidInputError: check the values in the program (torch._assert_async)")
 
 
 #: Longest length a dynamic-length export declares when the implementation sets no limit.

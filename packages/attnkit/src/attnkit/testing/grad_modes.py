@@ -164,8 +164,9 @@ def check_func_transforms(cfg: ConformanceConfig) -> str | None:
     without storage: a later export or kernel fails).
 
     With ``vmap`` declared, the padding cases also run with the key padding mask batched too (each vmapped sample
-    its own mask: per-sample gradients with each sample's padding), equal to the two calls stacked; a clear
-    refusal (``UnsupportedFeatureError``) passes and is named in the note.
+    its own mask: per-sample gradients with each sample's padding), and with ``attn_mask`` declared the tensor-mask
+    cases with the ``attn_mask`` batched (bool and additive; a shared key padding mask beside one), each equal to
+    the two calls stacked; a clear refusal (``UnsupportedFeatureError``) passes and is named in the note.
 
     With all three declared, nested transforms: ``torch.func.hessian`` (``jacfwd(jacrev(...))``) of
     ``out.square().sum()`` w.r.t. q (float64, B = 1 and the configured shapes, the last causal mode) times a random
@@ -182,7 +183,10 @@ def check_func_transforms(cfg: ConformanceConfig) -> str | None:
         for n, case in enumerate(cases if name in declared else cases[:1]):
             _transform_case(c, attn, name, case, n, dt)
             if name == "vmap" and name in declared and isinstance(case.kw.get("key_padding_mask"), torch.Tensor):
-                refused += _batched_mask_case(c, attn, case, n, dt)
+                refused += _batched_mask_case(c, attn, case, n, dt, "key_padding_mask")
+    if "vmap" in declared and c.caps.attn_mask:
+        for n, case in enumerate(c.cases(attn, ["tensor"])):
+            refused += _batched_mask_case(c, attn, case, 30 + n, dt, "attn_mask")
     if {"grad", "vmap", "jvp"} <= set(declared) and dt == torch.float64:
         _hessian_case(c, dt)
     if "grad" in declared:
@@ -190,7 +194,7 @@ def check_func_transforms(cfg: ConformanceConfig) -> str | None:
         for n, case in enumerate(c.cases(train, ["plain", "padding"], causal_modes=c.causal_modes()[-1:])):
             _training_grad_case(c, train, case, 50 + n, dt)
     if refused:
-        return f"vmap with a batched key_padding_mask refused (UnsupportedFeatureError): {refused[0]}"
+        return f"vmap with a batched mask refused (UnsupportedFeatureError): {refused[0]}"
     return None
 
 
@@ -223,8 +227,10 @@ def _hessian_case(c: Ctx, dt: torch.dtype) -> None:
             what="H·d", against="the central difference of torch.func.grad", atol=1e-7, rtol=1e-5)
 
 
-def _batched_mask_case(c: Ctx, attn: Any, case: Any, n: int, dt: torch.dtype) -> list[str]:
-    """vmap over two input sets and two key padding masks (the case's, and the same flipped: padding first)."""
+def _batched_mask_case(c: Ctx, attn: Any, case: Any, n: int, dt: torch.dtype, key: str) -> list[str]:
+    """vmap over two input sets and two masks given as ``key``: the case's, and a second one (a key padding mask
+    flipped, padding first; an ``attn_mask`` with its batch rows rolled by one, or flipped over the keys when
+    B = 1). The case's other masks stay shared."""
     from torch.func import vmap
 
     from ..errors import UnsupportedFeatureError
@@ -232,14 +238,15 @@ def _batched_mask_case(c: Ctx, attn: Any, case: Any, n: int, dt: torch.dtype) ->
     cfg = c.cfg
     atol, rtol = c.tol(dt, 10.0)
     kw = case.kwargs(dt)
-    first = kw.pop("key_padding_mask")
-    masks = torch.stack([first, first.flip(-1)])
-    label = f"{case.describe(dt)}, under torch.func.vmap with the key_padding_mask batched too"
+    first = kw.pop(key)
+    second = first.roll(1, 0) if key == "attn_mask" and first.shape[0] > 1 else first.flip(-1)
+    masks = torch.stack([first, second])
+    label = f"{case.describe(dt)}, under torch.func.vmap with the {key} batched too"
     q, k, v = c.inputs(case.L, case.S, dt, seed_offset=n)
     pair = [torch.stack([t, noise_like(t, cfg.seed + 2800 + n)]) for t in (q, k, v)]
     try:
         with seeded(cfg.seed + n):
-            out = vmap(lambda a, b, d, m: attn(a, b, d, key_padding_mask=m, **kw))(*pair, masks)
+            out = vmap(lambda a, b, d, m: attn(a, b, d, **{key: m}, **kw))(*pair, masks)
     except UnsupportedFeatureError as exc:
         return [str(exc)]
     except Exception as exc:  # noqa: BLE001
@@ -247,7 +254,7 @@ def _batched_mask_case(c: Ctx, attn: Any, case: Any, n: int, dt: torch.dtype) ->
                "support it or refuse it with attnkit.errors.UnsupportedFeatureError")
     _no_wrapper_kept(c, attn, label)
     with seeded(cfg.seed + n):
-        want = torch.stack([attn(*(t[i] for t in pair), key_padding_mask=masks[i], **kw) for i in range(2)])
+        want = torch.stack([attn(*(t[i] for t in pair), **{key: masks[i]}, **kw) for i in range(2)])
     c.close(out, want, label, dtype=dt, against="the two calls stacked", atol=atol, rtol=rtol)
     return []
 
