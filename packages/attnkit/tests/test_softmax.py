@@ -187,3 +187,24 @@ def test_backend_order_depends_on_dtype_and_yields_to_forcing(monkeypatch):
     assert forced.resolve_backend(q64) == "sdpa"
     q, k, v = (t.double() for t in qkv())
     torch.testing.assert_close(attn(q, k, v), forced(q, k, v))
+
+
+def test_sdpa_path_with_padding_compiles_to_one_graph_and_zeroes_a_fully_padded_row():
+    """``torch.compile(fullgraph=True)`` of the sdpa path with a key padding mask: the check for fully padded rows
+    branched on the mask's values (a graph break; an error with ``fullgraph=True``); compiled, the path takes
+    the branch-free form, equal to eager, a fully padded row still zero with finite gradients."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    attn = attnkit.build("softmax", backend="sdpa")
+    compiled = torch.compile(attn, backend="eager", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    kpm = torch.ones(2, 6, dtype=torch.bool)
+    kpm[1] = False
+    xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = compiled(*xs, key_padding_mask=kpm)
+    out.sum().backward()
+    torch.testing.assert_close(out, attn(q, k, v, key_padding_mask=kpm), rtol=0, atol=1e-6)
+    assert out[1].abs().max() == 0
+    assert all(torch.isfinite(x.grad).all() for x in xs)

@@ -103,6 +103,10 @@ def kept_tensors() -> Iterator[None]:
 
 
 def _fake_mode_active() -> bool:
+    # while Dynamo traces (torch.compile) no fake-tensor trace of ours is active, and the dispatch-mode query is not
+    # something it can trace (a graph break at every cache look-up)
+    if torch.compiler.is_dynamo_compiling():
+        return False
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 

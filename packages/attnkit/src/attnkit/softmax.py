@@ -64,8 +64,9 @@ class SoftmaxAttention(Attention):
         keep = mask.key_padding_mask[:, None, None, :] if kpm_only else mask.dense(geom)
         bias = mask.bias(geom, q.dtype)
         row_any = keep.any(-1, keepdim=True)
-        # (torch.export: no branch on the mask's values; opening and zeroing rows that have keys changes nothing)
-        all_rows = False if torch.compiler.is_exporting() else bool(row_any.all())
+        # (torch.compile and torch.export: no branch on the mask's values, one graph; opening and zeroing rows that
+        # have keys changes nothing)
+        all_rows = False if torch.compiler.is_compiling() else bool(row_any.all())
         if not all_rows:
             # open fully masked rows so SDPA sees no all -inf row, zero them after
             keep = keep | ~row_any
