@@ -208,3 +208,26 @@ def test_sdpa_path_with_padding_compiles_to_one_graph_and_zeroes_a_fully_padded_
     torch.testing.assert_close(out, attn(q, k, v, key_padding_mask=kpm), rtol=0, atol=1e-6)
     assert out[1].abs().max() == 0
     assert all(torch.isfinite(x.grad).all() for x in xs)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "torch"])
+def test_a_float_attn_mask_compiles_to_one_graph_and_the_graph_refuses_nan(backend):
+    """A float ``attn_mask`` under ``torch.compile(fullgraph=True)``: the NaN / +inf check and the ``-inf`` split
+    branched on its values; compiled they are graph ops (the general form for masks with and without ``-inf``,
+    equal to eager; NaN raises when the graph runs, with eager's message)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    attn = attnkit.build("softmax", backend=backend)
+    compiled = torch.compile(attn, backend="eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    finite = torch.randn(2, 1, 6, 6, generator=g)
+    with_inf = finite.masked_fill(torch.rand(2, 1, 6, 6, generator=g) < 0.3, float("-inf"))
+    for mask in (finite, with_inf):
+        torch.testing.assert_close(compiled(q, k, v, attn_mask=mask), attn(q, k, v, attn_mask=mask),
+                                   rtol=0, atol=1e-6)
+    bad = finite.clone()
+    bad[0, 0, 2, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="attn_mask.*NaN or \\+inf"):
+        compiled(q, k, v, attn_mask=bad)

@@ -930,22 +930,24 @@ def from_tensor(attn_mask: Tensor) -> Mask:
 
 def _may_hold(flags: Tensor) -> bool:
     """Whether any of ``flags`` (bool) may be True: read beneath ``torch.func`` wrappers (any vmapped sample's
-    counts), and True while ``torch.export`` traces (the program keeps the general form for every input)."""
+    counts), and True while ``torch.compile`` or ``torch.export`` traces (the graph keeps the general form for
+    every input: no branch on values)."""
     from . import transforms
     from .caching import reads_traced
 
-    return reads_traced(flags) or bool(transforms.unwrapped(flags).any())
+    return torch.compiler.is_compiling() or reads_traced(flags) or bool(transforms.unwrapped(flags).any())
 
 
 def _check_additive(m: Tensor) -> None:
     """NaN or +inf in an additive mask raises. Under ``torch.func`` transforms the values beneath the wrappers are
-    read (vmap refuses a branch on a batched tensor; a per-sample mask is checked whole); while ``torch.export``
-    traces, the program checks its mask input when it runs (``RuntimeError`` with the same message)."""
+    read (vmap refuses a branch on a batched tensor; a per-sample mask is checked whole); while ``torch.compile``
+    or ``torch.export`` traces, the graph checks its mask input when it runs (``RuntimeError`` with the same
+    message), so the check is no graph break."""
     from . import transforms
     from .caching import reads_traced
 
     msg = "attn_mask: an additive mask may hold finite values and -inf, got NaN or +inf"
-    if reads_traced(m):
+    if torch.compiler.is_compiling() or reads_traced(m):
         torch._assert_async(~(torch.isnan(m).any() | torch.isposinf(m).any()), msg)
         return
     u = transforms.unwrapped(m)
