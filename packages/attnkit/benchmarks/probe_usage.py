@@ -286,15 +286,20 @@ def probe_per_sample(name: str) -> list[str]:
     return [] if worst < 1e-8 else [f"per-sample gradients differ from a loop by {worst:.1e}"]
 
 
+def _one_sample(name: str, L: int, D: int) -> tuple[Ctx, torch.dtype, torch.nn.Module, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, bool]:
+    """``(ctx, dtype, module, q, k, v, causal)``: one head, B = 1, length ``L``, head dim ``D`` (value dim 2), the
+    precise dtype and the last causal mode, for the derivative probes."""
+    c = Ctx("probe", ConformanceConfig(name=name, shapes=(2, 1, L, L + 1, D, 2)))
+    dt = c.precise()
+    return (c, dt, c.build(dtype=dt), *c.inputs(L, L, dt, B=1), c.causal_modes()[-1])
+
+
 def probe_jacobian(name: str) -> list[str]:
     from torch.func import jacfwd, jacrev
 
     declared = attnkit.get_spec(name).capabilities.func_transforms
-    c = Ctx("probe", ConformanceConfig(name=name, shapes=(2, 1, 5, 6, 3, 2)))
-    dt = c.precise()
-    attn = c.build(dtype=dt)
-    q, k, v = c.inputs(5, 5, dt, B=1)
-    causal = c.causal_modes()[-1]
+    c, dt, attn, q, k, v, causal = _one_sample(name, 5, 3)
 
     def f(a: torch.Tensor) -> torch.Tensor:
         return attn(a, k, v, causal=causal)
@@ -325,11 +330,7 @@ def probe_hessian(name: str) -> list[str]:
 
     if not {"grad", "vmap", "jvp"} <= set(attnkit.get_spec(name).capabilities.func_transforms):
         return ["(skipped: grad, vmap and jvp not all declared)"]
-    c = Ctx("probe", ConformanceConfig(name=name, shapes=(2, 1, 4, 5, 2, 2)))
-    dt = c.precise()
-    attn = c.build(dtype=dt)
-    q, k, v = c.inputs(4, 4, dt, B=1)
-    causal = c.causal_modes()[-1]
+    c, dt, attn, q, k, v, causal = _one_sample(name, 4, 2)
 
     def f(a: torch.Tensor) -> torch.Tensor:
         return attn(a, k, v, causal=causal).square().sum()

@@ -33,6 +33,7 @@ bool (True = may attend) or additive float broadcastable to ``(B, H, L, S)``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -43,7 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .caching import cached, outside_trace
+from . import transforms as _transforms
+from .caching import cached, outside_trace, reads_traced
 from .errors import InvalidInputError
 from .positions import Positions
 
@@ -95,12 +97,11 @@ class Geometry:
         cached = self.__dict__.get("_pos")
         if cached is None:
             p = self.positions or Positions()
-            if all(isinstance(n, int) for n in (self.B, self.L, self.S)):
-                # real tensors while torch.export traces (unless they come from traced position inputs): tables
-                # built from position values (pattern tables) read them; the program holds them as constants
-                with outside_trace(p):
-                    cached = p.resolve(self.B, self.L, self.S, self.device)
-            else:
+            # real tensors while torch.export traces at static sizes (unless they come from traced position
+            # inputs): tables built from position values (pattern tables) read them; the program holds them as
+            # constants. A symbolic size stays in the trace.
+            static = all(isinstance(n, int) for n in (self.B, self.L, self.S))
+            with outside_trace(p) if static else contextlib.nullcontext():
                 cached = p.resolve(self.B, self.L, self.S, self.device)
             object.__setattr__(self, "_pos", cached)
         return cached
@@ -932,10 +933,7 @@ def _may_hold(flags: Tensor) -> bool:
     """Whether any of ``flags`` (bool) may be True: read beneath ``torch.func`` wrappers (any vmapped sample's
     counts), and True while ``torch.compile`` or ``torch.export`` traces (the graph keeps the general form for
     every input: no branch on values)."""
-    from . import transforms
-    from .caching import reads_traced
-
-    return torch.compiler.is_compiling() or reads_traced(flags) or bool(transforms.unwrapped(flags).any())
+    return torch.compiler.is_compiling() or reads_traced(flags) or bool(_transforms.unwrapped(flags).any())
 
 
 def _check_additive(m: Tensor) -> None:
@@ -943,14 +941,11 @@ def _check_additive(m: Tensor) -> None:
     read (vmap refuses a branch on a batched tensor; a per-sample mask is checked whole); while ``torch.compile``
     or ``torch.export`` traces, the graph checks its mask input when it runs (``RuntimeError`` with the same
     message), so the check is no graph break."""
-    from . import transforms
-    from .caching import reads_traced
-
     msg = "attn_mask: an additive mask may hold finite values and -inf, got NaN or +inf"
     if torch.compiler.is_compiling() or reads_traced(m):
         torch._assert_async(~(torch.isnan(m).any() | torch.isposinf(m).any()), msg)
         return
-    u = transforms.unwrapped(m)
+    u = _transforms.unwrapped(m)
     if bool(torch.isnan(u).any() | torch.isposinf(u).any()):
         raise InvalidInputError(msg)
 
