@@ -21,6 +21,10 @@ where declared, the kit's shapes (``ConformanceConfig(name)``: B = 2, H = 2, L =
 * ``threads``: one module called from four Python threads at once (lengths 24-48, float32 where declared)
   against sequential calls;
 * ``partial_grad``: gradients when only some of q, k, v require them against all three;
+* ``inplace``: the output modified in place (``out.mul_(2)``: an in-place dropout or activation) before the
+  backward pass, against ``2 * out``: each backend that trains, each causal mode, with padding; a finding is a
+  wrong gradient; autograd's refusal is information (SDPA's float32 CPU kernel saves its output and refuses
+  the same);
 * ``per_sample``: per-sample gradients ``vmap(grad(loss))`` over the batch with each sample's key padding mask,
   w.r.t. the parameters and q, against one autograd call per sample (implementations declaring grad and vmap);
 * ``jacobian``: ``jacrev`` (grad declared) and ``jacfwd`` (jvp declared) of the output w.r.t. q, B = 1, L = 5,
@@ -252,6 +256,29 @@ def probe_partial_grad(name: str) -> list[str]:
     return msgs
 
 
+def probe_inplace(name: str) -> list[str]:
+    """The output modified in place (``out.mul_(2)``, as an in-place dropout does), then a backward pass, against
+    the out-of-place ``2 * out``: each backend that trains, each causal mode, with padding."""
+    msgs = []
+    for c, backend, attn, q, k, v in _training_backends(name):
+        kpm = padding_mask(c.B, c.L, c.device) if c.caps.key_padding_mask else None
+        for causal in c.causal_modes():
+            xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            want = torch.autograd.grad((2 * attn(*xs, causal=causal, key_padding_mask=kpm)).square().sum(), xs)
+            try:
+                out = attn(*xs, causal=causal, key_padding_mask=kpm)
+                out.mul_(2)
+                got = torch.autograd.grad(out.square().sum(), xs)
+            except Exception as exc:  # noqa: BLE001
+                # autograd's refusal (a saved output modified, a custom function's view): information, as for
+                # SDPA, whose float32 CPU kernel saves its output and refuses the same
+                msgs.append(f"({backend}, causal={causal}: refused by autograd: {str(exc).splitlines()[0][:90]})")
+                continue
+            if (d := _max_diff(list(got), list(want))) > 1e-9:
+                msgs.append(f"{backend}, causal={causal}: gradients after an in-place op differ by {d:.1e}")
+    return msgs
+
+
 def probe_per_sample(name: str) -> list[str]:
     from torch.func import functional_call, grad, vmap
 
@@ -389,7 +416,8 @@ PROBES: dict[str, Callable[[str], list[str]]] = {
     "compile": probe_compile, "inductor": lambda name: probe_compile(name, "inductor"), "lengths": probe_lengths,
     "inductor_lengths": lambda name: probe_lengths(name, "inductor"), "fullgraph": probe_fullgraph,
     "anomaly": probe_anomaly,
-    "threads": probe_threads, "partial_grad": probe_partial_grad, "per_sample": probe_per_sample,
+    "threads": probe_threads, "partial_grad": probe_partial_grad, "inplace": probe_inplace,
+    "per_sample": probe_per_sample,
     "jacobian": probe_jacobian, "hessian": probe_hessian, "dims": probe_dims,
 }
 

@@ -124,3 +124,159 @@ def test_results_identical_with_the_mode_on(two_threads, monkeypatch, name, back
     assert seen and seen[0] == 1 and torch.get_num_threads() == 2
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ a call's backward
+@pytest.fixture
+def busy_machine(monkeypatch):
+    s, clock = sampler(foreign_per_s=2.0)
+    s.sample()
+    clock.t = 1.0
+    monkeypatch.setattr(_busy, "_sampler", s)
+    return s
+
+
+class ThreadsAtUnpack:
+    """Saved-tensor hooks recording torch's thread count whenever the backward unpacks a saved tensor (that is,
+    inside the nodes that saved them)."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: (self.seen.append(torch.get_num_threads()), t)[1])
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def _qkv(L=24, requires_grad=True):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, L, 8, generator=g, dtype=torch.float64).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+@pytest.mark.skipif(not _busy._OPENMP, reason="the mode engages only with torch's OpenMP backend")
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_the_calls_whole_backward_runs_on_one_thread_and_not_beyond(two_threads, busy_machine, backend):
+    """Every node of the call's backward (each unpacks what it saved) runs on one thread on a busy machine;
+    a node between two calls runs on torch's count; the count is back after the backward."""
+    mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16, backend=backend).double()
+    mod.segment_length = 8                                   # split, state scaling, several segments
+    q, k, v = _qkv()
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    with ThreadsAtUnpack() as inner1:
+        x = mod(q, k, v, causal=True)
+    with ThreadsAtUnpack() as between:
+        y = torch.tanh(x @ w)                                # saves tanh's output and x, w
+    with ThreadsAtUnpack() as inner2:
+        out = mod(y, y, y, causal=True)
+    out.square().sum().backward()
+    assert inner1.seen and set(inner1.seen) == {1}
+    assert inner2.seen and set(inner2.seen) == {1}
+    assert between.seen and set(between.seen) == {2}
+    assert torch.get_num_threads() == 2 and _busy.kernel_thread_count() is None
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v, w))
+
+
+@pytest.mark.skipif(not _busy._OPENMP, reason="the mode engages only with torch's OpenMP backend")
+def test_idle_machine_backward_keeps_the_count(two_threads):
+    mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16).double()
+    q, k, v = _qkv()
+    with ThreadsAtUnpack() as probe:
+        out = mod(q, k, v, causal=True)
+    idle, clock = sampler(foreign_per_s=0.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_busy, "_sampler", idle)
+        out.sum().backward()
+    assert probe.seen and set(probe.seen) == {2}
+
+
+@pytest.mark.skipif(not _busy._OPENMP, reason="the mode engages only with torch's OpenMP backend")
+def test_span_ends_when_the_inputs_gradients_are_not_asked_for(two_threads, busy_machine):
+    """A backward pass that needs only a parameter's gradient never reaches the inputs' node: the span ends
+    with the pass (the engine's final callback)."""
+    mod = attnkit.build("rfa", num_heads=2, head_dim=8, num_features=16, gate=True).double()
+    q, k, v = _qkv()
+    with ThreadsAtUnpack() as probe:
+        out = mod(q, k, v, causal=True)
+    (g,) = torch.autograd.grad(out.sum(), [mod.gate_weight])
+    assert torch.isfinite(g).all()
+    assert probe.seen and set(probe.seen) == {1}
+    assert torch.get_num_threads() == 2 and _busy.kernel_thread_count() is None
+
+
+@pytest.mark.skipif(not _busy._OPENMP, reason="the mode engages only with torch's OpenMP backend")
+def test_backward_that_raises_leaves_no_thread_count_behind(two_threads, busy_machine):
+    """A backward pass that raises inside the span never reaches its end: the next call puts the count back."""
+    mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16).double()
+    q, k, v = _qkv()
+
+    def fail(t):
+        raise RuntimeError("unpack failed")
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, fail):
+        out = mod(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match="unpack failed"):
+        out.sum().backward()
+    assert torch.get_num_threads() == 1                      # left by the failed pass ...
+    with torch.no_grad():
+        mod(q, k, v, causal=True)                            # ... until the next call
+    assert torch.get_num_threads() == 2 and _busy.kernel_thread_count() is None
+    with ThreadsAtUnpack() as probe:
+        out = mod(q, k, v, causal=True)                      # and a later backward engages again
+    out.sum().backward()
+    assert probe.seen and set(probe.seen) == {1}
+    assert torch.get_num_threads() == 2
+
+
+def test_backward_span_applies_only_to_eager_cpu_calls_that_need_gradients(busy_machine):
+    q, k, v = _qkv()
+    with torch.no_grad():
+        assert _busy.backward_span(q, k, v)[1] is None
+    assert _busy.backward_span(*_qkv(requires_grad=False))[1] is None
+    assert _busy.backward_span(q.detach().to("meta").requires_grad_(), k, v)[1] is None
+    marked, span = _busy.backward_span(q, None, v)
+    assert span is not None and marked[1] is None
+    assert marked[0] is not q and marked[0].grad_fn is not None and torch.equal(marked[0], q)
+
+
+@pytest.mark.skipif(not _busy._OPENMP, reason="the mode engages only with torch's OpenMP backend")
+def test_output_may_still_be_modified_in_place(two_threads, busy_machine):
+    """The span hooks the output's node, not the tensor: in-place ops on the output keep working where they did
+    (the torch path; the numba operators' outputs, like SDPA's float32 output, are refused by autograd)."""
+    mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16, backend="torch").double()
+    q, k, v = _qkv()
+    out = mod(q, k, v, causal=True)
+    out.mul_(2.0)
+    out.sum().backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    (2.0 * mod(q, k, v, causal=True)).sum().backward()
+    for a, t in zip(want, (q, k, v), strict=True):
+        torch.testing.assert_close(a, t.grad)
+
+
+@pytest.mark.skipif(not _busy._OPENMP, reason="the mode engages only with torch's OpenMP backend")
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_calls_in_busy_mode(two_threads, busy_machine, reentrant):
+    """Activation checkpointing reruns the forward inside the backward (a nested backward pass when reentrant):
+    the gradients match a plain call and the count is back afterwards."""
+    from torch.utils.checkpoint import checkpoint
+
+    mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16).double()
+    mod.segment_length = 8
+    q, k, v = _qkv()
+    mod(q, k, v, causal=True).square().sum().backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out = checkpoint(lambda a, b, c: mod(a, b, c, causal=True), q, k, v, use_reentrant=reentrant)
+    out.square().sum().backward()
+    assert torch.get_num_threads() == 2 and _busy.kernel_thread_count() is None
+    for a, t in zip(want, (q, k, v), strict=True):
+        torch.testing.assert_close(a, t.grad, rtol=1e-12, atol=1e-12)

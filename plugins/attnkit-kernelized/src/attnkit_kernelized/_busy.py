@@ -15,6 +15,15 @@ calling thread); the numba kernels keep the thread count torch had
 (:func:`kernel_thread_count`), because they hand ranges of their sequences out one at a time
 (:func:`attnkit.numba_pool.run_ranges`), which a descheduled thread does not hold up.
 
+The same holds for the call's backward, which autograd runs after the call has returned: the backward of
+the copies, the segments' split (a ``cat`` of their gradients), the state's scaling and the features are
+short regions too (measured at L = 8,192 beside the same load: performer's training step 0.84-0.86 s with
+only the kernels' own backward in the mode, 0.69-0.75 s with the call's whole backward; 0.32-0.34 s idle
+either way). :func:`backward_span` marks a call's differentiable inputs and :func:`start_backward_span` its
+outputs: when autograd reaches the outputs' nodes the machine is sampled again, and if it is busy torch runs
+on one thread until the inputs' gradients are complete (or the backward pass ends), then gets its count
+back.
+
 The decision costs one read of ``/proc/stat`` per :data:`WINDOW` seconds (cached in between) and
 never changes a result: the same operations run, on fewer threads. ``ATTNKIT_KERNELIZED_BUSY=off``
 in the environment turns it off; where ``/proc/stat`` is missing or torch does not use OpenMP it
@@ -31,7 +40,8 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["machine_busy", "LoadSampler", "busy_threads", "kernel_thread_count", "WINDOW", "MARGIN"]
+__all__ = ["machine_busy", "LoadSampler", "busy_threads", "kernel_thread_count", "backward_span",
+           "start_backward_span", "WINDOW", "MARGIN"]
 
 #: seconds between two samples of the machine's load (a decision is reused in between)
 WINDOW = 0.1
@@ -124,7 +134,7 @@ def busy_threads(device: torch.device | str, sampler: LoadSampler | None = None)
     """
     # not while torch.compile traces (thread counts are not graph operations): the compiled call keeps torch's
     if (torch.compiler.is_compiling() or torch.device(device).type != "cpu" or not _ENABLED or not _OPENMP
-            or getattr(_local, "threads", None) is not None):
+            or getattr(_local, "threads", None) is not None and not _end_stale_span()):
         yield False
         return
     threads = torch.get_num_threads()
@@ -138,3 +148,109 @@ def busy_threads(device: torch.device | str, sampler: LoadSampler | None = None)
     finally:
         torch.set_num_threads(threads)
         _local.threads = None
+
+
+# ------------------------------------------------------------------ a call's backward
+class _Span:
+    """One call's backward: the thread count to give back once engaged (None: not engaged)."""
+
+    __slots__ = ("threads",)
+
+    def __init__(self) -> None:
+        self.threads: int | None = None
+
+
+def _end_span(span: _Span) -> None:
+    """Give torch its thread count back if ``span`` is the engaged one (idempotent)."""
+    if getattr(_local, "span", None) is span and span.threads is not None:
+        torch.set_num_threads(span.threads)
+        span.threads = None
+        _local.span = None
+        _local.threads = None
+
+
+def _end_stale_span() -> bool:
+    """End a span a backward pass left engaged because it raised (its end never ran), when no backward pass is
+    running on this thread; True if one was ended."""
+    span = getattr(_local, "span", None)
+    if span is None or torch._C._current_graph_task_id() != -1:
+        return False
+    _end_span(span)
+    return True
+
+
+def _start_span(span: _Span) -> None:
+    """Autograd reached the call's outputs: on a busy machine torch runs on one thread from here until
+    :class:`_SpanEnd` (the inputs' gradients complete) or the end of this backward pass, whichever is first."""
+    if getattr(_local, "threads", None) is not None:     # inside another call's span (or a forward's mode)
+        return
+    threads = torch.get_num_threads()
+    if not _sampler.busy(threads):
+        return
+    span.threads = threads
+    _local.span = span
+    _local.threads = threads
+    torch.set_num_threads(1)
+    # also when the inputs' node never runs (a backward pass that needs none of their gradients)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_span(span))
+
+
+class _SpanEnd(torch.autograd.Function):
+    """Identity on a call's differentiable inputs; its backward, reached when their gradients are complete
+    (every node of the call has run), ends the span."""
+
+    @staticmethod
+    def forward(span: _Span, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.span = inputs[0]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _end_span(ctx.span)
+        return (None, *grads)
+
+
+def backward_span(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor | None, ...], _Span | None]:
+    """Mark a CPU call's inputs so that its backward can run in busy-machine mode: ``(tensors, span)``.
+
+    The tensors that need a gradient come back as views through one autograd node that ends the span (use
+    them inside the call only: a view made by a custom autograd function cannot be modified in place), the
+    others as they were; pass ``span`` and the call's result to :func:`start_backward_span`. ``span`` is None
+    (and the tensors unchanged) when the mode cannot apply: no gradient needed, a tensor not on the CPU,
+    ``torch.compile`` or ``torch.export`` tracing, a ``torch.func`` transform, the mode turned off.
+    """
+    from attnkit import transforms
+
+    if (not _ENABLED or not _OPENMP or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or transforms.active()):
+        return tensors, None
+    grad = [t is not None and t.requires_grad for t in tensors]
+    if not any(grad) or any(t is not None and t.device.type != "cpu" for t in tensors):
+        return tensors, None
+    span = _Span()
+    views = iter(_SpanEnd.apply(span, *(t for t, g in zip(tensors, grad) if g)))
+    return tuple(next(views) if g else t for t, g in zip(tensors, grad)), span
+
+
+def start_backward_span(span: _Span | None, result: object) -> None:
+    """Start ``span`` (from :func:`backward_span`) when autograd reaches the node of a tensor of ``result`` (a
+    tensor, or tuples, lists and dicts of them): a hook on those nodes, nothing on the tensors themselves."""
+    if span is None:
+        return
+    nodes = {}
+    stack = [result]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if x.grad_fn is not None:
+                nodes[id(x.grad_fn)] = x.grad_fn
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+    for node in nodes.values():
+        node.register_prehook(lambda grads: _start_span(span))

@@ -12,7 +12,7 @@ from attnkit.context import CallContext
 from attnkit.errors import InvalidInputError
 from attnkit.transforms import symbolic
 
-from ._busy import busy_threads
+from ._busy import backward_span, busy_threads, start_backward_span
 from ._ops import HALF_DTYPES, backend_module, kernel_inputs, runnable_backend
 from .linear.recurrent import linear_attention_step
 from .options import check_choice, check_int
@@ -108,17 +108,24 @@ class KernelizedAttention(Attention):
 
     # ---------------------------------------------------------------- forward
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
-        # a CPU call on a machine other processes keep busy runs torch on one thread (see ._busy)
+        # a CPU call on a machine other processes keep busy runs torch on one thread (see ._busy), and so does
+        # its backward (the span from the outputs' nodes to the inputs')
         with busy_threads(q.device):
-            if q.dtype not in HALF_DTYPES:
-                return self._attend_body(q, k, v, ctx)
-            # half precision: features, states and normalisers in float32, the output cast back to the input
-            # dtype. On triton v stays half: _ops.kernel_inputs hands the kernels half features and values
-            # (float32 accumulators and states); every other backend gets v in float32 there
-            res = self._attend_body(q.float(), k.float(), v if ctx.backend == "triton" else v.float(), ctx)
-            if isinstance(res, tuple):
-                return res[0].to(q.dtype), res[1]
-            return res.to(q.dtype)
+            (q, k, v), span = backward_span(q, k, v)
+            res = self._attend_dtypes(q, k, v, ctx)
+            start_backward_span(span, res)
+            return res
+
+    def _attend_dtypes(self, q: Tensor, k: Tensor, v: Tensor, ctx: CallContext) -> Any:
+        if q.dtype not in HALF_DTYPES:
+            return self._attend_body(q, k, v, ctx)
+        # half precision: features, states and normalisers in float32, the output cast back to the input
+        # dtype. On triton v stays half: _ops.kernel_inputs hands the kernels half features and values
+        # (float32 accumulators and states); every other backend gets v in float32 there
+        res = self._attend_body(q.float(), k.float(), v if ctx.backend == "triton" else v.float(), ctx)
+        if isinstance(res, tuple):
+            return res[0].to(q.dtype), res[1]
+        return res.to(q.dtype)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``nn.Module._apply`` (``.to()``, ``.half()``, ``.cuda()``, ...) keeping :attr:`float32_buffers` in float32
