@@ -118,10 +118,13 @@ def matmul_rate(seconds: float = 3.0, n: int = 1024) -> float:
 
 def start_contention(threads: int) -> subprocess.Popen:
     """A second process keeping ``threads`` cores busy (matmuls in a loop on ``threads`` torch threads) for the
-    whole run: the same load for every method of a block (ended by :func:`stop_contention`)."""
+    whole run: the same load for every method of a block (ended by :func:`stop_contention`). It runs with
+    OpenMP's default wait policy whatever this process was started with (``OMP_WAIT_POLICY`` is dropped from
+    its environment): a measurement of this process's setting must not change the load too."""
     code = (f"import torch; torch.set_num_threads({threads}); a = torch.randn(256, 256)\n"
             "while True:\n    a @ a")
-    return subprocess.Popen([sys.executable, "-c", code])
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    return subprocess.Popen([sys.executable, "-c", code], env=env)
 
 
 def stop_contention(proc: subprocess.Popen) -> None:
