@@ -29,6 +29,8 @@ where declared, the kit's shapes (``ConformanceConfig(name)``: B = 2, H = 2, L =
   w.r.t. the parameters and q, against one autograd call per sample (implementations declaring grad and vmap);
 * ``jacobian``: ``jacrev`` (grad declared) and ``jacfwd`` (jvp declared) of the output w.r.t. q, B = 1, L = 5,
   against the Jacobian built row by row with autograd;
+* ``dual``: forward-mode AD with dual tensors (``torch.autograd.forward_ad``), q dual with and without
+  ``requires_grad``, ``auto`` and each backend, against ``torch.func.jvp`` (implementations declaring ``jvp``);
 * ``hessian``: ``torch.func.hessian`` of ``out.square().sum()`` w.r.t. q (grad, vmap and jvp declared; B = 1,
   L = 4, D = 2) times a random direction, against the central difference of ``torch.func.grad`` (step 1e-5);
 * ``dims``: each non-torch CPU backend against ``torch`` at head dims 72 / 160 / 256 / 5 (value dims 24 / 200 /
@@ -352,6 +354,42 @@ def probe_jacobian(name: str) -> list[str]:
     return msgs
 
 
+def probe_dual(name: str) -> list[str]:
+    """Forward-mode AD with dual tensors (``torch.autograd.forward_ad``, not ``torch.func``): q dual, with and
+    without ``requires_grad``, ``auto`` and each backend, against ``torch.func.jvp`` (implementations declaring
+    ``jvp``; a forced non-torch backend refuses by name, as under ``torch.func.jvp``)."""
+    import torch.autograd.forward_ad as fwAD
+
+    if "jvp" not in attnkit.get_spec(name).capabilities.func_transforms:
+        return ["(jvp not declared)"]
+    c = Ctx("probe", ConformanceConfig(name=name))
+    dt = c.precise()
+    runnable, _ = c.backends()
+    msgs = []
+    q, k, v = c.inputs(c.L, c.L, dt)
+    causal = c.causal_modes()[-1]
+    t = torch.randn_like(q)
+    ref = c.build(dtype=dt).eval()                 # "auto": the torch path under torch.func
+    _, want = torch.func.jvp(lambda x: ref(x, k, v, causal=causal), (q,), (t,))
+    for backend in ("auto", *runnable):
+        attn = c.build(dtype=dt, backend=None if backend == "auto" else backend).eval()
+        for grad in (False, True):
+            try:
+                with fwAD.dual_level():
+                    out = attn(fwAD.make_dual(q.clone().requires_grad_(grad), t), k, v, causal=causal)
+                    got = fwAD.unpack_dual(out).tangent
+            except UnsupportedFeatureError as exc:
+                msgs.append(f"({backend}, requires_grad={grad}: refused: {str(exc).split(':')[0]})")
+                continue
+            except Exception as exc:  # noqa: BLE001
+                msgs.append(f"{backend}, requires_grad={grad}: {type(exc).__name__}: {str(exc).splitlines()[0]}"[:200])
+                continue
+            if got is None or (d := _max_diff([got], [want])) > 1e-8:
+                msgs.append(f"{backend}, requires_grad={grad}: tangent "
+                            + ("missing" if got is None else f"differs by {d:.1e}"))
+    return msgs
+
+
 def probe_hessian(name: str) -> list[str]:
     from torch.func import grad, hessian
 
@@ -418,7 +456,7 @@ PROBES: dict[str, Callable[[str], list[str]]] = {
     "anomaly": probe_anomaly,
     "threads": probe_threads, "partial_grad": probe_partial_grad, "inplace": probe_inplace,
     "per_sample": probe_per_sample,
-    "jacobian": probe_jacobian, "hessian": probe_hessian, "dims": probe_dims,
+    "jacobian": probe_jacobian, "dual": probe_dual, "hessian": probe_hessian, "dims": probe_dims,
 }
 
 

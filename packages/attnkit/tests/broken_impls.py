@@ -682,6 +682,37 @@ class AllowAllShortcutAttention(NaiveAttention):
         return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
 
 
+class _FusedNoForwardRule(torch.autograd.Function):
+    """A "fused kernel": the forward without a graph, the backward by recomputation; no forward-mode rule."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.causal, ctx.scale = causal, scale
+        return naive_attention(q, k, v, causal=causal, scale=scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = naive_attention(q, k, v, causal=ctx.causal, scale=ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad)
+        return gq, gk, gv, None, None
+
+
+class FunctorchOnlyCheckAttention(NaiveAttention):
+    """Declares ``grad`` and ``jvp``; takes its fused path unless q is a ``torch.func`` wrapper (it checks the
+    tensor itself instead of following the backend it was given): dual tensors of ``torch.autograd.forward_ad``
+    then reach a function without a forward-mode rule (the numba operators of attnkit's plugins dropped the
+    tangent there until session 53)."""
+
+    def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
+        if (key_padding_mask is None and attn_mask is None
+                and not torch._C._functorch.is_functorch_wrapped_tensor(q)):
+            return _FusedNoForwardRule.apply(q, k, v, causal, self.get_scale(q))
+        return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+
+
 class PenalisedAttention(NaiveAttention):
     """Correct, with an auxiliary loss in the graph (the mean square of its output), recorded inside ``_forward``."""
 
@@ -788,6 +819,10 @@ CASES: list[BrokenCase] = [
                r"under torch.func.vmap with the key_padding_mask batched too \(vmap declared in "
                r"Capabilities.func_transforms\) raised RuntimeError",
                {"exact": True, "capabilities": Capabilities(func_transforms=("vmap",))}),
+    BrokenCase(FunctorchOnlyCheckAttention, "broken-dual-tensors", "func_transforms",
+               r"with dual tensors \(torch.autograd.forward_ad, requires_grad=False\) \(jvp declared\) raised "
+               r"NotImplementedError",
+               {"exact": True, "capabilities": Capabilities(func_transforms=("grad", "jvp"))}),
     BrokenCase(AllowAllShortcutAttention, "broken-vmap-attn-mask", "func_transforms",
                r"attn_mask=<bool parity \(B, H, L, S\)>, .*under torch.func.vmap with the attn_mask batched too "
                r"\(vmap declared in Capabilities.func_transforms\) raised RuntimeError",

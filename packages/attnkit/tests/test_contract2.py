@@ -593,6 +593,49 @@ def test_torch_func_transforms_run_the_torch_backend_or_are_refused():
             grad(lambda x: forced(x, k, v).sum())(q)
 
 
+def test_dual_tensors_of_forward_mode_ad_run_the_torch_backend_or_are_refused():
+    """Dual tensors (``torch.autograd.forward_ad``) are a forward-mode derivative as ``torch.func.jvp`` takes one:
+    ``auto`` runs the torch backend (a fused path would drop the tangents: the output came out without one), a
+    spec without ``jvp`` and a forced backend are refused, naming forward-mode AD; a call without dual inputs
+    inside ``dual_level`` keeps its backend, and ``transforms.active()`` is empty again after the call."""
+    import torch.autograd.forward_ad as fwAD
+
+    from attnkit import transforms
+    caps = Capabilities(backends=("torch", "kitfake"), func_transforms=("grad", "jvp"))
+
+    class Picky(Recorder):
+        def backend_order(self, device, dtype):
+            return ("kitfake", "torch")
+
+        def _attend(self, q, k, v, ctx):
+            self.active = transforms.active()
+            return super()._attend(q, k, v, ctx)
+
+    q, k, v = qkv()
+    t = torch.randn_like(q)
+    with attnkit.registered(Picky, name="picky", capabilities=caps):
+        attn = attnkit.build("picky")
+        _, want = torch.func.jvp(lambda x: attn(x, k, v), (q,), (t,))
+        for needs_grad in (False, True):
+            with fwAD.dual_level():
+                attn(q, k, v)
+                assert attn.seen[-1].backend == "kitfake" and attn.active == ()    # no dual input: as before
+                out = attn(fwAD.make_dual(q.clone().requires_grad_(needs_grad), t), k, v)
+                assert attn.seen[-1].backend == "torch" and attn.active == ("jvp",)
+                tangent = fwAD.unpack_dual(out).tangent
+            assert transforms.active() == () and not transforms.in_dual_call()
+            torch.testing.assert_close(tangent, want)
+        forced = attnkit.build("picky", backend="kitfake")
+        with fwAD.dual_level(), pytest.raises(UnsupportedFeatureError,
+                                              match=r"forward-mode AD \(dual tensors.*backend='kitfake'"):
+            forced(fwAD.make_dual(q, t), k, v)
+        assert not transforms.in_dual_call()                  # left on an error too
+    with attnkit.registered(Picky, name="picky2", capabilities=Capabilities(backends=("torch",),
+                                                                           func_transforms=("grad",))):
+        with fwAD.dual_level(), pytest.raises(UnsupportedFeatureError, match=r"forward-mode AD.*declares \('grad',\)"):
+            attnkit.build("picky2")(fwAD.make_dual(q, t), k, v)
+
+
 def test_aux_records_of_an_ended_transform_are_dropped_inside_the_next_one():
     """A record left by ``torch.func.hessian`` (nested transforms) is a wrapper at levels that ended; read inside
     the next transform it raised PyTorch's internal "escaped?" assertion (adaptive-span, found by the kit's

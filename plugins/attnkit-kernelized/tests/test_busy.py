@@ -280,3 +280,20 @@ def test_checkpointed_calls_in_busy_mode(two_threads, busy_machine, reentrant):
     assert torch.get_num_threads() == 2 and _busy.kernel_thread_count() is None
     for a, t in zip(want, (q, k, v), strict=True):
         torch.testing.assert_close(a, t.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_forward_mode_ad_passes_through_the_span():
+    """Dual tensors (``torch.autograd.forward_ad``) that also need gradients: no span inside ``dual_level`` (its
+    identity node, a custom function, has no forward-mode rule: the first version refused the call)."""
+    import torch.autograd.forward_ad as fwAD
+
+    mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16, backend="torch").double()
+    q, k, v = _qkv()
+    t = torch.randn_like(q)
+    with fwAD.dual_level():
+        out = mod(fwAD.make_dual(q, t), k, v, causal=True)
+        tangent = fwAD.unpack_dual(out).tangent
+    _, want = torch.func.jvp(lambda x: mod(x, k.detach(), v.detach(), causal=True), (q.detach(),), (t,))
+    torch.testing.assert_close(tangent, want)
+    out.sum().backward()                                     # and the backward still runs
+    assert q.grad is not None and torch.isfinite(q.grad).all()

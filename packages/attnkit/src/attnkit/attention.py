@@ -334,14 +334,19 @@ class Attention(AuxLossMixin, nn.Module):
         if not active:
             return None
         declared = self.caps.func_transforms
+
+        def what(t: str) -> str:
+            return ("forward-mode AD (dual tensors of torch.autograd.forward_ad)"
+                    if t == "jvp" and _transforms.in_dual_call() else f"torch.func.{t}")
+
         for t in active:
             if t not in declared:
-                self._refuse(f"torch.func.{t}", "its kernels do not compose with torch.func transforms (NumPy or "
+                self._refuse(what(t), "its kernels do not compose with torch.func transforms (NumPy or "
                              "numba on tensor data, or custom autograd functions without transform rules)"
                              + (f"; it declares {declared}" if declared else ""), func_transforms=t)
         if self.backend not in ("auto", "torch"):
             raise UnsupportedFeatureError(
-                self.impl_name, f"torch.func.{active[0]} with backend={self.backend!r}",
+                self.impl_name, f"{what(active[0])} with backend={self.backend!r}",
                 "only its torch backend composes with torch.func transforms; build it with backend='torch' or "
                 "'auto' (which runs torch under a transform)")
         return "torch"
@@ -556,13 +561,16 @@ class Attention(AuxLossMixin, nn.Module):
         if kpm is not None:  # padded keys have no influence, whatever they hold (NaN, Inf)
             pad = ~kpm[:, None, :, None]
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        backend = (self._transform_backend() or self._export_backend(m, q, needs_grad)
-                   or self.resolve_backend(q, k, v, needs_grad=needs_grad))
-        ctx = CallContext(mask=m, geometry=geom, backend=backend, scale=self.get_scale(q), positions=pos,
-                          state=None if state is None else state.data,
-                          state_position=0 if state is None else state.position,
-                          return_state=stateful, needs_grad=needs_grad)
-        result = self._run(q, k, v, ctx)
+        # dual tensors of torch.autograd.forward_ad: the call runs as under torch.func.jvp (the torch path)
+        dual = _transforms.dual_inputs(q, k, v, *(_caching.tensors_in(state.data) if state else ()))
+        with _transforms.forward_ad_call(dual):
+            backend = (self._transform_backend() or self._export_backend(m, q, needs_grad)
+                       or self.resolve_backend(q, k, v, needs_grad=needs_grad))
+            ctx = CallContext(mask=m, geometry=geom, backend=backend, scale=self.get_scale(q), positions=pos,
+                              state=None if state is None else state.data,
+                              state_position=0 if state is None else state.position,
+                              return_state=stateful, needs_grad=needs_grad)
+            result = self._run(q, k, v, ctx)
         _aux.bind_aux_records(self, result)
         if not stateful:
             return result
@@ -673,8 +681,9 @@ class Attention(AuxLossMixin, nn.Module):
                 f"step: state must come from init_state(), step() or forward(return_state=True) of "
                 f"{self.impl_name!r}, got {_describe(state)}")
         state.validate(self.state_owner(), q, "step")
-        self._transform_backend()
-        out, data = self._step(q, k, v, state.data)
+        with _transforms.forward_ad_call(_transforms.dual_inputs(q, k, v, *_caching.tensors_in(state.data))):
+            self._transform_backend()
+            out, data = self._step(q, k, v, state.data)
         _aux.bind_aux_records(self, out)
         new = state.advanced(data, q.shape[2], q)
         return out, (new.detach() if self.caps.state_detached else new)

@@ -109,6 +109,11 @@ class _Path(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return g, None
 
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor | None, _what: Any) -> torch.Tensor | None:
+        # forward-mode AD (dual tensors) through the identity: the tangent, a view as the output is
+        return None if t is None else t.view_as(t)
+
 
 def first_order_path(x: torch.Tensor, what: str = "") -> torch.Tensor:
     """``x`` itself, on a path whose gradient is first order only.

@@ -10,23 +10,68 @@ transforms, and other forced backends, with :class:`attnkit.errors.UnsupportedFe
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from .spec import FUNC_TRANSFORMS
 
-__all__ = ["FUNC_TRANSFORMS", "active", "batched", "chunk_count", "plain_torch", "symbolic", "unwrapped"]
+__all__ = ["FUNC_TRANSFORMS", "active", "batched", "chunk_count", "dual_inputs", "forward_ad_call", "in_dual_call",
+           "plain_torch", "symbolic", "unwrapped"]
 
 
 def active() -> tuple[str, ...]:
     """The ``torch.func`` transforms wrapping the current call, outermost first (``()`` when none, or while
-    ``torch.compile`` traces). ``functionalize`` is left out: it changes no arithmetic an implementation sees."""
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+    ``torch.compile`` traces). ``functionalize`` is left out: it changes no arithmetic an implementation sees.
+
+    A call on dual tensors of ``torch.autograd.forward_ad`` (inside :func:`forward_ad_call`) reports ``"jvp"``
+    too: the same forward-mode derivative, so the same rules apply (the torch path, whose operators carry the
+    tangents; NumPy, numba and custom functions without a ``jvp`` would drop or refuse them)."""
+    if torch.compiler.is_compiling():
         return ()
+    dual = ("jvp",) if getattr(_dual_calls, "depth", 0) else ()
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return dual
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
     names = {TransformType.Grad: "grad", TransformType.Vmap: "vmap", TransformType.Jvp: "jvp"}
     found = (names.get(i.key()) for i in retrieve_all_functorch_interpreters())
-    return tuple(dict.fromkeys(n for n in found if n is not None))
+    return tuple(dict.fromkeys((*dual, *(n for n in found if n is not None))))
+
+
+_dual_calls = threading.local()
+
+
+def dual_inputs(*tensors: object) -> bool:
+    """True when a tensor among ``tensors`` carries a tangent of forward-mode AD at the current level
+    (``torch.autograd.forward_ad.make_dual`` inside ``dual_level``); False at once outside ``dual_level`` and
+    while ``torch.compile`` traces."""
+    import torch.autograd.forward_ad as fwAD
+
+    if torch.compiler.is_compiling() or fwAD._current_level < 0:
+        return False
+    return any(isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def in_dual_call() -> bool:
+    """True inside :func:`forward_ad_call` that engaged (a call on dual tensors)."""
+    return bool(getattr(_dual_calls, "depth", 0))
+
+
+@contextmanager
+def forward_ad_call(dual: bool) -> Iterator[None]:
+    """Around an attention call: when ``dual`` (:func:`dual_inputs`), :func:`active` reports ``"jvp"`` for its
+    duration, so the call takes what it takes under ``torch.func.jvp`` (the torch path). Nested calls count."""
+    if not dual:
+        yield
+        return
+    _dual_calls.depth = getattr(_dual_calls, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _dual_calls.depth -= 1
 
 
 def batched(*reads: object) -> bool:

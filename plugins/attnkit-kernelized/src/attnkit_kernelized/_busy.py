@@ -221,12 +221,15 @@ def backward_span(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor | N
     them inside the call only: a view made by a custom autograd function cannot be modified in place), the
     others as they were; pass ``span`` and the call's result to :func:`start_backward_span`. ``span`` is None
     (and the tensors unchanged) when the mode cannot apply: no gradient needed, a tensor not on the CPU,
-    ``torch.compile`` or ``torch.export`` tracing, a ``torch.func`` transform, the mode turned off.
+    ``torch.compile`` or ``torch.export`` tracing, a ``torch.func`` transform, forward-mode AD (inside
+    ``torch.autograd.forward_ad.dual_level``), the mode turned off.
     """
+    import torch.autograd.forward_ad as fwAD
+
     from attnkit import transforms
 
     if (not _ENABLED or not _OPENMP or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or transforms.active()):
+            or transforms.active() or fwAD._current_level >= 0):   # (dual tensors: no jvp through the node)
         return tensors, None
     grad = [t is not None and t.requires_grad for t in tensors]
     if not any(grad) or any(t is not None and t.device.type != "cpu" for t in tensors):

@@ -152,8 +152,9 @@ def check_func_transforms(cfg: ConformanceConfig) -> str | None:
     the dtype's tolerance: ``auto`` runs the ``torch`` backend under a transform, autograd the default one).
     ``vmap``: over a new leading dimension of two input sets, equal to the two calls stacked. ``jvp``: the
     directional derivative along random tangents equals the central difference (step 1e-6, to 1e-6 + 1e-5·|value|,
-    float64 only). Cases: the generator's plain and padding cases (each declared causal mode), the precise dtype,
-    eval mode.
+    float64 only), and the same derivative with dual tensors of ``torch.autograd.forward_ad`` (inputs with and
+    without ``requires_grad``, the module's own backend choice) equals it: the output must carry a tangent.
+    Cases: the generator's plain and padding cases (each declared causal mode), the precise dtype, eval mode.
 
     With ``grad`` declared, also a training step the ``torch.func`` way (the last causal mode, plain and padding
     cases): the module in training mode, its buffers passed in (``torch.func.functional_call``: an update such as
@@ -392,3 +393,30 @@ def _transform_case(c: Ctx, attn: Any, name: str, case: Any, n: int, dt: torch.d
             minus = loss(q - eps * tq, k - eps * tk, v - eps * tv)
         c.close(d, (plus - minus) / (2 * eps), label, dtype=dt, what="directional derivative",
                 against="the central difference", atol=1e-6, rtol=1e-5)
+        _dual_case(c, attn, case, kw, (q, k, v), (tq, tk, tv), g, d, n, dt)
+
+
+def _dual_case(c: Ctx, attn: Any, case: Any, kw: dict[str, Any], xs: tuple[torch.Tensor, ...],
+               tangents: tuple[torch.Tensor, ...], g: torch.Tensor, want: torch.Tensor, n: int,
+               dt: torch.dtype) -> None:
+    """The same directional derivative with dual tensors of ``torch.autograd.forward_ad`` (the module as built,
+    inputs that also need gradients): the output must carry the tangent (a fused path that drops it gives an
+    output without one) and agree with ``torch.func.jvp``'s."""
+    import torch.autograd.forward_ad as fwAD
+
+    atol, rtol = c.tol(dt, 10.0)
+    for needs_grad in (False, True):
+        label = f"{case.describe(dt)}, with dual tensors (torch.autograd.forward_ad, requires_grad={needs_grad})"
+        try:
+            with warnings.catch_warnings(), seeded(c.cfg.seed + n), fwAD.dual_level():
+                warnings.filterwarnings("ignore", r".*torch\.jit\.script.* is deprecated", DeprecationWarning)
+                duals = [fwAD.make_dual(t.clone().requires_grad_(needs_grad), tt)
+                         for t, tt in zip(xs, tangents, strict=True)]
+                tangent = fwAD.unpack_dual(attn(*duals, **kw)).tangent
+        except Exception as exc:  # noqa: BLE001
+            c.fail(f"{label} (jvp declared) raised {type(exc).__name__}: {exc}")
+        if tangent is None:
+            c.fail(f"{label}: the output carries no tangent (a path that does not propagate forward-mode "
+                   "derivatives ran on dual tensors; under them the torch backend must run, as under torch.func.jvp)")
+        c.close((tangent * g).sum(), want, label, dtype=dt, what="directional derivative",
+                against="torch.func.jvp's", atol=atol, rtol=rtol)
