@@ -562,8 +562,7 @@ class Attention(AuxLossMixin, nn.Module):
             pad = ~kpm[:, None, :, None]
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
         # dual tensors of torch.autograd.forward_ad: the call runs as under torch.func.jvp (the torch path)
-        dual = _transforms.dual_inputs(q, k, v, *(_caching.tensors_in(state.data) if state else ()))
-        with _transforms.forward_ad_call(dual):
+        with _transforms.forward_ad_call(_transforms.dual_inputs(q, k, v, None if state is None else state.data)):
             backend = (self._transform_backend() or self._export_backend(m, q, needs_grad)
                        or self.resolve_backend(q, k, v, needs_grad=needs_grad))
             ctx = CallContext(mask=m, geometry=geom, backend=backend, scale=self.get_scale(q), positions=pos,
@@ -681,7 +680,7 @@ class Attention(AuxLossMixin, nn.Module):
                 f"step: state must come from init_state(), step() or forward(return_state=True) of "
                 f"{self.impl_name!r}, got {_describe(state)}")
         state.validate(self.state_owner(), q, "step")
-        with _transforms.forward_ad_call(_transforms.dual_inputs(q, k, v, *_caching.tensors_in(state.data))):
+        with _transforms.forward_ad_call(_transforms.dual_inputs(q, k, v, state.data)):
             self._transform_backend()
             out, data = self._step(q, k, v, state.data)
         _aux.bind_aux_records(self, out)

@@ -44,15 +44,17 @@ def active() -> tuple[str, ...]:
 _dual_calls = threading.local()
 
 
-def dual_inputs(*tensors: object) -> bool:
-    """True when a tensor among ``tensors`` carries a tangent of forward-mode AD at the current level
-    (``torch.autograd.forward_ad.make_dual`` inside ``dual_level``); False at once outside ``dual_level`` and
-    while ``torch.compile`` traces."""
+def dual_inputs(*reads: object) -> bool:
+    """True when a tensor among ``reads`` (searched as :func:`attnkit.caching.tensors_in` does: a state's dict
+    too) carries a tangent of forward-mode AD at the current level (``torch.autograd.forward_ad.make_dual`` inside
+    ``dual_level``); False at once outside ``dual_level`` and while ``torch.compile`` traces."""
     import torch.autograd.forward_ad as fwAD
 
     if torch.compiler.is_compiling() or fwAD._current_level < 0:
         return False
-    return any(isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in tensors)
+    from .caching import tensors_in
+
+    return any(fwAD.unpack_dual(t).tangent is not None for t in tensors_in(*reads))
 
 
 def in_dual_call() -> bool:
