@@ -20,6 +20,8 @@ where declared, the kit's shapes (``ConformanceConfig(name)``: B = 2, H = 2, L =
   raises there);
 * ``threads``: one module called from four Python threads at once (lengths 24-48, float32 where declared)
   against sequential calls;
+* ``deterministic``: under ``torch.use_deterministic_algorithms(True)``, forward and backward three times on the
+  same inputs (each backend that trains, L = 130 where taken, padding): bit for bit the same, nothing refused;
 * ``partial_grad``: gradients when only some of q, k, v require them against all three;
 * ``inplace``: the output modified in place (``out.mul_(2)``: an in-place dropout or activation) before the
   backward pass, against ``2 * out``: each backend that trains, each causal mode, with padding; a finding is a
@@ -212,6 +214,48 @@ def probe_threads(name: str) -> list[str]:
             msgs.append(f"{backend}: {errors[0]}")
         elif (d := max(_max_diff([got[t][j]], [want[j]]) for t in range(4) for j in range(4))) > 1e-5:
             msgs.append(f"{backend}: threaded calls differ by {d:.1e}")
+    return msgs
+
+
+def probe_deterministic(name: str) -> list[str]:
+    """Under ``torch.use_deterministic_algorithms(True)``: forward and backward three times on the same inputs
+    (each backend that trains, float32 where declared, L = 130 where the implementation takes it, else the kit's
+    length; padding where declared; training mode off): the outputs and gradients bit for bit the same, and no
+    operation refused."""
+    from attnkit.errors import InvalidInputError
+
+    msgs = []
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for c, backend, attn, _q, _k, _v in _training_backends(name):
+            dt = torch.float32 if "float32" in c.caps.dtypes else c.precise()
+            attn = c.build(dtype=dt, backend=backend).eval()
+            causal = c.causal_modes()[-1]
+            runs = []
+            for L in (130, c.L):
+                q, k, v = c.inputs(L, L, dt)
+                kpm = padding_mask(c.B, L, c.device) if c.caps.key_padding_mask else None
+                try:
+                    for _ in range(3):
+                        xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                        out = attn(*xs, causal=causal, key_padding_mask=kpm)
+                        out.square().sum().backward()
+                        runs.append([out.detach(), *(x.grad for x in xs)])
+                    break
+                except (UnsupportedFeatureError, InvalidInputError):
+                    runs = []          # a length it does not take: the kit's
+                except Exception as exc:  # noqa: BLE001
+                    msgs.append(f"{backend}: {type(exc).__name__}: {str(exc).splitlines()[0]}"[:200])
+                    runs = []
+                    break
+            for r in runs[1:]:
+                if not all(torch.equal(a, b) for a, b in zip(runs[0], r, strict=True)):
+                    d = _max_diff(r, runs[0])
+                    msgs.append(f"{backend}: runs differ (largest {d:.1e}) under deterministic algorithms")
+                    break
+    finally:
+        torch.use_deterministic_algorithms(was)
     return msgs
 
 
@@ -453,9 +497,8 @@ def probe_dims(name: str) -> list[str]:
 PROBES: dict[str, Callable[[str], list[str]]] = {
     "compile": probe_compile, "inductor": lambda name: probe_compile(name, "inductor"), "lengths": probe_lengths,
     "inductor_lengths": lambda name: probe_lengths(name, "inductor"), "fullgraph": probe_fullgraph,
-    "anomaly": probe_anomaly,
-    "threads": probe_threads, "partial_grad": probe_partial_grad, "inplace": probe_inplace,
-    "per_sample": probe_per_sample,
+    "anomaly": probe_anomaly, "threads": probe_threads, "deterministic": probe_deterministic,
+    "partial_grad": probe_partial_grad, "inplace": probe_inplace, "per_sample": probe_per_sample,
     "jacobian": probe_jacobian, "dual": probe_dual, "hessian": probe_hessian, "dims": probe_dims,
 }
 
