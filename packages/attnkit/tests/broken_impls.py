@@ -682,24 +682,6 @@ class AllowAllShortcutAttention(NaiveAttention):
         return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
 
 
-class _FusedNoForwardRule(torch.autograd.Function):
-    """A "fused kernel": the forward without a graph, the backward by recomputation; no forward-mode rule."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        ctx.save_for_backward(q, k, v)
-        ctx.causal, ctx.scale = causal, scale
-        return naive_attention(q, k, v, causal=causal, scale=scale)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
-        with torch.enable_grad():
-            out = naive_attention(q, k, v, causal=ctx.causal, scale=ctx.scale)
-            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad)
-        return gq, gk, gv, None, None
-
-
 class FunctorchOnlyCheckAttention(NaiveAttention):
     """Declares ``grad`` and ``jvp``; takes its fused path unless q is a ``torch.func`` wrapper (it checks the
     tensor itself instead of following the backend it was given): dual tensors of ``torch.autograd.forward_ad``
@@ -709,7 +691,8 @@ class FunctorchOnlyCheckAttention(NaiveAttention):
     def _forward(self, q, k, v, *, causal, key_padding_mask, attn_mask):
         if (key_padding_mask is None and attn_mask is None
                 and not torch._C._functorch.is_functorch_wrapped_tensor(q)):
-            return _FusedNoForwardRule.apply(q, k, v, causal, self.get_scale(q))
+            # a "fused kernel": right without padding, and, as every custom function without a jvp, no forward-mode rule
+            return _MaskFreeBackward.apply(q, k, v, None, causal, self.get_scale(q))
         return super()._forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
 
 
