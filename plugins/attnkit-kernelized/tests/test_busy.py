@@ -233,6 +233,7 @@ def test_backward_that_raises_leaves_no_thread_count_behind(two_threads, busy_ma
     assert torch.get_num_threads() == 2
 
 
+@pytest.mark.skipif(not _busy._OPENMP, reason="the mode engages only with torch's OpenMP backend")
 def test_backward_span_applies_only_to_eager_cpu_calls_that_need_gradients(busy_machine):
     q, k, v = _qkv()
     with torch.no_grad():
