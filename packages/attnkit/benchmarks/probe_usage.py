@@ -163,12 +163,12 @@ def probe_fullgraph(name: str) -> list[str]:
     return msgs
 
 
-def _training_backends(name: str) -> Iterator[tuple[Ctx, str | None, torch.nn.Module, torch.Tensor, torch.Tensor,
-                                                     torch.Tensor]]:
+def _training_backends(name: str, float32: bool = False) -> Iterator[tuple[Ctx, str | None, torch.nn.Module,
+                                                                            torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(ctx, backend, module, q, k, v)`` for each backend of ``name`` that runs here and trains (the precise
-    dtype, the kit's shapes)."""
+    dtype, or float32 where declared with ``float32``; the kit's shapes)."""
     c = Ctx("probe", ConformanceConfig(name=name))
-    dt = c.precise()
+    dt = torch.float32 if float32 and "float32" in c.caps.dtypes else c.precise()
     runnable, _ = c.backends()
     for backend in runnable:
         if c.trains(backend):
@@ -228,9 +228,9 @@ def probe_deterministic(name: str) -> list[str]:
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        for c, backend, attn, _q, _k, _v in _training_backends(name):
-            dt = torch.float32 if "float32" in c.caps.dtypes else c.precise()
-            attn = c.build(dtype=dt, backend=backend).eval()
+        for c, backend, attn, q0, _k, _v in _training_backends(name, float32=True):
+            dt = q0.dtype
+            attn.eval()
             causal = c.causal_modes()[-1]
             runs = []
             for L in (130, c.L):

@@ -284,8 +284,9 @@ def test_checkpointed_calls_in_busy_mode(two_threads, busy_machine, reentrant):
 
 
 def test_forward_mode_ad_passes_through_the_span():
-    """Dual tensors (``torch.autograd.forward_ad``) that also need gradients: no span inside ``dual_level`` (its
-    identity node, a custom function, has no forward-mode rule: the first version refused the call)."""
+    """Dual tensors (``torch.autograd.forward_ad``) that also need gradients: the call runs as under
+    ``torch.func.jvp`` and takes no span (its identity node, a custom function, has no forward-mode rule: the
+    first version refused the call)."""
     import torch.autograd.forward_ad as fwAD
 
     mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16, backend="torch").double()

@@ -31,7 +31,7 @@ def active() -> tuple[str, ...]:
     tangents; NumPy, numba and custom functions without a ``jvp`` would drop or refuse them)."""
     if torch.compiler.is_compiling():
         return ()
-    dual = ("jvp",) if getattr(_dual_calls, "depth", 0) else ()
+    dual = ("jvp",) if in_dual_call() else ()
     if torch._C._functorch.peek_interpreter_stack() is None:
         return dual
     from torch._C._functorch import TransformType

@@ -40,6 +40,9 @@ from contextlib import contextmanager
 
 import torch
 
+from attnkit import transforms
+from attnkit.caching import tensors_in
+
 __all__ = ["machine_busy", "LoadSampler", "busy_threads", "kernel_thread_count", "backward_span",
            "start_backward_span", "WINDOW", "MARGIN"]
 
@@ -221,15 +224,13 @@ def backward_span(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor | N
     them inside the call only: a view made by a custom autograd function cannot be modified in place), the
     others as they were; pass ``span`` and the call's result to :func:`start_backward_span`. ``span`` is None
     (and the tensors unchanged) when the mode cannot apply: no gradient needed, a tensor not on the CPU,
-    ``torch.compile`` or ``torch.export`` tracing, a ``torch.func`` transform, forward-mode AD (inside
-    ``torch.autograd.forward_ad.dual_level``), the mode turned off.
+    ``torch.compile`` or ``torch.export`` tracing, a ``torch.func`` transform or a call on dual tensors of
+    ``torch.autograd.forward_ad`` (:func:`attnkit.transforms.active`), the mode turned off.
     """
-    import torch.autograd.forward_ad as fwAD
-
-    from attnkit import transforms
-
+    # (a call on dual tensors of torch.autograd.forward_ad reports "jvp" in transforms.active(): the core runs it
+    # as under torch.func.jvp, and the identity node, a custom function without a forward-mode rule, stays out)
     if (not _ENABLED or not _OPENMP or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or transforms.active() or fwAD._current_level >= 0):   # (dual tensors: no jvp through the node)
+            or transforms.active()):
         return tensors, None
     grad = [t is not None and t.requires_grad for t in tensors]
     if not any(grad) or any(t is not None and t.device.type != "cpu" for t in tensors):
@@ -240,20 +241,11 @@ def backward_span(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor | N
 
 
 def start_backward_span(span: _Span | None, result: object) -> None:
-    """Start ``span`` (from :func:`backward_span`) when autograd reaches the node of a tensor of ``result`` (a
-    tensor, or tuples, lists and dicts of them): a hook on those nodes, nothing on the tensors themselves."""
+    """Start ``span`` (from :func:`backward_span`) when autograd reaches the node of a tensor of ``result`` (found
+    as :func:`attnkit.caching.tensors_in` finds them: tuples, dicts of a state): a hook on those nodes, nothing on
+    the tensors themselves."""
     if span is None:
         return
-    nodes = {}
-    stack = [result]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            if x.grad_fn is not None:
-                nodes[id(x.grad_fn)] = x.grad_fn
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (tuple, list)):
-            stack.extend(x)
+    nodes = {id(t.grad_fn): t.grad_fn for t in tensors_in(result) if t.grad_fn is not None}
     for node in nodes.values():
         node.register_prehook(lambda grads: _start_span(span))
