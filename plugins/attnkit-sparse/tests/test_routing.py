@@ -515,12 +515,12 @@ def test_select_row_candidate_capacity_boundary(dtype):
     fallback), on a contiguous row and on a strided one (no vector compare), always the positions ``topk``
     gives (ties at the w-th value: the lowest positions). The largest values lie at the last candidates, so a
     pass that stopped early and kept what it had would miss them."""
-    from attnkit_sparse.routing._numba import _SMALL_RANK, CAND_SLACK, select_row
+    from attnkit_sparse.routing._numba import _SMALL_RANK, CAND_SLACK, sample_rank, select_row
     w, st = 8, 16
     cap = 8 * w + 64
     L = 4 * cap + 77                                   # above 4·cap: the sampled path; not a multiple of 32
     ms = (L + st - 1) // st
-    k = (2 * w + st - 1) // st + 1
+    k = sample_rank(w, st)
     for extra in (cap - 1, cap, cap + 1, cap + 40):
         row = np.zeros(L, dtype=dtype)
         row[np.arange(k) * st] = 1.0                   # the sample's k-th largest: 1.0

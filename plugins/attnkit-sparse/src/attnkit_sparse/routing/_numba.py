@@ -24,6 +24,8 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
+from attnkit.numba_panel import transpose
+
 from .._gathered import tile_scores
 from ._mask_bits import ge_bits
 
@@ -255,9 +257,16 @@ def masked_inverse(iv, rl, ivm):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def sample_rank(w, st):  # pragma: no cover - compiled
-    """The rank in a sample of every ``st``-th value whose value is the threshold guess: about ``2w`` values of
-    the row lie above it."""
-    return (2 * w + st - 1) // st + 1
+    """The rank in a sample of every ``st``-th value whose value is the threshold guess: about ``3w`` values of
+    the row lie above it.
+
+    The count above the guess spreads by about ``sqrt(rank)·st`` (a sample's order statistic), and a cluster
+    with fewer than ``w`` candidates is selected again over its whole row (:func:`route_seq` scores its row a
+    second time). Aimed at ``2w`` (until session 54), 21 of 1,024 random 16K rows (128 clusters of 128) fell
+    short, nearly every sequence paid that second pass, and it cost a quarter of ``route_seq`` (8.5 against
+    6.4 ms a sequence, one thread); aimed at ``3w``, none of them fell short and none passed the ``8w + 64``
+    cap (docs/benchmarks.md, "Session 54")."""
+    return (3 * w + st - 1) // st + 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -279,9 +288,9 @@ def select_row(row, ivm, w, st, vals, smp, kbuf, cand, cv, out_i, out_ok):  # pr
     ``out_i`` with ``out_ok`` True.
 
     A threshold from a sample of the row (every ``st``-th value, into ``smp``; its rank found through ``kbuf``,
-    :data:`_SMALL_RANK` long) picks about ``2w`` candidates in one pass: :data:`_CBLOCK` positions at a time are
-    compared by vectors into one bit mask (:func:`._mask_bits.ge_bits`), and only its set bits are visited
-    (positions into ``cand``, values into ``cv``; both hold ``8w + 64`` plus :data:`CAND_SLACK`).
+    :data:`_SMALL_RANK` long) picks about ``3w`` candidates (:func:`sample_rank`) in one pass: :data:`_CBLOCK`
+    positions at a time are compared by vectors into one bit mask (:func:`._mask_bits.ge_bits`), and only its set
+    bits are visited (positions into ``cand``, values into ``cv``; both hold ``8w + 64`` plus :data:`CAND_SLACK`).
     The exact ``w``-th value is selected among them (:func:`from_candidates`: quickselect). When the sample's
     guess does not give between ``w`` and ``8w + 64`` candidates, the values of the whole row are written to
     ``vals`` and partitioned instead (:func:`select_full`).
@@ -403,23 +412,37 @@ TILE = 64
 def _tile_in(XT, xs, p0, step, tn, rl, ivt, zero):  # pragma: no cover - compiled
     """``XT[:, i] = xs[p0 + i·step]`` for ``i < tn`` (0 in the other columns) and ``ivt[i]`` its scale
     ``1 / max(‖x‖, 1e-12)`` where ``rl`` (the position is real), else NaN (NaN past ``tn`` too). One compiled
-    function for every caller, so a position's scale is the same bits wherever it is computed."""
+    function for every caller, so a position's scale is the same bits wherever it is computed.
+
+    Consecutive positions (``step`` 1, the tiles of a sequence) are transposed through registers
+    (:func:`attnkit.numba_panel.transpose`), the sample's strided ones by a loop; the squared norms are then summed
+    along the tile's columns (vectors across positions, each position's terms in the order of ``d``), in ``ivt``.
+    The loop that gathered each position into its column and summed its norm alone took 0.92 ms of a 16K
+    sequence's 4.8 ms of tiles, this 0.40 (one thread; docs/benchmarks.md, "Session 54")."""
     D, TW = XT.shape
     nan = np.nan
+    if step == 1:
+        transpose(XT, xs[p0:], tn, D)
+    else:
+        for i in range(tn):
+            r = xs[p0 + i * step]
+            for d in range(D):
+                XT[d, i] = r[d]
+    for d in range(D):
+        row = XT[d]
+        for i in range(tn, TW):
+            row[i] = zero
+    for i in range(TW):
+        ivt[i] = zero
+    for d in range(D):
+        row = XT[d]
+        for i in range(TW):
+            ivt[i] += row[i] * row[i]
     for i in range(tn):
-        p = p0 + i * step
-        r = xs[p]
-        acc = zero
-        for d in range(D):
-            v = r[d]
-            acc += v * v
-            XT[d, i] = v
-        nr = math.sqrt(acc)
+        nr = math.sqrt(ivt[i])
         sc = 1.0 / (nr if (nr > 1e-12 or nr != nr) else 1e-12)   # a NaN norm stays NaN (as clamp)
-        ivt[i] = sc if rl[p] else nan
+        ivt[i] = sc if rl[p0 + i * step] else nan
     for i in range(tn, TW):
-        for d in range(D):
-            XT[d, i] = zero
         ivt[i] = nan
 
 
