@@ -474,12 +474,12 @@ def test_top_w_kernel_equals_topk_with_padding_nan_and_ties(dtype, L):
 def test_selection_parts_against_numpy(dtype):
     """The parts of the top-w selection: the vector compare's bit mask (:func:`._mask_bits.ge_bits`) equals the
     scalar test lane by lane (NaN, inf, ties at the threshold, float32 and float64 lanes); the sample's k-th
-    largest through the insertion buffer and past it, and the candidates' quickselect, equal
-    ``np.partition``'s value with repeated values, for every rank."""
+    largest through the insertion buffer and past it, and the candidates' quickselect (plain and through a
+    histogram), equal ``np.partition``'s value with repeated values, for every rank."""
     import numba
 
     from attnkit_sparse.routing._mask_bits import ge_bits
-    from attnkit_sparse.routing._numba import _SMALL_RANK, _kth_largest, _select_largest
+    from attnkit_sparse.routing._numba import _SMALL_RANK, _kth_largest, _select_largest, _select_largest_bucketed
 
     @numba.njit
     def bits_at(row, sc, j, t):
@@ -506,6 +506,22 @@ def test_selection_parts_against_numpy(dtype):
             before = a.copy()
             assert _select_largest(a, n, k, work) == want
             assert np.array_equal(a, before)                        # the candidates' values are kept
+            assert _select_largest_bucketed(a, n, k, work) == want
+            assert np.array_equal(a, before)
+    # the bucketed form on what its histogram could get wrong: values on bucket edges, all equal, clustered,
+    # a tiny spread (subnormal), spreads that overflow, infinities; every rank
+    tiny = np.finfo(dtype).tiny
+    big = np.finfo(dtype).max
+    n = 300
+    work = np.empty(n, dtype=dtype)
+    cases = [rng.standard_normal(n), rng.integers(0, 3, n), np.full(n, 1.5), np.linspace(0.0, 255.0, n),
+             np.r_[np.zeros(n - 1), 1.0], np.r_[rng.standard_normal(n - 2) * 1e-3, 10.0, -10.0],
+             rng.integers(0, 4, n) * tiny, np.r_[rng.standard_normal(n - 2), big, -big],
+             np.r_[rng.standard_normal(n - 2), np.inf, 0.5], np.r_[rng.standard_normal(n - 2), -np.inf, 0.5]]
+    for a in cases:
+        a = np.asarray(a, dtype=dtype)
+        for k in range(1, n + 1):
+            assert _select_largest_bucketed(a, n, k, work) == np.partition(a, n - k)[n - k], (a[:4], k)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
