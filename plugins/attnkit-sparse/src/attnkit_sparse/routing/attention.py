@@ -245,8 +245,10 @@ class RoutingAttention(Attention):
         kpm = ctx.key_padding_mask
         kpm = None if kpm is None else kpm.to(q.device)
         cents = self._routing_centroids(q)
-        # (B, H, C, W); the nearest centroids only for the training update (0.2 ms a 16K sequence and side)
-        qi, qok, ki, kok, *near = route(q, k, cents, kpm, nearest=self.training)
+        # (B, H, C, W); the nearest centroids (a fifth entry) only for the training update (0.2 ms a 16K sequence
+        # and side)
+        routed = route(q, k, cents, kpm, nearest=self.training)
+        qi, qok, ki, kok = routed[:4]
         C, W = qi.shape[2], qi.shape[3]
         if ctx.backend == "triton" and (W < 16 or W & (W - 1)):
             # the triton kernels take blocks of a power of two >= 16 rows: each cluster gets unused slots (index 0,
@@ -279,7 +281,7 @@ class RoutingAttention(Attention):
         else:
             out = self._gather_attend_combine_torch(q, k, v, qi, qok, ki, plan, ctx.scale, ctx.backend)
         if self.training:
-            self._update(q.to(wide(q.dtype)), k.to(wide(k.dtype)), kpm, near[0], cents)
+            self._update(q.to(wide(q.dtype)), k.to(wide(k.dtype)), kpm, routed[4], cents)
         return out.view(B, H, L, E)
 
     def _full_plan(self, C: int, W: int, tile: int, device: torch.device,
