@@ -165,11 +165,12 @@ def test_undeclared_causal_forms_fix_the_length(name, backend):
 @pytest.mark.parametrize("feature_map", ["positive", "trig"])
 def test_performer_program_takes_the_pairwise_branch_for_large_norms(feature_map):
     """Queries and keys scaled by 10 and 30: the key maxima grow past the limit inside chunks, so the program's
-    torch.cond takes the branch with the pairwise blocks; the program still equals eager (no overflow, no
-    all-zero rows) at lengths across chunk boundaries, saved and loaded. The positive map's program on numba
-    holds the feature operators and takes each of its three forms: the linear kernels (scale 1), the log-space form
-    without pairwise blocks (one key of large norm repeated: beyond the bounds, no growth) and with them (scale
-    30); which one each input takes is read from the key operator's bounds and growth."""
+    log-space form selects those chunks for their pairwise blocks (a selection of data-dependent size, no
+    torch.cond of its own); the program still equals eager (no overflow, no all-zero rows) at lengths across
+    chunk boundaries, saved and loaded. The positive map's program on numba holds the feature operators and its
+    one torch.cond, and takes each of its three forms: the linear kernels (scale 1), the log-space form with no
+    chunk selected (one key of large norm repeated: beyond the bounds, no growth) and with some (scale 30); which
+    one each input takes is read from the key operator's bounds and growth."""
     import io
 
     from attnkit_kernelized.performer.chunk import GROWTH_LIMIT
@@ -189,9 +190,11 @@ def test_performer_program_takes_the_pairwise_branch_for_large_norms(feature_map
         torch.export.save(exported, buf)
         buf.seek(0)
         program = torch.export.load(buf).module()
-    assert "cond" in str(exported.graph)
+    graph = exported.graph_module.print_readable(print_output=False)       # (with the branches' graphs)
+    assert "nonzero" in graph                                   # the marked chunks' selection
+    assert ("higher_order.cond" in graph) == (feature_map == "positive")   # the linear kernels or the log-space form
     if feature_map == "positive":
-        assert "numba_performer_key_features" in str(exported.graph)
+        assert "numba_performer_key_features" in graph
     seen = set()
     for scale in (1.0, 10.0, 30.0, "one key"):
         for n in (5, 65, 200):

@@ -51,7 +51,6 @@ import torch
 from torch import Tensor
 
 from attnkit import transforms
-from attnkit.transforms import chunk_count
 
 from ..common import DEFAULT_CHUNK, chunk_outputs, group_chunk_count, normalize, pad_length, with_ones_column
 
@@ -94,6 +93,17 @@ def _pairwise(lq: Tensor, lk: Tensor, c: Tensor, a: Tensor | None, b: Tensor | N
     return w.sum(-1)
 
 
+def _prefix_max(x: Tensor) -> Tensor:
+    """The running maximum of ``x (..., C, M)`` along ``C`` by doubling (log2 C maxima of shifted copies): what
+    ``torch.cummax(x, dim=-2).values`` gives, for a program whose leading size is unbacked (the marked chunks'
+    count), where ``cummax`` does not trace."""
+    C, step = x.shape[-2], 1
+    while step < C:
+        x = torch.cat([x[..., :step, :], torch.maximum(x[..., step:, :], x[..., :-step, :])], dim=-2)
+        step *= 2
+    return x
+
+
 def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, lk: Tensor, prev: Tensor,
                      a: Tensor | None, b: Tensor | None, future: Tensor) -> tuple[Tensor, Tensor]:
     """``(A, q_inter)`` with the chunks ``pairwise`` marks recomputed in the per-position shift
@@ -101,15 +111,19 @@ def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, l
     <= 0) and their across-chunk query factors multiplied by ``exp(c_t - c'_t) <= 1``, so numerator and
     denominator of each row keep one shift. Under ``torch.compile``: every chunk, selected (no data-dependent
     branch), and so under torch.func transforms (vmap cannot select by the data). In a program
-    (``torch.export``) the marked chunks are selected (a count of its own, unbacked), their shifts taken from
-    every chunk's (a cumulative maximum over a selection of unbacked size does not trace): the blocks, ``C x C x M``
-    each, only where marked, as eager computes them; every chunk's block took 13 s at L = 4,096 (H = 8, M = 256)."""
+    (``torch.export``) the marked chunks are selected (a count of its own, unbacked; none selected: nothing is
+    recomputed), their running key maxima by :func:`_prefix_max` (``cummax`` over a selection of unbacked size
+    does not trace; taking every chunk's and selecting made the program's log-space form 1.7-2x slower on inputs
+    that mark none): the blocks, ``C x C x M`` each, only where marked, as eager computes them; every chunk's
+    block took 13 s at L = 4,096 (H = 8, M = 256)."""
     dense = (torch.compiler.is_compiling() and not torch.compiler.is_exporting()) or transforms.active()
     sel = (slice(None),) * 3 if dense else pairwise.nonzero(as_tuple=True)
+    sel_only = torch.compiler.is_exporting() and not dense   # (a selection of unbacked size: no cummax)
 
     def shifts(lq: Tensor, lk: Tensor, prev: Tensor) -> tuple[Tensor, Tensor]:
         # from detached values (no grad-mode switch: a program's torch.cond branches hold none)
-        mk = torch.maximum(torch.cummax(lk.detach(), dim=-2).values, prev.detach())
+        mk = torch.maximum(_prefix_max(lk.detach()) if sel_only else torch.cummax(lk.detach(), dim=-2).values,
+                           prev.detach())
         c_pos = (lq.detach() + mk).amax(-1, keepdim=True)                 # per position
         c_chunk = (lq.detach() + torch.maximum(prev.detach(), lk.detach()[..., :1, :])).amax(-1, keepdim=True)
         return c_pos, c_chunk
@@ -117,10 +131,7 @@ def _pairwise_chunks(A: Tensor, q_inter: Tensor, pairwise: Tensor, lq: Tensor, l
     lq_s, lk_s, prev_s = lq[sel], lk[sel], prev[sel]
     a_s = None if a is None else a[sel]
     b_s = None if b is None else b[sel]
-    if torch.compiler.is_exporting() and not dense:
-        c_pos, c_chunk = (c[sel] for c in shifts(lq, lk, prev))
-    else:
-        c_pos, c_chunk = shifts(lq_s, lk_s, prev_s)
+    c_pos, c_chunk = shifts(lq_s, lk_s, prev_s)
     block = _pairwise(lq_s, lk_s, c_pos, a_s, b_s, future)
     rescale = torch.exp(c_chunk - c_pos)                                   # (..., C, 1), <= 1
     if dense:
@@ -145,21 +156,23 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
             and ``z``, ``Mk`` = ``lk``'s last dim), or None (nothing seen).
         chunk: positions per chunk.
         recompute: which chunks get the pairwise block: ``"auto"`` those whose growth exceeds the limit (a
-            branch on the data, or ``torch.cond`` in a program), ``"none"`` or ``"marked"`` (those marked; no
-            branch): the branches of :func:`log_space_causal_dynamic` and of a program's choice in
-            :meth:`.module.PerformerAttention._program_causal`.
-        dynamic: the length is one ``torch.export`` traces as dynamic (with ``"auto"``:
-            :func:`log_space_causal_dynamic`; the chunk count from :func:`.common.group_chunk_count`, the chunks'
-            start states from :func:`.common.chunk_outputs`); None: :func:`attnkit.transforms.symbolic` says (a
-            caller inside a ``torch.cond`` branch, where the length no longer reads as symbolic, passes it).
+            branch on the data in eager; in a program (``torch.export``) the marked chunks selected, a count of
+            their own, no ``torch.cond``), ``"none"`` or ``"marked"`` (those marked, selected; no branch).
+        dynamic: the length is one ``torch.export`` traces as dynamic (the chunk count from
+            :func:`.common.group_chunk_count`, the chunks' start states from :func:`.common.chunk_outputs`);
+            None: :func:`attnkit.transforms.symbolic` says (a caller inside a ``torch.cond`` branch, where the
+            length no longer reads as symbolic, passes it).
 
     Returns:
         The normalised output (0 where a query has seen no key) and the new state.
     """
     B, H, L, _ = lq.shape
     dynamic = transforms.symbolic(L) if dynamic is None else dynamic
-    if recompute == "auto" and dynamic:
-        return log_space_causal_dynamic(lq, lk, v, a, b, pad, state, chunk=chunk)
+    if recompute == "auto" and torch.compiler.is_exporting() and not transforms.active():
+        # a program selects the marked chunks (none selected: the form without pairwise blocks, at the cost of a
+        # few passes over the exponents); a torch.cond between the two forms made the export 5x slower (its
+        # branches traced by dynamo: 16 s against 2-4 s for an L-dynamic trace of either form alone)
+        recompute = "marked"
     M = lq.shape[-1] if a is None else a.shape[-1]
     M = max(M, lk.shape[-1] if b is None else b.shape[-1])
     Mk = lk.shape[-1]
@@ -208,13 +221,6 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
     elif recompute == "none":
         pass
-    elif torch.compiler.is_exporting() and not transforms.active():
-        # a program branches with torch.cond: the pairwise blocks only where some chunk needs them
-        def recompute(A: Tensor, q_inter: Tensor) -> tuple[Tensor, Tensor]:
-            return _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
-
-        A, q_inter = torch.cond(pairwise.any(), recompute, lambda A, q_inter: (A.clone(), q_inter.clone()),
-                                (A, q_inter))
     elif torch.compiler.is_compiling() or transforms.active() or bool(pairwise.any()):   # (no data branch there)
         A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
     intra = A @ vp_c                                                        # (B, H, N, C, E+1)
@@ -235,42 +241,3 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     m_end = end[:, :, -1, 0]
     return normalize(out[..., :E], out[..., E]), (Sp[..., :E], Sp[..., E], m_end)
 
-
-def log_space_causal_dynamic(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None, b: Tensor | None = None,
-                             pad: Tensor | None = None, state: tuple[Tensor, Tensor, Tensor] | None = None, *,
-                             chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """:func:`log_space_causal` for a length ``torch.export`` traces as dynamic: one program for every length.
-
-    Whether some chunk needs its pairwise block is decided first (the chunks' key maxima, as the form computes
-    them), and a ``torch.cond`` takes the form without any pairwise block or the one that computes the marked
-    chunks' blocks; each branch splits the sequence into its own chunk count
-    (:func:`.common.group_chunk_count`; the operands of a ``torch.cond`` may hold only the length itself: sizes
-    made inside the trace lose their facts in the branches) and takes every chunk's start state from
-    :func:`.common.chunk_outputs`.
-    """
-    B, H, L, _ = lq.shape
-    C = max(1, chunk)
-    limit = GROWTH_LIMIT.get(v.dtype, 20.0)
-    # the chunks' growth, as log_space_causal computes it (its own chunks, a size here), detached
-    lkd = lk.detach() if pad is None else lk.detach().masked_fill(pad, NO_KEY)
-    lk_c = _chunks(lkd, C, chunk_count(L, C), NO_KEY, True)                  # (B, H, N, C, Mk)
-    m0 = lkd.new_full((B, H, lk.shape[-1]), NO_KEY) if state is None else state[2].detach()
-    end, _, first = _references(lk_c, m0)
-    needed = (end - first).amax() > limit
-
-    operands = [x for x in (lq, lk, v, a, b, pad) if x is not None] + (list(state) if state is not None else [])
-
-    def branch(mode: str):
-        def run_branch(*xs: Tensor) -> tuple[Tensor, ...]:
-            it = iter(xs)
-            lq_, lk_, v_ = next(it), next(it), next(it)
-            a_ = next(it) if a is not None else None
-            b_ = next(it) if b is not None else None
-            pad_ = next(it) if pad is not None else None
-            st = (next(it), next(it), next(it)) if state is not None else None
-            out, (S, z, m) = log_space_causal(lq_, lk_, v_, a_, b_, pad_, st, chunk=C, recompute=mode, dynamic=True)
-            return out, S.clone(), z.clone(), m.clone()   # (cond outputs may not alias one another)
-        return run_branch
-
-    out, S, z, m = torch.cond(needed, branch("marked"), branch("none"), tuple(operands))
-    return out, (S, z, m)

@@ -50,7 +50,7 @@ from ..common import padded, zero_padded
 from ..feature_maps import draw_gaussian_features, favor_generalized, key_max
 from ..options import check_bool, check_choice, check_int, check_seed
 from ..plugin import PERFORMER
-from .chunk import GROWTH_LIMIT, NO_KEY, log_space_causal
+from .chunk import NO_KEY, log_space_causal
 
 #: the positive map's causal form runs on the linear kernels (no shift of the keys) when every key exponent
 #: lies within [-bound, bound] for the dtype (features between e^-bound and e^bound: far from under- and overflow)
@@ -252,14 +252,12 @@ class PerformerAttention(KernelizedAttention):
         The features come first, from the feature operators of :mod:`.numba_features` (custom operators: the
         program holds them, and they take any length), with their exponent bounds and the largest growth of a
         feature's key maximum inside a chunk. A first ``torch.cond`` runs the linear kernels on them when every
-        key exponent and the state's reference lie within :data:`BOUNDED_EXPONENT` (:meth:`_bounded_linear`).
-        With a dynamic length two more follow, the log-space form without pairwise blocks when the bounds fail,
-        with the marked chunks' pairwise blocks when also some chunk grows past :data:`.chunk.GROWTH_LIMIT` (the
-        form marks its chunks itself: the growth read here only decides whether to look): conditions in a row,
-        not one inside another, since a branch holding a ``torch.cond`` is traced once more (the dynamic export
-        of an H = 8, D = 64 layer took ~30 s so, ~20 s in a row; :func:`.chunk.log_space_causal_dynamic` holds
-        one). A static length takes the log-space form whole in the first one's other branch (its own
-        ``torch.cond`` holds the pairwise blocks alone). On inputs of moderate norm the program then costs what
+        key exponent and the state's reference lie within :data:`BOUNDED_EXPONENT` (:meth:`_bounded_linear`),
+        else the log-space form (:func:`.chunk.log_space_causal`), which selects the chunks that grow past
+        :data:`.chunk.GROWTH_LIMIT` for their pairwise blocks (none selected: no block) without a condition of
+        its own. One condition: each of its branches is traced by dynamo, which made a dynamic export of an
+        H = 8, D = 64 layer take ~20 s with three conditions in a row (the log-space form without and with
+        pairwise blocks apart), ~30 s with them nested. On inputs of moderate norm the program then costs what
         the eager module's unfused numba path does (the fused kernel has no backward); the log-space form alone,
         what every program ran before, took 8.5x the eager module at L = 4,096 with a dynamic length, 2.6x with a
         static one (docs/benchmarks.md, session 48).
@@ -273,14 +271,13 @@ class PerformerAttention(KernelizedAttention):
 
         bound = BOUNDED_EXPONENT[q.dtype]
         s = self.get_scale(q) ** 0.5
-        phi_q, phi_k, hi, lo, growth = positive_features(q, k, self.features.to(q.dtype) * s, s * s, padded(kpm),
+        phi_q, phi_k, hi, lo, _ = positive_features(q, k, self.features.to(q.dtype) * s, s * s, padded(kpm),
                                                          self.chunk_size)
-        # (hi, lo, growth and m carry no gradient: no grad-mode switch, which torch.export's passes split at)
+        # (hi, lo and m carry no gradient: no grad-mode switch, which torch.export's passes split at)
         ok = (lo.amin() >= -bound) & (hi.amax() <= bound)
         if state is not None:
             m0 = state[2].detach()
             ok = ok & ((m0.abs() <= bound) | (m0 <= NO_KEY / 2)).all()
-        marked = ~ok & (growth.amax() > GROWTH_LIMIT.get(q.dtype, 20.0))
         operands = (q, k, v, phi_q, phi_k, hi) + ((kpm,) if kpm is not None else ()) + (tuple(state) if state else ())
 
         sizes = [tuple(x.shape) for x in operands]
@@ -308,39 +305,13 @@ class PerformerAttention(KernelizedAttention):
             out, (S, z, m) = self._bounded_linear(xs[3], xs[4], xs[2], st, xs[5], "numba")
             return out, S, z, m
 
-        def log_space(recompute: str) -> Any:
-            def run(*xs: Tensor) -> tuple[Tensor, ...]:
-                kpm_, st = unpack(xs)
-                out, (S, z, m) = self._log_space_causal(xs[0], xs[1], xs[2], kpm_, st, self.chunk_size,
-                                                        recompute=recompute, dynamic=dynamic)
-                return out, S.clone(), z.clone(), m.clone()     # (cond outputs may not alias one another)
-            return run
+        def log_space(*xs: Tensor) -> tuple[Tensor, ...]:
+            kpm_, st = unpack(xs)
+            out, (S, z, m) = self._log_space_causal(xs[0], xs[1], xs[2], kpm_, st, self.chunk_size,
+                                                    dynamic=dynamic)
+            return out, S.clone(), z.clone(), m.clone()     # (cond outputs may not alias one another)
 
-        if not dynamic:   # the static form's own torch.cond (around the pairwise blocks alone) is a small one
-            out, S, z, m = torch.cond(ok, bounded, log_space("auto"), operands)
-            return out, (S, z, m)
-
-        def nothing(*xs: Tensor) -> tuple[Tensor, ...]:
-            unpack(xs)
-            q_, v_, phi_q_, hi_ = xs[0], xs[2], xs[3], xs[5]
-            S = v_.new_zeros(*q_.shape[:2], phi_q_.shape[-1], v_.shape[-1])
-            return v_.new_zeros(v_.shape), S, S.new_zeros(S.shape[:3]), torch.zeros_like(hi_)
-
-        def instead(recompute: str) -> Any:      # (the first four operands: the result so far)
-            def run(*xs: Tensor) -> tuple[Tensor, ...]:
-                torch._check(xs[0].shape[2] == xs[4].shape[2])
-                return log_space(recompute)(*xs[4:])
-            return run
-
-        def keep(*xs: Tensor) -> tuple[Tensor, ...]:
-            torch._check(xs[0].shape[2] == xs[4].shape[2])
-            unpack(xs[4:])
-            return tuple(x.clone() for x in xs[:4])
-
-        # three conditions in a row, each branch traced once and one heavy branch run
-        result = torch.cond(ok, bounded, nothing, operands)
-        result = torch.cond(~ok & ~marked, instead("none"), keep, tuple(result) + operands)
-        out, S, z, m = torch.cond(marked, instead("marked"), keep, tuple(result) + operands)
+        out, S, z, m = torch.cond(ok, bounded, log_space, operands)
         return out, (S, z, m)
 
     def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,

@@ -25,7 +25,9 @@ its form from them (:meth:`.module.PerformerAttention._program_causal`):
   ``hi (B, H, M)`` and the smallest of a sequence ``lo (B, H)``, which decide
   whether the bounded path may run at all, and the largest growth of a feature's
   running maximum inside a chunk ``growth (B, H)`` (whether the log-space form
-  needs pairwise blocks; a program reads it). Backward:
+  marks chunks for pairwise blocks: the tests read it to know which form an input
+  takes; programs read it until session 55, when the log-space form began selecting
+  its marked chunks itself). Backward:
   ``dk = G W' - (sum_m G) · scale · k`` with ``G = g * phi_k`` (0 at padded keys).
 
 ``exp`` is :func:`attnkit_kernelized._vexp.exp_row` (vectorised; the bounded path's arguments,
