@@ -185,6 +185,43 @@ def test_the_pairwise_path_is_taken_and_agrees_with_the_factored_one():
     torch.testing.assert_close(out, factored)
 
 
+@pytest.mark.parametrize("C", [1, 2, 5, 8, 64])
+def test_prefix_max_equals_cummax(C):
+    """The doubling running maximum a program uses for its selected chunks (``cummax`` does not trace over a
+    selection of unbacked size) equals ``cummax`` at chunk sizes below, at and between powers of two, ties and
+    -inf included."""
+    from attnkit_kernelized.performer.chunk import _prefix_max
+
+    g = torch.Generator().manual_seed(C)
+    x = torch.randint(-3, 4, (3, C, 5), generator=g).double()
+    x[0, 0] = float("-inf")
+    torch.testing.assert_close(_prefix_max(x), torch.cummax(x, dim=-2).values, rtol=0, atol=0)
+
+
+def test_the_programs_selection_form_equals_eager_with_and_without_marked_chunks(monkeypatch):
+    """What a program runs (``recompute="auto"`` while exporting: the marked chunks selected, their shifts by
+    the doubling maximum) equals eager's form, values and gradients in float64, on inputs that mark no chunk (the
+    selection empty) and on inputs that mark some (exponents times 100)."""
+    from attnkit_kernelized.performer import chunk as performer_chunk
+
+    for scale, marks in ((0.5, False), (100.0, True)):
+        g = torch.Generator().manual_seed(int(scale))
+        lq, lk = (torch.randn(1, 2, 21, 8, generator=g, dtype=torch.float64) * scale for _ in range(2))
+        v = torch.randn(1, 2, 21, 3, generator=g, dtype=torch.float64)
+        outs = []
+        for exporting in (False, True):
+            monkeypatch.setattr(torch.compiler, "is_exporting", lambda exporting=exporting: exporting)
+            leaves = [x.clone().requires_grad_() for x in (lq, lk, v)]
+            out, _ = performer_chunk.log_space_causal(*leaves, chunk=8)
+            outs.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+        monkeypatch.undo()
+        lk_c = performer_chunk._chunks(lk, 8, 3, performer_chunk.NO_KEY)
+        end, _, first = performer_chunk._references(lk_c, lk.new_full((1, 2, 8), performer_chunk.NO_KEY))
+        assert bool((end - first).amax() > performer_chunk.GROWTH_LIMIT[torch.float64]) == marks
+        for got, want in zip(outs[1], outs[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bounded_and_log_space_forms_hand_the_state_to_each_other(backend):
     """A causal stream whose first segment has tame inputs (the linear kernels run) and whose second has

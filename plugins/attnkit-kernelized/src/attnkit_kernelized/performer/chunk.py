@@ -157,7 +157,7 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
         chunk: positions per chunk.
         recompute: which chunks get the pairwise block: ``"auto"`` those whose growth exceeds the limit (a
             branch on the data in eager; in a program (``torch.export``) the marked chunks selected, a count of
-            their own, no ``torch.cond``), ``"none"`` or ``"marked"`` (those marked, selected; no branch).
+            their own, no ``torch.cond``), or ``"marked"`` (those marked, selected, whatever the caller).
         dynamic: the length is one ``torch.export`` traces as dynamic (the chunk count from
             :func:`.common.group_chunk_count`, the chunks' start states from :func:`.common.chunk_outputs`);
             None: :func:`attnkit.transforms.symbolic` says (a caller inside a ``torch.cond`` branch, where the
@@ -165,7 +165,12 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
 
     Returns:
         The normalised output (0 where a query has seen no key) and the new state.
+
+    Raises:
+        ValueError: ``recompute`` is neither ``"auto"`` nor ``"marked"``.
     """
+    if recompute not in ("auto", "marked"):
+        raise ValueError(f"log_space_causal: recompute must be 'auto' or 'marked', got {recompute!r}")
     B, H, L, _ = lq.shape
     dynamic = transforms.symbolic(L) if dynamic is None else dynamic
     if recompute == "auto" and torch.compiler.is_exporting() and not transforms.active():
@@ -219,8 +224,6 @@ def log_space_causal(lq: Tensor, lk: Tensor, v: Tensor, a: Tensor | None = None,
     A = (q_intra @ k_intra.transpose(-1, -2)).masked_fill(future, 0.0)     # (B, H, N, C, C)
     if recompute == "marked":
         A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
-    elif recompute == "none":
-        pass
     elif torch.compiler.is_compiling() or transforms.active() or bool(pairwise.any()):   # (no data branch there)
         A, q_inter = _pairwise_chunks(A, q_inter, pairwise, lq_c, lk_c, prev, a_c, b_c, future)
     intra = A @ vp_c                                                        # (B, H, N, C, E+1)
