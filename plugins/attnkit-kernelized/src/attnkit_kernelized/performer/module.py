@@ -250,9 +250,9 @@ class PerformerAttention(KernelizedAttention):
         alone, :func:`.chunk.log_space_causal`).
 
         The features come first, from the feature operators of :mod:`.numba_features` (custom operators: the
-        program holds them, and they take any length), with their exponent bounds and the largest growth of a
-        feature's key maximum inside a chunk. A first ``torch.cond`` runs the linear kernels on them when every
-        key exponent and the state's reference lie within :data:`BOUNDED_EXPONENT` (:meth:`_bounded_linear`),
+        program holds them, and they take any length), with their exponent bounds. A ``torch.cond`` runs the
+        linear kernels on them when every key exponent and the state's reference lie within
+        :data:`BOUNDED_EXPONENT` (:meth:`_bounded_linear`),
         else the log-space form (:func:`.chunk.log_space_causal`), which selects the chunks that grow past
         :data:`.chunk.GROWTH_LIMIT` for their pairwise blocks (none selected: no block) without a condition of
         its own. One condition: each of its branches is traced by dynamo, which made a dynamic export of an
@@ -272,7 +272,7 @@ class PerformerAttention(KernelizedAttention):
         bound = BOUNDED_EXPONENT[q.dtype]
         s = self.get_scale(q) ** 0.5
         phi_q, phi_k, hi, lo, _ = positive_features(q, k, self.features.to(q.dtype) * s, s * s, padded(kpm),
-                                                         self.chunk_size)
+                                                    self.chunk_size)
         # (hi, lo and m carry no gradient: no grad-mode switch, which torch.export's passes split at)
         ok = (lo.amin() >= -bound) & (hi.amax() <= bound)
         if state is not None:
