@@ -217,14 +217,13 @@ class PerformerAttention(KernelizedAttention):
         return (*zeros[:2], zeros[2].fill_(NO_KEY)) if self._log_space else zeros
 
     def _log_space_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
-                          chunk: int, recompute: str = "auto", dynamic: bool | None = None) -> tuple[Tensor, Any]:
+                          chunk: int, dynamic: bool | None = None) -> tuple[Tensor, Any]:
         lq, a = self.log_features(q)
         lk, b = self.log_features(k)
         if self.feature_map == "trig":
             lq = torch.zeros_like(lk)           # the query factor exp(|q|^2/2) cancels
         # v may be half here (a triton call on half inputs): the log-space form runs in float32
-        return log_space_causal(lq, lk, v.to(lq.dtype), a, b, padded(kpm), state, chunk=chunk, recompute=recompute,
-                                dynamic=dynamic)
+        return log_space_causal(lq, lk, v.to(lq.dtype), a, b, padded(kpm), state, chunk=chunk, dynamic=dynamic)
 
     def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                         backend: str) -> tuple[Tensor, Any]:
