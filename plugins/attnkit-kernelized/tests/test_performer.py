@@ -222,6 +222,15 @@ def test_the_programs_selection_form_equals_eager_with_and_without_marked_chunks
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_log_space_causal_refuses_an_unknown_recompute():
+    """``recompute`` takes ``"auto"`` or ``"marked"``; anything else is refused by name, not run as ``"auto"``."""
+    from attnkit_kernelized.performer.chunk import log_space_causal
+
+    x = torch.zeros(1, 1, 4, 2)
+    with pytest.raises(ValueError, match="recompute must be 'auto' or 'marked', got 'none'"):
+        log_space_causal(x, x, x, recompute="none")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bounded_and_log_space_forms_hand_the_state_to_each_other(backend):
     """A causal stream whose first segment has tame inputs (the linear kernels run) and whose second has
