@@ -5,7 +5,8 @@ it was at ``--rev`` is exported (``git archive``) as ``attnkit_sparse_base`` (it
 namespace), both versions of the module are built with the same options (those of ``bench_lucidrains.py``)
 and called alternately, the order flipped each round, on fresh inputs each call. Reported: each side's
 median and the median (quartiles) of the per-round ratio ``base / work`` (above 1: the working tree is
-faster). The core package (``attnkit``) is the working tree's for both sides, except with ``--core-helpers``:
+faster). ``--keep-freed-memory``: :func:`attnkit.cpu_memory.keep_freed_memory` first, as ``bench_lucidrains.py``.
+The core package (``attnkit``) is the working tree's for both sides, except with ``--core-helpers``:
 the core's numba helper modules (``attnkit.numba_prefetch``, ``attnkit.numba_panel``) as they were at ``--rev``
 then go into the exported package, and its kernels import those copies (for A/B runs of a change to them).
 
@@ -85,8 +86,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--core-helpers", action="store_true",
                    help="the base side uses the core's numba helper modules as they were at --rev")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="call attnkit.cpu_memory.keep_freed_memory() first (process-wide: both sides alike)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    kept = False
+    if args.keep_freed_memory:
+        from attnkit.cpu_memory import keep_freed_memory
+        kept = keep_freed_memory()
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-ab-"))
     export(args.rev, tmp, args.core_helpers)
     sys.path.insert(0, str(tmp))
@@ -123,7 +130,8 @@ def main() -> None:
     ts = alternate(lambda side: run(mods[side]), args.rounds)
     mode = args.mode + (" causal" if args.causal else "")
     print(f"# {mech} module {mode}, L = {L}, B = 1, H = 8, D = E = 64, float32, {args.threads} thread(s), "
-          f"base {args.rev}{' (with its core helpers)' if args.core_helpers else ''} against the working tree")
+          f"base {args.rev}{' (with its core helpers)' if args.core_helpers else ''} against the working tree"
+          f"{'; freed memory kept' if kept else ''}")
     print(summary(ts))
 
 

@@ -64,12 +64,15 @@ def test_backends_match_reference_outputs_and_gradients(backend, causal, padded,
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_clusters_wider_than_a_query_block(causal, padded, monkeypatch):
+@pytest.mark.parametrize("save", [True, False])
+def test_fused_clusters_wider_than_a_query_block(causal, padded, save, monkeypatch):
     """Clusters of 75 and 66 slots run their queries in blocks of 64 against all their keys (a causal block
-    skips the keys after its latest query): outputs and gradients still equal the reference's."""
+    skips the keys after its latest query): outputs and gradients still equal the reference's, with the
+    backward reading the forward's saved probability tiles and with it computing the scores again."""
     import attnkit_sparse.routing._fused as kernels
     import attnkit_sparse.routing.fused as fused
     monkeypatch.setattr(fused, "FUSED", True)
+    monkeypatch.setattr(fused, "SAVE_TILES", save)
     assert kernels.QBLOCK == 64
     B, H, L, D, E = 2, 2, 150, 8, 5
     attn = _build(num_clusters=2, seed=5, backend="numba")
@@ -85,6 +88,35 @@ def test_fused_clusters_wider_than_a_query_block(causal, padded, monkeypatch):
     torch.testing.assert_close(out, ref, **TOL)
     for a, b in zip(torch.autograd.grad(proj_sum(out), leaves), torch.autograd.grad(proj_sum(ref), ref_leaves)):
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_fused_forward_keeps_its_tiles_only_for_a_backward_within_the_budget(monkeypatch):
+    """``SAVE_TILES = "auto"``: a forward keeps its probability tiles when gradients are wanted and they fit in
+    ``SAVED_MAX_BYTES``; not under ``no_grad``, not for inputs without gradients, not over the budget. The
+    saved tiles are not changed by a backward: a second backward (``retain_graph``) gives the same gradients."""
+    import attnkit_sparse.routing.fused as fused
+    monkeypatch.setattr(fused, "FUSED", True)
+    monkeypatch.setattr(fused, "SAVE_TILES", "auto")
+    seen = []
+    apply = fused._Fused.apply
+    monkeypatch.setattr(fused._Fused, "apply", lambda *a: seen.append(a[-1]) or apply(*a))
+    attn = _build(num_clusters=2, seed=5, backend="numba")
+    q, k, v = rand((2, 2, 150, 8), 4), rand((2, 2, 150, 8), 5), rand((2, 2, 150, 5), 6)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attn(*leaves, causal=True)
+    with torch.no_grad():
+        attn(*leaves)
+    attn(q, k, v)
+    assert seen == [True, False, False]
+    first = torch.autograd.grad(proj_sum(out), leaves, retain_graph=True)
+    again = torch.autograd.grad(proj_sum(out), leaves)
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # 2·2 sequences, 2 clusters of 75 slots: two query blocks of (76, 64) float64 tiles each
+    assert fused.save_tiles(4, 2, 75, 8)
+    monkeypatch.setattr(fused, "SAVED_MAX_BYTES", 4 * 2 * 2 * 76 * 64 * 8 - 1)
+    attn(*leaves)
+    assert seen[-1] is False
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,7 +13,8 @@ tiles, mask them by their own rule, and then run the same steps, which live here
   ``(m, l, out)`` by log-sum-exp, and the position's output normalised (``lse = +inf`` and 0 where no group
   gave it a key);
 - :func:`tile_backward`: from the masked scores, ``P = exp(S − lse)``, ``dS = P (dP − Δ)``, ``dV += Pᵀ dO``,
-  ``dK += dSᵀ (scale·Q)`` and ``dQ = dS K`` (the caller scales and scatters it).
+  ``dK += dSᵀ (scale·Q)`` and ``dQ = dS K`` (the caller scales and scatters it); :func:`tile_backward_saved`:
+  the same from the forward's saved ``exp(S − shift)`` tile (no scores product, no exponentials).
 
 ``width`` is the tile's query capacity (columns); ``qn ≤ width`` of them are used, the rest are zero.
 The products run on register panels (:mod:`attnkit.numba_panel`: the output block held in vector registers
@@ -178,18 +179,52 @@ def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dV
     ``DT = V dOᵀ`` then ``dS = P (dP − Δ)`` in ``DT``, ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)`` and
     ``dQb[:qn] = dS K`` (unscaled). ``lrow``, ``drow``: each query column's ``lse`` and ``Δ`` (``+inf`` and 0 on
     the unused columns); ``GT``/``Gb``, ``Qb``: ``dO`` transposed/row-major and the scaled queries."""
-    D = Kb.shape[1]
-    E = Vb.shape[1]
-    for j in range(kn):
-        drw = DT[j]
-        for i in range(width):
-            drw[i] = zero
-    axpy_at(DT, kn, Vb, 0, GT, 0, E)                   # dPᵀ = V dOᵀ
+    _dp(DT, kn, width, Vb, GT, zero)
     for j in range(kn):
         row = ST[j]; drw = DT[j]
         _exp_into(row, one, lrow, zero, row, nbuf, cst, is32)     # P = exp(S − lse)
         for i in range(width):
             drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
+    _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def tile_backward_saved(PT, fac, ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb,
+                        zero):  # pragma: no cover - compiled
+    """:func:`tile_backward` from the forward's saved tile instead of the scores: ``PT[:kn]`` holds
+    ``exp(S − shift)`` (0 where masked) and ``PT[-1]`` each column's ``shift``, so ``P = PT·exp(shift − lse)``
+    (into ``ST``; ``fac``: scratch of ``width``). No scores product and no exponential per element."""
+    last = PT.shape[0] - 1
+    for i in range(width):
+        fac[i] = math.exp(PT[last, i] - lrow[i])     # 0 on the unused columns (lse = +inf)
+    for j in range(kn):     # P first, dS in a loop of its own: one loop writing both ran 10% slower
+        src = PT[j]; row = ST[j]
+        for i in range(width):
+            row[i] = src[i] * fac[i]
+    _dp(DT, kn, width, Vb, GT, zero)
+    for j in range(kn):
+        row = ST[j]; drw = DT[j]
+        for i in range(width):
+            drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
+    _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _dp(DT, kn, width, Vb, GT, zero):  # pragma: no cover - compiled
+    """``DT[:kn] = V dOᵀ`` ``(kn, width)``: the key-major ``dPᵀ``."""
+    E = Vb.shape[1]
+    for j in range(kn):
+        drw = DT[j]
+        for i in range(width):
+            drw[i] = zero
+    axpy_at(DT, kn, Vb, 0, GT, 0, E)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero):  # pragma: no cover - compiled
+    """From ``P`` (``ST``) and ``dS`` (``DT``), key-major: ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)``,
+    ``dQb[:qn] = dS K`` (unscaled)."""
+    D = Kb.shape[1]
     axpy_at(dVb, kn, ST, 0, Gb, 0, qn)                 # dV += Pᵀ dO
     axpy_at(dKb, kn, DT, 0, Qb, 0, qn)                 # dK += dSᵀ (scale·Q)
     for i in range(qn):

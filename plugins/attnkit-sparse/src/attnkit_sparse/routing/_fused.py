@@ -36,6 +36,7 @@ from .._gathered import (
     merge_row,
     normalise_row,
     tile_backward,
+    tile_backward_saved,
     tile_scores,
     tile_softmax_pv,
     transpose_columns,
@@ -62,6 +63,13 @@ def _causal(ST, pk, pq, kn, qn, ninf):  # pragma: no cover - compiled
 QBLOCK = 64
 
 
+def saved_shape(N: int, C: int, W: int) -> tuple[int, int, int, int, int]:
+    """The shape of the tiles :func:`forward_seq` saves for the backward: ``(N, C, nb, W + 1, BQ)``, one
+    ``(W + 1, BQ)`` tile per query block (``BQ = min(W, QBLOCK)``, ``nb`` blocks of a cluster's ``W`` slots)."""
+    bq = min(W, QBLOCK)
+    return N, C, (W + bq - 1) // bq, W + 1, bq
+
+
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _seen(pk, kn, last):  # pragma: no cover - compiled
     """How many of the ascending key positions ``pk[:kn]`` are ``<= last`` (the keys a causal query block whose
@@ -73,8 +81,11 @@ def _seen(pk, kn, last):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse):  # pragma: no cover - compiled
-    """Sequence ``n``'s clusters merged into ``out`` ``(N, L, E)`` and ``lse`` ``(N, L)`` (``m``, ``l`` scratch)."""
+def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse, save, PS):  # pragma: no cover - compiled
+    """Sequence ``n``'s clusters merged into ``out`` ``(N, L, E)`` and ``lse`` ``(N, L)`` (``m``, ``l`` scratch).
+    With ``save``, each query block's tile is computed in ``PS[n, c, block]`` (``(N, C, nb, W + 1, BQ)``,
+    :func:`saved_shape`) and left there for :func:`backward_seq`: ``exp(S − shift)`` in its first ``kb`` rows,
+    each column's ``shift`` in its last; otherwise ``PS`` is not read (any 5-D array of the dtype)."""
     N, L, D = q.shape
     E = v.shape[2]
     C, W = qi.shape[1], qi.shape[2]
@@ -88,7 +99,7 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
     Qr = np.empty((BQ, D), dtype=dt)
     Kb = np.empty((W, D), dtype=dt)
     Vb = np.empty((W, E), dtype=dt)
-    ST = np.empty((W, BQ), dtype=dt)
+    ST0 = np.empty((W + 1, BQ), dtype=dt)
     O = np.empty((BQ, E), dtype=dt)
     mx = np.empty(BQ, dtype=dt)
     shift = np.empty(BQ, dtype=dt)
@@ -119,10 +130,15 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
                 gather_query(Qr, i, qs[pb[i]], sc)
             transpose_columns(QT, Qr, bn, zero)
             kb = _seen(pk, kn, pb[bn - 1]) if causal else kn
+            ST = PS[n, c, q0 // BQ] if save else ST0
             tile_scores(ST, kb, BQ, Kb, QT, D, zero)
             if causal:
                 _causal(ST, pk, pb, kb, bn, ninf)
             tile_softmax_pv(ST, kb, BQ, bn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one, ninf)
+            if save:
+                srow = ST[W]
+                for i in range(BQ):
+                    srow[i] = shift[i]
             for i in range(bn):    # merge into the position's running (m, l, out)
                 prefetch_ahead(on, pb, i, bn)
                 merge_row(on, mn, ln, pb[i], O[i], mx[i], csum[i], False, s1, zero)
@@ -132,9 +148,11 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse): 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
 def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
-                 dq, dk, dv):  # pragma: no cover - compiled
+                 dq, dk, dv, saved, PS):  # pragma: no cover - compiled
     """The gradients of :func:`forward_seq` for sequence ``n`` into ``dq``, ``dk``, ``dv`` ``(N, L, ·)`` (its rows
-    zeroed first), with ``Δ = g·out`` per position computed in the same first pass."""
+    zeroed first), with ``Δ = g·out`` per position computed in the same first pass. With ``saved``, the
+    probabilities come from the forward's tiles in ``PS`` (:func:`.._gathered.tile_backward_saved`) instead of
+    the scores computed again."""
     N, L, D = q.shape
     E = v.shape[2]
     C, W = qi.shape[1], qi.shape[2]
@@ -157,6 +175,7 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
     dVb = np.empty((W, E), dtype=dt)
     lrow = np.empty(BQ, dtype=dt)
     drow = np.empty(BQ, dtype=dt)
+    fac = np.empty(BQ, dtype=dt)
     nbuf = np.empty(BQ, dtype=np.int32)
     qs = q[n]; ks = k[n]; vs = v[n]; gs = g[n]; os_ = out[n]
     dqn = dq[n]; dkn = dk[n]; dvn = dv[n]
@@ -194,14 +213,18 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
             for i in range(bn, BQ):
                 lrow[i] = -ninf
                 drow[i] = zero
-            transpose_columns(QT, Qb, bn, zero)
             transpose_columns(GT, Gb, bn, zero)
             kb = _seen(pk, kn, pb[bn - 1]) if causal else kn
-            tile_scores(ST, kb, BQ, Kb, QT, D, zero)      # scores, key-major
-            if causal:
-                _causal(ST, pk, pb, kb, bn, ninf)
-            tile_backward(ST, DT, kb, BQ, bn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
-                          zero, one)
+            if saved:
+                tile_backward_saved(PS[n, c, q0 // BQ], fac, ST, DT, kb, BQ, bn, Kb, Vb, GT, Gb, Qb, lrow, drow,
+                                    dKb, dVb, dQb, zero)
+            else:
+                transpose_columns(QT, Qb, bn, zero)
+                tile_scores(ST, kb, BQ, Kb, QT, D, zero)      # scores, key-major
+                if causal:
+                    _causal(ST, pk, pb, kb, bn, ninf)
+                tile_backward(ST, DT, kb, BQ, bn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
+                              zero, one)
             for i in range(bn):
                 prefetch_ahead(dqn, pb, i, bn)
                 dst = dqn[pb[i]]; src = dQb[i]

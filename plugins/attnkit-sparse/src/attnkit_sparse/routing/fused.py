@@ -13,6 +13,7 @@ float32 and float64 CPU tensors.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,24 @@ FUSED: str | bool = "auto"
 MAX_WIDTH = 2048
 
 
+#: "auto" (the forward keeps its probability tiles for the backward when they take at most
+#: :data:`SAVED_MAX_BYTES`), True (always) or False (never: the backward computes the scores again)
+SAVE_TILES: str | bool = "auto"
+
+#: the most bytes of probability tiles a training forward keeps under "auto": ``B·H·C·W·(W + 1)`` elements (about
+#: ``B·H·L·W`` for clusters of ``W`` slots; 67 MiB in float32 for H = 8 heads of 16K positions, clusters of 128)
+SAVED_MAX_BYTES = 256 << 20
+
+
+def save_tiles(N: int, C: int, W: int, itemsize: int) -> bool:
+    """Whether a training forward over ``N = B·H`` sequences of ``C`` clusters of ``W`` slots keeps its probability
+    tiles for the backward (:data:`SAVE_TILES`, :data:`SAVED_MAX_BYTES`)."""
+    if SAVE_TILES != "auto":
+        return bool(SAVE_TILES)
+    from ._fused import saved_shape
+    return math.prod(saved_shape(N, C, W)) * itemsize <= SAVED_MAX_BYTES
+
+
 def use_fused(N: int, W: int) -> bool:
     """Whether ``N = B·H`` sequences with clusters of ``W`` slots run on the fused kernels (:data:`FUSED`)."""
     if FUSED != "auto":
@@ -55,9 +74,9 @@ def _items(work: Any, N: int) -> None:
 class _Fused(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, qi: Tensor, ki: Tensor, nq: Tensor, nk: Tensor,
-                causal: bool, scale: float) -> Tensor:
+                causal: bool, scale: float, save: bool) -> Tensor:
         from ..engine._numba_kernels import constants
-        from ._fused import forward_seq
+        from ._fused import forward_seq, saved_shape
         N, L, _ = q.shape
         qa, ka, va = _np(q), _np(k), _np(v)
         qia, kia, nqa, nka = _np(qi), _np(ki), _np(nq), _np(nk)
@@ -65,10 +84,12 @@ class _Fused(torch.autograd.Function):
         is32 = qa.dtype == np.float32
         out = np.empty((N, L, va.shape[-1]), dtype=qa.dtype)
         m, l_, lse = (np.empty((N, L), dtype=qa.dtype) for _ in range(3))
-        _items(lambda n: forward_seq(qa, ka, va, qia, kia, nqa, nka, bool(causal), cst, is32, n, out, m, l_, lse), N)
+        ps = np.empty(saved_shape(N, qia.shape[1], qia.shape[2]) if save else (1, 1, 1, 1, 1), dtype=qa.dtype)
+        _items(lambda n: forward_seq(qa, ka, va, qia, kia, nqa, nka, bool(causal), cst, is32, n, out, m, l_, lse,
+                                     bool(save), ps), N)
         out_t = torch.from_numpy(out)
-        ctx.save_for_backward(q, k, v, qi, ki, nq, nk, out_t, torch.from_numpy(lse))
-        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, qi, ki, nq, nk, out_t, torch.from_numpy(lse), torch.from_numpy(ps))
+        ctx.causal, ctx.scale, ctx.saved = causal, scale, bool(save)
         return out_t
 
     @staticmethod
@@ -76,18 +97,19 @@ class _Fused(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         from ..engine._numba_kernels import constants
         from ._fused import backward_seq
-        q, k, v, qi, ki, nq, nk, out, lse = ctx.saved_tensors
+        q, k, v, qi, ki, nq, nk, out, lse, ps = ctx.saved_tensors
         N, L, D = q.shape
         E = v.shape[-1]
         qa, ka, va, ga = _np(q), _np(k), _np(v), _np(g)
-        qia, kia, nqa, nka, la, oa = _np(qi), _np(ki), _np(nq), _np(nk), _np(lse), _np(out)
+        qia, kia, nqa, nka, la, oa, psa = _np(qi), _np(ki), _np(nq), _np(nk), _np(lse), _np(out), _np(ps)
         cst = constants(qa.dtype, ctx.scale)
         is32 = qa.dtype == np.float32
         dq, dk = np.empty((N, L, D), dtype=qa.dtype), np.empty((N, L, D), dtype=qa.dtype)
         dv = np.empty((N, L, E), dtype=qa.dtype)
         _items(lambda n: backward_seq(qa, ka, va, ga, oa, qia, kia, nqa, nka, la, bool(ctx.causal), cst, is32, n,
-                                      dq, dk, dv), N)
-        return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, None, None
+                                      dq, dk, dv, ctx.saved, psa), N)
+        return (torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, None, None,
+                None)
 
 
 def attend_clusters(q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki: Tensor, kok: Tensor, *,
@@ -110,6 +132,8 @@ def attend_clusters(q: Tensor, k: Tensor, v: Tensor, qi: Tensor, qok: Tensor, ki
     C, W = qi.shape[2], qi.shape[3]
     N = B * H
     nq, nk = qok.reshape(N, C, W).sum(-1), kok.reshape(N, C, W).sum(-1)
+    save = save_tiles(N, C, W, q.element_size()) and torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad)
     out = _Fused.apply(q.reshape(N, L, D), k.reshape(N, L, D), v.reshape(N, L, E), qi.reshape(N, C, W),
-                       ki.reshape(N, C, W), nq, nk, bool(causal), float(scale))
+                       ki.reshape(N, C, W), nq, nk, bool(causal), float(scale), save)
     return out.view(B, H, L, E)
