@@ -3,6 +3,7 @@ process-wide) a large block freed and allocated again, round after round, comes 
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -65,3 +66,21 @@ def test_a_freed_block_is_reused_without_faults() -> None:
 @pytest.mark.skipif(GLIBC, reason="the non-glibc answer")
 def test_without_glibc_it_changes_nothing() -> None:
     assert keep_freed_memory() is False
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
+def test_keeps_freed_memory_tells_whether_the_process_keeps_it() -> None:
+    """False in a fresh process, True after a :func:`keep_freed_memory` that took its settings, and True from the
+    start under ``MALLOC_MMAP_MAX_=0`` (the environment's form of the same setting). A fresh process each: the
+    setting is process-wide."""
+    child = ("from attnkit.cpu_memory import keep_freed_memory, keeps_freed_memory\n"
+             "before = keeps_freed_memory(); applied = keep_freed_memory()\n"
+             "print(before, applied, keeps_freed_memory())")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_MAX_"}
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True, timeout=120,
+                         env=env).stdout.split()
+    assert out == ["False", "True", "True"]
+    probe = "from attnkit.cpu_memory import keeps_freed_memory; print(keeps_freed_memory())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120,
+                         env={**env, "MALLOC_MMAP_MAX_": "0"}).stdout.split()
+    assert out == ["True"]

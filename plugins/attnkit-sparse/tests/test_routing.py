@@ -91,12 +91,15 @@ def test_fused_clusters_wider_than_a_query_block(causal, padded, save, monkeypat
 
 
 def test_fused_forward_keeps_its_tiles_only_for_a_backward_within_the_budget(monkeypatch):
-    """``SAVE_TILES = "auto"``: a forward keeps its probability tiles when gradients are wanted and they fit in
-    ``SAVED_MAX_BYTES``; not under ``no_grad``, not for inputs without gradients, not over the budget. The
-    saved tiles are not changed by a backward: a second backward (``retain_graph``) gives the same gradients."""
+    """``SAVE_TILES = "auto"``: a forward keeps its probability tiles when gradients are wanted, they fit in
+    ``SAVED_MAX_BYTES`` and the process keeps freed memory; not under ``no_grad``, not for inputs without
+    gradients, not over the budget, not under glibc's default allocator. The saved tiles are not changed by a
+    backward: a second backward (``retain_graph``) gives the same gradients."""
+    import attnkit.cpu_memory as cpu_memory
     import attnkit_sparse.routing.fused as fused
     monkeypatch.setattr(fused, "FUSED", True)
     monkeypatch.setattr(fused, "SAVE_TILES", "auto")
+    monkeypatch.setattr(cpu_memory, "_kept", True)     # as after keep_freed_memory(), without changing malloc
     seen = []
     apply = fused._Fused.apply
     monkeypatch.setattr(fused._Fused, "apply", lambda *a: seen.append(a[-1]) or apply(*a))
@@ -117,6 +120,11 @@ def test_fused_forward_keeps_its_tiles_only_for_a_backward_within_the_budget(mon
     monkeypatch.setattr(fused, "SAVED_MAX_BYTES", 4 * 2 * 2 * 76 * 64 * 8 - 1)
     attn(*leaves)
     assert seen[-1] is False
+    monkeypatch.setattr(fused, "SAVED_MAX_BYTES", 1 << 30)
+    monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)
+    monkeypatch.setattr(cpu_memory, "_kept", False)    # glibc's default: large blocks are fresh mmaps
+    attn(*leaves)
+    assert seen[-1] is False and not fused.save_tiles(4, 2, 75, 8)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 import sys
 
 from .errors import InvalidInputError
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["keep_freed_memory", "keeps_freed_memory"]
 
 # mallopt parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -36,6 +37,17 @@ _M_MMAP_MAX = -4
 
 #: mallopt takes an int: the largest retention it can express, in MiB
 MAX_RETAIN_MIB = (2**31 - 1) >> 20
+
+#: whether :func:`keep_freed_memory` took its settings in this process
+_kept = False
+
+
+def keeps_freed_memory() -> bool:
+    """Whether this process serves large blocks from glibc's heap: :func:`keep_freed_memory` took its settings,
+    or the process started with ``MALLOC_MMAP_MAX_=0``. Kernels read it to decide whether a large buffer kept
+    for the backward is cheap: there a step reuses the previous step's pages; under glibc's default every block
+    of 32 MiB or more is a fresh ``mmap`` whose pages are faulted in again on each step."""
+    return _kept or os.environ.get("MALLOC_MMAP_MAX_") == "0"
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -84,4 +96,6 @@ def keep_freed_memory(retain_mib: int = MAX_RETAIN_MIB, *, top_pad_mib: int = 64
     ok = ok and libc.mallopt(_M_TOP_PAD, top_pad_mib << 20) == 1
     # last: with the two above refused, large blocks keep coming from mmap and nothing is retained
     ok = ok and libc.mallopt(_M_MMAP_MAX, 0) == 1
+    global _kept
+    _kept = _kept or ok
     return ok

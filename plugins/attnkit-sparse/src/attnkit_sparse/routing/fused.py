@@ -38,7 +38,8 @@ MAX_WIDTH = 2048
 
 
 #: "auto" (the forward keeps its probability tiles for the backward when they take at most
-#: :data:`SAVED_MAX_BYTES`), True (always) or False (never: the backward computes the scores again)
+#: :data:`SAVED_MAX_BYTES` and the process keeps freed memory, :func:`attnkit.cpu_memory.keeps_freed_memory`),
+#: True (always) or False (never: the backward computes the scores again)
 SAVE_TILES: str | bool = "auto"
 
 #: the most bytes of probability tiles a training forward keeps under "auto": ``B·H·C·W·(W + 1)`` elements (about
@@ -48,11 +49,18 @@ SAVED_MAX_BYTES = 256 << 20
 
 def save_tiles(N: int, C: int, W: int, itemsize: int) -> bool:
     """Whether a training forward over ``N = B·H`` sequences of ``C`` clusters of ``W`` slots keeps its probability
-    tiles for the backward (:data:`SAVE_TILES`, :data:`SAVED_MAX_BYTES`)."""
+    tiles for the backward (:data:`SAVE_TILES`, :data:`SAVED_MAX_BYTES`).
+
+    Under "auto" only where the process keeps freed memory (:func:`attnkit.cpu_memory.keep_freed_memory`): there
+    the buffer reuses the previous step's pages. Under glibc's default a buffer of 32 MiB or more is a fresh
+    ``mmap`` each step, and faulting its pages in cost more than the recompute saves (at 16K, 8 heads, between
+    dense attention steps: 0.51 s a training step against 0.30 s; docs/benchmarks.md, "Session 56")."""
     if SAVE_TILES != "auto":
         return bool(SAVE_TILES)
+    from attnkit.cpu_memory import keeps_freed_memory
+
     from ._fused import saved_shape
-    return math.prod(saved_shape(N, C, W)) * itemsize <= SAVED_MAX_BYTES
+    return keeps_freed_memory() and math.prod(saved_shape(N, C, W)) * itemsize <= SAVED_MAX_BYTES
 
 
 def use_fused(N: int, W: int) -> bool:
@@ -84,11 +92,16 @@ class _Fused(torch.autograd.Function):
         is32 = qa.dtype == np.float32
         out = np.empty((N, L, va.shape[-1]), dtype=qa.dtype)
         m, l_, lse = (np.empty((N, L), dtype=qa.dtype) for _ in range(3))
-        ps = np.empty(saved_shape(N, qia.shape[1], qia.shape[2]) if save else (1, 1, 1, 1, 1), dtype=qa.dtype)
+        # torch's allocation, not NumPy's: NumPy asks for transparent huge pages (madvise) for 4 MiB and more, and
+        # where memory is fragmented (a process that has freed gigabytes) the kernel then compacts memory on the
+        # first touch of each 2 MiB: a training step at 16K took 0.94 s instead of 0.27 (glibc's default
+        # allocator, a dense 16K attention's step between; docs/benchmarks.md, "Session 56")
+        ps_t = torch.empty(saved_shape(N, qia.shape[1], qia.shape[2]) if save else (1, 1, 1, 1, 1), dtype=q.dtype)
+        ps = ps_t.numpy()
         _items(lambda n: forward_seq(qa, ka, va, qia, kia, nqa, nka, bool(causal), cst, is32, n, out, m, l_, lse,
                                      bool(save), ps), N)
         out_t = torch.from_numpy(out)
-        ctx.save_for_backward(q, k, v, qi, ki, nq, nk, out_t, torch.from_numpy(lse), torch.from_numpy(ps))
+        ctx.save_for_backward(q, k, v, qi, ki, nq, nk, out_t, torch.from_numpy(lse), ps_t)
         ctx.causal, ctx.scale, ctx.saved = causal, scale, bool(save)
         return out_t
 
