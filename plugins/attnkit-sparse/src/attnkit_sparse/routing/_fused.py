@@ -14,7 +14,8 @@ There are no routed copies of q, k, v, no per-cluster outputs and no separate co
 rows are merged at the position, by their log-sum-exp, into ``out``, ``m`` (running maximum), ``l`` (running
 sum), and every position is normalised at the end (0, and ``lse = +inf``, where no cluster gave it a key).
 
-The backward recomputes the probabilities from the saved (union) log-sum-exp, ``P = exp(S − lse)``, and
+The backward recomputes the probabilities from the saved (union) log-sum-exp, ``P = exp(S − lse)`` (or, with the
+forward's tiles kept, ``P = exp(S − shift)·exp(shift − lse)`` from them: no scores product, no exponentials), and
 ``Δ = dO·O``: ``dS = P (dP − Δ)``, ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``, ``dV = Pᵀ dO``, added at the
 positions (a sequence's rows are zeroed first: positions no cluster routed get 0).
 

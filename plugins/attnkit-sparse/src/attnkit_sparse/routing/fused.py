@@ -4,7 +4,8 @@
 the kernels of :mod:`._fused`, one work item per sequence (``N = B·H``; items handed to threads one at a time
 by :func:`attnkit.numba_pool.run_items`): no routed copies of q, k, v (nor their gradients' scatter), no engine
 plan, no per-cluster outputs and no separate combination (nor its backward). The backward recomputes the
-probabilities from the union's log-sum-exp. Used when the sequences spread evenly over the threads
+probabilities from the union's log-sum-exp, or, where a training forward kept its probability tiles
+(:func:`save_tiles`), rescales those. Used when the sequences spread evenly over the threads
 and the clusters are at most :data:`MAX_WIDTH` wide (:func:`use_fused`); otherwise the gathers, the engine and
 the combination run (:mod:`.gather`).
 
