@@ -179,7 +179,7 @@ def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dV
     ``DT = V dOᵀ`` then ``dS = P (dP − Δ)`` in ``DT``, ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)`` and
     ``dQb[:qn] = dS K`` (unscaled). ``lrow``, ``drow``: each query column's ``lse`` and ``Δ`` (``+inf`` and 0 on
     the unused columns); ``GT``/``Gb``, ``Qb``: ``dO`` transposed/row-major and the scaled queries."""
-    _dp(DT, kn, width, Vb, GT, zero)
+    tile_scores(DT, kn, width, Vb, GT, Vb.shape[1], zero)     # dPᵀ = V dOᵀ, key-major
     for j in range(kn):
         row = ST[j]; drw = DT[j]
         _exp_into(row, one, lrow, zero, row, nbuf, cst, is32)     # P = exp(S − lse)
@@ -201,23 +201,12 @@ def tile_backward_saved(PT, fac, ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow
         src = PT[j]; row = ST[j]
         for i in range(width):
             row[i] = src[i] * fac[i]
-    _dp(DT, kn, width, Vb, GT, zero)
+    tile_scores(DT, kn, width, Vb, GT, Vb.shape[1], zero)     # dPᵀ = V dOᵀ, key-major
     for j in range(kn):
         row = ST[j]; drw = DT[j]
         for i in range(width):
             drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
     _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)
-
-
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _dp(DT, kn, width, Vb, GT, zero):  # pragma: no cover - compiled
-    """``DT[:kn] = V dOᵀ`` ``(kn, width)``: the key-major ``dPᵀ``."""
-    E = Vb.shape[1]
-    for j in range(kn):
-        drw = DT[j]
-        for i in range(width):
-            drw[i] = zero
-    axpy_at(DT, kn, Vb, 0, GT, 0, E)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
