@@ -9,7 +9,7 @@ import numba
 import numpy as np
 import pytest
 
-from attnkit.numba_panel import axpy_at, axpy_rows, axpy_t, transpose
+from attnkit.numba_panel import _panels_256, _panels_512, axpy_at, axpy_rows, axpy_t, transpose
 
 
 @numba.njit(cache=True)
@@ -134,3 +134,55 @@ def test_transpose_views(dt: type) -> None:
     OUT2 = np.zeros((12, 40), dtype=dt)
     _transpose(OUT2, Y[:, ::2], 40, 12)                          # column stride 2: the plain loop
     np.testing.assert_array_equal(OUT2, Y[:, ::2].T)
+
+
+@numba.njit(cache=True)
+def _both_widths(OUT, C, Y, on, yn, ne, wide):  # pragma: no cover - compiled
+    it = OUT.itemsize
+    if wide:
+        _panels_512(OUT, 0, OUT.strides[0] // it, on, C, 0, C.strides[0] // it, C.strides[1] // it, Y, 0,
+                    Y.strides[0] // it, yn, ne)
+    else:
+        _panels_256(OUT, 0, OUT.strides[0] // it, on, C, 0, C.strides[0] // it, C.strides[1] // it, Y, 0,
+                    Y.strides[0] // it, yn, ne)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["256-bit", "512-bit"])
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 5, 64), (5, 9, 120), (7, 3, 56), (9, 17, 72), (3, 4, 200), (8, 6, 16),
+                                   (1, 2, 8), (6, 5, 4)])
+def test_panel_widths_cover_their_columns(wide: bool, dt: type, shape: tuple[int, int, int]) -> None:
+    """Either width (:data:`attnkit.numba_panel.PANEL_BITS` picks one by the CPU; both run on any x86-64 CPU,
+    a 512-bit one as two halves without AVX-512): each column below ``E - E % h`` (``h`` the lanes of a 256-bit
+    vector) gets its sum, through every block of 4, 2, 1 wide vectors and the half-width tail, full 4-row
+    panels and the remaining rows; the tail columns and the rows past ``on`` are left untouched."""
+    on, K, E = shape
+    h = 8 if dt == np.float32 else 4
+    cover = E - E % h
+    rng = np.random.default_rng(on * 1000 + K * 10 + E + wide)
+    C = rng.standard_normal((on + 2, K)).astype(dt)
+    Y = rng.standard_normal((K, E)).astype(dt)
+    OUT = rng.standard_normal((on + 2, E)).astype(dt)
+    ref = OUT.astype(np.float64)
+    ref[:on, :cover] += C[:on].astype(np.float64) @ Y[:, :cover].astype(np.float64)
+    _both_widths(OUT, C, Y, on, K, E, wide)
+    np.testing.assert_allclose(OUT, ref, **_tol(dt))
+
+
+def test_panel_bits_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ATTNKIT_PANEL_BITS`` overrides the CPU's choice; a value other than 256 or 512 is refused by name."""
+    from attnkit import numba_panel
+
+    monkeypatch.setenv("ATTNKIT_PANEL_BITS", "256")
+    assert numba_panel._panel_bits() == 256
+    monkeypatch.setenv("ATTNKIT_PANEL_BITS", "512")
+    assert numba_panel._panel_bits() == 512
+    monkeypatch.setenv("ATTNKIT_PANEL_BITS", "1024")
+    with pytest.raises(ValueError, match="ATTNKIT_PANEL_BITS: expected 256 or 512, got '1024'"):
+        numba_panel._panel_bits()
+    monkeypatch.delenv("ATTNKIT_PANEL_BITS")
+    assert numba_panel._panel_bits() == (512 if numba_panel._target_has_avx512() else 256)
+    monkeypatch.setattr(numba.core.config, "CPU_FEATURES", "+avx2,+fma,-avx512f")
+    assert not numba_panel._target_has_avx512()
+    monkeypatch.setattr(numba.core.config, "CPU_FEATURES", "+avx2,+avx512f")
+    assert numba_panel._target_has_avx512()

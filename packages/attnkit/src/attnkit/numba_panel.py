@@ -56,11 +56,47 @@ def _const(v: int) -> ir.Constant:
     return ir.Constant(_I64, v)
 
 
-def _make_panel(R: int, NV: int):  # noqa: ANN202 - returns a numba intrinsic
+def _target_has_avx512() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 (``+avx512f`` in its target's features: ``NUMBA_CPU_FEATURES``
+    where set; the host's where neither it nor ``NUMBA_CPU_NAME`` is set; False for a named CPU without a feature
+    list, as a portable cache is built)."""
+    from numba.core import config
+    feats = config.CPU_FEATURES
+    if feats is None:
+        if config.CPU_NAME not in (None, "host"):
+            return False
+        from llvmlite import binding as ll
+        feats = ll.get_host_cpu_features().flatten()
+    return "+avx512f" in feats.split(",")
+
+
+def _panel_bits() -> int:
+    """The vector width of the panels, 512 or 256 bits: ``ATTNKIT_PANEL_BITS`` where set (``256`` or ``512``),
+    else 512 where numba's target has AVX-512 (:func:`_target_has_avx512`), else 256."""
+    import os
+    env = os.environ.get("ATTNKIT_PANEL_BITS", "").strip()
+    if env:
+        if env not in ("256", "512"):
+            raise ValueError(f"ATTNKIT_PANEL_BITS: expected 256 or 512, got {env!r}; unset it to choose by the CPU")
+        return int(env)
+    return 512 if _target_has_avx512() else 256
+
+
+#: the panels' vector width in bits, chosen at import (:func:`_panel_bits`). 512: ``<16 x float>`` /
+#: ``<8 x double>`` vectors, panels of 4 rows x 4 vectors (64 float32 columns, 16 accumulators of AVX-512's 32
+#: registers); on the Intel Xeon (Emerald Rapids) VM of session 57, one thread, hot operands: 108-138 GFLOP/s
+#: float32 against 58-68 for the 256-bit panels (docs/benchmarks.md, "Session 57"). 256: ``<8 x float>`` /
+#: ``<4 x double>``, panels of 4 rows x 2 vectors (AVX2's 16 registers). Kernels compiled into numba's cache keep
+#: the width they were compiled with: give a benchmark that switches ``ATTNKIT_PANEL_BITS`` its own
+#: ``NUMBA_CACHE_DIR``.
+PANEL_BITS = _panel_bits()
+
+
+def _make_panel(R: int, NV: int, wide: bool = False):  # noqa: ANN202 - returns a numba intrinsic
     """An intrinsic ``panel(OUT, o, os, C, c, crs, cjs, Y, y, ys, K)``: for ``r < R`` and the ``NV·W`` columns
-    from element offset ``o`` of ``OUT`` (``W`` = 8 float32 or 4 float64), ``OUT[o + r·os + e] +=
-    sum_{j < K} C[c + r·crs + j·cjs] · Y[y + j·ys + e]`` (offsets and strides in elements, from each array's
-    data pointer)."""
+    from element offset ``o`` of ``OUT`` (``W`` = 8 float32 or 4 float64 lanes; ``wide``: 16 and 8, 512-bit
+    vectors), ``OUT[o + r·os + e] += sum_{j < K} C[c + r·crs + j·cjs] · Y[y + j·ys + e]`` (offsets and strides
+    in elements, from each array's data pointer)."""
 
     @intrinsic
     def panel(typingctx, OUT, o, os_, C, c, crs, cjs, Y, y, ys, K):  # noqa: ANN001, ANN202
@@ -75,7 +111,8 @@ def _make_panel(R: int, NV: int):  # noqa: ANN202 - returns a numba intrinsic
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
             aout, ov, osv, ac, cv, crsv, cjsv, ay, yv, ysv, kv = args
             ft = context.get_value_type(signature.args[0].dtype)
-            W = 8 if signature.args[0].dtype == types.float32 else 4
+            is32 = signature.args[0].dtype == types.float32
+            W = (8 if is32 else 4) * (2 if wide else 1)
             vt = ir.VectorType(ft, W)
             pvt = vt.as_pointer()
             ptr = [context.make_array(signature.args[i])(context, builder, a).data
@@ -84,7 +121,7 @@ def _make_panel(R: int, NV: int):  # noqa: ANN202 - returns a numba intrinsic
             pc = builder.gep(ptr[1], [cv])
             py = builder.gep(ptr[2], [yv])
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]),
-                                                 f"llvm.fma.v{W}f{32 if W == 8 else 64}")
+                                                 f"llvm.fma.v{W}f{32 if is32 else 64}")
             splat = ir.Constant(ir.VectorType(_I32, W), [0] * W)
             undef = ir.Constant(vt, ir.Undefined)
 
@@ -137,12 +174,18 @@ _P4x2 = _make_panel(4, 2)
 _P1x2 = _make_panel(1, 2)
 _P4x1 = _make_panel(4, 1)
 _P1x1 = _make_panel(1, 1)
+_Q4x4 = _make_panel(4, 4, wide=True)
+_Q1x4 = _make_panel(1, 4, wide=True)
+_Q4x2 = _make_panel(4, 2, wide=True)
+_Q1x2 = _make_panel(1, 2, wide=True)
+_Q4x1 = _make_panel(4, 1, wide=True)
+_Q1x1 = _make_panel(1, 1, wide=True)
 
 
 @numba.njit(cache=True)
-def _panels(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: no cover - compiled
-    """``OUT[o + r·os + e] += sum_{j<K} C[c + r·crs + j·cjs] · Y[y + j·ys + e]`` for ``r < rows``, ``e < E``
-    (element offsets and strides; unit stride along ``e``).
+def _panels_256(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: no cover - compiled
+    """``OUT[o + r·os + e] += sum_{j<K} C[c + r·crs + j·cjs] · Y[y + j·ys + e]`` for ``r < rows``, ``e < E - E % W``
+    (element offsets and strides; unit stride along ``e``; ``W`` = 8 float32, 4 float64 lanes: 256-bit vectors).
 
     A plain call, not inlined: inlined into every product of a kernel it added ~12 s to the compile of
     linear's fused forward (44-52 s against 32-38 s before the panels, cold cache); called, that compile
@@ -165,6 +208,49 @@ def _panels(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: no co
             _P1x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
         if e1 > e2:
             _P1x1(OUT, ob + e2, os_, C, cb, crs, cjs, Y, y + e2, ys, K)
+
+
+@numba.njit(cache=True)
+def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: no cover - compiled
+    """:func:`_panels_256` on 512-bit vectors (``W`` = 16 float32, 8 float64 lanes): columns in blocks of 4, 2
+    and 1 vectors, then one 256-bit vector, so the same ``E - E % (W / 2)`` columns are covered."""
+    W = 16 if OUT.itemsize == 4 else 8
+    h = W // 2
+    e4 = E - E % (4 * W)
+    for r0 in range(0, rows, 4):
+        ob = o + r0 * os_
+        cb = c + r0 * crs
+        if rows - r0 >= 4:
+            for e in range(0, e4, 4 * W):
+                _Q4x4(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+            e = e4
+            if E - e >= 2 * W:
+                _Q4x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                e += 2 * W
+            if E - e >= W:
+                _Q4x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                e += W
+            if E - e >= h:
+                _P4x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+        else:
+            for r in range(r0, rows):
+                ob = o + r * os_
+                cb = c + r * crs
+                for e in range(0, e4, 4 * W):
+                    _Q1x4(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                e = e4
+                if E - e >= 2 * W:
+                    _Q1x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                    e += 2 * W
+                if E - e >= W:
+                    _Q1x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                    e += W
+                if E - e >= h:
+                    _P1x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+
+
+#: the panels the products call (:data:`PANEL_BITS`)
+_panels = _panels_512 if PANEL_BITS == 512 else _panels_256
 
 
 @numba.njit(cache=True, inline="always")
