@@ -28,6 +28,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from attnkit.numba_panel import PANEL_BITS
+
+#: float32 lanes of the intrinsics' vectors (float64: half): 16 where the register panels run on 512-bit vectors
+#: (:data:`attnkit.numba_panel.PANEL_BITS`: numba's target has AVX-512), else 8
+LANES32 = PANEL_BITS // 32
+
 _LOG2E, _LN2_HI, _LN2_LO, HALF, _LO, _HI, _POLY = range(7)
 #: exponent sentinels far outside every float's range: the argument underflowed (0), was NaN, overflowed (inf)
 _UNDER, _NAN, _OVER = -(1 << 20), 1 << 20, (1 << 20) + 1
@@ -97,7 +103,8 @@ def _exp_loops(row, c, nbuf, cst, is32):  # pragma: no cover - compiled
 # ---- one pass on whole vectors: the same arithmetic emitted as LLVM IR --------------------------------------
 # numba's loops need the two passes above: a float cannot be viewed as an integer inside one loop, so the
 # exponent goes through ``nbuf`` and a second pass, and the elu features of ``linear`` needed a third and a
-# fourth pass around them. An intrinsic holds one vector (``<8 x float>``, ``<4 x double>``) from its load to
+# fourth pass around them. An intrinsic holds one vector (``<8 x float>``, ``<4 x double>``; twice the lanes on 512-bit
+# targets, :data:`LANES32`) from its load to
 # its store. The IR carries no fast-math flags, so LLVM keeps the two-constant reduction as written.
 
 def _splat(ft: ir.Type, W: int, v: float) -> ir.Constant:
@@ -111,7 +118,7 @@ def _exp_vector(builder: ir.IRBuilder, x: ir.Value, is32: bool) -> ir.Value:
     (the same rounding)."""
     dt = np.float32 if is32 else np.float64
     cst = [float(v) for v in constants(np.dtype(dt))]
-    W = 8 if is32 else 4
+    W = x.type.count
     ft = ir.FloatType() if is32 else ir.DoubleType()
     it = ir.IntType(32 if is32 else 64)
     vt, vi = ir.VectorType(ft, W), ir.VectorType(it, W)
@@ -163,7 +170,7 @@ def _exp_at(typingctx, row, j, c):  # noqa: ANN001, ANN202
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         is32 = signature.args[0].dtype == types.float32
-        W = 8 if is32 else 4
+        W = LANES32 if is32 else LANES32 // 2
         ptr = _vector_ptr(context, builder, signature.args[0], args[0], args[1], W)
         ft = context.get_value_type(signature.args[0].dtype)
         x = builder.fsub(builder.load(ptr, align=1), _broadcast(builder, ir.VectorType(ft, W), args[2]))
@@ -182,7 +189,7 @@ def _elu1_at(typingctx, dst, d, src, s, scale):  # noqa: ANN001, ANN202
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         is32 = signature.args[0].dtype == types.float32
-        W = 8 if is32 else 4
+        W = LANES32 if is32 else LANES32 // 2
         ft = context.get_value_type(signature.args[0].dtype)
         vt = ir.VectorType(ft, W)
         pd = _vector_ptr(context, builder, signature.args[0], args[0], args[1], W)
@@ -206,7 +213,7 @@ def exp_row(row, c, nbuf, cst, is32):  # pragma: no cover - compiled
     :func:`_exp_loops` (the same arithmetic). Relative error below 2.5e-7 (float32) and 1e-14 (float64)
     against NumPy; 0 at or below the lowest argument (-87 / -708), NaN for NaN."""
     n = row.shape[0]
-    W = 8 if is32 else 4
+    W = LANES32 if is32 else LANES32 // 2
     nv = n - n % W if row.strides[0] == row.itemsize else 0
     for j in range(0, nv, W):
         _exp_at(row, j, c)
@@ -217,12 +224,12 @@ def exp_row(row, c, nbuf, cst, is32):  # pragma: no cover - compiled
 @numba.njit(cache=True)
 def elu1_row(dst, src, scale, nbuf, cst, is32):  # pragma: no cover - compiled
     """``dst[j] = elu(scale · src[j]) + 1`` for ``j < len(src)`` (1-D, one float dtype, ``dst`` at least as long;
-    ``nbuf``: int32 scratch, any length >= 1; 8 (``W``) is enough for rows with unit stride): ``v + 1`` where
+    ``nbuf``: int32 scratch, any length >= 1): ``v + 1`` where
     ``v = scale · src[j] > 0``, else ``exp(v)`` (:func:`_exp_vector`; 0 at or below the lowest argument, NaN
     stays NaN). Whole vectors in one pass (:func:`_elu1_at`); the rest, and strided rows, by
     :func:`_exp_loops` in pieces of ``len(nbuf)``."""
     n = src.shape[0]
-    W = 8 if is32 else 4
+    W = LANES32 if is32 else LANES32 // 2
     it = src.itemsize
     nv = n - n % W if src.strides[0] == it and dst.strides[0] == it else 0
     for j in range(0, nv, W):
