@@ -26,7 +26,8 @@ key-major (:func:`axpy_t`). ``OUT`` must not overlap ``C`` or ``Y``: the output 
 the sum and written once after it. Column counts that are not a multiple of the vector width finish in a
 plain loop, so any ``E`` works; float32 and float64 only (the kernels' dtypes).
 
-:func:`transpose` (``OUT[j, i] = X[i, j]``) moves ``W x W`` tiles (8 x 8 float32, 4 x 4 float64) through a network
+:func:`transpose` (``OUT[j, i] = X[i, j]``) moves ``W x W`` tiles (8 x 8 float32, 4 x 4 float64; 16 x 16 and 8 x 8
+with 512-bit panels, :data:`PANEL_BITS`) through a network
 of shuffles in registers: 0.21 ns per float32 element against 0.57 for the numba loop that gathers a column
 (``(32, 256)`` blocks, one thread, development VM; docs/benchmarks.md, "Session 42"). The kernelized plugin turns
 each block of key features into the ``(M, T)`` layout its products read with it.
@@ -252,6 +253,9 @@ def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: n
 #: the panels the products call (:data:`PANEL_BITS`)
 _panels = _panels_512 if PANEL_BITS == 512 else _panels_256
 
+#: float32 lanes of a :data:`PANEL_BITS` vector (float64: half): the transposes' tile side
+_LANES32 = PANEL_BITS // 32
+
 
 @numba.njit(cache=True, inline="always")
 def _axpy(OUT, o0, n, C, i0, j0, ct, Y, y0, K, E):  # pragma: no cover - compiled
@@ -302,9 +306,9 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
 # ---- transposes: a tile of W x W elements through registers ---------------------------------------------------
 # A numba loop that gathers a column (``OUT[j, i] = X[i, j]``) moves one element per load and store: the
 # kernelized plugin's causal blocks spent 8 of 57 ms of the performer's causal product at L = 8,192 on it. Here
-# ``W`` rows (``W`` = 8 float32, 4 float64) are loaded as vectors, transposed by a network of shuffles in
-# registers (unpack pairs of rows, then pairs of pairs, then halves: ``log2(W)`` stages) and stored as ``W``
-# vectors.
+# ``W`` rows (``W`` = 8 float32, 4 float64; twice that with 512-bit panels) are loaded as vectors, transposed by a
+# network of shuffles in registers (unpack pairs of rows, then pairs of pairs, then halves: ``log2(W)`` stages) and
+# stored as ``W`` vectors.
 
 def _transpose_network(builder: ir.IRBuilder, rows: list, W: int) -> list:
     """The ``W`` vectors of a ``W x W`` tile transposed: stage ``s`` interleaves blocks of ``2**s`` elements of
@@ -333,7 +337,8 @@ def _transpose_network(builder: ir.IRBuilder, rows: list, W: int) -> list:
 
 @intrinsic
 def _tile_t(typingctx, OUT, o, os_, X, x, xs):  # noqa: ANN001, ANN202
-    """``OUT[o + j·os + i] = X[x + i·xs + j]`` for ``i, j < W`` (``W`` = 8 float32, 4 float64; element offsets
+    """``OUT[o + j·os + i] = X[x + i·xs + j]`` for ``i, j < W`` (``W`` = 8 float32, 4 float64, twice that with
+    512-bit panels; element offsets
     and row strides from each array's data pointer; rows of ``W`` elements with unit stride)."""
     for a in (OUT, X):
         if not isinstance(a, types.Array) or a.dtype not in (types.float32, types.float64):
@@ -345,7 +350,7 @@ def _tile_t(typingctx, OUT, o, os_, X, x, xs):  # noqa: ANN001, ANN202
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         aout, ov, osv, ax, xv, xsv = args
         ft = context.get_value_type(signature.args[0].dtype)
-        W = 8 if signature.args[0].dtype == types.float32 else 4
+        W = _LANES32 if signature.args[0].dtype == types.float32 else _LANES32 // 2
         pvt = ir.VectorType(ft, W).as_pointer()
         pout = builder.gep(context.make_array(signature.args[0])(context, builder, aout).data, [ov])
         px = builder.gep(context.make_array(signature.args[3])(context, builder, ax).data, [xv])
@@ -363,10 +368,11 @@ def _tile_t(typingctx, OUT, o, os_, X, x, xs):  # noqa: ANN001, ANN202
 def transpose(OUT, X, nr, nc):  # pragma: no cover - compiled
     """``OUT[j, i] = X[i, j]`` for ``i < nr``, ``j < nc`` (``X (>= nr, >= nc)``, ``OUT (>= nc, >= nr)``, one float
     dtype, distinct arrays): tiles of ``W x W`` through registers where rows of both have unit stride (``W`` = 8
-    float32, 4 float64), the edges and strided rows by a plain loop. ``nogil``: called from Python, threads run
-    it side by side (the sparse engine transposes each sequence's ``q`` and ``dO`` on its own thread)."""
+    float32, 4 float64; twice that with 512-bit panels), the edges and strided rows by a plain loop. ``nogil``:
+    called from Python, threads run it side by side (the sparse engine transposes each sequence's ``q`` and ``dO``
+    on its own thread)."""
     it = OUT.itemsize
-    W = 8 if it == 4 else 4
+    W = _LANES32 if it == 4 else _LANES32 // 2
     r0 = 0
     c0 = 0
     if OUT.strides[1] == it and X.strides[1] == it:
