@@ -10,7 +10,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..engine._numba_kernels import FASTMATH, _axpy
+from attnkit.numba_panel import axpy_at
+
+from ..engine._numba_kernels import FASTMATH
 
 #: rows per register block of :func:`hash_rows` (their projections, ``HASH_BLOCK x half``, stay in L1)
 HASH_BLOCK = 16
@@ -34,7 +36,7 @@ def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
                 pi = P[i]
                 for c in range(half):
                     pi[c] = 0
-            _axpy(P, bn, X, rot[r], 0, D)
+            axpy_at(P, bn, X, 0, rot[r], 0, D)          # register panels (attnkit.numba_panel)
             for i in range(bn):
                 p = P[i]
                 mx = p[0]
