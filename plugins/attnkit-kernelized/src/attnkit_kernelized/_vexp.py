@@ -9,7 +9,8 @@ error below 2.5e-7 in float32 and 1e-14 in float64 over the range tested
 (``tests/test_performer_numba_features.py``); 0 at or below the lowest argument, inf above the highest
 (88.7 / 709.7), NaN for NaN.
 
-Whole vectors go through LLVM IR emitted by numba intrinsics (:func:`_exp_at`, :func:`_elu1_at`: one load,
+Whole vectors go through LLVM IR emitted by numba intrinsics (:func:`_exp_at`, :func:`_elu1_at`, on the core's
+:func:`attnkit.numba_vexp.exp_vector`: one load,
 the arithmetic in registers, one store); what is left after them, and strided rows, through numba loops
 (:func:`_exp_loops`, two passes through an integer scratch). Both are the same operations in the same order,
 so they agree bit for bit (tested). Measured on the development VM, one thread: linear's features at
@@ -18,36 +19,29 @@ L = 8,192 (H = 8, D = 64, queries and keys) took 5.1 ms against 8.5 ms for the l
 
 from __future__ import annotations
 
-import functools
-import math
-
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from attnkit.numba_panel import PANEL_BITS
+# the vector exp and its constants live in the core since session 57 (the sparse plugin's tiles use them too);
+# constants and HALF are re-exported for this plugin's kernels
+from attnkit.numba_vexp import HALF, LANES32, constants  # noqa: F401
+from attnkit.numba_vexp import HI as _HI
+from attnkit.numba_vexp import LN2_HI as _LN2_HI
+from attnkit.numba_vexp import LN2_LO as _LN2_LO
+from attnkit.numba_vexp import LO as _LO
+from attnkit.numba_vexp import LOG2E as _LOG2E
+from attnkit.numba_vexp import POLY as _POLY
+from attnkit.numba_vexp import broadcast as _broadcast
+from attnkit.numba_vexp import exp_vector as _exp_vector
+from attnkit.numba_vexp import float_array as _float_array
+from attnkit.numba_vexp import splat as _splat
+from attnkit.numba_vexp import vector_ptr as _vector_ptr
 
-#: float32 lanes of the intrinsics' vectors (float64: half): 16 where the register panels run on 512-bit vectors
-#: (:data:`attnkit.numba_panel.PANEL_BITS`: numba's target has AVX-512), else 8
-LANES32 = PANEL_BITS // 32
-
-_LOG2E, _LN2_HI, _LN2_LO, HALF, _LO, _HI, _POLY = range(7)
 #: exponent sentinels far outside every float's range: the argument underflowed (0), was NaN, overflowed (inf)
 _UNDER, _NAN, _OVER = -(1 << 20), 1 << 20, (1 << 20) + 1
-
-
-def constants(dtype: np.dtype) -> np.ndarray:
-    """Typed constants (a literal would be float64 in numba): ``[log2(e), ln2 hi, ln2 lo, 0.5, lowest argument,
-    highest argument, Taylor coefficients of exp, highest degree first (6 for float32, 12 for float64)]``.
-    Above the highest argument (88.7 / 709.7, just below ``log`` of the largest float) the result is inf."""
-    f32 = np.dtype(dtype) == np.float32
-    ln2 = (0.693359375, -2.12194440e-4) if f32 else (0.693145751953125, 1.42860682030941723212e-6)
-    deg = 6 if f32 else 12
-    head = [1.4426950408889634, ln2[0], ln2[1], 0.5, -87.0 if f32 else -708.0, 88.7 if f32 else 709.7]
-    return np.array(head + [1.0 / math.factorial(i) for i in range(deg, -1, -1)], dtype=dtype)
 
 
 @numba.njit(cache=True, fastmath={"contract", "nsz"})
@@ -103,64 +97,9 @@ def _exp_loops(row, c, nbuf, cst, is32):  # pragma: no cover - compiled
 # ---- one pass on whole vectors: the same arithmetic emitted as LLVM IR --------------------------------------
 # numba's loops need the two passes above: a float cannot be viewed as an integer inside one loop, so the
 # exponent goes through ``nbuf`` and a second pass, and the elu features of ``linear`` needed a third and a
-# fourth pass around them. An intrinsic holds one vector (``<8 x float>``, ``<4 x double>``; twice the lanes on 512-bit
-# targets, :data:`LANES32`) from its load to
-# its store. The IR carries no fast-math flags, so LLVM keeps the two-constant reduction as written.
-
-def _splat(ft: ir.Type, W: int, v: float) -> ir.Constant:
-    return ir.Constant(ir.VectorType(ft, W), [ir.Constant(ft, v)] * W)
-
-
-def _exp_vector(builder: ir.IRBuilder, x: ir.Value, is32: bool) -> ir.Value:
-    """IR for ``exp(x)`` of a vector ``x``: :func:`_exp_loops`' arithmetic (clamp to the argument range, the
-    Cody-Waite reduction and the Taylor polynomial as fused multiply-adds, the exponent added to the bits),
-    0 at or below the lowest argument, inf above the highest, NaN for NaN. Constants from :func:`constants`
-    (the same rounding)."""
-    dt = np.float32 if is32 else np.float64
-    cst = [float(v) for v in constants(np.dtype(dt))]
-    W = x.type.count
-    ft = ir.FloatType() if is32 else ir.DoubleType()
-    it = ir.IntType(32 if is32 else 64)
-    vt, vi = ir.VectorType(ft, W), ir.VectorType(it, W)
-    mod = builder.module
-    fma = cgutils.get_or_insert_function(mod, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{W}f{32 if is32 else 64}")
-    floor = cgutils.get_or_insert_function(mod, ir.FunctionType(vt, [vt]), f"llvm.floor.v{W}f{32 if is32 else 64}")
-    k = functools.partial(_splat, ft, W)
-    lo = k(cst[_LO])
-    above = builder.fcmp_ordered(">", x, lo)              # false for NaN
-    hi = k(cst[_HI])
-    over = builder.fcmp_ordered(">", x, hi)
-    xc = builder.select(over, hi, builder.select(above, x, lo))
-    nf = builder.call(floor, [builder.call(fma, [xc, k(cst[_LOG2E]), k(cst[HALF])])])
-    r = builder.call(fma, [nf, k(-cst[_LN2_HI]), xc])
-    r = builder.call(fma, [nf, k(-cst[_LN2_LO]), r])
-    p = k(cst[_POLY])
-    for a in cst[_POLY + 1:]:
-        p = builder.call(fma, [p, r, k(a)])
-    shift = ir.Constant(vi, [ir.Constant(it, 23 if is32 else 52)] * W)
-    bits = builder.add(builder.bitcast(p, vi), builder.shl(builder.fptosi(nf, vi), shift))
-    val = builder.bitcast(bits, vt)
-    below = builder.fcmp_ordered("<=", x, lo)
-    out = builder.select(above, val, builder.select(below, k(0.0), k(float("nan"))))
-    return builder.select(over, k(float("inf")), out)
-
-
-def _vector_ptr(context, builder, aty, a, off, W):  # noqa: ANN001, ANN202
-    ft = context.get_value_type(aty.dtype)
-    data = context.make_array(aty)(context, builder, a).data
-    return builder.bitcast(builder.gep(data, [off]), ir.VectorType(ft, W).as_pointer())
-
-
-def _broadcast(builder: ir.IRBuilder, vt: ir.VectorType, s: ir.Value) -> ir.Value:
-    """The scalar ``s`` in every lane of a ``vt`` vector."""
-    undef = ir.Constant(vt, ir.Undefined)
-    first = builder.insert_element(undef, s, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(ir.IntType(32), vt.count), [0] * vt.count))
-
-
-def _float_array(a) -> bool:  # noqa: ANN001
-    return isinstance(a, types.Array) and a.dtype in (types.float32, types.float64)
-
+# fourth pass around them. An intrinsic holds one vector (``<8 x float>``, ``<4 x double>``; twice the lanes on
+# 512-bit targets, :data:`LANES32`) from its load to its store. The IR (:func:`attnkit.numba_vexp.exp_vector`)
+# carries no fast-math flags, so LLVM keeps the two-constant reduction as written.
 
 @intrinsic
 def _exp_at(typingctx, row, j, c):  # noqa: ANN001, ANN202

@@ -30,7 +30,7 @@ import numpy as np
 
 from attnkit.numba_panel import axpy_at, axpy_t, transpose
 
-from .engine._numba_kernels import FASTMATH, _exp_into
+from .engine._numba_kernels import FASTMATH, _exp_sub
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -115,7 +115,7 @@ def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, 
         csum[i] = zero
     for j in range(kn):
         row = ST[j]
-        _exp_into(row, one, shift, zero, row, nbuf, cst, is32)
+        _exp_sub(row, one, shift, nbuf, cst, is32, zero)
         for i in range(width):
             csum[i] += row[i]
     for i in range(qn):
@@ -182,7 +182,7 @@ def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dV
     tile_scores(DT, kn, width, Vb, GT, Vb.shape[1], zero)     # dPᵀ = V dOᵀ, key-major
     for j in range(kn):
         row = ST[j]; drw = DT[j]
-        _exp_into(row, one, lrow, zero, row, nbuf, cst, is32)     # P = exp(S − lse)
+        _exp_sub(row, one, lrow, nbuf, cst, is32, zero)     # P = exp(S − lse)
         for i in range(width):
             drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
     _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)

@@ -55,7 +55,10 @@ import math
 import numba
 import numpy as np
 
+from attnkit.numba_panel import axpy_at as _panel_axpy_at
+from attnkit.numba_panel import axpy_t as _panel_axpy_t
 from attnkit.numba_panel import transpose
+from attnkit.numba_vexp import LANES32, exp_sub_at
 
 # reassociation lets LLVM vectorise the reductions; no NaN/inf assumptions (masked scores are -inf)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -120,6 +123,23 @@ def _exp_into(x, scl, sub, off, out, nbuf, cst, is32):  # pragma: no cover - com
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def _exp_sub(row, scl, sub, nbuf, cst, is32, zero):  # pragma: no cover - compiled
+    """``row[j] = exp(scl·row[j] − sub[j])`` in place for ``j < len(row)`` (:func:`_exp_into` with ``x = out`` and
+    ``off = 0``): whole vectors in one pass through the core's vector exp (:func:`attnkit.numba_vexp.exp_sub_at`,
+    16 float32 lanes on AVX-512 targets: 0.5 ns an element on rows of 64 against 1.45 for :func:`_exp_into`'s two
+    passes, one thread, session 57), the last ``len % W`` elements and strided rows by :func:`_exp_into`."""
+    n = row.shape[0]
+    it = row.itemsize
+    W = LANES32 if it == 4 else LANES32 // 2
+    nv = n - n % W if row.strides[0] == it and sub.strides[0] == it else 0
+    for j in range(0, nv, W):
+        exp_sub_at(row, j, scl, sub)
+    if nv < n:
+        r = row[nv:]
+        _exp_into(r, scl, sub[nv:], zero, r, nbuf, cst, is32)
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _dots(X, x0, xn, YT, OUT, zero):  # pragma: no cover - compiled
     """``OUT[i, :] = sum_d X[x0 + i, d] · YT[d, :]`` for ``i < xn``: the products of a tile of rows with
     another tile given transposed (``(D, block)``), as axpy rows (:func:`_axpy`), which keep the
@@ -133,42 +153,11 @@ def _dots(X, x0, xn, YT, OUT, zero):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _axpy_at(OUT, on, C, c0, Y, y0, yn):  # pragma: no cover - compiled
-    """``OUT[i] += sum_{j < yn} C[i, c0 + j] · Y[y0 + j]`` for ``i < on``: 4 rows x 4 terms per pass over a row,
-    so each load of ``Y`` feeds four rows and each row is loaded and stored once per four terms. The
-    offsets only pick rows and scalar coefficients; the vectorised loop over a row always starts at 0."""
-    E = Y.shape[1]
-    on4 = on - on % 4
-    yn4 = yn - yn % 4
-    for i in range(0, on4, 4):
-        oa = OUT[i]; ob = OUT[i + 1]; oc = OUT[i + 2]; od = OUT[i + 3]
-        ca = C[i]; cb = C[i + 1]; cc = C[i + 2]; cd = C[i + 3]
-        for j in range(0, yn4, 4):
-            k = c0 + j
-            y0_ = Y[y0 + j]; y1 = Y[y0 + j + 1]; y2 = Y[y0 + j + 2]; y3 = Y[y0 + j + 3]
-            p0 = ca[k]; p1 = ca[k + 1]; p2 = ca[k + 2]; p3 = ca[k + 3]
-            r0 = cb[k]; r1 = cb[k + 1]; r2 = cb[k + 2]; r3 = cb[k + 3]
-            s0 = cc[k]; s1 = cc[k + 1]; s2 = cc[k + 2]; s3 = cc[k + 3]
-            t0 = cd[k]; t1 = cd[k + 1]; t2 = cd[k + 2]; t3 = cd[k + 3]
-            for e in range(E):
-                u0 = y0_[e]; u1 = y1[e]; u2 = y2[e]; u3 = y3[e]
-                oa[e] += p0 * u0 + p1 * u1 + p2 * u2 + p3 * u3
-                ob[e] += r0 * u0 + r1 * u1 + r2 * u2 + r3 * u3
-                oc[e] += s0 * u0 + s1 * u1 + s2 * u2 + s3 * u3
-                od[e] += t0 * u0 + t1 * u1 + t2 * u2 + t3 * u3
-        for j in range(yn4, yn):
-            yj = Y[y0 + j]
-            k = c0 + j
-            p0 = ca[k]; r0 = cb[k]; s0 = cc[k]; t0 = cd[k]
-            for e in range(E):
-                u = yj[e]
-                oa[e] += p0 * u; ob[e] += r0 * u; oc[e] += s0 * u; od[e] += t0 * u
-    for i in range(on4, on):
-        oa = OUT[i]; ca = C[i]
-        for j in range(yn):
-            yj = Y[y0 + j]
-            p0 = ca[c0 + j]
-            for e in range(E):
-                oa[e] += p0 * yj[e]
+    """``OUT[i] += sum_{j < yn} C[i, c0 + j] · Y[y0 + j]`` for ``i < on``: the core's register panels
+    (:func:`attnkit.numba_panel.axpy_at`; ``OUT`` distinct from ``C`` and ``Y``). Until session 57 a numba loop of
+    4 rows x 4 terms per pass over a row; the panels (512-bit on AVX-512 targets) made causal ``local``'s forward
+    at 16K 1.1x faster on an Intel Emerald Rapids VM (docs/benchmarks.md, "Session 57")."""
+    _panel_axpy_at(OUT, on, C, c0, Y, y0, yn)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -186,40 +175,10 @@ def _axpy_off(OUT, on, C, c0, Y, yn):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _axpy_t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
-    """``OUT[o0 + r] += sum_{j0 <= j < j1} CT[j, o0 + r] · Y[y0 + j]`` for ``r < n <= 4``: :func:`_axpy`'s 4 rows x
-    4 terms per pass for one group of rows, the coefficients given transposed (``CT`` is key-major) and the
-    terms restricted to ``[j0, j1)`` (on a PARTIAL tile, the keys some row of the group may see)."""
-    E = Y.shape[1]
-    if n == 4:
-        oa = OUT[o0]; ob = OUT[o0 + 1]; oc = OUT[o0 + 2]; od = OUT[o0 + 3]
-        j4 = j1 - (j1 - j0) % 4
-        for j in range(j0, j4, 4):
-            y0_ = Y[y0 + j]; y1 = Y[y0 + j + 1]; y2 = Y[y0 + j + 2]; y3 = Y[y0 + j + 3]
-            c0_ = CT[j]; c1_ = CT[j + 1]; c2_ = CT[j + 2]; c3_ = CT[j + 3]
-            p0 = c0_[o0]; p1 = c1_[o0]; p2 = c2_[o0]; p3 = c3_[o0]
-            r0 = c0_[o0 + 1]; r1 = c1_[o0 + 1]; r2 = c2_[o0 + 1]; r3 = c3_[o0 + 1]
-            s0 = c0_[o0 + 2]; s1 = c1_[o0 + 2]; s2 = c2_[o0 + 2]; s3 = c3_[o0 + 2]
-            t0 = c0_[o0 + 3]; t1 = c1_[o0 + 3]; t2 = c2_[o0 + 3]; t3 = c3_[o0 + 3]
-            for e in range(E):
-                u0 = y0_[e]; u1 = y1[e]; u2 = y2[e]; u3 = y3[e]
-                oa[e] += p0 * u0 + p1 * u1 + p2 * u2 + p3 * u3
-                ob[e] += r0 * u0 + r1 * u1 + r2 * u2 + r3 * u3
-                oc[e] += s0 * u0 + s1 * u1 + s2 * u2 + s3 * u3
-                od[e] += t0 * u0 + t1 * u1 + t2 * u2 + t3 * u3
-        for j in range(j4, j1):
-            yj = Y[y0 + j]; cj = CT[j]
-            p0 = cj[o0]; r0 = cj[o0 + 1]; s0 = cj[o0 + 2]; t0 = cj[o0 + 3]
-            for e in range(E):
-                u = yj[e]
-                oa[e] += p0 * u; ob[e] += r0 * u; oc[e] += s0 * u; od[e] += t0 * u
-    else:
-        for r in range(n):
-            oa = OUT[o0 + r]
-            for j in range(j0, j1):
-                yj = Y[y0 + j]
-                p0 = CT[j, o0 + r]
-                for e in range(E):
-                    oa[e] += p0 * yj[e]
+    """``OUT[o0 + r] += sum_{j0 <= j < j1} CT[j, o0 + r] · Y[y0 + j]`` for ``r < n``: the coefficients given
+    transposed (``CT`` is key-major) and the terms restricted to ``[j0, j1)`` (on a PARTIAL tile, the keys some
+    row of the group may see), on the core's register panels (:func:`attnkit.numba_panel.axpy_t`)."""
+    _panel_axpy_t(OUT, o0, n, CT, Y, y0, j0, j1)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -303,10 +262,10 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
                 msub[i] = s_
                 m[i] = mx[i]
                 csum[i] = zero
-            _exp_into(alpha, one, csum, zero, alpha, nbuf, cst, is32)
+            _exp_sub(alpha, one, csum, nbuf, cst, is32, zero)
             for j in range(kn):
                 pj = ST[j]
-                _exp_into(pj, one, msub, zero, pj, nbuf, cst, is32)
+                _exp_sub(pj, one, msub, nbuf, cst, is32, zero)
                 for i in range(bq):
                     csum[i] += pj[i]
             for i in range(bq):
@@ -422,7 +381,7 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
             dl = delta[n, q0:q0 + qn]
             for j in range(kn):
                 row = ST[j, :qn]
-                _exp_into(row, sc, lr, zero, row, nbuf, cst, is32)
+                _exp_sub(row, sc, lr, nbuf, cst, is32, zero)
             _axpy(dva, kn, ST, dos, q0, qn)
             _dots(vs, k0, kn, OT, dPT, zero)
             for j in range(kn):
@@ -516,7 +475,7 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
             dl = dl_all[q0:q0 + qn]
             for j in range(kn):
                 row = ST[j, :qn]
-                _exp_into(row, sc, lr, zero, row, nbuf, cst, is32)
+                _exp_sub(row, sc, lr, nbuf, cst, is32, zero)
             _axpy(dva, kn, ST, dos, q0, qn)
             _dots(vs, k0, kn, OT, dPT, zero)
             for j in range(kn):
