@@ -29,7 +29,7 @@ from numba.extending import intrinsic
 
 from .numba_panel import PANEL_BITS
 
-__all__ = ["LANES32", "constants", "exp_vector", "exp_sub_at"]
+__all__ = ["LANES32", "constants", "exp_vector", "exp_sub_at", "splat", "broadcast", "vector_ptr", "float_array"]
 
 #: float32 lanes of the vectors (float64: half): 16 where the register panels run on 512-bit vectors, else 8
 LANES32 = PANEL_BITS // 32
@@ -89,6 +89,7 @@ def exp_vector(builder: ir.IRBuilder, x: ir.Value, is32: bool) -> ir.Value:
 
 
 def vector_ptr(context, builder, aty, a, off, W):  # noqa: ANN001, ANN202
+    """A pointer to ``W`` lanes of the array ``a`` (numba type ``aty``) from element offset ``off``."""
     ft = context.get_value_type(aty.dtype)
     data = context.make_array(aty)(context, builder, a).data
     return builder.bitcast(builder.gep(data, [off]), ir.VectorType(ft, W).as_pointer())
@@ -102,9 +103,8 @@ def broadcast(builder: ir.IRBuilder, vt: ir.VectorType, s: ir.Value) -> ir.Value
 
 
 def float_array(a) -> bool:  # noqa: ANN001
+    """Whether the numba type ``a`` is an array of float32 or float64."""
     return isinstance(a, types.Array) and a.dtype in (types.float32, types.float64)
-
-
 
 
 @intrinsic
