@@ -47,7 +47,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["axpy_at", "axpy_t", "axpy_rows", "transpose"]
+__all__ = ["LANES32", "PANEL_BITS", "axpy_at", "axpy_t", "axpy_rows", "transpose"]
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -253,8 +253,9 @@ def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: n
 #: the panels the products call (:data:`PANEL_BITS`)
 _panels = _panels_512 if PANEL_BITS == 512 else _panels_256
 
-#: float32 lanes of a :data:`PANEL_BITS` vector (float64: half): the transposes' tile side
-_LANES32 = PANEL_BITS // 32
+#: float32 lanes of a :data:`PANEL_BITS` vector (float64: half): the transposes' tile side, and the lanes of
+#: :mod:`attnkit.numba_vexp`'s vectors
+LANES32 = PANEL_BITS // 32
 
 
 @numba.njit(cache=True, inline="always")
@@ -350,7 +351,7 @@ def _tile_t(typingctx, OUT, o, os_, X, x, xs):  # noqa: ANN001, ANN202
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         aout, ov, osv, ax, xv, xsv = args
         ft = context.get_value_type(signature.args[0].dtype)
-        W = _LANES32 if signature.args[0].dtype == types.float32 else _LANES32 // 2
+        W = LANES32 if signature.args[0].dtype == types.float32 else LANES32 // 2
         pvt = ir.VectorType(ft, W).as_pointer()
         pout = builder.gep(context.make_array(signature.args[0])(context, builder, aout).data, [ov])
         px = builder.gep(context.make_array(signature.args[3])(context, builder, ax).data, [xv])
@@ -372,7 +373,7 @@ def transpose(OUT, X, nr, nc):  # pragma: no cover - compiled
     called from Python, threads run it side by side (the sparse engine transposes each sequence's ``q`` and ``dO``
     on its own thread)."""
     it = OUT.itemsize
-    W = _LANES32 if it == 4 else _LANES32 // 2
+    W = LANES32 if it == 4 else LANES32 // 2
     r0 = 0
     c0 = 0
     if OUT.strides[1] == it and X.strides[1] == it:

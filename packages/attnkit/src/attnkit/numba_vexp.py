@@ -8,7 +8,7 @@ polynomial (degree 6 in float32, 12 in float64) approximates ``exp`` on ``|r| <=
 to the exponent bits. Relative error below 2.5e-7 in float32 and 1e-14 in float64; 0 at or below the lowest
 argument (-87 / -708), inf above the highest (88.7 / 709.7), NaN for NaN. The IR carries no fast-math flags,
 so LLVM keeps the two-constant reduction as written. Vectors are :data:`LANES32` float32 lanes wide (float64:
-half), the register panels' width (:data:`attnkit.numba_panel.PANEL_BITS`).
+half): the register panels' width (:data:`attnkit.numba_panel.LANES32`, re-exported here).
 
 Written for the kernelized plugin in session 37 (``attnkit_kernelized._vexp``, which builds its row functions
 on it) and moved here in session 57, when the sparse plugin's tiles took it too (:func:`exp_sub_at`: 0.5 ns
@@ -27,12 +27,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numba_panel import PANEL_BITS
+from .numba_panel import LANES32
 
 __all__ = ["LANES32", "constants", "exp_vector", "exp_sub_at", "splat", "broadcast", "vector_ptr", "float_array"]
 
-#: float32 lanes of the vectors (float64: half): 16 where the register panels run on 512-bit vectors, else 8
-LANES32 = PANEL_BITS // 32
 
 LOG2E, LN2_HI, LN2_LO, HALF, LO, HI, POLY = range(7)
 

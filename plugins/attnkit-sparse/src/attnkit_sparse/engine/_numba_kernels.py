@@ -155,8 +155,9 @@ def _dots(X, x0, xn, YT, OUT, zero):  # pragma: no cover - compiled
 def _axpy_at(OUT, on, C, c0, Y, y0, yn):  # pragma: no cover - compiled
     """``OUT[i] += sum_{j < yn} C[i, c0 + j] · Y[y0 + j]`` for ``i < on``: the core's register panels
     (:func:`attnkit.numba_panel.axpy_at`; ``OUT`` distinct from ``C`` and ``Y``). Until session 57 a numba loop of
-    4 rows x 4 terms per pass over a row; the panels (512-bit on AVX-512 targets) made causal ``local``'s forward
-    at 16K 1.1x faster on an Intel Emerald Rapids VM (docs/benchmarks.md, "Session 57")."""
+    4 rows x 4 terms per pass over a row; the panels (512-bit on AVX-512 targets), with :func:`_exp_sub`, made
+    ``local``'s (window 256) forward at 16K 1.57x and its forward+backward 1.67x faster on an Intel Emerald Rapids
+    VM (docs/benchmarks.md, "Session 57")."""
     _panel_axpy_at(OUT, on, C, c0, Y, y0, yn)
 
 
