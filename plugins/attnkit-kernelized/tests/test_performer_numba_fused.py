@@ -145,27 +145,7 @@ def test_scaled_inputs_without_autograd_fall_back_and_keep_every_row(factor):
     torch.testing.assert_close(a.double(), ref, atol=1e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 37, 256])
-def test_lane_maxima_equal_the_sequential_loop(n):
-    import numba
-    import numpy as np
-
-    from attnkit_kernelized.performer.numba_fused import _LANES, _row_max, _row_min
-
-    @numba.njit
-    def both(row):
-        lanes = np.empty(_LANES, dtype=row.dtype)
-        return _row_max(row, lanes), _row_min(row, lanes)
-
-    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
-    assert both(x) == (x.max(), x.min())
-    if n > 1:
-        x[n // 2] = np.nan             # NaN entries are ignored, wherever they stand
-        assert both(x) == (np.nanmax(x), np.nanmin(x))
-        x[0] = np.nan
-        assert both(x) == (np.nanmax(x), np.nanmin(x))
-    x[:] = np.nan                      # NaN only when every entry is
-    assert all(np.isnan(both(x)))
+# the row maxima and minima the kernel takes: tests/test_vreduce.py (the core's attnkit.numba_vreduce)
 
 
 def test_a_sequence_stops_at_the_first_block_beyond_the_bound_and_shows_it():

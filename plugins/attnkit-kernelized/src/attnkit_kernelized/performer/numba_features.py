@@ -41,6 +41,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.numba_vreduce import row_max, row_min
+
 from .._numba import FASTMATH, arr, output, rows
 from .._ops import define
 from .._tiles import axpy_rows
@@ -78,10 +80,7 @@ def _query_rows(X, WT, P, cst, is32, r0, r1):  # pragma: no cover - compiled
         _project(buf, X[b0:], WT, nb, zero)
         for i in range(nb):
             row = buf[i]
-            m = row[0]
-            for j in range(M):
-                m = row[j] if row[j] > m else m
-            exp_row(row, m, nbuf, cst, is32)
+            exp_row(row, row_max(row), nbuf, cst, is32)
             out = P[b0 + i]
             for j in range(M):
                 out[j] = row[j]
@@ -127,13 +126,9 @@ def _key_rows(X, WT, pad, s2h, cst, is32, chunk, P, hi, lo, grow, n0, n1):  # pr
                     for d in range(D):
                         sq += kr[d] * kr[d]
                     c = s2h * sq
-                    rmin = row[0]
                     for j in range(M):
-                        x = row[j]
-                        rmin = x if x < rmin else rmin
-                        xc = x - c
-                        h[j] = xc if xc > h[j] else h[j]
-                    low = min(low, rmin - c)
+                        h[j] = np.fmax(h[j], row[j] - c)     # fmax: a plain store, not a masked one
+                    low = min(low, row_min(row) - c)
                     exp_row(row, c, nbuf, cst, is32)
                     for j in range(M):
                         out[j] = row[j]

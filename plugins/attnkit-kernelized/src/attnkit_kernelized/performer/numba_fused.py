@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.numba_vreduce import row_max, row_min
+
 from .._numba import FASTMATH, arr, output, rows
 from .._ops import define
 from .._tiles import causal_block_normalised
@@ -40,53 +42,6 @@ from ..linear.numba_ops import MAX_BLOCK
 from .numba_features import _project
 
 _FM = FASTMATH
-_LANES = 16
-
-
-@numba.njit(cache=True, fastmath=_FM, inline="always")
-def _row_max(row, lanes):  # pragma: no cover - compiled
-    """``max(row)`` ignoring NaN (NaN only when every entry is), through ``lanes`` (16) running maxima: a
-    reduction vectorises only with ``nnan``, which the kernels do not assume.
-
-    The lanes are updated by ``np.fmax``, not by ``lanes[i] = x if x > a else a``: LLVM turns that
-    select-and-store into a masked store (``vmaskmovps``), which AMD's cores execute about 6x slower than a
-    plain store (0.76 against 0.13 ns per element with ``fmax``, development VM; bench_store_patterns.py);
-    ``fmax`` stores every lane."""
-    n = row.shape[0]
-    x0 = row[0]
-    for i in range(_LANES):
-        lanes[i] = x0
-    nl = n - n % _LANES
-    for b in range(0, nl, _LANES):
-        seg = row[b:]
-        for i in range(_LANES):
-            lanes[i] = np.fmax(lanes[i], seg[i])
-    m = x0
-    for i in range(_LANES):
-        m = np.fmax(m, lanes[i])
-    for j in range(nl, n):
-        m = np.fmax(m, row[j])
-    return m
-
-
-@numba.njit(cache=True, fastmath=_FM, inline="always")
-def _row_min(row, lanes):  # pragma: no cover - compiled
-    """``min(row)`` ignoring NaN, as :func:`_row_max`."""
-    n = row.shape[0]
-    x0 = row[0]
-    for i in range(_LANES):
-        lanes[i] = x0
-    nl = n - n % _LANES
-    for b in range(0, nl, _LANES):
-        seg = row[b:]
-        for i in range(_LANES):
-            lanes[i] = np.fmin(lanes[i], seg[i])
-    m = x0
-    for i in range(_LANES):
-        m = np.fmin(m, lanes[i])
-    for j in range(nl, n):
-        m = np.fmin(m, row[j])
-    return m
 
 
 # The block's features are two calls, not inlined into the kernel: in a copy of the kernel with parts switched
@@ -95,16 +50,16 @@ def _row_min(row, lanes):  # pragma: no cover - compiled
 # body slowed the code around it.
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _query_block(xb, X, WT, T, lanes, nbuf, cst, is32, zero):  # pragma: no cover - compiled
+def _query_block(xb, X, WT, T, nbuf, cst, is32, zero):  # pragma: no cover - compiled
     """``xb[t] = exp(p - max p)`` with ``p = X[t] WT`` for ``t < T`` (the block's query features)."""
     _project(xb, X, WT, T, zero)
     for t in range(T):
         row = xb[t]
-        exp_row(row, _row_max(row, lanes), nbuf, cst, is32)
+        exp_row(row, row_max(row), nbuf, cst, is32)
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _key_block(yb, X, WT, T, pad, s2h, h, low, lanes, nbuf, cst, is32, zero):  # pragma: no cover - compiled
+def _key_block(yb, X, WT, T, pad, s2h, h, low, nbuf, cst, is32, zero):  # pragma: no cover - compiled
     """``yb[t] = exp(p - s2h |X[t]|^2)`` with ``p = X[t] WT`` for ``t < T`` (the block's key features; 0 where
     ``pad[t]``, whatever ``X[t]`` holds; ``pad`` may be empty: no padding). Updates ``h[j]``, the largest key
     exponent of feature ``j``, and returns ``low`` lowered to the smallest exponent of the block's real keys."""
@@ -124,8 +79,8 @@ def _key_block(yb, X, WT, T, pad, s2h, h, low, lanes, nbuf, cst, is32, zero):  #
                 sq += kr[d] * kr[d]
             c = s2h * sq
             for j in range(M):
-                h[j] = np.fmax(h[j], row[j] - c)    # fmax: a plain store (see _row_max)
-            low = min(low, _row_min(row, lanes) - c)
+                h[j] = np.fmax(h[j], row[j] - c)    # fmax: a plain store, not a masked one (attnkit.numba_panel)
+            low = min(low, row_min(row) - c)
             exp_row(row, c, nbuf, cst, is32)
     return low
 
@@ -152,7 +107,6 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
     ob = np.empty((chunk, E), dtype=Q.dtype)
     db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
     nbuf = np.empty(M, dtype=np.int32)
-    lanes = np.empty(_LANES, dtype=Q.dtype)
     hb = np.empty(M, dtype=Q.dtype)      # hi[n] (a local buffer: updates of an argument array vectorise less)
     for n in range(n0, n1):
         qn = Q[n]; kn = K[n]; vn = V[n]; outn = out[n]
@@ -166,10 +120,10 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
             c1 = min(c0 + chunk, L)
             T = c1 - c0
             # ---- features of the block: queries shifted by their row maximum, keys by |k'|^2/2
-            _query_block(xb, qn[c0:], WT, T, lanes, nbuf, cst, is32, zero)
-            low = _key_block(yb, kn[c0:], WT, T, pad[n, c0:] if has_pad else pad[n], s2h, h, low, lanes, nbuf, cst,
-                             is32, zero)
-            if low < -bound or _row_max(h, lanes) > bound:
+            _query_block(xb, qn[c0:], WT, T, nbuf, cst, is32, zero)
+            low = _key_block(yb, kn[c0:], WT, T, pad[n, c0:] if has_pad else pad[n], s2h, h, low, nbuf, cst, is32,
+                             zero)
+            if low < -bound or row_max(h) > bound:
                 break               # the caller discards the result (hi, lo show why)
             causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero)
         S_out[n] = S

@@ -1,0 +1,137 @@
+"""Vector reductions for the plugins' numba kernels: the largest and the smallest entry of a row, NaN ignored.
+
+Imported only by plugins' numba kernel modules (it imports numba and llvmlite, which ``import attnkit`` never does).
+
+A maximum written as a numba loop, ``m = x if x > m else m`` or ``m = np.fmax(m, x)``, is not vectorised: LLVM
+reorders a floating-point max reduction only under ``nnan``, which the kernels do not assume (a padded row may
+hold NaN). Spread over running lanes in an array, as the performer's fused forward did, it still ran about one
+element per nanosecond: 0.85-0.88 ns per float32 element on rows of 256, against 0.07-0.09 here (one thread,
+AMD EPYC Zen 3 VM, session 58; ``benchmarks/bench_vreduce.py``). Here the row is read in vectors of
+:data:`LANES32` float32 lanes (float64: half) into four running vectors by ``llvm.maxnum`` / ``llvm.minnum``, then
+single vectors, then a scalar tail; ``maxnum`` returns the other operand when one is NaN, as ``np.fmax`` does, so
+the result is the largest non-NaN entry, and NaN only when every entry is NaN.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .numba_panel import LANES32
+from .numba_vexp import broadcast, float_array
+
+__all__ = ["row_max", "row_min"]
+
+_I64 = ir.IntType(64)
+_UNROLL = 4
+
+
+def _vector_loop(builder: ir.IRBuilder, data: ir.Value, start: ir.Value, stop: ir.Value, step: int, acc: list,
+                 combine, vt: ir.VectorType) -> tuple[ir.Value, list]:  # noqa: ANN001
+    """IR of ``for j in range(start, stop, step)``: ``acc[u] = combine(acc[u], row[j + u·W : j + (u+1)·W])``;
+    returns the loop counter after the loop and the accumulators there."""
+    W = vt.count
+    pre = builder.block
+    head = builder.append_basic_block("vr.head")
+    body = builder.append_basic_block("vr.body")
+    done = builder.append_basic_block("vr.done")
+    builder.branch(head)
+    builder.position_at_end(head)
+    j = builder.phi(_I64)
+    j.add_incoming(start, pre)
+    phis = []
+    for a in acc:
+        ph = builder.phi(vt)
+        ph.add_incoming(a, pre)
+        phis.append(ph)
+    builder.cbranch(builder.icmp_signed("<", j, stop), body, done)
+    builder.position_at_end(body)
+    new = []
+    for u, ph in enumerate(phis):
+        p = builder.bitcast(builder.gep(data, [builder.add(j, ir.Constant(_I64, u * W))]), vt.as_pointer())
+        new.append(combine(ph, builder.load(p, align=1)))
+    j.add_incoming(builder.add(j, ir.Constant(_I64, step)), builder.block)
+    for ph, v in zip(phis, new):
+        ph.add_incoming(v, builder.block)
+    builder.branch(head)
+    builder.position_at_end(done)
+    return j, phis
+
+
+def _make_head(kind: str):  # noqa: ANN202 - returns a numba intrinsic
+    """An intrinsic ``head(row, n, init)``: the ``kind`` (``"max"`` or ``"min"``, NaN ignored) of ``init`` and
+    ``row[:n - n % W]`` (``W`` lanes of :data:`LANES32`; ``row`` 1-D with unit stride)."""
+
+    @intrinsic
+    def head(typingctx, row, n, init):  # noqa: ANN001, ANN202
+        if not float_array(row) or not isinstance(n, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            arow, nv, iv = args
+            is32 = signature.args[0].dtype == types.float32
+            W = LANES32 if is32 else LANES32 // 2
+            ft = context.get_value_type(signature.args[0].dtype)
+            vt = ir.VectorType(ft, W)
+            sfx = f"v{W}f{32 if is32 else 64}"
+            op = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt]), f"llvm.{kind}num.{sfx}")
+            fold = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ft, [vt]),
+                                                  f"llvm.vector.reduce.f{kind}.{sfx}")
+            data = context.make_array(signature.args[0])(context, builder, arow).data
+            nv = context.cast(builder, nv, signature.args[1], types.intp)
+            iv = context.cast(builder, iv, signature.args[2], signature.args[0].dtype)
+            init = broadcast(builder, vt, iv)
+
+            def combine(a, b):  # noqa: ANN001, ANN202
+                return builder.call(op, [a, b])
+
+            big = W * _UNROLL
+            stop4 = builder.mul(builder.sdiv(nv, ir.Constant(_I64, big)), ir.Constant(_I64, big))
+            j, acc = _vector_loop(builder, data, ir.Constant(_I64, 0), stop4, big, [init] * _UNROLL, combine, vt)
+            a = acc[0]
+            for b in acc[1:]:
+                a = combine(a, b)
+            stop1 = builder.mul(builder.sdiv(nv, ir.Constant(_I64, W)), ir.Constant(_I64, W))
+            _, (a,) = _vector_loop(builder, data, j, stop1, W, [a], combine, vt)
+            return builder.call(fold, [a])
+
+        return row.dtype(row, n, row.dtype), codegen
+
+    return head
+
+
+_max_head = _make_head("max")
+_min_head = _make_head("min")
+
+
+@numba.njit(cache=True, inline="always")
+def row_max(row):  # pragma: no cover - compiled
+    """The largest entry of the 1-D float32/float64 array ``row`` (length >= 1), NaN ignored: NaN only when every
+    entry is NaN (``np.fmax`` folded over the row). Vector code when ``row`` has unit stride, a loop otherwise."""
+    n = row.shape[0]
+    m = row[0]
+    j0 = 0
+    if row.strides[0] == row.itemsize:
+        m = _max_head(row, n, m)
+        j0 = n - n % (LANES32 if row.itemsize == 4 else LANES32 // 2)
+    for j in range(j0, n):
+        m = np.fmax(m, row[j])
+    return m
+
+
+@numba.njit(cache=True, inline="always")
+def row_min(row):  # pragma: no cover - compiled
+    """The smallest entry of ``row``, NaN ignored, as :func:`row_max`."""
+    n = row.shape[0]
+    m = row[0]
+    j0 = 0
+    if row.strides[0] == row.itemsize:
+        m = _min_head(row, n, m)
+        j0 = n - n % (LANES32 if row.itemsize == 4 else LANES32 // 2)
+    for j in range(j0, n):
+        m = np.fmin(m, row[j])
+    return m

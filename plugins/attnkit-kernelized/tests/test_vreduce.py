@@ -1,0 +1,79 @@
+"""The core's vector row reductions (:mod:`attnkit.numba_vreduce`, tested here: the core itself does not depend on
+numba) against NumPy's ``nanmax`` / ``nanmin``, exactly: every length around the vector and unrolled widths of
+either dtype, NaN and infinities anywhere (the first entry included), rows of NaN only, strided rows."""
+
+from __future__ import annotations
+
+import warnings
+
+import numba
+import numpy as np
+import pytest
+
+from attnkit.numba_vreduce import row_max, row_min
+
+
+@numba.njit(cache=True)
+def _each(X, which):  # pragma: no cover - compiled
+    out = np.empty(X.shape[0], X.dtype)
+    for i in range(X.shape[0]):
+        out[i] = row_max(X[i]) if which == 0 else row_min(X[i])
+    return out
+
+
+@numba.njit(cache=True)
+def _columns(X, which):  # pragma: no cover - compiled
+    out = np.empty(X.shape[1], X.dtype)
+    for j in range(X.shape[1]):
+        out[j] = row_max(X[:, j]) if which == 0 else row_min(X[:, j])
+    return out
+
+
+def _ref(X: np.ndarray, which: int) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)      # all-NaN rows: NaN, as expected
+        return np.nanmax(X, axis=-1) if which == 0 else np.nanmin(X, axis=-1)
+
+
+LENGTHS = [*range(1, 70), 127, 128, 129, 255, 256, 257]
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("which", [0, 1])
+def test_rows_match_numpy_at_every_length(dt: type, which: int) -> None:
+    rng = np.random.default_rng(3 + which)
+    for n in LENGTHS:
+        X = rng.standard_normal((5, n)).astype(dt)
+        X[1, n // 2] = 50.0 if which == 0 else -50.0          # the extreme in the middle,
+        X[2, -1] = 60.0 if which == 0 else -60.0              # in the scalar tail,
+        X[3, 0] = 70.0 if which == 0 else -70.0               # and first
+        np.testing.assert_array_equal(_each(X, which), _ref(X, which), err_msg=f"n={n}")
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("which", [0, 1])
+def test_nan_is_ignored_and_infinities_count(dt: type, which: int) -> None:
+    rng = np.random.default_rng(11)
+    for n in (1, 7, 33, 100, 256):
+        X = rng.standard_normal((6, n)).astype(dt)
+        X[0, 0] = np.nan                                      # NaN first: the result is the rest's extreme
+        X[1, rng.integers(0, n)] = np.nan
+        X[2, :] = np.nan                                      # NaN only: NaN
+        X[3, rng.integers(0, n)] = np.inf
+        X[4, rng.integers(0, n)] = -np.inf
+        X[5, ::2] = np.nan
+        got, ref = _each(X, which), _ref(X, which)
+        np.testing.assert_array_equal(got, ref, err_msg=f"n={n}")
+        assert np.isnan(got[2])
+        if n > 1:
+            assert not np.isnan(got[0]) and not np.isnan(got[1]) and not np.isnan(got[5])
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("which", [0, 1])
+def test_strided_rows(dt: type, which: int) -> None:
+    X = np.random.default_rng(5).standard_normal((67, 9)).astype(dt)
+    X[13, 2] = np.nan
+    np.testing.assert_array_equal(_columns(X, which), _ref(X.T, which))
+    Y = np.ascontiguousarray(X.T)[:, ::3]                    # every third entry of each row
+    np.testing.assert_array_equal(_each(Y, which), _ref(Y, which))
