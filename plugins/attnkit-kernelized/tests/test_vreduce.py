@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from attnkit.numba_vreduce import row_max, row_min
+from attnkit.numba_vreduce import first_index, row_max, row_min
 
 
 @numba.njit(cache=True)
@@ -77,3 +77,39 @@ def test_strided_rows(dt: type, which: int) -> None:
     np.testing.assert_array_equal(_columns(X, which), _ref(X.T, which))
     Y = np.ascontiguousarray(X.T)[:, ::3]                    # every third entry of each row
     np.testing.assert_array_equal(_each(Y, which), _ref(Y, which))
+
+
+@numba.njit(cache=True)
+def _first(X, values):  # pragma: no cover - compiled
+    out = np.empty(X.shape[0], np.int64)
+    for i in range(X.shape[0]):
+        out[i] = first_index(X[i], values[i])
+    return out
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_first_index_is_the_first_match_or_minus_one(dt: type) -> None:
+    rng = np.random.default_rng(17)
+    for n in LENGTHS:
+        X = rng.integers(-3, 4, size=(4, n)).astype(dt)       # repeated values: the first one counts
+        X[1, rng.integers(0, n)] = np.nan
+        values = np.array([X[0, rng.integers(0, n)], X[1, -1], 99.0, np.nan], dtype=dt)
+        got = _first(X, values)
+        for i in range(4):
+            hits = np.flatnonzero(X[i] == values[i])
+            assert got[i] == (hits[0] if hits.size else -1), (n, i)
+        assert got[2] == -1 and got[3] == -1                  # absent; NaN equals nothing
+    Y = np.ascontiguousarray(X.T)[:, ::2]                     # strided rows take the loop
+    hits = [np.flatnonzero(Y[i] == Y[i, -1])[0] for i in range(Y.shape[0])]
+    np.testing.assert_array_equal(_first(Y, Y[:, -1].copy()), hits)
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_first_maximum_is_nanargmax(dt: type) -> None:
+    rng = np.random.default_rng(23)
+    for n in LENGTHS:
+        X = rng.integers(-5, 6, size=(3, n)).astype(dt)
+        X[2, 0] = np.nan
+        for i in range(3):
+            if not np.isnan(X[i]).all():
+                assert _first(X[i:i + 1], np.array([_each(X[i:i + 1], 0)[0]], dtype=dt))[0] == np.nanargmax(X[i])

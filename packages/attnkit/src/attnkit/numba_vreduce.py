@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 from .numba_panel import LANES32
 from .numba_vexp import broadcast, float_array
 
-__all__ = ["row_max", "row_min"]
+__all__ = ["row_max", "row_min", "first_index"]
 
 _I64 = ir.IntType(64)
 _UNROLL = 4
@@ -135,3 +135,68 @@ def row_min(row):  # pragma: no cover - compiled
     for j in range(j0, n):
         m = np.fmin(m, row[j])
     return m
+
+
+@intrinsic
+def _first_head(typingctx, row, n, value):  # noqa: ANN001, ANN202
+    """The first ``j < n - n % W`` with ``row[j] == value`` (``W`` lanes of :data:`LANES32`; ``row`` 1-D with unit
+    stride), ``-1`` when there is none: whole vectors compared at once, the loop left at the first match."""
+    if not float_array(row) or not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        arow, nv, xv = args
+        is32 = signature.args[0].dtype == types.float32
+        W = LANES32 if is32 else LANES32 // 2
+        ft = context.get_value_type(signature.args[0].dtype)
+        vt = ir.VectorType(ft, W)
+        iw = ir.IntType(W)
+        cttz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(iw, [iw, ir.IntType(1)]),
+                                              f"llvm.cttz.i{W}")
+        data = context.make_array(signature.args[0])(context, builder, arow).data
+        nv = context.cast(builder, nv, signature.args[1], types.intp)
+        target = broadcast(builder, vt, context.cast(builder, xv, signature.args[2], signature.args[0].dtype))
+        stop = builder.mul(builder.sdiv(nv, ir.Constant(_I64, W)), ir.Constant(_I64, W))
+        pre = builder.block
+        head = builder.append_basic_block("fi.head")
+        body = builder.append_basic_block("fi.body")
+        found = builder.append_basic_block("fi.found")
+        done = builder.append_basic_block("fi.done")
+        builder.branch(head)
+        builder.position_at_end(head)
+        j = builder.phi(_I64)
+        j.add_incoming(ir.Constant(_I64, 0), pre)
+        builder.cbranch(builder.icmp_signed("<", j, stop), body, done)
+        builder.position_at_end(body)
+        x = builder.load(builder.bitcast(builder.gep(data, [j]), vt.as_pointer()), align=1)
+        bits = builder.bitcast(builder.fcmp_ordered("==", x, target), iw)
+        j.add_incoming(builder.add(j, ir.Constant(_I64, W)), body)
+        builder.cbranch(builder.icmp_unsigned("!=", bits, ir.Constant(iw, 0)), found, head)
+        builder.position_at_end(found)
+        at = builder.add(j, builder.zext(builder.call(cttz, [bits, ir.Constant(ir.IntType(1), 1)]), _I64))
+        builder.branch(done)
+        builder.position_at_end(done)
+        res = builder.phi(_I64)
+        res.add_incoming(ir.Constant(_I64, -1), head)
+        res.add_incoming(at, found)
+        return res
+
+    return types.intp(row, n, row.dtype), codegen
+
+
+@numba.njit(cache=True, inline="always")
+def first_index(row, value):  # pragma: no cover - compiled
+    """The first index ``j`` with ``row[j] == value`` in the 1-D float32/float64 array ``row``, ``-1`` when there is
+    none (``value`` NaN: none). With :func:`row_max`, ``first_index(row, row_max(row))`` is the first maximum
+    (``np.nanargmax``'s answer). Vector compares when ``row`` has unit stride, a loop otherwise."""
+    n = row.shape[0]
+    j0 = 0
+    if row.strides[0] == row.itemsize:
+        j = _first_head(row, n, value)
+        if j >= 0:
+            return j
+        j0 = n - n % (LANES32 if row.itemsize == 4 else LANES32 // 2)
+    for j in range(j0, n):
+        if row[j] == value:
+            return j
+    return -1

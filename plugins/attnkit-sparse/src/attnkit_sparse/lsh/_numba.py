@@ -11,6 +11,7 @@ import numba
 import numpy as np
 
 from attnkit.numba_panel import axpy_at
+from attnkit.numba_vreduce import first_index, row_max, row_min
 
 from ..engine._numba_kernels import FASTMATH
 
@@ -38,21 +39,14 @@ def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
                     pi[c] = 0
             axpy_at(P, bn, X, 0, rot[r], 0, D)          # register panels (attnkit.numba_panel)
             for i in range(bn):
-                p = P[i]
-                mx = p[0]
-                mn = p[0]
-                amx = 0
-                amn = 0
-                for c in range(1, half):
-                    v = p[c]
-                    if v > mx:
-                        mx = v
-                        amx = c
-                    if v < mn:
-                        mn = v
-                        amn = c
+                p = P[i, :half]
+                mx = row_max(p)                          # vector reductions (attnkit.numba_vreduce)
+                mn = row_min(p)
                 g = b0 + i
-                out[g // L, r, g % L] = amx if mx >= -mn else C + amn
+                if mx >= -mn:
+                    out[g // L, r, g % L] = first_index(p, mx)
+                else:       # (a row of NaN only: C + 0, as the loop this replaced gave)
+                    out[g // L, r, g % L] = C + max(first_index(p, mn), 0)
     return out
 
 
