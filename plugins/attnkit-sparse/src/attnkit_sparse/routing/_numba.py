@@ -25,6 +25,7 @@ import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from attnkit.numba_panel import transpose
+from attnkit.numba_vreduce import row_max, row_min
 
 from .._gathered import tile_scores
 from ._mask_bits import ge_bits
@@ -263,12 +264,8 @@ def _select_largest_bucketed(a, n, k, work):  # pragma: no cover - compiled
     Compiled without fast-math flags: the bucket expression is evaluated as written."""
     if n < 64:
         return _select_largest(a, n, k, work)
-    lo = a[0]
-    hi = a[0]
-    for i in range(n):
-        x = a[i]
-        lo = x if x < lo else lo
-        hi = x if x > hi else hi
+    lo = row_min(a[:n])                            # vector reductions (attnkit.numba_vreduce)
+    hi = row_max(a[:n])
     span = hi - lo
     if not (span > 0 and span < np.inf):           # all equal; an infinite or overflowing spread
         return _select_largest(a, n, k, work)
