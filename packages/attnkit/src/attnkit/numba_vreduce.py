@@ -63,6 +63,19 @@ def _vector_loop(builder: ir.IRBuilder, data: ir.Value, start: ir.Value, stop: i
     return j, phis
 
 
+def _row_ir(context, builder, signature, args):  # noqa: ANN001, ANN202
+    """What both kinds of intrinsic read from ``(row, n, value)``: the float type, the vector type of
+    :data:`LANES32` lanes (float64: half), the row's data pointer, ``n`` as an ``intp`` and ``value`` in the
+    row's dtype."""
+    aty = signature.args[0]
+    W = LANES32 if aty.dtype == types.float32 else LANES32 // 2
+    ft = context.get_value_type(aty.dtype)
+    data = context.make_array(aty)(context, builder, args[0]).data
+    n = context.cast(builder, args[1], signature.args[1], types.intp)
+    value = context.cast(builder, args[2], signature.args[2], aty.dtype)
+    return ft, ir.VectorType(ft, W), data, n, value
+
+
 def _make_head(kind: str):  # noqa: ANN202 - returns a numba intrinsic
     """An intrinsic ``head(row, n, init)``: the ``kind`` (``"max"`` or ``"min"``, NaN ignored) of ``init`` and
     ``row[:n - n % W]`` (``W`` lanes of :data:`LANES32`; ``row`` 1-D with unit stride)."""
@@ -73,18 +86,12 @@ def _make_head(kind: str):  # noqa: ANN202 - returns a numba intrinsic
             return None
 
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-            arow, nv, iv = args
-            is32 = signature.args[0].dtype == types.float32
-            W = LANES32 if is32 else LANES32 // 2
-            ft = context.get_value_type(signature.args[0].dtype)
-            vt = ir.VectorType(ft, W)
-            sfx = f"v{W}f{32 if is32 else 64}"
+            ft, vt, data, nv, iv = _row_ir(context, builder, signature, args)
+            W = vt.count
+            sfx = f"v{W}f{32 if isinstance(ft, ir.FloatType) else 64}"
             op = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt]), f"llvm.{kind}num.{sfx}")
             fold = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ft, [vt]),
                                                   f"llvm.vector.reduce.f{kind}.{sfx}")
-            data = context.make_array(signature.args[0])(context, builder, arow).data
-            nv = context.cast(builder, nv, signature.args[1], types.intp)
-            iv = context.cast(builder, iv, signature.args[2], signature.args[0].dtype)
             init = broadcast(builder, vt, iv)
 
             def combine(a, b):  # noqa: ANN001, ANN202
@@ -110,16 +117,22 @@ _min_head = _make_head("min")
 
 
 @numba.njit(cache=True, inline="always")
+def _vector_end(row):  # pragma: no cover - compiled
+    """Where the intrinsics' whole vectors end in ``row``: ``n - n % W`` for a row with unit stride, 0 for a strided
+    one (which the loops then take whole)."""
+    n = row.shape[0]
+    if row.strides[0] != row.itemsize:
+        return 0
+    return n - n % (LANES32 if row.itemsize == 4 else LANES32 // 2)
+
+
+@numba.njit(cache=True, inline="always")
 def row_max(row):  # pragma: no cover - compiled
     """The largest entry of the 1-D float32/float64 array ``row`` (length >= 1), NaN ignored: NaN only when every
     entry is NaN (``np.fmax`` folded over the row). Vector code when ``row`` has unit stride, a loop otherwise."""
-    n = row.shape[0]
-    m = row[0]
-    j0 = 0
-    if row.strides[0] == row.itemsize:
-        m = _max_head(row, n, m)
-        j0 = n - n % (LANES32 if row.itemsize == 4 else LANES32 // 2)
-    for j in range(j0, n):
+    j0 = _vector_end(row)
+    m = _max_head(row, j0, row[0]) if j0 > 0 else row[0]
+    for j in range(j0, row.shape[0]):
         m = np.fmax(m, row[j])
     return m
 
@@ -127,13 +140,9 @@ def row_max(row):  # pragma: no cover - compiled
 @numba.njit(cache=True, inline="always")
 def row_min(row):  # pragma: no cover - compiled
     """The smallest entry of ``row``, NaN ignored, as :func:`row_max`."""
-    n = row.shape[0]
-    m = row[0]
-    j0 = 0
-    if row.strides[0] == row.itemsize:
-        m = _min_head(row, n, m)
-        j0 = n - n % (LANES32 if row.itemsize == 4 else LANES32 // 2)
-    for j in range(j0, n):
+    j0 = _vector_end(row)
+    m = _min_head(row, j0, row[0]) if j0 > 0 else row[0]
+    for j in range(j0, row.shape[0]):
         m = np.fmin(m, row[j])
     return m
 
@@ -146,17 +155,12 @@ def _first_head(typingctx, row, n, value):  # noqa: ANN001, ANN202
         return None
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        arow, nv, xv = args
-        is32 = signature.args[0].dtype == types.float32
-        W = LANES32 if is32 else LANES32 // 2
-        ft = context.get_value_type(signature.args[0].dtype)
-        vt = ir.VectorType(ft, W)
+        _, vt, data, nv, xv = _row_ir(context, builder, signature, args)
+        W = vt.count
         iw = ir.IntType(W)
         cttz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(iw, [iw, ir.IntType(1)]),
                                               f"llvm.cttz.i{W}")
-        data = context.make_array(signature.args[0])(context, builder, arow).data
-        nv = context.cast(builder, nv, signature.args[1], types.intp)
-        target = broadcast(builder, vt, context.cast(builder, xv, signature.args[2], signature.args[0].dtype))
+        target = broadcast(builder, vt, xv)
         stop = builder.mul(builder.sdiv(nv, ir.Constant(_I64, W)), ir.Constant(_I64, W))
         pre = builder.block
         head = builder.append_basic_block("fi.head")
@@ -190,14 +194,12 @@ def first_index(row, value):  # pragma: no cover - compiled
     """The first index ``j`` with ``row[j] == value`` in the 1-D float32/float64 array ``row``, ``-1`` when there is
     none (``value`` NaN: none). With :func:`row_max`, ``first_index(row, row_max(row))`` is the first maximum
     (``np.nanargmax``'s answer). Vector compares when ``row`` has unit stride, a loop otherwise."""
-    n = row.shape[0]
-    j0 = 0
-    if row.strides[0] == row.itemsize:
-        j = _first_head(row, n, value)
+    j0 = _vector_end(row)
+    if j0 > 0:
+        j = _first_head(row, j0, value)
         if j >= 0:
             return j
-        j0 = n - n % (LANES32 if row.itemsize == 4 else LANES32 // 2)
-    for j in range(j0, n):
+    for j in range(j0, row.shape[0]):
         if row[j] == value:
             return j
     return -1

@@ -24,7 +24,8 @@ def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
     """``argmax([p; -p])`` of the rotations p of rows ``g0 .. g1`` of ``x`` ``(BH·L, D)`` by ``rot`` ``(R, D, half)``,
     computed here a block of :data:`HASH_BLOCK` rows and one round at a time (the projections never leave
     the cache), into ``out`` int64 ``(BH, R, L)``: the column of the first maximum when ``max(p) >= -min(p)``,
-    else ``C +`` the column of the first minimum (one pass per row). Serial (``nogil``): the caller hands
+    else ``C +`` the column of the first minimum (the row's maximum, minimum and their first column on whole
+    vectors: :mod:`attnkit.numba_vreduce`). Serial (``nogil``): the caller hands
     blocks of rows to threads."""
     D = x.shape[1]
     R, _, half = rot.shape
@@ -39,7 +40,7 @@ def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
                     pi[c] = 0
             axpy_at(P, bn, X, 0, rot[r], 0, D)          # register panels (attnkit.numba_panel)
             for i in range(bn):
-                p = P[i, :half]
+                p = P[i]
                 mx = row_max(p)                          # vector reductions (attnkit.numba_vreduce)
                 mn = row_min(p)
                 g = b0 + i
