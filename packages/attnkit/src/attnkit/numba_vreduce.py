@@ -6,8 +6,9 @@ A maximum written as a numba loop, ``m = x if x > m else m`` or ``m = np.fmax(m,
 reorders a floating-point max reduction only under ``nnan``, which the kernels do not assume (a padded row may
 hold NaN). Measured per float32 element on rows of 256 (one thread, AMD EPYC Zen 3 VM, session 58;
 ``benchmarks/bench_vreduce.py``): the select 0.30 ns, ``np.fmax`` 1.0 ns, 16 running lanes in an array updated by
-``np.fmax`` (the performer's fused forward before) 0.77 ns, :func:`row_max` 0.07 ns; ``lsh``'s argmax scan of a
-row of 128 1.11 ns, :func:`row_max` + :func:`row_min` + :func:`first_index` 0.32 ns. Here the row is read in vectors of
+``np.fmax`` (the performer's fused forward before) 0.77 ns, :func:`row_max` 0.07 ns (0.09-0.13 in later runs, the
+others moving alike); ``lsh``'s argmax scan of a row of 128 1.11 ns, :func:`row_max` + :func:`row_min` +
+:func:`first_index` 0.32 ns. Here the row is read in vectors of
 :data:`LANES32` float32 lanes (float64: half) into four running vectors by ``llvm.maxnum`` / ``llvm.minnum``, then
 single vectors, then a scalar tail; ``maxnum`` returns the other operand when one is NaN, as ``np.fmax`` does, so
 the result is the largest non-NaN entry, and NaN only when every entry is NaN.
