@@ -38,7 +38,7 @@ def divide_row(row, s, E, zero):  # pragma: no cover - compiled
             row[e] *= rr
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=FASTMATH)
 def causal_block(xc, wc, yT, A, oc, db, S, z, T, M, E, zero, with_den, normalize):  # pragma: no cover - compiled
     """One block of ``T`` positions of the causal product, the block's features ready: ``xc (T, M)`` queries,
     ``wc (T, E)`` values, ``yT (M, >= T)`` the keys transposed; ``(S, z)`` the state of the earlier blocks.
@@ -89,7 +89,7 @@ def causal_block(xc, wc, yT, A, oc, db, S, z, T, M, E, zero, with_den, normalize
             z[m] += s
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=FASTMATH)
 def causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero):  # pragma: no cover - compiled
     """:func:`causal_block` of the fused no-grad kernels of ``linear`` and ``performer``: the features ready in
     ``xb`` / ``yb`` ``(>= T, M)``, ``yb`` transposed into ``yT``, the normalised output written to

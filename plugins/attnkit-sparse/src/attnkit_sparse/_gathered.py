@@ -96,7 +96,7 @@ def tile_scores(ST, kn, width, Kb, QT, D, zero):  # pragma: no cover - compiled
     axpy_at(ST, kn, Kb, 0, QT, 0, D)
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=FASTMATH)
 def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one,
                     ninf):  # pragma: no cover - compiled
     """Masked scores ``ST[:kn]`` to unnormalised probabilities in place, per query column ``i``: ``mx[i]`` the
@@ -172,7 +172,7 @@ def normalise_row(on, mn, ln, lse_n, p, s1, zero, one, ninf):  # pragma: no cove
         lse_n[p] = -ninf
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=FASTMATH)
 def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
                   zero, one):  # pragma: no cover - compiled
     """The gradient products of one tile from its masked scores ``ST[:kn]`` (overwritten by ``P``):
@@ -188,7 +188,7 @@ def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dV
     _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=FASTMATH)
 def tile_backward_saved(PT, fac, ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb,
                         zero):  # pragma: no cover - compiled
     """:func:`tile_backward` from the forward's saved tile instead of the scores: ``PT[:kn]`` holds
@@ -209,7 +209,7 @@ def tile_backward_saved(PT, fac, ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow
     _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=FASTMATH)
 def _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero):  # pragma: no cover - compiled
     """From ``P`` (``ST``) and ``dS`` (``DT``), key-major: ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)``,
     ``dQb[:qn] = dS K`` (unscaled)."""

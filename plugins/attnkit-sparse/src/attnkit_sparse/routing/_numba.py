@@ -176,7 +176,7 @@ def _take_ascending(vals, L, t, w, g, out_i, out_ok, cand, nc):  # pragma: no co
     return m
 
 
-#: the largest sample rank :func:`_kth_largest` finds by insertion (above it: ``np.partition``)
+#: the largest sample rank :func:`_kth_largest` finds by insertion (above it: :func:`_select_largest`)
 _SMALL_RANK = 32
 #: positions per step of :func:`select_row`'s candidate pass (their vector compares as one 32-bit mask)
 _CBLOCK = 32
@@ -188,10 +188,12 @@ CAND_SLACK = _CBLOCK
 def _kth_largest(a, k, buf):  # pragma: no cover - compiled
     """The ``k``-th largest of ``a`` (``1 <= k <= len(a)``, no NaN), counting repeats (``np.partition``'s value).
     Up to :data:`_SMALL_RANK` through ``buf`` (that long): the ``k`` largest so far, descending; an element
-    enters only when it beats the current ``k``-th, so most of a sample costs one comparison."""
+    enters only when it beats the current ``k``-th, so most of a sample costs one comparison. Above it
+    :func:`_select_largest` (quickselect on a copy; not ``np.partition``, whose numba build took about 5 s of
+    compile time per dtype)."""
     n = a.shape[0]
     if k > buf.shape[0]:
-        return np.partition(a, n - k)[n - k]
+        return _select_largest(a, n, k, np.empty_like(a))
     for j in range(k):
         buf[j] = -np.inf
     for i in range(n):
@@ -400,7 +402,8 @@ def from_candidates(cand, cv, nc, w, L, work, out_i, out_ok):  # pragma: no cove
 @numba.njit(cache=True, nogil=True)
 def select_full(row, ivm, w, vals, cand, out_i, out_ok):  # pragma: no cover - compiled
     """:func:`select_row` over the whole row (no sample): the values into ``vals``, the ``w``-th largest by
-    ``np.partition``; what the sampled threshold falls back to."""
+    :func:`_select_largest_bucketed` (not ``np.partition``, whose numba build took about 5 s of compile time per
+    dtype); what the sampled threshold falls back to, and the whole selection of short rows."""
     L = row.shape[0]
     ninf = -np.inf
     nf = 0
@@ -412,7 +415,7 @@ def select_full(row, ivm, w, vals, cand, out_i, out_ok):  # pragma: no cover - c
     w = min(w, nf)
     if w <= 0:
         return
-    t = np.partition(vals.copy(), L - w)[L - w]
+    t = _select_largest_bucketed(vals, L, w, np.empty_like(vals))
     g = 0
     for p in range(L):
         g += 1 if vals[p] > t else 0
