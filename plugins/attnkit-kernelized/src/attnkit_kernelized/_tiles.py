@@ -12,7 +12,9 @@ into the ``(M, T)`` layout the products read.
 :func:`causal_block` is one block of the causal product built from it (the state's part, the causal
 triangle, the denominator, the state update): the one copy of that loop, used by the unfused product
 (:func:`attnkit_kernelized.linear.numba_ops._causal_rows`, causal and reverse) and, through
-:func:`causal_block_normalised`, by the fused no-grad forwards of ``linear`` and ``performer``.
+:func:`causal_block_normalised`, by the fused no-grad forwards of ``linear`` and ``performer``. Both are plain
+calls, not inlined: a block is thousands of products, and inlined (numba copies the callee's IR into each caller)
+performer's first no-grad forward took 9.6-10.3 s instead of 4.1-4.2 (docs/benchmarks.md, "Session 59").
 """
 
 from __future__ import annotations

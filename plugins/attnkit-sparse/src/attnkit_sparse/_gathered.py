@@ -2,7 +2,11 @@
 """Tile steps shared by the fused CPU paths of ``lsh`` and ``routing``: attention over rows gathered by position.
 
 Both paths gather a group of queries (an lsh chunk of a round, a routing cluster) and its keys into small
-tiles, mask them by their own rule, and then run the same steps, which live here as inline numba helpers:
+tiles, mask them by their own rule, and then run the same steps, which live here as numba helpers (the per-row
+and per-position ones inlined; the tile-level :func:`tile_softmax_pv`, :func:`tile_backward` and
+:func:`tile_backward_saved` plain calls, each built once per signature: inlined, numba copied their IR into every
+caller, and routing's first training step took 11.7-13.1 s per dtype against 7.3-7.5; docs/benchmarks.md,
+"Session 59"):
 
 - :func:`gather_kv`, :func:`gather_query`, :func:`gather_query_grad`: a position's rows copied into the tiles
   (queries scaled), :func:`transpose_columns`: the query (and output-gradient) tiles transposed in registers;
