@@ -23,7 +23,7 @@ from attnkit.numba_panel import axpy_at, axpy_t
 from attnkit.numba_pool import kernel_threads, run_items, start_pool
 from attnkit.numba_prefetch import prefetch_row
 from attnkit_sparse._gathered import gather_kv, gather_query_grad, transpose_columns, zero_kv
-from attnkit_sparse.engine._numba_kernels import _HALF, _SC, FASTMATH, _exp_into, constants
+from attnkit_sparse.engine._numba_kernels import _HALF, _SC, FASTMATH, _exp_sub, constants
 from attnkit_sparse.routing._fused import backward_seq
 
 
@@ -38,7 +38,7 @@ def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
         Kb = np.zeros((W, D), dtype=dt); Vb = np.zeros((W, E), dtype=dt)
         ST = np.zeros((W, BQ), dtype=dt); DT = np.zeros((W, BQ), dtype=dt)
         dQb = np.zeros((BQ, D), dtype=dt); dKb = np.zeros((W, D), dtype=dt); dVb = np.zeros((W, E), dtype=dt)
-        lrow = np.zeros(BQ, dtype=dt); drow = np.zeros(BQ, dtype=dt); nbuf = np.empty(BQ, dtype=np.int32)
+        lrow = np.zeros(BQ, dtype=dt); drow = np.zeros(BQ, dtype=dt)
         qs = q[n]; ks = k[n]; vs = v[n]; gs = g[n]; os_ = out[n]
         dqn = dq[n]; dkn = dk[n]; dvn = dv[n]
         dl = np.zeros(L, dtype=dt)
@@ -92,7 +92,7 @@ def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
                 for j in range(kn):
                     row = ST[j]; drw = DT[j]
                     if EXP:
-                        _exp_into(row, one, lrow, zero, row, nbuf, cst, is32)
+                        _exp_sub(row, one, lrow)
                     if EXP or PROD:
                         for i in range(BQ):
                             drw[i] = row[i] * (drw[i] - drow[i])

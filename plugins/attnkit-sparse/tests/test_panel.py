@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnkit.numba_panel import _panels_256, _panels_512, axpy_at, axpy_rows, axpy_t, transpose
-from attnkit_sparse.engine._numba_kernels import _exp_sub, constants
+from attnkit_sparse.engine._numba_kernels import _exp_sub
 
 
 @numba.njit(cache=True)
@@ -190,20 +190,19 @@ def test_panel_bits_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @numba.njit(cache=True)
-def _exp_sub_rows(X, scl, sub, cst, is32):  # pragma: no cover - compiled
-    nbuf = np.empty(X.shape[1], dtype=np.int32)
-    zero = scl - scl
+def _exp_sub_rows(X, scl, sub):  # pragma: no cover - compiled
     for i in range(X.shape[0]):
-        _exp_sub(X[i], scl, sub, nbuf, cst, is32, zero)
+        _exp_sub(X[i], scl, sub)
 
 
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 33, 64, 100])
 def test_exp_sub_matches_numpy(dt: type, n: int) -> None:
     """The engine's in-place ``exp(scl·x − sub)`` (:func:`attnkit_sparse.engine._numba_kernels._exp_sub`): whole
-    vectors through the core's vector exp (:func:`attnkit.numba_vexp.exp_sub_at`), the rest through the two-pass
-    loops, so every length and both halves agree with NumPy; masked scores (-inf) give 0, NaN stays NaN,
-    arguments below the underflow bound give 0."""
+    vectors through the core's vector exp (:func:`attnkit.numba_vexp.exp_sub_at`), the rest one element at a time
+    (:func:`attnkit.numba_vexp.exp_sub_item`), so every length and both halves agree with NumPy; masked scores
+    (-inf) give 0, NaN stays NaN, arguments below the underflow bound give 0. A strided row (every element on the
+    one-element path) gives the same bits as a contiguous one: the two paths are one arithmetic."""
     rng = np.random.default_rng(n)
     X = (rng.standard_normal((3, n)) * 4).astype(dt)
     X[0, :: 3] = -np.inf
@@ -212,7 +211,10 @@ def test_exp_sub_matches_numpy(dt: type, n: int) -> None:
     sub = rng.standard_normal(n + 5).astype(dt)
     scl = dt(0.7)
     ref = np.exp(X.astype(np.float64) * float(scl) - sub[:n].astype(np.float64))
-    _exp_sub_rows(X, scl, sub, constants(np.dtype(dt), 1.0), dt == np.float32)
+    strided = np.array(X, order="F")       # a copy whose rows have a stride of 3 elements
+    _exp_sub_rows(X, scl, sub)
+    _exp_sub_rows(strided, scl, sub)
     # float32: the argument scl*x - sub is rounded before the exp (up to ~3.5e-7 relative at |arg| ~ 5)
     np.testing.assert_allclose(X, ref, rtol=1e-6 if dt == np.float32 else 1e-13, atol=0)
     assert np.isnan(X[1, n // 2]) and X[2, 0] == 0 and (X[0, ::3] == 0).all()
+    np.testing.assert_array_equal(strided, X)

@@ -29,7 +29,8 @@ from numba.extending import intrinsic
 
 from .numba_panel import LANES32
 
-__all__ = ["LANES32", "constants", "exp_vector", "exp_sub_at", "splat", "broadcast", "vector_ptr", "float_array"]
+__all__ = ["LANES32", "constants", "exp_vector", "exp_sub_at", "exp_sub_item", "exp_item", "splat", "broadcast",
+           "vector_ptr", "float_array"]
 
 
 LOG2E, LN2_HI, LN2_LO, HALF, LO, HI, POLY = range(7)
@@ -125,3 +126,57 @@ def exp_sub_at(typingctx, row, j, scl, sub):  # noqa: ANN001, ANN202
         return context.get_dummy_value()
 
     return types.void(row, types.intp, row.dtype, sub), codegen
+
+
+# ---- one element: what is left after a row's whole vectors, and strided rows ----------------------------------
+# The same IR on a one-lane vector, so every element of a row gets the same bits, however the row is cut. A row
+# function whose remainder went through a call (numba loops over slices of the row) paid for it on every row even
+# when nothing was left: inlined into a tile loop, the sparse engine's ``_exp_sub`` took 6.2-8.0 us on a 128 x 64
+# float32 tile against 1.9 us without the call (the same vector work; docs/benchmarks.md, "Session 60").
+
+def _scalar_exp(builder: ir.IRBuilder, x: ir.Value, is32: bool) -> ir.Value:
+    """:func:`exp_vector` of the scalar ``x`` (through a one-lane vector: the same arithmetic as every lane)."""
+    i0 = ir.Constant(ir.IntType(32), 0)
+    xv = builder.insert_element(ir.Constant(ir.VectorType(x.type, 1), ir.Undefined), x, i0)
+    return builder.extract_element(exp_vector(builder, xv, is32), i0)
+
+
+def _item_ptr(context, builder, aty, a, j):  # noqa: ANN001, ANN202
+    """A pointer to element ``j`` of the 1-D array ``a`` (numba type ``aty``, any stride; no bounds check)."""
+    ary = context.make_array(aty)(context, builder, a)
+    return cgutils.get_item_pointer(context, builder, aty, ary, [j], wraparound=False)
+
+
+@intrinsic
+def exp_sub_item(typingctx, row, j, scl, sub):  # noqa: ANN001, ANN202
+    """``row[j] = exp(scl · row[j] − sub[j])`` for one element (``row`` and ``sub`` 1-D of one float dtype, any
+    strides; ``scl`` cast to it): the lane arithmetic of :func:`exp_sub_at`, bit for bit."""
+    if not (float_array(row) and float_array(sub)) or row.dtype != sub.dtype or row.ndim != 1 or sub.ndim != 1 \
+            or not isinstance(scl, (types.Float, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        is32 = signature.args[0].dtype == types.float32
+        p = _item_ptr(context, builder, signature.args[0], args[0], args[1])
+        ps = _item_ptr(context, builder, signature.args[3], args[3], args[1])
+        x = builder.fsub(builder.fmul(builder.load(p), args[2]), builder.load(ps))
+        builder.store(_scalar_exp(builder, x, is32), p)
+        return context.get_dummy_value()
+
+    return types.void(row, types.intp, row.dtype, sub), codegen
+
+
+@intrinsic
+def exp_item(typingctx, row, j, c):  # noqa: ANN001, ANN202
+    """``row[j] = exp(row[j] − c)`` for one element (``row`` 1-D float32/float64, any stride; ``c`` cast to its
+    dtype): the arithmetic of :func:`exp_vector` on ``row[j] − c``."""
+    if not float_array(row) or row.ndim != 1 or not isinstance(c, (types.Float, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        is32 = signature.args[0].dtype == types.float32
+        p = _item_ptr(context, builder, signature.args[0], args[0], args[1])
+        builder.store(_scalar_exp(builder, builder.fsub(builder.load(p), args[2]), is32), p)
+        return context.get_dummy_value()
+
+    return types.void(row, types.intp, row.dtype), codegen

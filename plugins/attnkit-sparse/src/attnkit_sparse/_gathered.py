@@ -101,8 +101,7 @@ def tile_scores(ST, kn, width, Kb, QT, D, zero):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)
-def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one,
-                    ninf):  # pragma: no cover - compiled
+def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, zero, one, ninf):  # pragma: no cover - compiled
     """Masked scores ``ST[:kn]`` to unnormalised probabilities in place, per query column ``i``: ``mx[i]`` the
     maximum (``-inf`` for an all-masked column, whose probabilities are then 0), ``csum[i]`` the sum, and
     ``O[:qn] = P V`` over the ``kn`` keys of ``Vb``."""
@@ -119,7 +118,7 @@ def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, 
         csum[i] = zero
     for j in range(kn):
         row = ST[j]
-        _exp_sub(row, one, shift, nbuf, cst, is32, zero)
+        _exp_sub(row, one, shift)
         for i in range(width):
             csum[i] += row[i]
     for i in range(qn):
@@ -177,7 +176,7 @@ def normalise_row(on, mn, ln, lse_n, p, s1, zero, one, ninf):  # pragma: no cove
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)
-def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
+def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb,
                   zero, one):  # pragma: no cover - compiled
     """The gradient products of one tile from its masked scores ``ST[:kn]`` (overwritten by ``P``):
     ``DT = V dOᵀ`` then ``dS = P (dP − Δ)`` in ``DT``, ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)`` and
@@ -186,7 +185,7 @@ def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dV
     tile_scores(DT, kn, width, Vb, GT, Vb.shape[1], zero)     # dPᵀ = V dOᵀ, key-major
     for j in range(kn):
         row = ST[j]; drw = DT[j]
-        _exp_sub(row, one, lrow, nbuf, cst, is32, zero)     # P = exp(S − lse)
+        _exp_sub(row, one, lrow)     # P = exp(S − lse)
         for i in range(width):
             drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
     _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)

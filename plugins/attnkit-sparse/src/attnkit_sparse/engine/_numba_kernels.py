@@ -36,10 +36,11 @@ no faster (docs/benchmarks.md, "CI time, session 40").
   large for memory is filled and read in passes over query-block ranges.
 * :func:`backward_sequence`: both for one sequence in one call, no dS buffer.
 
-``exp`` is evaluated a row of a tile at a time by a polynomial with an exact
-power-of-two scaling through an integer view (:func:`_exp_into`), in two loops
-LLVM vectorises (numba has no vector ``exp`` without Intel's SVML). Its
-relative error is ~1e-7 in float32 and ~1e-14 in float64.
+``exp`` is evaluated a row of a tile at a time by the core's vector ``exp``
+(:mod:`attnkit.numba_vexp`: a polynomial with an exact power-of-two scaling,
+emitted as LLVM IR; numba has no vector ``exp`` without Intel's SVML), through
+:func:`_exp_sub`. Its relative error is below 2.5e-7 in float32 and 1e-14 in
+float64.
 
 Two rules keep the inner loops vectorised (checked in the assembly): loops run
 from 0 over views (``range(a, b)`` with a runtime ``a`` makes numba wrap
@@ -58,7 +59,7 @@ import numpy as np
 from attnkit.numba_panel import axpy_at as _panel_axpy_at
 from attnkit.numba_panel import axpy_t as _panel_axpy_t
 from attnkit.numba_panel import transpose
-from attnkit.numba_vexp import LANES32, exp_sub_at
+from attnkit.numba_vexp import LANES32, exp_sub_at, exp_sub_item
 
 # reassociation lets LLVM vectorise the reductions; no NaN/inf assumptions (masked scores are -inf)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -77,66 +78,21 @@ _SC, _NINF, _LOG2E, _LN2_HI, _LN2_LO, _LO, _HALF, _POLY = range(8)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _exp_into(x, scl, sub, off, out, nbuf, cst, is32):  # pragma: no cover - compiled
-    """``out[j] = exp(scl·x[j] − sub[j] − off)`` for ``j < len(out)`` (``x`` may be ``out``), for arguments ``<= ~0``:
-    0 below the underflow bound (and for ``-inf``), NaN for NaN; ``nbuf`` is int32 scratch.
-
-    Two vectorised passes: the reduced argument and the polynomial (all in the array's float type: an
-    int32 times a float32 would be float64 in numba, which kept the loop scalar), then ``2^n`` added
-    to the exponent through an integer view. Loops run from 0 over views: a loop from a runtime start
-    makes numba wrap negative indices, which LLVM cannot vectorise.
-    """
-    lo = cst[_LO]; log2e = cst[_LOG2E]; c1 = cst[_LN2_HI]; c2 = cst[_LN2_LO]; half = cst[_HALF]
-    n = out.shape[0]
-    if is32:
-        a6 = cst[_POLY]; a5 = cst[_POLY + 1]; a4 = cst[_POLY + 2]; a3 = cst[_POLY + 3]; a2 = cst[_POLY + 4]
-        a1 = cst[_POLY + 5]; a0 = cst[_POLY + 6]
-        for j in range(n):
-            xj = x[j] * scl - sub[j] - off
-            xc = xj if xj > lo else lo
-            nf = np.floor(half - xc * log2e)          # round(-xc·log2 e) (xc <= ~0)
-            r = (xc + nf * c1) + nf * c2
-            out[j] = (((((a6 * r + a5) * r + a4) * r + a3) * r + a2) * r + a1) * r + a0
-            e = -np.int32(nf)
-            nbuf[j] = e if xj > lo else (-1000 if xj <= lo else 2000)
-        oi = out.view(np.int32)
-        for j in range(n):
-            e = nbuf[j]
-            oi[j] = (oi[j] + (e << 23)) if e > -1000 and e < 2000 else (0 if e <= -1000 else 0x7FC00000)
-    else:
-        K = cst.shape[0]
-        for j in range(n):
-            xj = x[j] * scl - sub[j] - off
-            xc = xj if xj > lo else lo
-            nf = np.floor(half - xc * log2e)
-            r = (xc + nf * c1) + nf * c2
-            p = cst[_POLY]
-            for c in range(_POLY + 1, K):
-                p = p * r + cst[c]
-            out[j] = p
-            e = -np.int32(nf)
-            nbuf[j] = e if xj > lo else (-1000 if xj <= lo else 2000)
-        ol = out.view(np.int64)
-        for j in range(n):
-            e = np.int64(nbuf[j])
-            ol[j] = (ol[j] + (e << 52)) if e > -1000 and e < 2000 else (0 if e <= -1000 else 0x7FF8000000000000)
-
-
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _exp_sub(row, scl, sub, nbuf, cst, is32, zero):  # pragma: no cover - compiled
-    """``row[j] = exp(scl·row[j] − sub[j])`` in place for ``j < len(row)`` (:func:`_exp_into` with ``x = out`` and
-    ``off = 0``): whole vectors in one pass through the core's vector exp (:func:`attnkit.numba_vexp.exp_sub_at`,
-    16 float32 lanes on AVX-512 targets: 0.5 ns an element on rows of 64 against 1.45 for :func:`_exp_into`'s two
-    passes, one thread, session 57), the last ``len % W`` elements and strided rows by :func:`_exp_into`."""
+def _exp_sub(row, scl, sub):  # pragma: no cover - compiled
+    """``row[j] = exp(scl·row[j] − sub[j])`` in place for ``j < len(row)``: whole vectors through the core's vector
+    exp (:func:`attnkit.numba_vexp.exp_sub_at`, 16 float32 lanes on AVX-512 targets: 0.5 ns an element on rows of
+    64 against 1.45 for the two-pass numba loops it replaced, one thread, session 57), the last ``len % W``
+    elements and strided rows one at a time by the same arithmetic (:func:`attnkit.numba_vexp.exp_sub_item`). No
+    call and no slice: with the remainder through those loops on a slice of the row, inlined into a tile loop, a
+    128 x 64 float32 tile took 6.2-8.0 us instead of 1.9 (docs/benchmarks.md, "Session 60")."""
     n = row.shape[0]
     it = row.itemsize
     W = LANES32 if it == 4 else LANES32 // 2
     nv = n - n % W if row.strides[0] == it and sub.strides[0] == it else 0
     for j in range(0, nv, W):
         exp_sub_at(row, j, scl, sub)
-    if nv < n:
-        r = row[nv:]
-        _exp_into(r, scl, sub[nv:], zero, r, nbuf, cst, is32)
+    for j in range(nv, n):
+        exp_sub_item(row, j, scl, sub)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -242,7 +198,6 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
         alpha = np.empty(bq, dtype=q.dtype)
         lsum = np.zeros(bq, dtype=q.dtype)
         csum = np.empty(bq, dtype=q.dtype)
-        nbuf = np.empty(bq, dtype=np.int32)
         for c in range(kv_count[bi, hi_, qb]):
             kb = kv_idx[bi, hi_, qb, c]; t = kv_tile[bi, hi_, qb, c]
             k0 = kb * bk
@@ -263,10 +218,10 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
                 msub[i] = s_
                 m[i] = mx[i]
                 csum[i] = zero
-            _exp_sub(alpha, one, csum, nbuf, cst, is32, zero)
+            _exp_sub(alpha, one, csum)
             for j in range(kn):
                 pj = ST[j]
-                _exp_sub(pj, one, msub, nbuf, cst, is32, zero)
+                _exp_sub(pj, one, msub)
                 for i in range(bq):
                     csum[i] += pj[i]
             for i in range(bq):
@@ -356,7 +311,6 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
         OT = np.zeros((E, bq), dtype=q.dtype)
         ST = np.empty((bk, bq), dtype=q.dtype)     # scores / probabilities, key-major (keys x queries)
         dPT = np.empty((bk, bq), dtype=q.dtype)
-        nbuf = np.empty(bq, dtype=np.int32)
         dka = np.zeros((bk, D), dtype=q.dtype)
         dva = np.zeros((bk, E), dtype=q.dtype)
         for c in range(q_count[bi, hi, kb]):
@@ -382,7 +336,7 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
             dl = delta[n, q0:q0 + qn]
             for j in range(kn):
                 row = ST[j, :qn]
-                _exp_sub(row, sc, lr, nbuf, cst, is32, zero)
+                _exp_sub(row, sc, lr)
             _axpy(dva, kn, ST, dos, q0, qn)
             _dots(vs, k0, kn, OT, dPT, zero)
             for j in range(kn):
@@ -435,7 +389,6 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
     OT = np.zeros((E, bq), dtype=qs.dtype)
     ST = np.empty((bk, bq), dtype=qs.dtype)     # scores / probabilities, key-major (keys x queries)
     dPT = np.empty((bk, bq), dtype=qs.dtype)
-    nbuf = np.empty(bq, dtype=np.int32)
     dqaT = np.empty((D, bq), dtype=qs.dtype)     # a tile's dQ transposed (a row per feature, along the queries)
     KT = np.empty((D, bk), dtype=qs.dtype)       # the key block transposed (once per key block)
     for i in range(L):
@@ -476,7 +429,7 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
             dl = dl_all[q0:q0 + qn]
             for j in range(kn):
                 row = ST[j, :qn]
-                _exp_sub(row, sc, lr, nbuf, cst, is32, zero)
+                _exp_sub(row, sc, lr)
             _axpy(dva, kn, ST, dos, q0, qn)
             _dots(vs, k0, kn, OT, dPT, zero)
             for j in range(kn):

@@ -89,7 +89,6 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
     mx = np.empty(cs, dtype=dt)
     shift = np.empty(cs, dtype=dt)
     csum = np.empty(cs, dtype=dt)
-    nbuf = np.empty(cs, dtype=np.int32)
     s1 = np.empty(2, dtype=dt)
     pq = np.empty(cs, dtype=np.int64)
     pk = np.empty(2 * cs, dtype=np.int64)
@@ -125,7 +124,7 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
             transpose_columns(QT, Qr, qn, zero)
             tile_scores(ST, kn, cs, Kb, QT, D, zero)
             _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf)
-            tile_softmax_pv(ST, kn, cs, qn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one, ninf)
+            tile_softmax_pv(ST, kn, cs, qn, Vb, O, mx, shift, csum, zero, one, ninf)
             for i in range(qn):    # merge into the position's running (m, l, out)
                 p = pq[i]
                 prefetch_ahead(on, pq, i, qn)
@@ -162,7 +161,6 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
     dVb = np.empty((2 * cs, E), dtype=dt)
     lrow = np.empty(cs, dtype=dt)
     drow = np.empty(cs, dtype=dt)
-    nbuf = np.empty(cs, dtype=np.int32)
     pq = np.empty(cs, dtype=np.int64)
     pk = np.empty(2 * cs, dtype=np.int64)
     qs = q[n]; ks = kh[n]; vs = v[n]; gs = g[n]
@@ -206,7 +204,7 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
             transpose_columns(GT, Gb, qn, zero)
             tile_scores(ST, kn, cs, Kb, QT, D, zero)      # scores, key-major
             _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf)
-            tile_backward(ST, DT, kn, cs, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
+            tile_backward(ST, DT, kn, cs, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb,
                           zero, one)
             for i in range(qn):
                 prefetch_ahead(dqn, pq, i, qn)

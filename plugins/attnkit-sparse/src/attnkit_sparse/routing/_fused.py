@@ -105,7 +105,6 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse, s
     mx = np.empty(BQ, dtype=dt)
     shift = np.empty(BQ, dtype=dt)
     csum = np.empty(BQ, dtype=dt)
-    nbuf = np.empty(BQ, dtype=np.int32)
     s1 = np.empty(2, dtype=dt)
     qs = q[n]; ks = k[n]; vs = v[n]; on = out[n]; mn = m[n]; ln = l[n]
     for p in range(L):
@@ -135,7 +134,7 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse, s
             tile_scores(ST, kb, BQ, Kb, QT, D, zero)
             if causal:
                 _causal(ST, pk, pb, kb, bn, ninf)
-            tile_softmax_pv(ST, kb, BQ, bn, Vb, O, mx, shift, csum, nbuf, cst, is32, zero, one, ninf)
+            tile_softmax_pv(ST, kb, BQ, bn, Vb, O, mx, shift, csum, zero, one, ninf)
             if save:
                 srow = ST[W]
                 for i in range(BQ):
@@ -177,7 +176,6 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
     lrow = np.empty(BQ, dtype=dt)
     drow = np.empty(BQ, dtype=dt)
     fac = np.empty(BQ, dtype=dt)
-    nbuf = np.empty(BQ, dtype=np.int32)
     qs = q[n]; ks = k[n]; vs = v[n]; gs = g[n]; os_ = out[n]
     dqn = dq[n]; dkn = dk[n]; dvn = dv[n]
     dl = np.empty(L, dtype=dt)
@@ -224,7 +222,7 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
                 tile_scores(ST, kb, BQ, Kb, QT, D, zero)      # scores, key-major
                 if causal:
                     _causal(ST, pk, pb, kb, bn, ninf)
-                tile_backward(ST, DT, kb, BQ, bn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb, nbuf, cst, is32,
+                tile_backward(ST, DT, kb, BQ, bn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb,
                               zero, one)
             for i in range(bn):
                 prefetch_ahead(dqn, pb, i, bn)
