@@ -20,6 +20,12 @@ without it LLVM calls the library's ``fma`` (correct, slow).
 Used by the sparse plugin's fused ``lsh``/``routing`` tiles and by the kernelized plugin's tile
 (``attnkit_kernelized._tiles.axpy_rows``: linear's and performer's products).
 
+A tile buffer the panels read as vectors should start on a cache line (:func:`empty_aligned`): a 512-bit load
+from an address that is not a multiple of 64 bytes touches two lines. numba's ``np.empty`` starts an array on 32
+bytes (half of them on 64, by chance, per allocation): a ``32 x 64 x 256`` float32 product ran at 110 GFLOP/s
+with its ``Y`` 32 bytes past a line against 154 on one, ``128 x 64 x 64`` at 150 against 173 (one thread, Intel
+AVX-512 VM, session 60; docs/benchmarks.md, "Session 60").
+
 The panels need rows of ``OUT`` and ``Y`` with unit stride (the tile buffers are fresh arrays); the
 coefficients ``C`` may have any strides, so the same panel serves ``C`` row-major (:func:`axpy_at`) and
 key-major (:func:`axpy_t`). ``OUT`` must not overlap ``C`` or ``Y``: the output block is read once before
@@ -42,12 +48,14 @@ lists the kernels whose code still stores through a mask.
 from __future__ import annotations
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["LANES32", "PANEL_BITS", "axpy_at", "axpy_t", "axpy_rows", "transpose"]
+__all__ = ["LANES32", "PANEL_BITS", "ALIGN", "axpy_at", "axpy_t", "axpy_rows", "transpose", "empty_aligned",
+           "zeros_aligned"]
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -302,6 +310,31 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
     ``C (>= on, >= yn)``, ``Y (>= yn, >= ne)``, one float dtype; rows of ``OUT`` and ``Y`` with unit stride,
     else a plain loop; ``OUT`` distinct from ``C`` and ``Y``)."""
     _axpy(OUT, 0, on, C, 0, 0, False, Y, 0, yn, ne)
+
+
+#: bytes a tile buffer's data is aligned to by :func:`empty_aligned` (one cache line: a 512-bit vector)
+ALIGN = 64
+
+
+@numba.njit(cache=True)
+def empty_aligned(rows, cols, like):  # pragma: no cover - compiled
+    """An uninitialised C-contiguous ``(rows, cols)`` array of ``like``'s dtype whose data starts on an
+    :data:`ALIGN`-byte boundary (numba's ``np.empty`` guarantees 32): a view into a slightly longer buffer, which it
+    keeps alive. Rows whose length in bytes is a multiple of :data:`ALIGN` all start on a line. For a 1-D buffer,
+    take row 0 of a ``(1, n)`` one."""
+    it = like.itemsize
+    step = ALIGN // it
+    buf = np.empty(rows * cols + step, dtype=like.dtype)
+    off = ((-buf.ctypes.data) % ALIGN) // it
+    return buf[off:off + rows * cols].reshape((rows, cols))
+
+
+@numba.njit(cache=True)
+def zeros_aligned(rows, cols, like):  # pragma: no cover - compiled
+    """:func:`empty_aligned` filled with zeros."""
+    out = empty_aligned(rows, cols, like)
+    out[:] = 0
+    return out
 
 
 # ---- transposes: a tile of W x W elements through registers ---------------------------------------------------

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.numba_panel import empty_aligned
+
 from .._numba import FASTMATH, arr, output, rows
 from .._ops import define
 from .._tiles import causal_block_normalised
@@ -45,20 +47,21 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
     E = V.shape[2]
     has_pad = pad.shape[1] > 0
     zero = cst[HALF] - cst[HALF]
-    xf = np.empty(chunk * M, dtype=Q.dtype)    # the block's query features (flat, and as rows: xb)
-    yf = np.empty(chunk * M, dtype=Q.dtype)    # the block's key features
+    xf = empty_aligned(1, chunk * M, Q)[0]     # the block's query features (flat, and as rows: xb)
+    yf = empty_aligned(1, chunk * M, Q)[0]     # the block's key features
     xb = xf.reshape((chunk, M))
     yb = yf.reshape((chunk, M))
     Qf = Q.reshape((N, L * M))                 # flat rows: a block's features in one pass
     Kf = K.reshape((N, L * M))
-    yT = np.empty((M, chunk), dtype=Q.dtype)   # ... transposed
-    A = np.empty((chunk, chunk), dtype=Q.dtype)
-    ob = np.empty((chunk, E), dtype=Q.dtype)
+    yT = empty_aligned(M, chunk, Q)   # ... transposed
+    A = empty_aligned(chunk, chunk, Q)
+    ob = empty_aligned(chunk, E, Q)
     db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
     nbuf = np.empty(8, dtype=np.int32)        # elu1_row's scratch
     for n in range(n0, n1):
         vn = V[n]; outn = out[n]
-        S = S0[n].copy()
+        S = empty_aligned(S0.shape[1], S0.shape[2], S0)   # the state: a panel operand (x S), on a cache line
+        S[:] = S0[n]
         z = z0[n].copy()
         for c0 in range(0, L, chunk):
             c1 = min(c0 + chunk, L)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.numba_panel import empty_aligned
 from attnkit.numba_vreduce import row_max, row_min
 
 from .._numba import FASTMATH, arr, output, rows
@@ -100,17 +101,18 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
     has_pad = pad.shape[1] > 0
     zero = cst[HALF] - cst[HALF]
     ninf = -np.inf * cst[HALF] * 2   # typed -inf
-    xb = np.empty((chunk, M), dtype=Q.dtype)   # the block's query features
-    yb = np.empty((chunk, M), dtype=Q.dtype)   # the block's key features
-    yT = np.empty((M, chunk), dtype=Q.dtype)   # ... transposed
-    A = np.empty((chunk, chunk), dtype=Q.dtype)
-    ob = np.empty((chunk, E), dtype=Q.dtype)
+    xb = empty_aligned(chunk, M, Q)   # the block's query features
+    yb = empty_aligned(chunk, M, Q)   # the block's key features
+    yT = empty_aligned(M, chunk, Q)   # ... transposed
+    A = empty_aligned(chunk, chunk, Q)
+    ob = empty_aligned(chunk, E, Q)
     db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
     nbuf = np.empty(M, dtype=np.int32)
     hb = np.empty(M, dtype=Q.dtype)      # hi[n] (a local buffer: updates of an argument array vectorise less)
     for n in range(n0, n1):
         qn = Q[n]; kn = K[n]; vn = V[n]; outn = out[n]
-        S = S0[n].copy()
+        S = empty_aligned(S0.shape[1], S0.shape[2], S0)   # the state: a panel operand (x S), on a cache line
+        S[:] = S0[n]
         z = z0[n].copy()
         h = hb
         for j in range(M):

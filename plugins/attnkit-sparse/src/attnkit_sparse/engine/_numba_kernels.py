@@ -58,7 +58,7 @@ import numpy as np
 
 from attnkit.numba_panel import axpy_at as _panel_axpy_at
 from attnkit.numba_panel import axpy_t as _panel_axpy_t
-from attnkit.numba_panel import transpose
+from attnkit.numba_panel import empty_aligned, transpose, zeros_aligned
 from attnkit.numba_vexp import LANES32, exp_sub_at, exp_sub_item
 
 # reassociation lets LLVM vectorise the reductions; no NaN/inf assumptions (masked scores are -inf)
@@ -173,7 +173,7 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
     NK = (S + bk - 1) // bk
     # the sequence's values transposed, a key block at a time when a tile first needs it (so once per key
     # block and sequence, not once per tile); rows padded off a power-of-two stride (cache sets)
-    VTs = np.empty((E, NK * bk + 16), dtype=q.dtype)
+    VTs = empty_aligned(E, NK * bk + 16, q)
     have = np.zeros(NK, dtype=np.bool_)
     cur = -1
     for it in range(i0, i1):
@@ -185,19 +185,19 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
         if n != cur:
             cur = n
             have[:] = False
-        accT = np.zeros((E, bq), dtype=q.dtype)      # the output block transposed: a row per value column
-        QT = np.zeros((D, bq), dtype=q.dtype)        # the query block, scaled and transposed
+        accT = zeros_aligned(E, bq, q)      # the output block transposed: a row per value column
+        QT = zeros_aligned(D, bq, q)        # the query block, scaled and transposed
         for i in range(qn):
             qi = qs[q0 + i]
             for d in range(D):
                 QT[d, i] = qi[d] * sc
-        ST = np.empty((bk, bq), dtype=q.dtype)        # scores then probabilities, key-major
+        ST = empty_aligned(bk, bq, q)        # scores then probabilities, key-major
         m = np.full(bq, ninf, dtype=q.dtype)
         mx = np.empty(bq, dtype=q.dtype)
-        msub = np.zeros(bq, dtype=q.dtype)
+        msub = zeros_aligned(1, bq, q)[0]   # read as vectors (_exp_sub), as csum
         alpha = np.empty(bq, dtype=q.dtype)
         lsum = np.zeros(bq, dtype=q.dtype)
-        csum = np.empty(bq, dtype=q.dtype)
+        csum = empty_aligned(1, bq, q)[0]
         for c in range(kv_count[bi, hi_, qb]):
             kb = kv_idx[bi, hi_, qb, c]; t = kv_tile[bi, hi_, qb, c]
             k0 = kb * bk
@@ -276,7 +276,7 @@ def backward_dq_from_ds(k, ds, ds_off, dq, qlo, qhi, H, kv_count, kv_idx, bq, bk
         q0 = qb * bq
         qn = min(bq, L - q0)
         ks = k[n]
-        acc = np.zeros((bq, D), dtype=k.dtype)
+        acc = zeros_aligned(bq, D, k)
         base = ds_off[bi, hi, qb] - ds_off[bi, hi, qlo]
         for c in range(kv_count[bi, hi, qb]):
             k0 = kv_idx[bi, hi, qb, c] * bk
@@ -307,12 +307,12 @@ def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, ba
         k0 = kb * bk
         kn = min(bk, S - k0)
         qs = q[n]; ks = k[n]; vs = v[n]; dos = do[n]
-        QT = np.zeros((D, bq), dtype=q.dtype)
-        OT = np.zeros((E, bq), dtype=q.dtype)
-        ST = np.empty((bk, bq), dtype=q.dtype)     # scores / probabilities, key-major (keys x queries)
-        dPT = np.empty((bk, bq), dtype=q.dtype)
-        dka = np.zeros((bk, D), dtype=q.dtype)
-        dva = np.zeros((bk, E), dtype=q.dtype)
+        QT = zeros_aligned(D, bq, q)
+        OT = zeros_aligned(E, bq, q)
+        ST = empty_aligned(bk, bq, q)     # scores / probabilities, key-major (keys x queries)
+        dPT = empty_aligned(bk, bq, q)
+        dka = zeros_aligned(bk, D, q)
+        dva = zeros_aligned(bk, E, q)
         for c in range(q_count[bi, hi, kb]):
             qb = q_idx[bi, hi, kb, c]; t = q_tile[bi, hi, kb, c]
             if qb < qlo or qb >= qhi:
@@ -385,12 +385,12 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
     NK = qc.shape[0]
     zero = cst[_HALF] - cst[_HALF]   # float32 for float32 (cst[_SC] * 0 would be float64)
     sc = cst[_SC]
-    QT = np.zeros((D, bq), dtype=qs.dtype)
-    OT = np.zeros((E, bq), dtype=qs.dtype)
-    ST = np.empty((bk, bq), dtype=qs.dtype)     # scores / probabilities, key-major (keys x queries)
-    dPT = np.empty((bk, bq), dtype=qs.dtype)
-    dqaT = np.empty((D, bq), dtype=qs.dtype)     # a tile's dQ transposed (a row per feature, along the queries)
-    KT = np.empty((D, bk), dtype=qs.dtype)       # the key block transposed (once per key block)
+    QT = zeros_aligned(D, bq, qs)
+    OT = zeros_aligned(E, bq, qs)
+    ST = empty_aligned(bk, bq, qs)     # scores / probabilities, key-major (keys x queries)
+    dPT = empty_aligned(bk, bq, qs)
+    dqaT = empty_aligned(D, bq, qs)     # a tile's dQ transposed (a row per feature, along the queries)
+    KT = empty_aligned(D, bk, qs)       # the key block transposed (once per key block)
     for i in range(L):
         r = dqs[i]
         for d in range(D):

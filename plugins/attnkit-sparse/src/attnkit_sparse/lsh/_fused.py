@@ -28,6 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from attnkit.numba_panel import empty_aligned, zeros_aligned
 from attnkit.numba_prefetch import prefetch_ahead
 
 from .._gathered import (
@@ -80,14 +81,14 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
     one = cst[cst.shape[0] - 1]
     sc = cst[_SC]
     ninf = cst[_NINF]
-    QT = np.zeros((D, cs), dtype=dt)
-    Qr = np.empty((cs, D), dtype=dt)
-    Kb = np.empty((2 * cs, D), dtype=dt)
-    Vb = np.empty((2 * cs, E), dtype=dt)
-    ST = np.empty((2 * cs, cs), dtype=dt)
-    O = np.empty((cs, E), dtype=dt)
+    QT = zeros_aligned(D, cs, q)
+    Qr = empty_aligned(cs, D, q)
+    Kb = empty_aligned(2 * cs, D, q)
+    Vb = empty_aligned(2 * cs, E, q)
+    ST = empty_aligned(2 * cs, cs, q)
+    O = empty_aligned(cs, E, q)
     mx = np.empty(cs, dtype=dt)
-    shift = np.empty(cs, dtype=dt)
+    shift = empty_aligned(1, cs, q)[0]   # read as vectors (_exp_sub)
     csum = np.empty(cs, dtype=dt)
     s1 = np.empty(2, dtype=dt)
     pq = np.empty(cs, dtype=np.int64)
@@ -148,18 +149,18 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
     one = cst[cst.shape[0] - 1]
     sc = cst[_SC]
     ninf = cst[_NINF]
-    QT = np.zeros((D, cs), dtype=dt)
-    Qb = np.empty((cs, D), dtype=dt)
-    GT = np.zeros((E, cs), dtype=dt)
-    Gb = np.empty((cs, E), dtype=dt)
-    Kb = np.empty((2 * cs, D), dtype=dt)
-    Vb = np.empty((2 * cs, E), dtype=dt)
-    ST = np.empty((2 * cs, cs), dtype=dt)
-    DT = np.empty((2 * cs, cs), dtype=dt)
-    dQb = np.empty((cs, D), dtype=dt)
-    dKb = np.empty((2 * cs, D), dtype=dt)
-    dVb = np.empty((2 * cs, E), dtype=dt)
-    lrow = np.empty(cs, dtype=dt)
+    QT = zeros_aligned(D, cs, q)
+    Qb = empty_aligned(cs, D, q)
+    GT = zeros_aligned(E, cs, q)
+    Gb = empty_aligned(cs, E, q)
+    Kb = empty_aligned(2 * cs, D, q)
+    Vb = empty_aligned(2 * cs, E, q)
+    ST = empty_aligned(2 * cs, cs, q)
+    DT = empty_aligned(2 * cs, cs, q)
+    dQb = empty_aligned(cs, D, q)
+    dKb = empty_aligned(2 * cs, D, q)
+    dVb = empty_aligned(2 * cs, E, q)
+    lrow = empty_aligned(1, cs, q)[0]
     drow = np.empty(cs, dtype=dt)
     pq = np.empty(cs, dtype=np.int64)
     pk = np.empty(2 * cs, dtype=np.int64)

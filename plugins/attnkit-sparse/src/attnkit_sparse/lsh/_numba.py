@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from attnkit.numba_panel import axpy_at
+from attnkit.numba_panel import axpy_at, empty_aligned
 from attnkit.numba_vreduce import first_index, row_max, row_min
 
 from ..engine._numba_kernels import FASTMATH
@@ -29,7 +29,7 @@ def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
     blocks of rows to threads."""
     D = x.shape[1]
     R, _, half = rot.shape
-    P = np.empty((HASH_BLOCK, half), dtype=x.dtype)
+    P = empty_aligned(HASH_BLOCK, half, x)
     for b0 in range(g0, g1, HASH_BLOCK):
         bn = min(HASH_BLOCK, g1 - b0)
         X = x[b0:b0 + bn]

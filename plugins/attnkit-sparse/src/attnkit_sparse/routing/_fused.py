@@ -28,6 +28,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from attnkit.numba_panel import empty_aligned, zeros_aligned
 from attnkit.numba_prefetch import prefetch_ahead
 
 from .._gathered import (
@@ -96,14 +97,14 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse, s
     one = cst[cst.shape[0] - 1]
     sc = cst[_SC]
     ninf = cst[_NINF]
-    QT = np.zeros((D, BQ), dtype=dt)
-    Qr = np.empty((BQ, D), dtype=dt)
-    Kb = np.empty((W, D), dtype=dt)
-    Vb = np.empty((W, E), dtype=dt)
-    ST0 = np.empty((W + 1, BQ), dtype=dt)
-    O = np.empty((BQ, E), dtype=dt)
+    QT = zeros_aligned(D, BQ, q)
+    Qr = empty_aligned(BQ, D, q)
+    Kb = empty_aligned(W, D, q)
+    Vb = empty_aligned(W, E, q)
+    ST0 = empty_aligned(W + 1, BQ, q)
+    O = empty_aligned(BQ, E, q)
     mx = np.empty(BQ, dtype=dt)
-    shift = np.empty(BQ, dtype=dt)
+    shift = empty_aligned(1, BQ, q)[0]   # read as vectors (_exp_sub)
     csum = np.empty(BQ, dtype=dt)
     s1 = np.empty(2, dtype=dt)
     qs = q[n]; ks = k[n]; vs = v[n]; on = out[n]; mn = m[n]; ln = l[n]
@@ -162,18 +163,18 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
     one = cst[cst.shape[0] - 1]
     sc = cst[_SC]
     ninf = cst[_NINF]
-    QT = np.zeros((D, BQ), dtype=dt)
-    Qb = np.empty((BQ, D), dtype=dt)
-    GT = np.zeros((E, BQ), dtype=dt)
-    Gb = np.empty((BQ, E), dtype=dt)
-    Kb = np.empty((W, D), dtype=dt)
-    Vb = np.empty((W, E), dtype=dt)
-    ST = np.empty((W, BQ), dtype=dt)
-    DT = np.empty((W, BQ), dtype=dt)
-    dQb = np.empty((BQ, D), dtype=dt)
-    dKb = np.empty((W, D), dtype=dt)
-    dVb = np.empty((W, E), dtype=dt)
-    lrow = np.empty(BQ, dtype=dt)
+    QT = zeros_aligned(D, BQ, q)
+    Qb = empty_aligned(BQ, D, q)
+    GT = zeros_aligned(E, BQ, q)
+    Gb = empty_aligned(BQ, E, q)
+    Kb = empty_aligned(W, D, q)
+    Vb = empty_aligned(W, E, q)
+    ST = empty_aligned(W, BQ, q)
+    DT = empty_aligned(W, BQ, q)
+    dQb = empty_aligned(BQ, D, q)
+    dKb = empty_aligned(W, D, q)
+    dVb = empty_aligned(W, E, q)
+    lrow = empty_aligned(1, BQ, q)[0]
     drow = np.empty(BQ, dtype=dt)
     fac = np.empty(BQ, dtype=dt)
     qs = q[n]; ks = k[n]; vs = v[n]; gs = g[n]; os_ = out[n]
