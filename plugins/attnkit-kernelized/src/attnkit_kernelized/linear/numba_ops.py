@@ -53,6 +53,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.numba_panel import empty_aligned
+
 from .._numba import FASTMATH, arr, check_float, rows
 from .._ops import call_linear_attention, define, define_linear_attention
 from .._tiles import axpy_rows, causal_block, divide_row, transpose
@@ -70,15 +72,16 @@ def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den,
     zero = np.zeros(1, dtype=x.dtype)[0]           # a typed 0 (a literal 0.0 would be float64)
     for n in range(n0, n1):
         xn = x[n]; yn = y[n]; wn = w[n]; outn = out[n]
-        S = S0[n].copy()                           # the state S = S0 + sum_j y_j w_j^T (M x E)
+        S = empty_aligned(M, E, x)                 # the state S = S0 + sum_j y_j w_j^T (M x E), on a line
+        S[:] = S0[n]
         z = z0[n].copy()
         # per-chunk buffers: results are written here and copied out at the chunk's end (writing straight into
         # the caller's arrays lets LLVM assume they alias the inputs, which vectorises the tiles less)
-        xb = np.empty((chunk, M), dtype=x.dtype)   # reverse mode: the chunk's rows in reversed order
-        wb = np.empty((chunk, E), dtype=x.dtype)
-        yT = np.empty((M, chunk), dtype=x.dtype)   # the chunk's keys transposed (reversed in reverse mode)
-        A = np.empty((chunk, chunk), dtype=x.dtype)
-        ob = np.empty((chunk, E), dtype=x.dtype)
+        xb = empty_aligned(chunk, M, x)   # reverse mode: the chunk's rows in reversed order
+        wb = empty_aligned(chunk, E, x)
+        yT = empty_aligned(M, chunk, x)   # the chunk's keys transposed (reversed in reverse mode)
+        A = empty_aligned(chunk, chunk, x)
+        ob = empty_aligned(chunk, E, x)
         db = np.empty(chunk, dtype=x.dtype)
         for ci in range(n_chunks):
             c = n_chunks - 1 - ci if reverse else ci
@@ -121,10 +124,11 @@ def _full_rows(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_o
     zero = np.zeros(1, dtype=x.dtype)[0]           # a typed 0 (a literal 0.0 would be float64)
     for n in range(n0, n1):
         xn = x[n]; yn = y[n]; wn = w[n]; outn = out[n]
-        S = S0[n].copy()                           # S = S0 + sum_j y_j w_j^T (M x E)
+        S = empty_aligned(M, E, x)                 # S = S0 + sum_j y_j w_j^T (M x E), on a line
+        S[:] = S0[n]
         z = z0[n].copy()
-        yT = np.empty((M, chunk), dtype=x.dtype)
-        ob = np.empty((chunk, E), dtype=x.dtype)
+        yT = empty_aligned(M, chunk, x)
+        ob = empty_aligned(chunk, E, x)
         # ---- the state over every key, a chunk of keys at a time
         for c0 in range(0, S_, chunk):
             c1 = min(c0 + chunk, S_)

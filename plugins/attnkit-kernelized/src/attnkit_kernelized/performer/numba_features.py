@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit.numba_panel import empty_aligned
 from attnkit.numba_vreduce import row_max, row_min
 
 from .._numba import FASTMATH, arr, output, rows
@@ -73,7 +74,7 @@ def _query_rows(X, WT, P, cst, is32, r0, r1):  # pragma: no cover - compiled
     there and copied out (writes into argument arrays vectorise less: LLVM must assume they alias the inputs)."""
     M = WT.shape[1]
     zero = cst[HALF] - cst[HALF]
-    buf = np.empty((_BLOCK, M), dtype=P.dtype)
+    buf = empty_aligned(_BLOCK, M, P)
     nbuf = np.empty(M, dtype=np.int32)
     for b0 in range(r0, r1, _BLOCK):
         nb = min(_BLOCK, r1 - b0)
@@ -100,7 +101,7 @@ def _key_rows(X, WT, pad, s2h, cst, is32, chunk, P, hi, lo, grow, n0, n1):  # pr
     has_pad = pad.shape[1] > 0
     zero = cst[HALF] - cst[HALF]
     ninf = -np.inf * cst[HALF] * 2   # typed -inf
-    buf = np.empty((_BLOCK, M), dtype=P.dtype)
+    buf = empty_aligned(_BLOCK, M, P)
     nbuf = np.empty(M, dtype=np.int32)
     first = np.empty(M, dtype=P.dtype)   # the running maximum after each chunk's first key
     for n in range(n0, n1):
@@ -150,8 +151,8 @@ def _back_rows(G, PHI, W, X, pad, scale, DX, r0, r1):  # pragma: no cover - comp
     M, D = W.shape
     has_pad = pad.shape[0] > 0
     zero = W[0, 0] - W[0, 0]
-    gb = np.empty((_BLOCK, M), dtype=DX.dtype)
-    ob = np.empty((_BLOCK, D), dtype=DX.dtype)
+    gb = empty_aligned(_BLOCK, M, DX)
+    ob = empty_aligned(_BLOCK, D, DX)
     for b0 in range(r0, r1, _BLOCK):
         nb = min(_BLOCK, r1 - b0)
         for i in range(nb):
