@@ -1,7 +1,7 @@
 """The register panels of :mod:`attnkit.numba_panel` (tested here: the core itself does not depend on numba)
 against float64 numpy products: every row and column remainder, offsets into the operands, strided
 coefficients, non-unit output strides (the plain-loop fallback), empty sums; its register-tile transpose
-against numpy's, exactly."""
+against numpy's, exactly; the aligned tile buffers; the engine's row ``exp``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ import numba
 import numpy as np
 import pytest
 
-from attnkit.numba_panel import _panels_256, _panels_512, axpy_at, axpy_rows, axpy_t, transpose
+from attnkit.numba_panel import (
+    ALIGN,
+    _panels_256,
+    _panels_512,
+    axpy_at,
+    axpy_rows,
+    axpy_t,
+    empty_aligned,
+    transpose,
+    zeros_aligned,
+)
 from attnkit_sparse.engine._numba_kernels import _exp_sub
 
 
@@ -218,3 +228,34 @@ def test_exp_sub_matches_numpy(dt: type, n: int) -> None:
     np.testing.assert_allclose(X, ref, rtol=1e-6 if dt == np.float32 else 1e-13, atol=0)
     assert np.isnan(X[1, n // 2]) and X[2, 0] == 0 and (X[0, ::3] == 0).all()
     np.testing.assert_array_equal(strided, X)
+
+
+@numba.njit(cache=True)
+def _aligned_many(rows, cols, like, zero):  # pragma: no cover - compiled
+    """Twenty buffers of each kind, filled through their last element: each one's address modulo ALIGN, and
+    whether each zeros_aligned one held zeros only."""
+    mods = np.empty(40, dtype=np.int64)
+    zeros_ok = True
+    keep = []
+    for i in range(20):
+        a = empty_aligned(rows, cols, like)
+        b = zeros_aligned(rows, cols, like)
+        zeros_ok = zeros_ok and (b == zero).all()
+        a[:] = i
+        b[rows - 1, cols - 1] = i
+        mods[2 * i] = a.ctypes.data % ALIGN
+        mods[2 * i + 1] = b.ctypes.data % ALIGN
+        keep.append(a)
+    return mods, zeros_ok, keep[-1]
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (32, 64), (64, 33)])
+def test_aligned_buffers_start_on_a_cache_line(dt: type, shape: tuple[int, int]) -> None:
+    """``empty_aligned`` / ``zeros_aligned``: every buffer starts on an ``ALIGN``-byte boundary (numba's ``np.empty``
+    guarantees 32, so about half of twenty would not), is C-contiguous of the requested shape and of ``like``'s dtype,
+    and the zeroed one holds zeros."""
+    mods, zeros_ok, last = _aligned_many(shape[0], shape[1], np.zeros(1, dtype=dt), dt(0))
+    assert (mods == 0).all(), mods
+    assert zeros_ok
+    assert last.shape == shape and last.dtype == dt and last.flags.c_contiguous and (last == 19).all()
