@@ -11,9 +11,10 @@ error below 2.5e-7 in float32 and 1e-14 in float64 over the range tested
 
 Whole vectors go through LLVM IR emitted by numba intrinsics (:func:`_exp_at`, :func:`_elu1_at`, on the core's
 :func:`attnkit.numba_vexp.exp_vector`: one load,
-the arithmetic in registers, one store); what is left after them, and strided rows, through numba loops
-(:func:`_exp_loops`, two passes through an integer scratch). Both are the same operations in the same order,
-so they agree bit for bit (tested). Measured on the development VM, one thread: linear's features at
+the arithmetic in registers, one store); what is left after them, and strided rows, one element at a time by the
+same IR in :func:`exp_row` (:func:`attnkit.numba_vexp.exp_item`, since session 60) and through numba loops in
+:func:`elu1_row` (:func:`_exp_loops`, two passes through an integer scratch). All are the same operations in the
+same order, so they agree bit for bit (tested). Measured on the development VM, one thread: linear's features at
 L = 8,192 (H = 8, D = 64, queries and keys) took 5.1 ms against 8.5 ms for the loops alone (session 37).
 """
 
