@@ -45,10 +45,12 @@ def steps(K, a: dict) -> dict:
     stats = (a["lse"], a["delta"], a["H"])
     # session 42: the kernels read the element masks key-major, (P, BK, BQ)
     bank = a["bankT"] if "bankT" in inspect.signature(K._apply_tile_mask.py_func).parameters else a["bank"]
-    fwd = (a["q"], a["k"], a["v"], a["H"], a["kv_count"], a["kv_idx"], a["kv_tile"], bank, a["span"], bq, bk,
-           a["cst"], a["f32"])
+    # each module's own constants; the dtype flag only for kernels that still take it (before session 60)
+    cst = (K.constants(np.float32, a["scale"]),
+           *((True,) if "is32" in inspect.signature(K.forward.py_func).parameters else ()))
+    fwd = (a["q"], a["k"], a["v"], a["H"], a["kv_count"], a["kv_idx"], a["kv_tile"], bank, a["span"], bq, bk, *cst)
     dkdv = (a["q"], a["k"], a["v"], a["g"], *stats, a["q_count"], a["q_idx"], a["q_tile"], a["q_slot"], bank, bq,
-            bk, a["cst"], a["f32"], a["ds"], a["ds_off"], a["qT"], a["gT"])
+            bk, *cst, a["ds"], a["ds_off"], a["qT"], a["gT"])
     if "i1" in inspect.signature(K.forward.py_func).parameters:  # session 40: serial kernels over ranges of items
         def dkdv_ranges():
             dk, dv = np.zeros_like(a["k"]), np.zeros_like(a["v"])
@@ -78,12 +80,12 @@ def steps(K, a: dict) -> dict:
                                                  a["kv_count"], a["kv_idx"], bq, bk, items=a["N"] * a["nq"])
         out["dq_recompute"] = lambda: run_parallel(K.backward_dq, a["q"], a["k"], a["v"], a["g"], *stats,
                                                    a["kv_count"], a["kv_idx"], a["kv_tile"], bank, bq, bk,
-                                                   a["cst"], a["f32"], items=a["N"] * a["nq"])
+                                                   *cst, items=a["N"] * a["nq"])
     if hasattr(K, "backward_heads"):
         span = (a["span"],) if "span" in inspect.signature(K.backward_heads.py_func).parameters else ()
         out["fused heads"] = lambda: run_parallel(K.backward_heads, a["q"], a["k"], a["v"], a["g"], *stats,
                                                   a["q_count"], a["q_idx"], a["q_tile"], bank, *span, bq, bk,
-                                                  a["cst"], a["f32"], a["qT"], a["gT"], items=a["N"])
+                                                  *cst, a["qT"], a["gT"], items=a["N"])
     return out
 
 
@@ -114,7 +116,7 @@ def main() -> None:
     ga = numba_ops._seq(g)
     a = dict(q=qa, k=numba_ops._seq(k), v=numba_ops._seq(v), g=ga, lse=arr(lse.reshape(B * H, L)),
              delta=arr(delta.reshape(B * H, L)), H=H, L=L, N=B * H, nq=p.kv_count.shape[-1],
-             nk=p.q_count.shape[-1], bq=bq, bk=bk, cst=NEW.constants(np.float32, D ** -0.5), f32=True,
+             nk=p.q_count.shape[-1], bq=bq, bk=bk, scale=D ** -0.5,
              kv_count=arr(p.kv_count), kv_idx=arr(p.kv_idx), kv_tile=arr(p.kv_tile), q_count=arr(p.q_count),
              q_idx=arr(p.q_idx), q_tile=arr(p.q_tile), q_slot=arr(p.q_slot), bank=arr(p.bank), span=arr(p.span),
              bankT=arr(p.key_major_bank()),

@@ -29,7 +29,7 @@ from attnkit_sparse.routing._fused import backward_seq
 
 def make(EXP, PROD, GATH, SCAT, INIT, PF=0, PD=8):
     @numba.njit(fastmath=FASTMATH, nogil=True)
-    def bseq(q, k, v, g, out, qi, ki, nq, nk, lse, cst, is32, n, dq, dk, dv):
+    def bseq(q, k, v, g, out, qi, ki, nq, nk, lse, cst, n, dq, dk, dv):
         N, L, D = q.shape; E = v.shape[2]; C, W = qi.shape[1], qi.shape[2]
         BQ = min(W, 64); dt = q.dtype
         zero = cst[_HALF] - cst[_HALF]; one = cst[cst.shape[0] - 1]; sc = cst[_SC]
@@ -144,13 +144,13 @@ def call(name):
     f = ks_[name]
     if name == "full, hot rows":
         dq, dk, dv = (np.empty((N, L, D), np.float32) for _ in range(3))
-        run_items(lambda n: f(q, k, v, g, out, qi_hot, ki_hot, nq, nk, lse, cst, True, n, dq, dk, dv), N, threads=kernel_threads())
+        run_items(lambda n: f(q, k, v, g, out, qi_hot, ki_hot, nq, nk, lse, cst, n, dq, dk, dv), N, threads=kernel_threads())
         return
     dq, dk, dv = (np.empty((N, L, D), np.float32) for _ in range(3))
     if name == "real":
-        run_items(lambda n: f(q, k, v, g, out, qi, ki, nq, nk, lse, False, cst, True, n, dq, dk, dv), N, threads=kernel_threads())
+        run_items(lambda n: f(q, k, v, g, out, qi, ki, nq, nk, lse, False, cst, n, dq, dk, dv), N, threads=kernel_threads())
     else:
-        run_items(lambda n: f(q, k, v, g, out, qi, ki, nq, nk, lse, cst, True, n, dq, dk, dv), N, threads=kernel_threads())
+        run_items(lambda n: f(q, k, v, g, out, qi, ki, nq, nk, lse, cst, n, dq, dk, dv), N, threads=kernel_threads())
 for name in ks_: call(name)
 ts = {name: [] for name in ks_}
 for r in range(7):

@@ -145,19 +145,19 @@ def _elu1_at(typingctx, dst, d, src, s, scale):  # noqa: ANN001, ANN202
 
 
 @numba.njit(cache=True)
-def exp_row(row, c, nbuf, cst, is32):  # pragma: no cover - compiled
-    """``row[j] = exp(row[j] - c)`` in place (``row`` 1-D float32/float64; ``nbuf``: int32 scratch of ``row``'s
-    length; ``cst``: :func:`constants` of its dtype; ``is32``: float32).
+def exp_row(row, c):  # pragma: no cover - compiled
+    """``row[j] = exp(row[j] - c)`` in place (``row`` 1-D float32/float64, ``c`` cast to its dtype).
 
     Whole vectors in one pass (:func:`_exp_at`); the last ``len % W`` elements, and a strided row, one at a time
     by the same IR (:func:`attnkit.numba_vexp.exp_item`), with no call and no slice of the row: the remainder
     through :func:`_exp_loops` on a slice cost every call about 45 ns on rows of 256 float32 even when nothing was
     left (0.47 -> 0.41 ns an element with the row maximum before it, one thread; docs/benchmarks.md, "Session
-    60"). ``nbuf``, ``cst``: unused since (kept for the callers). Relative error below 2.5e-7 (float32) and 1e-14
-    (float64) against NumPy; 0 at or below the lowest argument (-87 / -708), NaN for NaN."""
+    60"). Relative error below 2.5e-7 (float32) and 1e-14 (float64) against NumPy; 0 at or below the lowest
+    argument (-87 / -708), NaN for NaN."""
     n = row.shape[0]
-    W = LANES32 if is32 else LANES32 // 2
-    nv = n - n % W if row.strides[0] == row.itemsize else 0
+    it = row.itemsize
+    W = LANES32 if it == 4 else LANES32 // 2
+    nv = n - n % W if row.strides[0] == it else 0
     for j in range(0, nv, W):
         _exp_at(row, j, c)
     for j in range(nv, n):

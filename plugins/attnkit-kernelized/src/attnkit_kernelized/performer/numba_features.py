@@ -68,27 +68,26 @@ def _project(buf, X, WT, nb, zero):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _query_rows(X, WT, P, cst, is32, r0, r1):  # pragma: no cover - compiled
+def _query_rows(X, WT, P, cst, r0, r1):  # pragma: no cover - compiled
     """``P[r] = exp(p - max p)`` with ``p = X[r] WT`` for the rows ``r0 <= r < r1`` (``X (R, D)``, ``WT (D, M)``,
     ``P (R, M)``). Each block of rows is projected into a buffer of its own (:func:`axpy_rows`), exponentiated
     there and copied out (writes into argument arrays vectorise less: LLVM must assume they alias the inputs)."""
     M = WT.shape[1]
     zero = cst[HALF] - cst[HALF]
     buf = empty_aligned(_BLOCK, M, P)
-    nbuf = np.empty(M, dtype=np.int32)
     for b0 in range(r0, r1, _BLOCK):
         nb = min(_BLOCK, r1 - b0)
         _project(buf, X[b0:], WT, nb, zero)
         for i in range(nb):
             row = buf[i]
-            exp_row(row, row_max(row), nbuf, cst, is32)
+            exp_row(row, row_max(row))
             out = P[b0 + i]
             for j in range(M):
                 out[j] = row[j]
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _key_rows(X, WT, pad, s2h, cst, is32, chunk, P, hi, lo, grow, n0, n1):  # pragma: no cover - compiled
+def _key_rows(X, WT, pad, s2h, cst, chunk, P, hi, lo, grow, n0, n1):  # pragma: no cover - compiled
     """For the sequences ``n0 <= n < n1`` of ``X (N, L, D)``: ``P[n, t] = exp(X[n, t] WT - s2h |X[n, t]|^2)``
     (0 where ``pad[n, t]``; ``pad`` may be ``(N, 0)``: nothing padded), ``hi[n, m]`` the largest exponent of
     feature m and ``lo[n]`` the smallest exponent over the real keys (-inf and +inf when there is none), and
@@ -102,7 +101,6 @@ def _key_rows(X, WT, pad, s2h, cst, is32, chunk, P, hi, lo, grow, n0, n1):  # pr
     zero = cst[HALF] - cst[HALF]
     ninf = -np.inf * cst[HALF] * 2   # typed -inf
     buf = empty_aligned(_BLOCK, M, P)
-    nbuf = np.empty(M, dtype=np.int32)
     first = np.empty(M, dtype=P.dtype)   # the running maximum after each chunk's first key
     for n in range(n0, n1):
         Xn = X[n]; Pn = P[n]
@@ -130,7 +128,7 @@ def _key_rows(X, WT, pad, s2h, cst, is32, chunk, P, hi, lo, grow, n0, n1):  # pr
                     for j in range(M):
                         h[j] = np.fmax(h[j], row[j] - c)     # fmax: a plain store, not a masked one
                     low = min(low, row_min(row) - c)
-                    exp_row(row, c, nbuf, cst, is32)
+                    exp_row(row, c)
                     for j in range(M):
                         out[j] = row[j]
                 if t % chunk == 0:
@@ -194,7 +192,7 @@ def _query_features(q: Tensor, w: Tensor) -> Tensor:
     M = w.shape[0]
     X = arr(q).reshape(B * H * L, D)
     P = output((B * H * L, M), X.dtype)
-    rows(_query_rows, X.shape[0], X, arr(w.t()), P, constants(X.dtype), X.dtype == np.float32, item=_ITEM)
+    rows(_query_rows, X.shape[0], X, arr(w.t()), P, constants(X.dtype), item=_ITEM)
     return torch.from_numpy(P).view(B, H, L, M)
 
 
@@ -213,7 +211,7 @@ def _key_features(k: Tensor, w: Tensor, scale: float, pad: Tensor | None,
     lo = np.empty(B * H, dtype=X.dtype)
     grow = np.empty(B * H, dtype=X.dtype)
     rows(_key_rows, B * H, X, arr(w.t()), padn, X.dtype.type(0.5 * scale), constants(X.dtype),
-         X.dtype == np.float32, max(1, int(chunk)), P, hi, lo, grow)
+         max(1, int(chunk)), P, hi, lo, grow)
     return (torch.from_numpy(P).view(B, H, L, M), torch.from_numpy(hi).view(B, H, M),
             torch.from_numpy(lo).view(B, H), torch.from_numpy(grow).view(B, H))
 

@@ -51,16 +51,16 @@ _FM = FASTMATH
 # body slowed the code around it.
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _query_block(xb, X, WT, T, nbuf, cst, is32, zero):  # pragma: no cover - compiled
+def _query_block(xb, X, WT, T, zero):  # pragma: no cover - compiled
     """``xb[t] = exp(p - max p)`` with ``p = X[t] WT`` for ``t < T`` (the block's query features)."""
     _project(xb, X, WT, T, zero)
     for t in range(T):
         row = xb[t]
-        exp_row(row, row_max(row), nbuf, cst, is32)
+        exp_row(row, row_max(row))
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _key_block(yb, X, WT, T, pad, s2h, h, low, nbuf, cst, is32, zero):  # pragma: no cover - compiled
+def _key_block(yb, X, WT, T, pad, s2h, h, low, zero):  # pragma: no cover - compiled
     """``yb[t] = exp(p - s2h |X[t]|^2)`` with ``p = X[t] WT`` for ``t < T`` (the block's key features; 0 where
     ``pad[t]``, whatever ``X[t]`` holds; ``pad`` may be empty: no padding). Updates ``h[j]``, the largest key
     exponent of feature ``j``, and returns ``low`` lowered to the smallest exponent of the block's real keys."""
@@ -82,12 +82,12 @@ def _key_block(yb, X, WT, T, pad, s2h, h, low, nbuf, cst, is32, zero):  # pragma
             for j in range(M):
                 h[j] = np.fmax(h[j], row[j] - c)    # fmax: a plain store, not a masked one (attnkit.numba_panel)
             low = min(low, row_min(row) - c)
-            exp_row(row, c, nbuf, cst, is32)
+            exp_row(row, c)
     return low
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, n0,
+def _fused_rows(Q, K, V, WT, pad, s2h, cst, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, n0,
                 n1):  # pragma: no cover - compiled
     """Sequences ``n0 <= n < n1`` of ``Q, K (N, L, D)``, ``V (N, L, E)``: ``out[n]`` the normalised causal linear
     attention of ``phi_q = exp(Q WT - rowmax)``, ``phi_k = exp(K WT - s2h |K|^2)`` (0 where ``pad[n, t]``; ``pad``
@@ -107,7 +107,6 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
     A = empty_aligned(chunk, chunk, Q)
     ob = empty_aligned(chunk, E, Q)
     db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
-    nbuf = np.empty(M, dtype=np.int32)
     hb = np.empty(M, dtype=Q.dtype)      # hi[n] (a local buffer: updates of an argument array vectorise less)
     for n in range(n0, n1):
         qn = Q[n]; kn = K[n]; vn = V[n]; outn = out[n]
@@ -122,9 +121,8 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, is32, chunk, bound, S0, z0, out, S_o
             c1 = min(c0 + chunk, L)
             T = c1 - c0
             # ---- features of the block: queries shifted by their row maximum, keys by |k'|^2/2
-            _query_block(xb, qn[c0:], WT, T, nbuf, cst, is32, zero)
-            low = _key_block(yb, kn[c0:], WT, T, pad[n, c0:] if has_pad else pad[n], s2h, h, low, nbuf, cst, is32,
-                             zero)
+            _query_block(xb, qn[c0:], WT, T, zero)
+            low = _key_block(yb, kn[c0:], WT, T, pad[n, c0:] if has_pad else pad[n], s2h, h, low, zero)
             if low < -bound or row_max(h) > bound:
                 break               # the caller discards the result (hi, lo show why)
             causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero)
@@ -154,7 +152,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor
     z = np.empty((N, M), dtype=npdt)
     hi = np.empty((N, M), dtype=npdt)
     lo = np.empty(N, dtype=npdt)
-    args = (X, Kx, V, arr(w.to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt), npdt == np.float32,
+    args = (X, Kx, V, arr(w.to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt),
             max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a, outa, S, z, hi, lo)
     rows(_fused_rows, N, *args)
     return (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, M, E),

@@ -64,17 +64,14 @@ from attnkit.numba_vexp import LANES32, exp_sub_at, exp_sub_item
 # reassociation lets LLVM vectorise the reductions; no NaN/inf assumptions (masked scores are -inf)
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
+
 def constants(dtype: np.dtype, scale: float) -> np.ndarray:
-    """The kernels' typed constants (a literal would be float64): ``[scale, -inf, log2(e), ln2 hi, ln2 lo,
-    lowest exp argument, 0.5, exp's Taylor coefficients highest degree first (degree 6 / 12)]``."""
-    f32 = np.dtype(dtype) == np.float32
-    ln2 = (0.693359375, -2.12194440e-4) if f32 else (0.693145751953125, 1.42860682030941723212e-6)
-    deg = 6 if f32 else 12
-    head = [scale, -np.inf, 1.4426950408889634, ln2[0], ln2[1], -87.0 if f32 else -708.0, 0.5]
-    return np.array(head + [1.0 / math.factorial(i) for i in range(deg, -1, -1)], dtype=dtype)
+    """The kernels' typed constants (a literal would be float64): ``[scale, -inf, 0.5, 1]`` (the exp's own live in
+    :mod:`attnkit.numba_vexp`'s IR)."""
+    return np.array([scale, -np.inf, 0.5, 1.0], dtype=dtype)
 
 
-_SC, _NINF, _LOG2E, _LN2_HI, _LN2_LO, _LO, _HALF, _POLY = range(8)
+_SC, _NINF, _HALF, _ONE = range(4)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -156,7 +153,7 @@ def _apply_tile_mask(ST, kn, qn, bankT, t, cst):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32, out, lse, i0,
+def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, out, lse, i0,
             i1):  # pragma: no cover - compiled
     """The work items ``i0 <= it < i1`` (``it = n·NQ + qb``: sequence ``n``, query block ``qb``) of the forward:
     writes their rows of ``out`` ``(N, L, E)`` and ``lse`` ``(N, L)``. A serial ``nogil`` function; the caller
@@ -167,7 +164,7 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, is32
     E = v.shape[2]
     Bp, Hp, NQ = kv_count.shape
     zero = cst[_HALF] - cst[_HALF]
-    one = cst[cst.shape[0] - 1]   # the polynomial's constant term, 1 in the array's float type
+    one = cst[_ONE]
     sc = cst[_SC]
     ninf = cst[_NINF]
     NK = (S + bk - 1) // bk
@@ -288,7 +285,7 @@ def backward_dq_from_ds(k, ds, ds_off, dq, qlo, qhi, H, kv_count, kv_idx, bq, bk
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, bank, bq, bk, cst, is32,
+def backward_dkdv(q, k, v, do, lse, delta, H, q_count, q_idx, q_tile, q_slot, bank, bq, bk, cst,
                   ds, ds_off, qT, doT, dk, dv, qlo, qhi, i0, i1):  # pragma: no cover - compiled
     """``dK``, ``dV`` from the query blocks ``qlo <= qb < qhi``, added to ``dk`` ``(N, S, D)`` and ``dv``
     ``(N, S, E)``, and ``scale·dS`` per tile of those blocks into ``ds`` (compact from block ``qlo``, as
@@ -372,7 +369,7 @@ def delta_rows(g, out, g_lse, delta):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, bank, bq, bk, cst, is32, dqs, dks,
+def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, bank, bq, bk, cst, dqs, dks,
                        dvs):  # pragma: no cover - compiled
     """``dQ``, ``dK``, ``dV`` of one sequence in one pass (the caller runs one call per sequence, on threads, when
     the ``N = B·H`` sequences spread evenly over them). Besides :func:`backward_dkdv`'s key-major ``dK``, ``dV``

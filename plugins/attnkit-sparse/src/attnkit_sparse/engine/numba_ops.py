@@ -76,7 +76,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, 
     out = np.empty((B * H, L, E), dtype=qa.dtype)
     lse = np.empty((B * H, L), dtype=qa.dtype)
     run_ranges(K.forward, B * H * nq, qa, _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx), _arr(kv_tile),
-               _arr(bank), _arr(span), bq, bk, cst, q.dtype == torch.float32, out, lse)
+               _arr(bank), _arr(span), bq, bk, cst, out, lse)
     return torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(lse).view(B, H, L)
 
 
@@ -92,7 +92,6 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     B, H, L, D = q.shape
     S, E = k.shape[-2], v.shape[-1]
     cst = K.constants(_arr(q).dtype, scale)
-    f32 = q.dtype == torch.float32
     qa, ka, va, ga = _seq(q), _seq(k), _seq(v), _seq(g)
     # Δ_i = dO_i · O_i - dlse_i: the log-sum-exp's own gradient (dlse_i/ds_ij = P_ij) enters dS = P (dP - Δ);
     # per sequence on the threads (K.delta_rows), filled before the kernels read it
@@ -119,7 +118,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
                 transpose(gT[n], ga[n], L, E)
                 K.delta_rows(ga[n], oa[n], gla[n], delta_a[n])
                 K.backward_sequence(qa[n], ka[n], va[n], ga[n], qT[n], gT[n], lse_a[n], delta_a[n], qc_a[i],
-                                    qi_a[i], qt_a[i], bank_a, bq, bk, cst, f32, dq[n], dk[n], dv[n])
+                                    qi_a[i], qt_a[i], bank_a, bq, bk, cst, dq[n], dk[n], dv[n])
 
         run_ranges(sequences, B * H)
         return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
@@ -147,7 +146,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     for lo, hi, tiles in _passes(counts.reshape(-1, nq), tile_bytes):
         ds = np.empty((B * H, tiles, bk, bq), dtype=qa.dtype)
         run_ranges(K.backward_dkdv, B * H * q_count.shape[-1], qa, ka, va, ga, *stats, qc_a, qi_a, qt_a, qs_a,
-                   bank_a, bq, bk, cst, f32, ds, off_a, qT, gT, dk, dv, lo, hi)
+                   bank_a, bq, bk, cst, ds, off_a, qT, gT, dk, dv, lo, hi)
         run_ranges(K.backward_dq_from_ds, B * H * (hi - lo), ka, ds, off_a, dq, lo, hi, H, kvc_a, kvi_a, bq, bk)
     return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
             torch.from_numpy(dv).view(B, H, S, E))

@@ -43,7 +43,7 @@ from .._gathered import (
     transpose_columns,
     zero_kv,
 )
-from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
+from ..engine._numba_kernels import _HALF, _NINF, _ONE, _SC, FASTMATH
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -67,7 +67,7 @@ def _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf):  # pragma: no
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0, r1, c0, c1,
+def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, n, r0, r1, c0, c1,
                   out, m, l, lse):  # pragma: no cover - compiled
     """Rounds ``r0 .. r1`` and chunks ``c0 .. c1`` of sequence ``n`` merged into ``out`` ``(N, L, E)``, ``m``, ``l``
     ``(N, L)``; in the last round (``R − 1``) ``out`` is normalised and ``lse = m + log l`` (``+inf`` and output 0
@@ -78,7 +78,7 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
     bi = (n // H) % real.shape[0]
     dt = q.dtype
     zero = cst[_HALF] - cst[_HALF]
-    one = cst[cst.shape[0] - 1]
+    one = cst[_ONE]
     sc = cst[_SC]
     ninf = cst[_NINF]
     QT = zeros_aligned(D, cs, q)
@@ -135,7 +135,7 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, is32, n, r0,
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, cst, is32, n, r0, r1, c0, c1,
+def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, cst, n, r0, r1, c0, c1,
                    dq, dk, dv, dk_edge, dv_edge):  # pragma: no cover - compiled
     """The gradients of :func:`forward_items` for rounds ``r0 .. r1``, chunks ``c0 .. c1`` of sequence ``n``:
     ``dq``, ``dk`` (of ``kh``), ``dv`` ``(N, L, ·)`` assigned in round 0, added to later; the previous chunk's
@@ -146,7 +146,7 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
     bi = (n // H) % real.shape[0]
     dt = q.dtype
     zero = cst[_HALF] - cst[_HALF]
-    one = cst[cst.shape[0] - 1]
+    one = cst[_ONE]
     sc = cst[_SC]
     ninf = cst[_NINF]
     QT = zeros_aligned(D, cs, q)

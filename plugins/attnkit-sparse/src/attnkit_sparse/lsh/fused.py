@@ -80,7 +80,7 @@ class _Fused(torch.autograd.Function):
         cst = constants(qa.dtype, scale)
         out = np.empty((N, L, va.shape[-1]), dtype=qa.dtype)
         m, l_, lse = (np.empty((N, L), dtype=qa.dtype) for _ in range(3))
-        args = (qa, ka, va, pa, real, H, bool(causal), bool(padded), cs, cst, qa.dtype == np.float32)
+        args = (qa, ka, va, pa, real, H, bool(causal), bool(padded), cs, cst)
         _items(forward_items, args, (out, m, l_, lse), N, R, nq)
         out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
         ctx.save_for_backward(q, kh, v, perm, out_t, lse_t)
@@ -111,7 +111,7 @@ class _Fused(torch.autograd.Function):
         dk_e = np.zeros((N, L, D) if edge else (N, 0, D), dtype=qa.dtype)
         dv_e = np.zeros((N, L, E) if edge else (N, 0, E), dtype=qa.dtype)
         args = (qa, _np(kh), _np(v), _np(g), _np(perm), real, _np(lse), _np(delta), ctx.H, bool(ctx.causal),
-                bool(padded), ctx.cs, cst, qa.dtype == np.float32)
+                bool(padded), ctx.cs, cst)
         _items(backward_items, args, (dq, dk, dv, dk_e, dv_e), N, R, nq)
         dk_t, dv_t = torch.from_numpy(dk), torch.from_numpy(dv)
         if edge:

@@ -44,7 +44,7 @@ from .._gathered import (
     transpose_columns,
     zero_kv,
 )
-from ..engine._numba_kernels import _HALF, _NINF, _SC, FASTMATH
+from ..engine._numba_kernels import _HALF, _NINF, _ONE, _SC, FASTMATH
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -83,7 +83,7 @@ def _seen(pk, kn, last):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse, save, PS):  # pragma: no cover - compiled
+def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, n, out, m, l, lse, save, PS):  # pragma: no cover - compiled
     """Sequence ``n``'s clusters merged into ``out`` ``(N, L, E)`` and ``lse`` ``(N, L)`` (``m``, ``l`` scratch).
     With ``save``, each query block's tile is computed in ``PS[n, c, block]`` (``(N, C, nb, W + 1, BQ)``,
     :func:`saved_shape`) and left there for :func:`backward_seq`: ``exp(S − shift)`` in its first ``kb`` rows,
@@ -94,7 +94,7 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse, s
     BQ = min(W, QBLOCK)
     dt = q.dtype
     zero = cst[_HALF] - cst[_HALF]
-    one = cst[cst.shape[0] - 1]
+    one = cst[_ONE]
     sc = cst[_SC]
     ninf = cst[_NINF]
     QT = zeros_aligned(D, BQ, q)
@@ -148,7 +148,7 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, is32, n, out, m, l, lse, s
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
-def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
+def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, n,
                  dq, dk, dv, saved, PS):  # pragma: no cover - compiled
     """The gradients of :func:`forward_seq` for sequence ``n`` into ``dq``, ``dk``, ``dv`` ``(N, L, ·)`` (its rows
     zeroed first), with ``Δ = g·out`` per position computed in the same first pass. With ``saved``, the
@@ -160,7 +160,7 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, is32, n,
     BQ = min(W, QBLOCK)
     dt = q.dtype
     zero = cst[_HALF] - cst[_HALF]
-    one = cst[cst.shape[0] - 1]
+    one = cst[_ONE]
     sc = cst[_SC]
     ninf = cst[_NINF]
     QT = zeros_aligned(D, BQ, q)

@@ -90,7 +90,6 @@ class _Fused(torch.autograd.Function):
         qa, ka, va = _np(q), _np(k), _np(v)
         qia, kia, nqa, nka = _np(qi), _np(ki), _np(nq), _np(nk)
         cst = constants(qa.dtype, scale)
-        is32 = qa.dtype == np.float32
         out = np.empty((N, L, va.shape[-1]), dtype=qa.dtype)
         m, l_, lse = (np.empty((N, L), dtype=qa.dtype) for _ in range(3))
         # torch's allocation, not NumPy's: NumPy asks for transparent huge pages (madvise) for 4 MiB and more, and
@@ -99,7 +98,7 @@ class _Fused(torch.autograd.Function):
         # allocator, a dense 16K attention's step between; docs/benchmarks.md, "Session 56")
         ps_t = torch.empty(saved_shape(N, qia.shape[1], qia.shape[2]) if save else (1, 1, 1, 1, 1), dtype=q.dtype)
         ps = ps_t.numpy()
-        _items(lambda n: forward_seq(qa, ka, va, qia, kia, nqa, nka, bool(causal), cst, is32, n, out, m, l_, lse,
+        _items(lambda n: forward_seq(qa, ka, va, qia, kia, nqa, nka, bool(causal), cst, n, out, m, l_, lse,
                                      bool(save), ps), N)
         out_t = torch.from_numpy(out)
         ctx.save_for_backward(q, k, v, qi, ki, nq, nk, out_t, torch.from_numpy(lse), ps_t)
@@ -117,10 +116,9 @@ class _Fused(torch.autograd.Function):
         qa, ka, va, ga = _np(q), _np(k), _np(v), _np(g)
         qia, kia, nqa, nka, la, oa, psa = _np(qi), _np(ki), _np(nq), _np(nk), _np(lse), _np(out), _np(ps)
         cst = constants(qa.dtype, ctx.scale)
-        is32 = qa.dtype == np.float32
         dq, dk = np.empty((N, L, D), dtype=qa.dtype), np.empty((N, L, D), dtype=qa.dtype)
         dv = np.empty((N, L, E), dtype=qa.dtype)
-        _items(lambda n: backward_seq(qa, ka, va, ga, oa, qia, kia, nqa, nka, la, bool(ctx.causal), cst, is32, n,
+        _items(lambda n: backward_seq(qa, ka, va, ga, oa, qia, kia, nqa, nka, la, bool(ctx.causal), cst, n,
                                       dq, dk, dv, ctx.saved, psa), N)
         return (torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, None, None,
                 None)
