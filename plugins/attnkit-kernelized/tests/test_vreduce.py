@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from attnkit.numba_vreduce import first_index, row_max, row_min
+from attnkit.numba_vreduce import column_max_min, first_index, row_max, row_min
 
 
 @numba.njit(cache=True)
@@ -113,3 +113,48 @@ def test_first_maximum_is_nanargmax(dt: type) -> None:
         for i in range(3):
             if not np.isnan(X[i]).all():
                 assert _first(X[i:i + 1], np.array([_each(X[i:i + 1], 0)[0]], dtype=dt))[0] == np.nanargmax(X[i])
+
+
+@numba.njit(cache=True)
+def _columns_all(X, n):  # pragma: no cover - compiled
+    C = X.shape[1]
+    mx, mn = np.full(C + 3, 7.0, X.dtype), np.full(C + 3, 7.0, X.dtype)
+    ix, jx = np.full(C + 3, 7, np.int64), np.full(C + 3, 7, np.int64)
+    column_max_min(X, n, mx, ix, mn, jx)
+    return mx, ix, mn, jx
+
+
+def _column_ref(X: np.ndarray) -> tuple[np.ndarray, ...]:
+    """NumPy's answer: the extremes down each column (NaN ignored) and their first rows; NaN and -1 for a column
+    of NaN only."""
+    out = []
+    for which in (0, 1):
+        v = _ref(X.T, which)
+        first = [np.flatnonzero(X[:, e] == v[e])[0] if not np.isnan(v[e]) else -1 for e in range(X.shape[1])]
+        out += [v, np.array(first, dtype=np.int64)]
+    return tuple(out)
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_column_max_min_matches_numpy(dt: type) -> None:
+    """Down every column of a block (a vector lane per column, the last ``C % W`` columns by a loop): the largest
+    and smallest entries and the first rows holding them, ties to the first row, NaN ignored, columns of
+    infinities and NaN only; outputs past the block's columns keep their values."""
+    rng = np.random.default_rng(31)
+    for n, C in [(1, 1), (5, 16), (128, 16), (7, 8), (33, 40), (3, 17), (64, 32), (2, 9)]:
+        X = rng.integers(-4, 5, size=(n + 2, C)).astype(dt)         # repeated values: the first row counts
+        X[n:] = 99.0                                                 # rows past n are not read
+        X[rng.integers(0, n), 0] = np.nan
+        if C > 3:
+            X[:n, 1] = np.nan                                        # NaN only: NaN and -1
+            X[:n, 2] = -np.inf                                       # -inf only: -inf at row 0 (max and min)
+            X[:n, 3] = np.inf
+            X[0, 3] = np.nan                                         # NaN, then +inf
+        got = _columns_all(X, n)
+        ref = _column_ref(X[:n])
+        for g, r, name in zip(got, ref, ("max", "first max", "min", "first min")):
+            np.testing.assert_array_equal(g[:C], r, err_msg=f"{name}, n={n}, C={C}")
+            assert (g[C:] == 7).all(), name
+    Y = rng.standard_normal((20, 48)).astype(dt)[:, ::3]            # strided rows: the loop, same answers
+    for g, r in zip(_columns_all(Y, 20), _column_ref(Y)):
+        np.testing.assert_array_equal(g[:16], r)

@@ -262,11 +262,13 @@ def _perms(N, R, L, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_numba_hash_labels_equal_the_torch_argmax_in_slabs(dtype):
-    """The numba labels (a block of rows at a time, 7 rows an item) equal ``argmax([xR; -xR])``, zero rows included."""
+@pytest.mark.parametrize("L, D, half", [(50, 8, 5), (37, 16, 40)])
+def test_numba_hash_labels_equal_the_torch_argmax_in_slabs(dtype, L, D, half):
+    """The numba labels (a block of rows at a time, 7 rows an item) equal ``argmax([xR; -xR])``, zero rows included
+    (40 buckets a side: the transposed rotations through the 16-row panels)."""
     from attnkit_sparse.lsh.hashing import rotations
     from attnkit_sparse.lsh.rounds import labels
-    B, H, L, D, R, half = 2, 3, 50, 8, 3, 5
+    B, H, R = 2, 3, 3
     x = rand((B, H, L, D), 6).to(dtype)
     x[0, 1, 4] = 0.0                                    # all projections 0: label 0 (the first maximum)
     rot = rotations(1, R, D, half, dtype=dtype, device=torch.device("cpu"))

@@ -34,8 +34,9 @@ def _t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
 
 
 # (rows, terms, columns): rows around the 4-row panel, columns around one and two vectors of either dtype
+# (axpy_t, one vector of columns: the 16-row panels, then 4-row and single rows: (37, 9, 16), (50, 7, 24), (33, 5, 8))
 SHAPES = [(0, 5, 8), (1, 1, 1), (3, 7, 5), (4, 16, 16), (5, 9, 24), (7, 13, 37), (13, 64, 64), (9, 3, 40),
-          (6, 0, 16), (4, 2, 0)]
+          (6, 0, 16), (4, 2, 0), (37, 9, 16), (50, 7, 24), (33, 5, 8)]
 DTYPES = [np.float32, np.float64]
 
 
@@ -71,6 +72,24 @@ def test_axpy_t_matches_numpy(dt: type, shape: tuple[int, int, int]) -> None:
     ref[o0:o0 + n] += CT[j0:j0 + K, o0:o0 + n].T.astype(np.float64) @ Y[y0 + j0:y0 + j0 + K].astype(np.float64)
     _t(OUT, o0, n, CT, Y, y0, j0, j0 + K)
     np.testing.assert_allclose(OUT, ref, **_tol(dt))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_tall_panel_sums_as_the_short_ones(dt: type) -> None:
+    """A single vector of columns with adjacent coefficients (``axpy_t``) runs 16 rows a panel; each output is the
+    same chain of fused multiply-adds as in the 4-row panels that ``axpy_at`` runs on the same product, so the two
+    agree bit for bit (``lsh``'s hash compares its rotations exactly)."""
+    rng = np.random.default_rng(29)
+    W = 16 if dt == np.float32 else 8
+    n, K = 45, 64
+    CT = rng.standard_normal((K, n)).astype(dt)
+    C = np.ascontiguousarray(CT.T)
+    Y = rng.standard_normal((K, W)).astype(dt)
+    tall, short = np.zeros((n, W), dt), np.zeros((n, W), dt)
+    _t(tall, 0, n, CT, Y, 0, 0, K)
+    _at(short, n, C, 0, Y, 0, K)
+    np.testing.assert_array_equal(tall, short)
+    np.testing.assert_allclose(tall, C.astype(np.float64) @ Y.astype(np.float64), **_tol(dt))
 
 
 @numba.njit(cache=True)

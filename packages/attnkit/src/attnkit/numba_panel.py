@@ -101,11 +101,13 @@ def _panel_bits() -> int:
 PANEL_BITS = _panel_bits()
 
 
-def _make_panel(R: int, NV: int, wide: bool = False):  # noqa: ANN202 - returns a numba intrinsic
+def _make_panel(R: int, NV: int, wide: bool = False, unit_r: bool = False):  # noqa: ANN202 - returns an intrinsic
     """An intrinsic ``panel(OUT, o, os, C, c, crs, cjs, Y, y, ys, K)``: for ``r < R`` and the ``NV·W`` columns
     from element offset ``o`` of ``OUT`` (``W`` = 8 float32 or 4 float64 lanes; ``wide``: 16 and 8, 512-bit
     vectors), ``OUT[o + r·os + e] += sum_{j < K} C[c + r·crs + j·cjs] · Y[y + j·ys + e]`` (offsets and strides
-    in elements, from each array's data pointer)."""
+    in elements, from each array's data pointer). ``unit_r``: the coefficients of one term are adjacent
+    (``crs`` is taken as 1, whatever is passed): their addresses are constant offsets, not ``R`` products with a
+    stride known only at run time, which a tall panel has no registers left to hold."""
 
     @intrinsic
     def panel(typingctx, OUT, o, os_, C, c, crs, cjs, Y, y, ys, K):  # noqa: ANN001, ANN202
@@ -160,7 +162,7 @@ def _make_panel(R: int, NV: int, wide: bool = False):  # noqa: ANN202 - returns 
             crow = builder.gep(pc, [builder.mul(j, cjsv)])
             new = []
             for r in range(R):
-                s = builder.load(builder.gep(crow, [builder.mul(crsv, _const(r))]))
+                s = builder.load(builder.gep(crow, [_const(r) if unit_r else builder.mul(crsv, _const(r))]))
                 b = builder.shuffle_vector(builder.insert_element(undef, s, ir.Constant(_I32, 0)), undef, splat)
                 for v in range(NV):
                     new.append(builder.call(fma, [b, yvec[v], acc[r * NV + v]]))
@@ -189,6 +191,7 @@ _Q4x2 = _make_panel(4, 2, wide=True)
 _Q1x2 = _make_panel(1, 2, wide=True)
 _Q4x1 = _make_panel(4, 1, wide=True)
 _Q1x1 = _make_panel(1, 1, wide=True)
+_Q16x1 = _make_panel(16, 1, wide=True, unit_r=True)
 
 
 @numba.njit(cache=True)
@@ -222,10 +225,14 @@ def _panels_256(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: n
 @numba.njit(cache=True)
 def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: no cover - compiled
     """:func:`_panels_256` on 512-bit vectors (``W`` = 16 float32, 8 float64 lanes): columns in blocks of 4, 2
-    and 1 vectors, then one 256-bit vector, so the same ``E - E % (W / 2)`` columns are covered."""
+    and 1 vectors, then one 256-bit vector, so the same ``E - E % (W / 2)`` columns are covered. A last single
+    vector of columns runs 16 rows at a time where the coefficients of a term are adjacent (``crs == 1``, as
+    :func:`axpy_t` reads them; 16 accumulators: ``lsh``'s hash, ``128 x 64 x 16``, 1.3x the 4-row panels' rate;
+    docs/benchmarks.md, "Session 61")."""
     W = 16 if OUT.itemsize == 4 else 8
     h = W // 2
     e4 = E - E % (4 * W)
+    e1 = -1                     # where a last single vector of columns starts (-1: none)
     for r0 in range(0, rows, 4):
         ob = o + r0 * os_
         cb = c + r0 * crs
@@ -237,7 +244,7 @@ def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: n
                 _Q4x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
                 e += 2 * W
             if E - e >= W:
-                _Q4x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                e1 = e
                 e += W
             if E - e >= h:
                 _P4x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
@@ -256,6 +263,13 @@ def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: n
                     e += W
                 if E - e >= h:
                     _P1x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+    if e1 >= 0:                 # the single vector of the rows in groups of 4
+        r4 = rows - rows % 4
+        r16 = r4 - r4 % 16 if crs == 1 else 0
+        for r0 in range(0, r16, 16):
+            _Q16x1(OUT, o + r0 * os_ + e1, os_, C, c + r0 * crs, crs, cjs, Y, y + e1, ys, K)
+        for r0 in range(r16, r4, 4):
+            _Q4x1(OUT, o + r0 * os_ + e1, os_, C, c + r0 * crs, crs, cjs, Y, y + e1, ys, K)
 
 
 #: the panels the products call (:data:`PANEL_BITS`)
@@ -274,12 +288,13 @@ def _axpy(OUT, o0, n, C, i0, j0, ct, Y, y0, K, E):  # pragma: no cover - compile
     if n <= 0 or K <= 0 or E <= 0:
         return
     it = OUT.itemsize
-    cr = C.strides[1 if ct else 0] // it       # coefficient strides along r and along k
-    ck = C.strides[0 if ct else 1] // it
+    sh = 2 if it == 4 else 3                   # strides in elements by a shift: ``// it`` is a division at run
+    cr = C.strides[1 if ct else 0] >> sh       # time (~90 ns a call); coefficient strides along r and along k
+    ck = C.strides[0 if ct else 1] >> sh
     e0 = 0
     if OUT.strides[1] == it and Y.strides[1] == it:
-        os_ = OUT.strides[0] // it
-        ys = Y.strides[0] // it
+        os_ = OUT.strides[0] >> sh
+        ys = Y.strides[0] >> sh
         _panels(OUT, o0 * os_, os_, n, C, i0 * cr + j0 * ck, cr, ck, Y, y0 * ys, ys, K, E)
         e0 = E - E % (8 if it == 4 else 4)
     for e in range(e0, E):

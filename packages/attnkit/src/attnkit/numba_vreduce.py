@@ -12,6 +12,11 @@ others moving alike); ``lsh``'s argmax scan of a row of 128 1.11 ns, :func:`row_
 :data:`LANES32` float32 lanes (float64: half) into four running vectors by ``llvm.maxnum`` / ``llvm.minnum``, then
 single vectors, then a scalar tail; ``maxnum`` returns the other operand when one is NaN, as ``np.fmax`` does, so
 the result is the largest non-NaN entry, and NaN only when every entry is NaN.
+
+:func:`column_max_min` reduces down the columns of a block instead, a vector of columns at a time: each lane is
+a column, so nothing is folded across lanes. ``lsh``'s hash (``argmax [p; -p]`` of every row of a block of
+rotations) computes its block transposed and reads the four results per row from it: 0.30 us per row and round
+of 128 buckets... see docs/benchmarks.md, "Session 61".
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from numba.extending import intrinsic
 from .numba_panel import LANES32
 from .numba_vexp import broadcast, float_array
 
-__all__ = ["row_max", "row_min", "first_index"]
+__all__ = ["row_max", "row_min", "first_index", "column_max_min"]
 
 _I64 = ir.IntType(64)
 _UNROLL = 4
@@ -204,3 +209,93 @@ def first_index(row, value):  # pragma: no cover - compiled
         if row[j] == value:
             return j
     return -1
+
+
+_I32 = ir.IntType(32)
+
+
+@intrinsic
+def _columns_head(typingctx, X, n, e, mx, ix, mn, jx):  # noqa: ANN001, ANN202
+    """For the ``W`` columns ``e .. e + W`` of ``X[:n]`` (``W`` lanes of :data:`LANES32`, float64 half; rows of
+    ``X`` with unit stride): ``mx[e + l]`` the largest entry of column ``e + l``, ``ix[e + l]`` its first row,
+    ``mn``/``jx`` the smallest and its first row, NaN ignored; ``ix = -1`` (``mx = -inf``) where no entry exceeds
+    -inf, ``jx = -1`` (``mn = +inf``) where none is below +inf. One pass down the rows, one vector load each:
+    the running extremes and their rows live in registers (strict compares: a later equal entry never replaces
+    an earlier one, NaN never replaces anything)."""
+    if not float_array(X) or X.ndim != 2 or not isinstance(n, types.Integer) or not isinstance(e, types.Integer):
+        return None
+    for a, dt in ((mx, X.dtype), (ix, types.int64), (mn, X.dtype), (jx, types.int64)):
+        if not isinstance(a, types.Array) or a.ndim != 1 or a.dtype != dt:
+            return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        aty = signature.args[0]
+        ft = context.get_value_type(aty.dtype)
+        W = LANES32 if aty.dtype == types.float32 else LANES32 // 2
+        vt, it = ir.VectorType(ft, W), ir.VectorType(_I32, W)
+        xa = context.make_array(aty)(context, builder, args[0])
+        rs = builder.sdiv(cgutils.unpack_tuple(builder, xa.strides, 2)[0], ir.Constant(_I64, aty.dtype.bitwidth // 8))
+        nv = context.cast(builder, args[1], signature.args[1], types.intp)
+        ev = context.cast(builder, args[2], signature.args[2], types.intp)
+        base = builder.gep(xa.data, [ev])
+        inf = float("inf")
+        pre = builder.block
+        head = builder.append_basic_block("cm.head")
+        body = builder.append_basic_block("cm.body")
+        done = builder.append_basic_block("cm.done")
+        builder.branch(head)
+        builder.position_at_end(head)
+        j = builder.phi(_I64)
+        state = [builder.phi(t) for t in (vt, it, vt, it)]
+        inits = (ir.Constant(vt, [ir.Constant(ft, -inf)] * W), ir.Constant(it, [-1] * W),
+                 ir.Constant(vt, [ir.Constant(ft, inf)] * W), ir.Constant(it, [-1] * W))
+        j.add_incoming(ir.Constant(_I64, 0), pre)
+        for ph, v in zip(state, inits):
+            ph.add_incoming(v, pre)
+        builder.cbranch(builder.icmp_signed("<", j, nv), body, done)
+        builder.position_at_end(body)
+        x = builder.load(builder.bitcast(builder.gep(base, [builder.mul(j, rs)]), vt.as_pointer()), align=1)
+        at = broadcast(builder, it, builder.trunc(j, _I32))
+        vmax, imax, vmin, imin = state
+        up = builder.fcmp_ordered(">", x, vmax)
+        down = builder.fcmp_ordered("<", x, vmin)
+        new = (builder.select(up, x, vmax), builder.select(up, at, imax),
+               builder.select(down, x, vmin), builder.select(down, at, imin))
+        j.add_incoming(builder.add(j, ir.Constant(_I64, 1)), body)
+        for ph, v in zip(state, new):
+            ph.add_incoming(v, body)
+        builder.branch(head)
+        builder.position_at_end(done)
+        for k, v in enumerate(state):
+            oty = signature.args[3 + k]
+            p = builder.gep(context.make_array(oty)(context, builder, args[3 + k]).data, [ev])
+            if k % 2:       # positions: int32 lanes widened to the output's integers
+                v = builder.sext(v, ir.VectorType(context.get_value_type(oty.dtype), W))
+            builder.store(v, builder.bitcast(p, v.type.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(X, types.intp, types.intp, mx, ix, mn, jx), codegen
+
+
+@numba.njit(cache=True, inline="always")
+def column_max_min(X, n, mx, ix, mn, jx):  # pragma: no cover - compiled
+    """Down each column ``e`` of ``X[:n]`` (``X (>= n, C)`` float32/float64, ``n`` >= 1, ``n`` < 2**31): ``mx[e]``
+    the largest entry and ``ix[e]`` the first row holding it, ``mn[e]`` the smallest and ``jx[e]`` its first
+    row, NaN ignored: ``row_max``, ``first_index(.., row_max)``, ``row_min``, ``first_index(.., row_min)`` of the
+    column (NaN and -1 for a column of NaN only). ``mx``, ``mn``: 1-D of ``X``'s dtype, ``ix``, ``jx``: 1-D int64,
+    each of length >= ``C``, unit stride. Columns in vectors of :data:`LANES32` lanes (float64: half) where rows
+    of ``X`` have unit stride, the rest by a loop."""
+    C = X.shape[1]
+    W = LANES32 if X.itemsize == 4 else LANES32 // 2
+    e0 = C - C % W if X.strides[1] == X.itemsize else 0
+    for e in range(0, e0, W):
+        _columns_head(X, n, e, mx, ix, mn, jx)
+    for e in range(C):
+        if e >= e0 or ix[e] < 0 or jx[e] < 0:  # the last columns; columns of -inf, +inf and NaN only
+            col = X[:n, e]
+            m = row_max(col)
+            mx[e] = m
+            ix[e] = first_index(col, m)
+            m = row_min(col)
+            mn[e] = m
+            jx[e] = first_index(col, m)

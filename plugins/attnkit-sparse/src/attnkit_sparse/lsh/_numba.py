@@ -10,44 +10,47 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from attnkit.numba_panel import axpy_at, empty_aligned
-from attnkit.numba_vreduce import first_index, row_max, row_min
+from attnkit.numba_panel import axpy_t, empty_aligned, transpose, zeros_aligned
+from attnkit.numba_vreduce import column_max_min
 
 from ..engine._numba_kernels import FASTMATH
 
-#: rows per register block of :func:`hash_rows` (their projections, ``HASH_BLOCK x half``, stay in L1)
+#: rows per block of :func:`hash_rows` (a vector of float32 lanes with 512-bit panels)
 HASH_BLOCK = 16
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, nogil=True)
 def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
     """``argmax([p; -p])`` of the rotations p of rows ``g0 .. g1`` of ``x`` ``(BH·L, D)`` by ``rot`` ``(R, D, half)``,
-    computed here a block of :data:`HASH_BLOCK` rows and one round at a time (the projections never leave
-    the cache), into ``out`` int64 ``(BH, R, L)``: the column of the first maximum when ``max(p) >= -min(p)``,
-    else ``C +`` the column of the first minimum (the row's maximum, minimum and their first column on whole
-    vectors: :mod:`attnkit.numba_vreduce`). Serial (``nogil``): the caller hands
-    blocks of rows to threads."""
+    into ``out`` int64 ``(BH, R, L)``: the first column of the maximum when ``max(p) >= -min(p)``, else ``C +``
+    the first column of the minimum. A block of :data:`HASH_BLOCK` rows and one round at a time, transposed:
+    ``pT = rot[r]^T xT`` ``(half, HASH_BLOCK)`` on register panels (:func:`attnkit.numba_panel.axpy_t`), then
+    each row's maximum, minimum and their first columns down the columns of ``pT``, a row per vector lane
+    (:func:`attnkit.numba_vreduce.column_max_min`): nothing is reduced across lanes, and the projections never
+    leave L1. Serial (``nogil``): the caller hands blocks of rows to threads."""
     D = x.shape[1]
     R, _, half = rot.shape
-    P = empty_aligned(HASH_BLOCK, half, x)
-    for b0 in range(g0, g1, HASH_BLOCK):
-        bn = min(HASH_BLOCK, g1 - b0)
-        X = x[b0:b0 + bn]
+    nb = HASH_BLOCK
+    PT = empty_aligned(half, nb, x)             # the block's rotations, transposed
+    XT = zeros_aligned(D, nb, x)                # the block's rows, transposed
+    mx = np.empty(nb, x.dtype)
+    mn = np.empty(nb, x.dtype)
+    ix = np.empty(nb, np.int64)
+    jx = np.empty(nb, np.int64)
+    for b0 in range(g0, g1, nb):
+        bn = min(nb, g1 - b0)
+        transpose(XT, x[b0:b0 + bn], bn, D)     # (a short last block: the lanes past bn hold earlier rows)
         for r in range(R):
+            for c in range(half):
+                pc = PT[c]
+                for i in range(nb):
+                    pc[i] = 0
+            axpy_t(PT, 0, half, rot[r], XT, 0, 0, D)
+            column_max_min(PT, half, mx, ix, mn, jx)
             for i in range(bn):
-                pi = P[i]
-                for c in range(half):
-                    pi[c] = 0
-            axpy_at(P, bn, X, 0, rot[r], 0, D)          # register panels (attnkit.numba_panel)
-            for i in range(bn):
-                p = P[i]
-                mx = row_max(p)                          # vector reductions (attnkit.numba_vreduce)
-                mn = row_min(p)
                 g = b0 + i
-                if mx >= -mn:
-                    out[g // L, r, g % L] = first_index(p, mx)
-                else:       # (a row of NaN only: C + 0, as the loop this replaced gave)
-                    out[g // L, r, g % L] = C + max(first_index(p, mn), 0)
+                # (a row of NaN only: NaN >= NaN is False, and C + 0, as before)
+                out[g // L, r, g % L] = ix[i] if mx[i] >= -mn[i] else C + max(jx[i], 0)
     return out
 
 
