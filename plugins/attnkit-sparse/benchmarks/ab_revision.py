@@ -7,7 +7,8 @@ and called alternately, the order flipped each round, on fresh inputs each call.
 median and the median (quartiles) of the per-round ratio ``base / work`` (above 1: the working tree is
 faster). ``--keep-freed-memory``: :func:`attnkit.cpu_memory.keep_freed_memory` first, as ``bench_lucidrains.py``.
 The core package (``attnkit``) is the working tree's for both sides, except with ``--core-helpers``:
-the core's numba helper modules (``attnkit.numba_prefetch``, ``attnkit.numba_panel``) as they were at ``--rev``
+the core's numba helper modules (``attnkit.numba_prefetch``, ``numba_panel``, ``numba_vexp``, ``numba_vreduce``) as
+they were at ``--rev``
 then go into the exported package, and its kernels import those copies (for A/B runs of a change to them).
 
     python plugins/attnkit-sparse/benchmarks/ab_revision.py --rev e947eeb --mechanism routing \\
@@ -43,7 +44,7 @@ MODULES = {"routing": "routing.attention", "lsh": "lsh.attention", "local": "pat
            "bigbird": "patterns.random_", "sinkhorn": "sinkhorn.attention"}
 
 
-CORE_HELPERS = ("numba_prefetch", "numba_panel")
+CORE_HELPERS = ("numba_prefetch", "numba_panel", "numba_vexp", "numba_vreduce")
 
 
 def export(rev: str, dest: Path, core_helpers: bool = False) -> None:
@@ -55,7 +56,10 @@ def export(rev: str, dest: Path, core_helpers: bool = False) -> None:
         src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:packages/attnkit/src/attnkit/{name}.py"],
                              capture_output=True, text=True)
         if src.returncode == 0:
-            (base / f"_core_{name}.py").write_text(src.stdout)
+            text = src.stdout
+            for other in CORE_HELPERS:         # the helpers' imports of each other
+                text = text.replace(f"from .{other} import", f"from ._core_{other} import")
+            (base / f"_core_{name}.py").write_text(text)
     for path in base.rglob("*.py"):
         text = path.read_text()
         for name in CORE_HELPERS:

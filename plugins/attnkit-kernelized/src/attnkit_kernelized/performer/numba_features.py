@@ -75,12 +75,15 @@ def _query_rows(X, WT, P, cst, r0, r1):  # pragma: no cover - compiled
     M = WT.shape[1]
     zero = cst[HALF] - cst[HALF]
     buf = empty_aligned(_BLOCK, M, P)
+    mb = np.empty(_BLOCK, dtype=P.dtype)
     for b0 in range(r0, r1, _BLOCK):
         nb = min(_BLOCK, r1 - b0)
         _project(buf, X[b0:], WT, nb, zero)
+        for i in range(nb):         # the maxima first, then the exponentials (as numba_fused._query_block)
+            mb[i] = row_max(buf[i])
         for i in range(nb):
             row = buf[i]
-            exp_row(row, row_max(row))
+            exp_row(row, mb[i])
             out = P[b0 + i]
             for j in range(M):
                 out[j] = row[j]
