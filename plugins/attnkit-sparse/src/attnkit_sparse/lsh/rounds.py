@@ -14,9 +14,9 @@ def labels(x: Tensor, rot: Tensor, C: int, out: Tensor, *, rows_per_item: int = 
     """``argmax([x R; -x R])`` labels of ``x`` ``(B, H, L, D)`` into ``out`` int64 ``(B, H, R, L)``, with ``rot``
     ``(R, D, half)`` and labels in ``[0, 2C)`` (see :func:`.hashing.buckets`).
 
-    :func:`._numba.hash_rows` rotates a few rows and one round at a time and reduces them at once (first
-    max and first min of each row), so the projection (``L·R·L/(2·bucket)`` floats, quadratic in L) is never
-    written out; the rows are handed to the threads ``rows_per_item`` at a time
+    :func:`._numba.hash_rows` rotates a block of rows and one round at a time, transposed, and reduces them at
+    once (first max and first min of each row, a row per vector lane), so the projection (``L·R·L/(2·bucket)``
+    floats, quadratic in L) is never written out; the rows are handed to the threads ``rows_per_item`` at a time
     (:func:`attnkit.numba_pool.run_items`: a thread slowed by another process takes fewer).
     """
     from attnkit.numba_pool import run_items
