@@ -11,20 +11,16 @@ times as long to compile (numba's parfor passes; 24-36 s against 9-14 s for :fun
 no faster (docs/benchmarks.md, "CI time, session 40").
 
 * :func:`forward`: work items are the N x NQ query blocks. The query block is
-  scaled and transposed once (``(D, BQ)``); per visited key block the scores
-  are computed key-major, ``Sᵀ = K Qᵀ`` (:func:`_dots`: axpy rows, 4 rows x 4
-  terms per pass, vectorised over the contiguous row with ``reassoc``; no
-  horizontal sums), so the column maxima, the ``exp`` and the column sums of
-  the online softmax are vertical passes vectorised across the 64 queries,
+  transposed (in registers) and scaled once (``(D, BQ)``); per visited key block the scores
+  are computed key-major, ``Sᵀ = K Qᵀ`` (:func:`_dots`, register panels), so the column maxima, the ``exp``
+  and the column sums of the online softmax are vertical passes vectorised across the 64 queries,
   with no per-row loop; the PARTIAL tile's element mask is applied first.
-  The output block is accumulated transposed, ``accᵀ += Vᵀ P`` (:func:`_axpy_off`
-  with the key block's values transposed into a ``(E, BK)`` buffer): axpy rows
-  along the queries, with ``P`` read key-major as computed, restricted on
-  PARTIAL tiles to the keys some row may see (masked probabilities are exact
-  zeros). The earlier ``acc += P V`` with ``P`` read transposed (:func:`_axpy_t`)
-  ran at about half the speed (the product 96 -> 69 ms, the forward 219 -> 190 ms
-  of one thread at L = 16,384, causal window 256; session 25). Stores ``out``
-  and ``lse = m + log(l)`` per row.
+  The output block accumulates ``acc += Pᵀ V`` (:func:`_axpy_t`: ``P`` read key-major as computed, the values'
+  rows as they are), restricted on PARTIAL tiles to the keys some row may see (masked probabilities are exact
+  zeros). With the axpy tiles of session 25 that form ran at half the speed of ``accᵀ += Vᵀ P`` with the key
+  block's values transposed; on the register panels it is the faster one, and it needs no transposed values
+  (session 61: ``sinkhorn``'s forward 1.11x, ``local`` 1.07x, outputs identical). The query block's buffers are
+  allocated once per call, not per item. Stores ``out`` and ``lse = m + log(l)`` per row.
 * :func:`backward_dkdv`: work items are the N x NK key blocks, via the transposed
   index: recomputes ``P = exp(scale·QKᵀ − lse)`` from the saved log-sum-exp
   (FlashAttention-2), ``dV += Pᵀ dO``, ``dS = P (dP − Δ)``, ``dK += scale · dSᵀ Q``.
@@ -34,7 +30,10 @@ no faster (docs/benchmarks.md, "CI time, session 40").
   with one product per tile (5 tile products in the backward, for memory
   ``tiles·BQ·BK``). Both take a range of query blocks, so a dS buffer too
   large for memory is filled and read in passes over query-block ranges.
-* :func:`backward_sequence`: both for one sequence in one call, no dS buffer.
+* :func:`backward_sequence`: both for one sequence in one call, no dS buffer: each tile's ``dQ += dS K`` straight
+  into the sequence's rows (:func:`_axpy_t`, ``dS`` read key-major; until session 61 through a transposed key
+  block and a transposed ``dQ`` tile added back row by row: ``local``'s forward+backward 1.07x with the forward's
+  change, ``sinkhorn``'s 1.06x).
 
 ``exp`` is evaluated a row of a tile at a time by the core's vector ``exp``
 (:mod:`attnkit.numba_vexp`: a polynomial with an exact power-of-two scaling,
@@ -121,13 +120,6 @@ def _axpy(OUT, on, C, Y, y0, yn):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def _axpy_off(OUT, on, C, c0, Y, yn):  # pragma: no cover - compiled
-    """``OUT[i] += sum_{j < yn} C[i, c0 + j] · Y[j]`` for ``i < on`` (:func:`_axpy_at`): the coefficients read
-    from column ``c0`` on, the terms from ``Y``'s first row."""
-    _axpy_at(OUT, on, C, c0, Y, 0, yn)
-
-
-@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def _axpy_t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
     """``OUT[o0 + r] += sum_{j0 <= j < j1} CT[j, o0 + r] · Y[y0 + j]`` for ``r < n``: the coefficients given
     transposed (``CT`` is key-major) and the terms restricted to ``[j0, j1)`` (on a PARTIAL tile, the keys some
@@ -167,34 +159,37 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, out,
     one = cst[_ONE]
     sc = cst[_SC]
     ninf = cst[_NINF]
-    NK = (S + bk - 1) // bk
-    # the sequence's values transposed, a key block at a time when a tile first needs it (so once per key
-    # block and sequence, not once per tile); rows padded off a power-of-two stride (cache sets)
-    VTs = empty_aligned(E, NK * bk + 16, q)
-    have = np.zeros(NK, dtype=np.bool_)
-    cur = -1
+    # a query block's buffers, allocated once for the items (each item resets what it reads)
+    acc = empty_aligned(bq, E, q)           # the output block's running sums
+    QT = empty_aligned(D, bq, q)            # the query block, scaled and transposed
+    ST = empty_aligned(bk, bq, q)           # scores then probabilities, key-major
+    m = np.empty(bq, dtype=q.dtype)
+    mx = np.empty(bq, dtype=q.dtype)
+    msub = zeros_aligned(1, bq, q)[0]       # read as vectors (_exp_sub), as csum
+    alpha = np.empty(bq, dtype=q.dtype)
+    lsum = np.empty(bq, dtype=q.dtype)
+    csum = empty_aligned(1, bq, q)[0]
     for it in range(i0, i1):
         n = it // NQ; qb = it % NQ
         bi = (n // H) % Bp; hi_ = (n % H) % Hp
         q0 = qb * bq
         qn = min(bq, L - q0)
         qs = q[n]; ks = k[n]; vs = v[n]
-        if n != cur:
-            cur = n
-            have[:] = False
-        accT = zeros_aligned(E, bq, q)      # the output block transposed: a row per value column
-        QT = zeros_aligned(D, bq, q)        # the query block, scaled and transposed
-        for i in range(qn):
-            qi = qs[q0 + i]
-            for d in range(D):
-                QT[d, i] = qi[d] * sc
-        ST = empty_aligned(bk, bq, q)        # scores then probabilities, key-major
-        m = np.full(bq, ninf, dtype=q.dtype)
-        mx = np.empty(bq, dtype=q.dtype)
-        msub = zeros_aligned(1, bq, q)[0]   # read as vectors (_exp_sub), as csum
-        alpha = np.empty(bq, dtype=q.dtype)
-        lsum = np.zeros(bq, dtype=q.dtype)
-        csum = empty_aligned(1, bq, q)[0]
+        for i in range(bq):
+            ai = acc[i]
+            for e in range(E):
+                ai[e] = zero
+        transpose(QT, qs[q0:], qn, D)       # (registers; the columns past qn are zeroed below)
+        for d in range(D):
+            qd = QT[d]
+            for i in range(qn):
+                qd[i] *= sc
+            for i in range(qn, bq):
+                qd[i] = zero
+        for i in range(bq):
+            m[i] = ninf
+            lsum[i] = zero
+            msub[i] = zero
         for c in range(kv_count[bi, hi_, qb]):
             kb = kv_idx[bi, hi_, qb, c]; t = kv_tile[bi, hi_, qb, c]
             k0 = kb * bk
@@ -223,10 +218,11 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, out,
                     csum[i] += pj[i]
             for i in range(bq):
                 lsum[i] = lsum[i] * alpha[i] + csum[i]
-            for e in range(E):                # rescale every query's sum (a column of accT) by its alpha
-                ae = accT[e]
-                for i in range(bq):
-                    ae[i] *= alpha[i]
+            for i in range(bq):               # rescale every query's sum by its alpha
+                ai = acc[i]
+                a_ = alpha[i]
+                for e in range(E):
+                    ai[e] *= a_
             if t >= 0:                        # the keys some row of the tile may see (masked P is exactly 0)
                 c0 = bk; c1 = 0
                 for r in range(qn):
@@ -235,17 +231,15 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, out,
                         c0 = min(c0, l0); c1 = max(c1, l1)
             else:
                 c0 = 0; c1 = kn
-            if c1 > c0:                       # accT += Vᵀ P over those keys: axpy rows along the queries
-                if not have[kb]:
-                    have[kb] = True
-                    transpose(VTs[:, k0:k0 + kn], vs[k0:k0 + kn], kn, E)
-                _axpy_off(accT, E, VTs, k0 + c0, ST[c0:], c1 - c0)
+            if c1 > c0:                       # acc += Pᵀ V over those keys, P read key-major (no transposed V)
+                _axpy_t(acc, 0, qn, ST, vs, k0, c0, c1)
         for i in range(qn):
             o = out[n, q0 + i]
             if lsum[i] > 0 or lsum[i] != lsum[i]:
                 r = one / lsum[i]
+                ai = acc[i]
                 for e in range(E):
-                    o[e] = accT[e, i] * r
+                    o[e] = ai[e] * r
                 lse[n, q0 + i] = m[i] + math.log(lsum[i])
             else:
                 for e in range(E):
@@ -279,8 +273,7 @@ def backward_dq_from_ds(k, ds, ds_off, dq, qlo, qhi, H, kv_count, kv_idx, bq, bk
             k0 = kv_idx[bi, hi, qb, c] * bk
             dst = ds[n, base + c]          # key-major (BK, BQ)
             kn = min(bk, S - k0)
-            for g in range(0, qn, 4):
-                _axpy_t(acc, g, min(4, qn - g), dst, ks, k0, 0, kn)
+            _axpy_t(acc, 0, qn, dst, ks, k0, 0, kn)
         dq[n, q0:q0 + qn] = acc[:qn]
 
 
@@ -386,8 +379,6 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
     OT = zeros_aligned(E, bq, qs)
     ST = empty_aligned(bk, bq, qs)     # scores / probabilities, key-major (keys x queries)
     dPT = empty_aligned(bk, bq, qs)
-    dqaT = empty_aligned(D, bq, qs)     # a tile's dQ transposed (a row per feature, along the queries)
-    KT = empty_aligned(D, bk, qs)       # the key block transposed (once per key block)
     for i in range(L):
         r = dqs[i]
         for d in range(D):
@@ -404,7 +395,6 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
             b = dva[j]
             for e in range(E):
                 b[e] = zero
-        transpose(KT, ks[k0:k0 + kn], kn, D)
         for c in range(qc[kb]):
             qb = qi[kb, c]; t = qt[kb, c]
             q0 = qb * bq
@@ -433,12 +423,4 @@ def backward_sequence(qs, ks, vs, dos, qTs, doTs, lr_all, dl_all, qc, qi, qt, ba
                 for i in range(qn):
                     dPT[j, i] = ST[j, i] * (dPT[j, i] - dl[i]) * sc
             _axpy(dka, kn, dPT, qs, q0, qn)
-            for d in range(D):                    # dQᵀ = Kᵀ dSᵀ: axpy rows along the queries, dS read key-major
-                a = dqaT[d]
-                for i in range(bq):
-                    a[i] = zero
-            _axpy_off(dqaT, D, KT, 0, dPT, kn)
-            for i in range(qn):
-                ri = dqs[q0 + i]
-                for d in range(D):
-                    ri[d] += dqaT[d, i]
+            _axpy_t(dqs[q0:], 0, qn, dPT, ks, k0, 0, kn)   # dQ += dS K, dS read key-major: no transposed K
