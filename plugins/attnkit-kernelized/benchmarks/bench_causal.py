@@ -258,6 +258,8 @@ def cpu_memory(args, rows: list[dict]) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--_memory-child", r["method"], str(r["L"]), r["mode"],
                "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--batch", str(args.batch),
                "--features", str(args.features), "--dtype", args.dtype]
+        if args.keep_freed_memory:
+            cmd.append("--keep-freed-memory")
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode == 0:
             r["peak_bytes"] = json.loads(res.stdout.strip().splitlines()[-1])["peak_bytes"]
@@ -393,10 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", default=None, help="run only these methods")
     p.add_argument("--contention", type=int, default=0, metavar="THREADS",
                    help="run everything beside a second process keeping THREADS cores busy (0: none)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="call attnkit.cpu_memory.keep_freed_memory() first (process-wide: every method alike, SDPA "
+                        "too; memory children take it as well)")
     p.add_argument("--output", default="bench_causal.json", help="JSON results file")
     p.add_argument("--merge", default=None,
                    help="an earlier results JSON: its blocks not rerun here are kept (e.g. to rerun a busy block)")
     args = p.parse_args(argv)
+    kept = None
+    if args.keep_freed_memory:
+        from attnkit.cpu_memory import keep_freed_memory
+        kept = keep_freed_memory()
     if args._memory_child:
         name, L, mode = args._memory_child
         memory_child(args, name, int(L), mode)
@@ -412,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
         "loadavg_start": os.getloadavg(),
         "config": {k: v for k, v in vars(args).items()},
+        "keep_freed_memory": kept,
     }
     try:
         import numba
