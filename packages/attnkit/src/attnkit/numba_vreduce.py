@@ -38,36 +38,45 @@ _I64 = ir.IntType(64)
 _UNROLL = 4
 
 
-def _vector_loop(builder: ir.IRBuilder, data: ir.Value, start: ir.Value, stop: ir.Value, step: int, acc: list,
-                 combine, vt: ir.VectorType) -> tuple[ir.Value, list]:  # noqa: ANN001
-    """IR of ``for j in range(start, stop, step)``: ``acc[u] = combine(acc[u], row[j + u·W : j + (u+1)·W])``;
-    returns the loop counter after the loop and the accumulators there."""
-    W = vt.count
+def _loop(builder: ir.IRBuilder, start: ir.Value, stop: ir.Value, step: int, inits: list, body) -> tuple:  # noqa: ANN001
+    """IR of ``for j in range(start, stop, step)`` carrying the values ``inits`` (any types):
+    ``state = body(j, state)`` each pass; returns the loop counter after the loop and the state there."""
     pre = builder.block
     head = builder.append_basic_block("vr.head")
-    body = builder.append_basic_block("vr.body")
+    blk = builder.append_basic_block("vr.body")
     done = builder.append_basic_block("vr.done")
     builder.branch(head)
     builder.position_at_end(head)
     j = builder.phi(_I64)
     j.add_incoming(start, pre)
     phis = []
-    for a in acc:
-        ph = builder.phi(vt)
+    for a in inits:
+        ph = builder.phi(a.type)
         ph.add_incoming(a, pre)
         phis.append(ph)
-    builder.cbranch(builder.icmp_signed("<", j, stop), body, done)
-    builder.position_at_end(body)
-    new = []
-    for u, ph in enumerate(phis):
-        p = builder.bitcast(builder.gep(data, [builder.add(j, ir.Constant(_I64, u * W))]), vt.as_pointer())
-        new.append(combine(ph, builder.load(p, align=1)))
+    builder.cbranch(builder.icmp_signed("<", j, stop), blk, done)
+    builder.position_at_end(blk)
+    new = body(j, phis)
     j.add_incoming(builder.add(j, ir.Constant(_I64, step)), builder.block)
     for ph, v in zip(phis, new):
         ph.add_incoming(v, builder.block)
     builder.branch(head)
     builder.position_at_end(done)
     return j, phis
+
+
+def _vector_loop(builder: ir.IRBuilder, data: ir.Value, start: ir.Value, stop: ir.Value, step: int, acc: list,
+                 combine, vt: ir.VectorType) -> tuple[ir.Value, list]:  # noqa: ANN001
+    """IR of ``for j in range(start, stop, step)``: ``acc[u] = combine(acc[u], row[j + u·W : j + (u+1)·W])``;
+    returns the loop counter after the loop and the accumulators there."""
+    W = vt.count
+
+    def body(j, phis):  # noqa: ANN001, ANN202
+        return [combine(ph, builder.load(builder.bitcast(builder.gep(data, [builder.add(j, ir.Constant(_I64, u * W))]),
+                                                         vt.as_pointer()), align=1))
+                for u, ph in enumerate(phis)]
+
+    return _loop(builder, start, stop, step, acc, body)
 
 
 def _row_ir(context, builder, signature, args):  # noqa: ANN001, ANN202
@@ -240,33 +249,19 @@ def _columns_head(typingctx, X, n, e, mx, ix, mn, jx):  # noqa: ANN001, ANN202
         ev = context.cast(builder, args[2], signature.args[2], types.intp)
         base = builder.gep(xa.data, [ev])
         inf = float("inf")
-        pre = builder.block
-        head = builder.append_basic_block("cm.head")
-        body = builder.append_basic_block("cm.body")
-        done = builder.append_basic_block("cm.done")
-        builder.branch(head)
-        builder.position_at_end(head)
-        j = builder.phi(_I64)
-        state = [builder.phi(t) for t in (vt, it, vt, it)]
-        inits = (ir.Constant(vt, [ir.Constant(ft, -inf)] * W), ir.Constant(it, [-1] * W),
-                 ir.Constant(vt, [ir.Constant(ft, inf)] * W), ir.Constant(it, [-1] * W))
-        j.add_incoming(ir.Constant(_I64, 0), pre)
-        for ph, v in zip(state, inits):
-            ph.add_incoming(v, pre)
-        builder.cbranch(builder.icmp_signed("<", j, nv), body, done)
-        builder.position_at_end(body)
-        x = builder.load(builder.bitcast(builder.gep(base, [builder.mul(j, rs)]), vt.as_pointer()), align=1)
-        at = broadcast(builder, it, builder.trunc(j, _I32))
-        vmax, imax, vmin, imin = state
-        up = builder.fcmp_ordered(">", x, vmax)
-        down = builder.fcmp_ordered("<", x, vmin)
-        new = (builder.select(up, x, vmax), builder.select(up, at, imax),
-               builder.select(down, x, vmin), builder.select(down, at, imin))
-        j.add_incoming(builder.add(j, ir.Constant(_I64, 1)), body)
-        for ph, v in zip(state, new):
-            ph.add_incoming(v, body)
-        builder.branch(head)
-        builder.position_at_end(done)
+        inits = [ir.Constant(vt, [ir.Constant(ft, -inf)] * W), ir.Constant(it, [-1] * W),
+                 ir.Constant(vt, [ir.Constant(ft, inf)] * W), ir.Constant(it, [-1] * W)]
+
+        def body(j, state):  # noqa: ANN001, ANN202
+            x = builder.load(builder.bitcast(builder.gep(base, [builder.mul(j, rs)]), vt.as_pointer()), align=1)
+            at = broadcast(builder, it, builder.trunc(j, _I32))
+            vmax, imax, vmin, imin = state
+            up = builder.fcmp_ordered(">", x, vmax)
+            down = builder.fcmp_ordered("<", x, vmin)
+            return [builder.select(up, x, vmax), builder.select(up, at, imax),
+                    builder.select(down, x, vmin), builder.select(down, at, imin)]
+
+        _, state = _loop(builder, ir.Constant(_I64, 0), nv, 1, inits, body)
         for k, v in enumerate(state):
             oty = signature.args[3 + k]
             p = builder.gep(context.make_array(oty)(context, builder, args[3 + k]).data, [ev])
