@@ -288,8 +288,8 @@ def _axpy(OUT, o0, n, C, i0, j0, ct, Y, y0, K, E):  # pragma: no cover - compile
     if n <= 0 or K <= 0 or E <= 0:
         return
     it = OUT.itemsize
-    sh = 2 if it == 4 else 3                   # strides in elements by a shift: ``// it`` is a division at run
-    cr = C.strides[1 if ct else 0] >> sh       # time (~90 ns a call); coefficient strides along r and along k
+    sh = 2 if it == 4 else 3                   # strides in elements by a shift (``// it``: four integer divisions
+    cr = C.strides[1 if ct else 0] >> sh       # a call); coefficient strides along r and along k
     ck = C.strides[0 if ct else 1] >> sh
     e0 = 0
     if OUT.strides[1] == it and Y.strides[1] == it:
