@@ -165,7 +165,7 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, out,
     ST = empty_aligned(bk, bq, q)           # scores then probabilities, key-major
     m = np.empty(bq, dtype=q.dtype)
     mx = np.empty(bq, dtype=q.dtype)
-    msub = zeros_aligned(1, bq, q)[0]       # read as vectors (_exp_sub), as csum
+    msub = empty_aligned(1, bq, q)[0]       # read as vectors (_exp_sub), as csum; written whole before each read
     alpha = np.empty(bq, dtype=q.dtype)
     lsum = np.empty(bq, dtype=q.dtype)
     csum = empty_aligned(1, bq, q)[0]
@@ -189,7 +189,6 @@ def forward(q, k, v, H, kv_count, kv_idx, kv_tile, bank, span, bq, bk, cst, out,
         for i in range(bq):
             m[i] = ninf
             lsum[i] = zero
-            msub[i] = zero
         for c in range(kv_count[bi, hi_, qb]):
             kb = kv_idx[bi, hi_, qb, c]; t = kv_tile[bi, hi_, qb, c]
             k0 = kb * bk
