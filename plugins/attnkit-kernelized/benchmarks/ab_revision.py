@@ -9,10 +9,11 @@ ratio ``base / work`` (above 1: the working tree is faster). The core package (`
 tree's for both sides: a change to the core is not measured here.
 
     python plugins/attnkit-kernelized/benchmarks/ab_revision.py --rev 3dd7472 --mechanism linear \\
-        --length 8192 --mode fwd --threads 2 --rounds 61 [--fused-only]
+        --length 8192 --mode fwd --threads 2 --rounds 61 [--fused-only] [--keep-freed-memory]
 
 ``--fused-only`` calls the fused no-grad forward kernel (``linear`` or ``performer``'s ``numba_fused``)
-directly instead of the module.
+directly instead of the module. ``--keep-freed-memory`` calls :func:`attnkit.cpu_memory.keep_freed_memory` first
+(both sides alike: glibc then reuses a step's pages instead of faulting them in again).
 
 Nothing here is a test: figures for docs/benchmarks.md.
 """
@@ -43,7 +44,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=31)
     p.add_argument("--fused-only", action="store_true")
+    p.add_argument("--keep-freed-memory", action="store_true")
     args = p.parse_args()
+    if args.keep_freed_memory:
+        from attnkit.cpu_memory import keep_freed_memory
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-ab-"))
     export(args.rev, PKG, tmp, "attnkit_kernelized_base", namespace_file="_ops.py")
@@ -78,7 +83,8 @@ def main() -> None:
         calls[side] = call
     a, b = calls["base"](), calls["work"]()
     print(f"# {mech} {'fused kernel' if args.fused_only else 'module'} {args.mode}, L = {L}, B = 1, H = 8, "
-          f"D = E = 64, float32, causal, {args.threads} thread(s), base {args.rev} against the working tree")
+          f"D = E = 64, float32, causal, {args.threads} thread(s), base {args.rev} against the working tree"
+          f"{', freed memory kept' if args.keep_freed_memory else ''}")
     print(f"largest difference of the outputs: {(a - b).abs().max().item():.3g}")
 
     def timed(side: str) -> float:

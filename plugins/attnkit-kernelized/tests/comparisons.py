@@ -79,6 +79,8 @@ def against_reference(name, opts, backend, *, causal, L, S, kpm=None, segment=No
     attn = build(name, backend=backend, chunk_size=4, **opts)
     if segment is not None:
         attn.segment_length = segment
+        if hasattr(attn, "trained_segment_length"):      # performer's training operator segments apart
+            attn.trained_segment_length = segment
     ref_fn = attnkit.get_spec(name).load_reference()
     q, k, v = (rand(s, seed, torch.float64, std=std) for s, seed in (((2, 2, L, 4), 1), ((2, 2, S, 4), 2),
                                                                       ((2, 2, S, 3), 3)))

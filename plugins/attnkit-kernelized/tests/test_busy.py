@@ -101,6 +101,8 @@ def test_results_identical_with_the_mode_on(two_threads, monkeypatch, name, back
     torch.manual_seed(0)
     mod = attnkit.build(name, num_heads=2, head_dim=8, backend=backend, **opts).double()
     mod.segment_length = 16                                   # several segments: the state is carried
+    if name == "performer":
+        mod.trained_segment_length = 16
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 2, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
 
@@ -165,7 +167,7 @@ def test_the_calls_whole_backward_runs_on_one_thread_and_not_beyond(two_threads,
     """Every node of the call's backward (each unpacks what it saved) runs on one thread on a busy machine;
     a node between two calls runs on torch's count; the count is back after the backward."""
     mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16, backend=backend).double()
-    mod.segment_length = 8                                   # split, state scaling, several segments
+    mod.segment_length = mod.trained_segment_length = 8      # split, state scaling, several segments
     q, k, v = _qkv()
     w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
     with ThreadsAtUnpack() as inner1:
@@ -270,7 +272,7 @@ def test_checkpointed_calls_in_busy_mode(two_threads, busy_machine, reentrant):
     from torch.utils.checkpoint import checkpoint
 
     mod = attnkit.build("performer", num_heads=2, head_dim=8, num_features=16).double()
-    mod.segment_length = 8
+    mod.segment_length = mod.trained_segment_length = 8
     q, k, v = _qkv()
     mod(q, k, v, causal=True).square().sum().backward()
     want = [t.grad.clone() for t in (q, k, v)]

@@ -123,12 +123,15 @@ def backend_module(mechanism: str, backend: str) -> ModuleType:
 
 # ---------------------------------------------------------------- linear attention
 def _seq(x: Tensor) -> Tensor:
-    """``(B, H, L, F)`` -> contiguous ``(B*H, L, F)``."""
+    """``(B, H, L, F)`` -> contiguous ``(B*H, L, F)`` (an ``(N, L, F)`` one stays as it is)."""
+    if x.dim() == 3:
+        return x.contiguous()
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
 def linear_attention_backward(product: Product, ctx: Any, g_out: Tensor | None, g_den: Tensor | None,
-                              g_S: Tensor | None, g_z: Tensor | None) -> tuple[Tensor | None, ...]:
+                              g_S: Tensor | None, g_z: Tensor | None, prep: Callable[..., Any] | None = None
+                              ) -> tuple[Tensor | None, ...]:
     """Gradients of normalised linear attention from three products, with no stored prefix states.
 
     The forward pass is ``num'_t = x_t^T (S'_0 + sum_{j in J(t)} y_j w'_j^T)`` with
@@ -147,6 +150,8 @@ def linear_attention_backward(product: Product, ctx: Any, g_out: Tensor | None, 
             ``(x, y, w, S0, z0, mode, chunk, with_den, normalize) -> (out, den, S, z)``.
         ctx: saved ``(phi_q, phi_k, v, S0, z0, out, den)``, ``ctx.causal``, ``ctx.chunk``.
         g_out, g_den, g_S, g_z: gradients of the outputs (None when unused).
+        prep: the backend's ``(g_out, out, den, v) -> (g', w', d num)`` on ``(N, L, .)`` sequences in one pass
+            (``numba_linear_backward_inputs``), or None: torch operations (also when ``g_den`` is given).
     """
     # contiguous first: cat and elementwise ops on transposed inputs (a multi-head layer's q, k, v) may
     # give strides that differ between tracing (fake tensors) and running, and the reshapes below
@@ -158,15 +163,18 @@ def linear_attention_backward(product: Product, ctx: Any, g_out: Tensor | None, 
     E = v.shape[-1]
     N = B * H
     fwd, rev = ("causal", "reverse") if ctx.causal else ("full", "full")
-    empty = den == 0
-    inv = torch.where(empty, torch.zeros_like(den), 1 / torch.where(empty, torch.ones_like(den), den))
-    g_out = torch.zeros_like(out) if g_out is None else g_out
-    g_num = g_out * inv.unsqueeze(-1)
-    g_d = -(g_out * out).sum(-1) * inv
-    if g_den is not None:
-        g_d = g_d + g_den
-    gp = torch.cat([g_num, g_d.unsqueeze(-1)], dim=-1)                   # (B, H, L, E+1)
-    vp = with_ones_column(v)                                              # (B, H, S, E+1)
+    if prep is not None and g_den is None and v.shape[2] == L:
+        gp, vp, g_num = prep(None if g_out is None else _seq(g_out), _seq(out), den.reshape(N, L), _seq(v))
+    else:
+        empty = den == 0
+        inv = torch.where(empty, torch.zeros_like(den), 1 / torch.where(empty, torch.ones_like(den), den))
+        g_out = torch.zeros_like(out) if g_out is None else g_out
+        g_num = g_out * inv.unsqueeze(-1)
+        g_d = -(g_out * out).sum(-1) * inv
+        if g_den is not None:
+            g_d = g_d + g_den
+        gp = torch.cat([g_num, g_d.unsqueeze(-1)], dim=-1)                   # (B, H, L, E+1)
+        vp = with_ones_column(v)                                              # (B, H, S, E+1)
     G_S = torch.zeros_like(S0) if g_S is None else g_S
     G_z = torch.zeros_like(z0) if g_z is None else g_z
     no_z = phi_q.new_zeros(N, E + 1)
@@ -191,7 +199,7 @@ def linear_attention_backward(product: Product, ctx: Any, g_out: Tensor | None, 
     return dq, dk, dv, dS0, dz0, None, None
 
 
-def define_linear_attention(backend: str, product: Product) -> Any:
+def define_linear_attention(backend: str, product: Product, prep: Callable[..., Any] | None = None) -> Any:
     """Register ``attnkit_kernelized::<backend>_linear_attention`` on the backend's product primitive.
 
     The product primitive computes, for ``x (N, L, DX)``, ``y (N, S, DX)``,
@@ -206,7 +214,8 @@ def define_linear_attention(backend: str, product: Product) -> Any:
     The operator: ``(phi_q (B, H, L, M), phi_k (B, H, S, M), v (B, H, S, E),
     S0 (B, H, M, E), z0 (B, H, M), causal, chunk) -> (out (B, H, L, E),
     den (B, H, L), S (B, H, M, E), z (B, H, M))``, ``out`` normalised (0 where
-    ``den == 0``), differentiable in every tensor input.
+    ``den == 0``), differentiable in every tensor input. ``prep``: the backend's one-pass backward inputs (see
+    :func:`linear_attention_backward`), or None.
     """
 
     def fn(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Tensor, z0: Tensor, causal: bool,
@@ -234,7 +243,7 @@ def define_linear_attention(backend: str, product: Product) -> Any:
 
     def backward(ctx, g_out, g_den, g_S, g_z):
         with busy_threads(ctx.device):       # see ._busy: one torch thread on a busy machine
-            return linear_attention_backward(product, ctx, g_out, g_den, g_S, g_z)
+            return linear_attention_backward(product, ctx, g_out, g_den, g_S, g_z, prep)
 
     return define(f"{backend}_linear_attention", fn, fake, backward=backward, setup_context=setup_context)
 

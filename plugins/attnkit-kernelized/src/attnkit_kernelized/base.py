@@ -166,9 +166,11 @@ class KernelizedAttention(Attention):
         return self.cuda_segment_length if device.type == "cuda" else self.segment_length
 
     def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: tuple[Tensor, ...] | None,
-                  backend: str) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """The causal form over ``L`` positions from ``state`` (None: zeros), :attr:`segment_length` at a time."""
-        L, seg = q.shape[2], self.segment_length_for(q.device)
+                  backend: str, seg: int | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The causal form over ``L`` positions from ``state`` (None: zeros), ``seg`` positions at a time (None:
+        :meth:`segment_length_for` the inputs' device)."""
+        L = q.shape[2]
+        seg = self.segment_length_for(q.device) if seg is None else seg
         if symbolic(L):  # a dynamic length in torch.export: one segment of any length
             return self._causal_segment(q, k, v, kpm, state, backend)
         outs = []

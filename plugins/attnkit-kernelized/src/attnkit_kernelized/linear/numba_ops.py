@@ -55,7 +55,7 @@ from torch import Tensor
 
 from attnkit.numba_panel import empty_aligned
 
-from .._numba import FASTMATH, arr, check_float, rows
+from .._numba import FASTMATH, arr, check_float, output, rows
 from .._ops import call_linear_attention, define, define_linear_attention
 from .._tiles import axpy_rows, causal_block, divide_row, transpose
 from ..common import DEFAULT_CHUNK
@@ -64,12 +64,17 @@ _FASTMATH = FASTMATH
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
-def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out, n0,
+def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den, S_out, z_out, feat, n0,
                  n1):  # pragma: no cover - compiled
     N, L, M = x.shape
     E = w.shape[2]
     n_chunks = (L + chunk - 1) // chunk
     zero = np.zeros(1, dtype=x.dtype)[0]           # a typed 0 (a literal 0.0 would be float64)
+    phi, W, X, pad, scale = feat                   # the features' backward (feat_on): see _features_back_block
+    feat_on = W.shape[1] > 0
+    D = W.shape[1]
+    gb = empty_aligned(chunk if feat_on else 0, E, x)
+    dxb = empty_aligned(chunk if feat_on else 0, D, x)
     for n in range(n0, n1):
         xn = x[n]; yn = y[n]; wn = w[n]; outn = out[n]
         S = empty_aligned(M, E, x)                 # the state S = S0 + sum_j y_j w_j^T (M x E), on a line
@@ -104,6 +109,9 @@ def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den,
             # ---- out = x S + the causal triangle (normalised with ``normalize``), den, then the state
             causal_block(xc, wc, yT, A, ob, db, S, z, T, M, E, zero, with_den, normalize)
             # ---- the chunk's results out (back in position order in reverse mode)
+            if feat_on:
+                _features_back_block(ob, gb, dxb, T, c0, c1, reverse, phi[n], W, X[n], pad[n], scale, outn, zero)
+                continue
             for t in range(T):
                 p = c1 - 1 - t if reverse else c0 + t
                 o_ = ob[t]; d_ = outn[p]
@@ -113,6 +121,78 @@ def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den,
                     den[n, p] = db[t]
         S_out[n] = S
         z_out[n] = z
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _features_back_block(ob, gb, dxb, T, c0, c1, reverse, phin, W, Xn, padn, scale, outn,
+                         zero):  # pragma: no cover - compiled
+    """The performer's features backward on a block of the product's output, in place of writing it:
+    ``ob[:T] = dphi`` (buffer row t is position ``c1 - 1 - t`` in reverse mode, ``c0 + t`` else) becomes
+    ``outn[p] = (dphi * phi) W - scale · sum_m (dphi * phi)_m · X[p]`` (``phin (L, M)`` the features,
+    ``W (M, D)``, ``Xn (L, D)``; ``scale`` 0: the queries' form), 0 where ``padn[p]`` (``padn`` may be
+    empty: nothing padded). What :func:`attnkit_kernelized.performer.numba_features._back_rows` computes from
+    a written ``dphi``; here ``dphi`` never leaves the block's buffer."""
+    M = ob.shape[1]
+    D = W.shape[1]
+    has_pad = padn.shape[0] > 0
+    for t in range(T):
+        p = c1 - 1 - t if reverse else c0 + t
+        o_ = ob[t]; f = phin[p]; g = gb[t]; d_ = dxb[t]
+        for m in range(M):
+            g[m] = o_[m] * f[m]
+        for d in range(D):
+            d_[d] = zero
+    axpy_rows(dxb, gb, W, T, M, D)
+    for t in range(T):
+        p = c1 - 1 - t if reverse else c0 + t
+        d_ = dxb[t]; o_ = outn[p]
+        if has_pad and padn[p]:
+            for d in range(D):
+                o_[d] = zero
+        elif scale != 0:
+            g = gb[t]
+            s = zero
+            for m in range(M):
+                s += g[m]
+            s = s * scale
+            xr = Xn[p]
+            for d in range(D):
+                o_[d] = d_[d] - s * xr[d]
+        else:
+            for d in range(D):
+                o_[d] = d_[d]
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _prep_rows(g, o, den, v, has_g, gp, vp, gn, r0, r1):  # pragma: no cover - compiled
+    """The backward's inputs of normalised linear attention for the rows ``r0 <= r < r1`` of ``(R, E)`` arrays, in
+    one pass: ``gn = g / den`` (0 where ``den`` is 0), ``gp = [gn, -(g . o) / den]``, ``vp = [v, 1]``
+    (``has_g`` False: ``g`` is 0, ``g`` itself unread)."""
+    E = v.shape[1]
+    zero = np.zeros(1, dtype=gp.dtype)[0]           # a typed 0 (a literal 0.0 would be float64)
+    one = zero + 1
+    for r in range(r0, r1):
+        d = den[r]
+        inv = zero if d == 0 else one / d
+        vr = v[r]; pr = vp[r]
+        for e in range(E):
+            pr[e] = vr[e]
+        pr[E] = one
+        gr = gp[r]; nr = gn[r]
+        if has_g:
+            a = g[r]; b = o[r]
+            s = zero
+            for e in range(E):
+                x = a[e] * inv
+                nr[e] = x
+                gr[e] = x
+                s += a[e] * b[e]
+            gr[E] = -s * inv
+        else:
+            for e in range(E):
+                nr[e] = zero
+                gr[e] = zero
+            gr[E] = zero
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
@@ -207,9 +287,17 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
         rows(_full_rows, N, xa, ya, wa, int(chunk), bool(with_den), bool(normalize), S0a, z0a, out, den, S_, z)
     else:
         rows(_causal_rows, N, xa, ya, wa, mode == "reverse", int(chunk), bool(with_den), bool(normalize), S0a, z0a,
-             out, den, S_, z)
+             out, den, S_, z, _no_features(xa, DW))
     return (torch.from_numpy(out), torch.from_numpy(den), torch.from_numpy(S_),
             torch.from_numpy(z))
+
+
+def _no_features(x: np.ndarray, DW: int) -> tuple:
+    """The ``feat`` argument of :func:`_causal_rows` that leaves the features' backward off (a ``W`` of no
+    columns)."""
+    N = x.shape[0]
+    return (np.empty((N, 0, DW), dtype=x.dtype), np.empty((DW, 0), dtype=x.dtype), np.empty((N, 0, 0), dtype=x.dtype),
+            np.empty((N, 0), dtype=np.bool_), x.dtype.type(0))
 
 
 def _product_fake(x, y, w, S0, z0, mode, chunk, with_den, normalize):
@@ -218,11 +306,79 @@ def _product_fake(x, y, w, S0, z0, mode, chunk, with_den, normalize):
             torch.empty_like(z0))
 
 
+def _product_features(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, reverse: bool, chunk: int,
+                      phi: Tensor, W: Tensor, X: Tensor | None, pad: Tensor | None, scale: float
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal (or ``reverse``) product with the performer's features backward on its output:
+    ``dx = (product * phi) W - scale · rowsum(product * phi) · X`` (0 at ``pad``; ``X`` None with ``scale`` 0:
+    the queries' form), never writing the product itself. ``x (N, L, DX)``, ``y (N, L, DX)``, ``w (N, L, M)``,
+    ``phi (N, L, M)``, ``W (M, D)``, ``X (N, L, D)``, ``pad (N, L)`` bool or None; returns
+    ``(dx (N, L, D), S, z)``, the final state as :func:`_product` returns it."""
+    N, L, DX = x.shape
+    M, D = W.shape
+    if not (y.shape == x.shape and w.shape == (N, L, M) and phi.shape == (N, L, M) and S0.shape == (N, DX, M)
+            and z0.shape == (N, DX) and (X is None or X.shape == (N, L, D))
+            and (pad is None or pad.shape == (N, L))):
+        raise ValueError(f"numba_linear_product_features: expected x, y (N, L, DX), w and phi (N, L, M), W (M, D), "
+                         f"X (N, L, D), pad (N, L), S0 (N, DX, M), z0 (N, DX); got {tuple(x.shape)}, "
+                         f"{tuple(y.shape)}, {tuple(w.shape)}, {tuple(phi.shape)}, {tuple(W.shape)}, "
+                         f"{None if X is None else tuple(X.shape)}, {None if pad is None else tuple(pad.shape)}, "
+                         f"{tuple(S0.shape)}, {tuple(z0.shape)}")
+    xa, ya, wa, S0a, z0a, pa, Wa = (arr(t) for t in (x, y, w, S0, z0, phi, W))
+    check_float(xa, ya, wa, S0a, z0a, pa, Wa)
+    dt = xa.dtype
+    Xa = np.empty((N, 0, D), dtype=dt) if X is None else arr(X.to(x.dtype))
+    pada = np.empty((N, 0), dtype=np.bool_) if pad is None else arr(pad)
+    dx = output((N, L, D), dt)
+    S_ = np.empty((N, DX, M), dtype=dt)
+    z = np.empty((N, DX), dtype=dt)
+    rows(_causal_rows, N, xa, ya, wa, bool(reverse), min(int(chunk), MAX_BLOCK), False, False, S0a, z0a, dx,
+         np.empty((N, 0), dtype=dt), S_, z, (pa, Wa, Xa, pada, dt.type(scale)))
+    return torch.from_numpy(dx), torch.from_numpy(S_), torch.from_numpy(z)
+
+
+def _product_features_fake(x, y, w, S0, z0, reverse, chunk, phi, W, X, pad, scale):
+    return x.new_empty(*x.shape[:2], W.shape[1]), torch.empty_like(S0), torch.empty_like(z0)
+
+
+def _backward_inputs(g: Tensor | None, out: Tensor, den: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(gp, vp, g_num)`` of :func:`attnkit_kernelized._ops.linear_attention_backward` in one numba pass
+    (``g (N, L, E)`` the output's gradient or None, ``out (N, L, E)``, ``den (N, L)``, ``v (N, L, E)``):
+    ``g_num = g / den`` (0 where ``den`` is 0), ``gp = [g_num, -(g . out) / den]`` ``(N, L, E+1)`` and
+    ``vp = [v, 1]`` ``(N, L, E+1)``, instead of seven torch passes and two concatenations along the last dim."""
+    N, L, E = out.shape
+    oa, da, va = arr(out), arr(den), arr(v.to(out.dtype))
+    ga = oa if g is None else arr(g.to(out.dtype))
+    check_float(oa, da, va, ga)
+    R = N * L
+    gp = output((N, L, E + 1), oa.dtype)
+    vp = output((N, L, E + 1), oa.dtype)
+    gn = output((N, L, E), oa.dtype)
+    rows(_prep_rows, R, ga.reshape(R, E), oa.reshape(R, E), da.reshape(R), va.reshape(R, E), g is not None,
+         gp.reshape(R, E + 1), vp.reshape(R, E + 1), gn.reshape(R, E), item=_PREP_ITEM)
+    return torch.from_numpy(gp), torch.from_numpy(vp), torch.from_numpy(gn)
+
+
+def _backward_inputs_fake(g, out, den, v):
+    N, L, E = out.shape
+    return out.new_empty(N, L, E + 1), out.new_empty(N, L, E + 1), out.new_empty(N, L, E)
+
+
+#: rows per work item of :func:`_prep_rows`
+_PREP_ITEM = 256
+
 #: ``attnkit_kernelized::numba_linear_product`` (see :func:`attnkit_kernelized._ops.define_linear_attention`)
 numba_linear_product = define("numba_linear_product", _product, _product_fake)
 
+#: ``attnkit_kernelized::numba_linear_product_features``: the product with the performer's features backward on
+#: its rows (:func:`_product_features`; no autograd)
+numba_linear_product_features = define("numba_linear_product_features", _product_features, _product_features_fake)
+
+#: ``attnkit_kernelized::numba_linear_backward_inputs``: ``(g, out, den, v) -> (gp, vp, g_num)`` (no autograd)
+numba_linear_backward_inputs = define("numba_linear_backward_inputs", _backward_inputs, _backward_inputs_fake)
+
 #: ``attnkit_kernelized::numba_linear_attention``: normalised, differentiable, with state in and out
-numba_linear_attention = define_linear_attention("numba", numba_linear_product)
+numba_linear_attention = define_linear_attention("numba", numba_linear_product, numba_linear_backward_inputs)
 
 
 def linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Tensor | None = None, z0: Tensor | None = None,

@@ -36,7 +36,7 @@ redrawn on demand (:meth:`PerformerAttention.redraw_features`) or every
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -105,6 +105,14 @@ class PerformerAttention(KernelizedAttention):
 
     capabilities = PERFORMER.capabilities  # the spec's one declaration; used when built without the registry
     float32_buffers = ("features",)
+    #: positions per causal segment of the positive map's training operator on the CPU (:meth:`_trained_causal`,
+    #: numba, a call that records autograd), in place of :attr:`segment_length`. Each segment boundary costs
+    #: copies of the segment's q, k, v and g_out and concatenations of the output and the gradients; the features
+    #: are saved for the backward whatever the segment, so a longer one adds only the backward's transients.
+    #: Session 62 (2 vCPUs, L = 8,192, B = 1, H = 8, D = 64, M = 256, medians of alternated rounds): a training step
+    #: 176-187 ms in one 8,192-position segment against 197-214 in 2,048-position ones (glibc keeping freed memory;
+    #: 200-254 against 217-256 without), and at L = 65,536 a peak 15% above 2,048's (one segment: twice it)
+    trained_segment_length: ClassVar[int] = 8192
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", num_features: int = 256,
@@ -314,9 +322,15 @@ class PerformerAttention(KernelizedAttention):
         return out, (S, z, m)
 
     def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
-                  backend: str) -> tuple[Tensor, Any]:
+                  backend: str, seg: int | None = None) -> tuple[Tensor, Any]:
         out = self._fused_causal(q, k, v, kpm, state, backend)
-        return out if out is not None else super()._segments(q, k, v, kpm, state, backend)
+        if out is not None:
+            return out
+        if (seg is None and q.device.type == "cpu" and self.feature_map == "positive" and not transforms.active()
+                and not torch.compiler.is_compiling()
+                and self._trains_fused(runnable_backend(backend, q, k, v), q, k, v, state)):
+            seg = self.trained_segment_length
+        return super()._segments(q, k, v, kpm, state, backend, seg)
 
     def _fused_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                       backend: str) -> tuple[Tensor, Any] | None:
@@ -336,26 +350,42 @@ class PerformerAttention(KernelizedAttention):
         from .numba_fused import fused_causal
 
         bound = BOUNDED_EXPONENT[q.dtype]
-        fresh = state is None
-        S0 = z0 = m0 = None
-        if not fresh:
-            S0r, z0r, m0 = (t.detach() for t in state)
-            seen = m0 > NO_KEY / 2
-            if not bool(((m0.abs() <= bound) | ~seen).all()):
-                return None
-            scale = torch.where(seen, torch.exp(torch.where(seen, m0, torch.zeros_like(m0))), torch.zeros_like(m0))
-            S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale     # the state relative to exponent 0
+        if state is not None and not _state_bounded(state[2], bound):
+            return None
+        S0, z0, m0 = _state_at_zero(None if state is None else tuple(t.detach() for t in state))
         s = self.get_scale(q) ** 0.5
         out, S, z, hi, lo = fused_causal(q, k, v, self.features.to(q.dtype) * s, s * s, padded(kpm), S0, z0,
                                          self.chunk_size, bound)
-        if not (bool(lo.amin() >= -bound) and bool(hi.amax() <= bound)):
+        if not _features_bounded(hi, lo, bound):
             return None
-        ref = hi if m0 is None else torch.maximum(hi, m0)
-        seen_end = ref > NO_KEY / 2
-        ref = torch.where(seen_end, ref, torch.full_like(ref, NO_KEY))
-        back = torch.where(seen_end, torch.exp(-torch.where(seen_end, ref, torch.zeros_like(ref))),
-                           torch.zeros_like(ref))
-        return out, (S * back.unsqueeze(-1), z * back, ref)
+        return out, _state_at_reference(S, z, hi, m0)
+
+    def _trains_fused(self, chosen: str, q: Tensor, k: Tensor, v: Tensor, state: Any) -> bool:
+        """Whether a bounded causal segment runs as :meth:`_trained_causal`: on numba, float32/float64, with an
+        input (the state included) that needs a gradient (without one, the unfused operators or the no-grad fused
+        kernel run)."""
+        return (chosen == "numba" and q.dtype in (torch.float32, torch.float64) and k.dtype == v.dtype == q.dtype
+                and torch.is_grad_enabled()
+                and any(t.requires_grad for t in ((q, k, v) if state is None else (q, k, v, *state))))
+
+    def _trained_causal(self, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, state: Any
+                        ) -> tuple[Tensor, Any] | None:
+        """The positive map's causal form under autograd on the numba backend, float32/float64: features and
+        linear attention as one operator whose backward computes the features' backward on the blocks of its
+        products (:mod:`.numba_train`), or None where :meth:`_bounded_causal` would take the log-space form
+        (the operator's result is then discarded)."""
+        from .numba_train import performer_causal
+
+        bound = BOUNDED_EXPONENT[q.dtype]
+        if state is not None and not _state_bounded(state[2], bound):
+            return None
+        S0, z0, m0 = _state_at_zero(state)
+        s = self.get_scale(q) ** 0.5
+        out, S, z, hi, lo = performer_causal(q, k, v, self.features.to(q.dtype) * s, s * s, pad, S0, z0,
+                                             self.chunk_size)
+        if not _features_bounded(hi, lo, bound):
+            return None
+        return out, _state_at_reference(S, z, hi, m0)
 
     def _bounded_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                         backend: str) -> tuple[Tensor, Any] | None:
@@ -376,6 +406,8 @@ class PerformerAttention(KernelizedAttention):
         if bound is None:
             return None
         pad = padded(kpm)
+        if self._trains_fused(chosen, q, k, v, state):
+            return self._trained_causal(q, k, v, pad, state)
         if chosen == "numba" and q.dtype in (torch.float32, torch.float64):
             # projection, shift, bounds and exp in one numba pass per tensor, instead of a matmul and seven torch
             # passes (.numba_features)
@@ -392,13 +424,7 @@ class PerformerAttention(KernelizedAttention):
                 lo = lk_d if pad is None else lk_d.masked_fill(pad, 0.0)
             phi_q = phi_k = None
         with torch.no_grad():
-            fresh = state is None
-            m0 = None if fresh else state[2].detach()
-            ok = bool(lo.amin() >= -bound) if lo.numel() else True
-            ok = ok and bool(hi.amax() <= bound) if hi.numel() else ok
-            if ok and not fresh:
-                seen = m0 > NO_KEY / 2
-                ok = bool(((m0.abs() <= bound) | ~seen).all())
+            ok = _features_bounded(hi, lo, bound) and (state is None or _state_bounded(state[2], bound))
         if not ok:
             return None
         if phi_q is None:
@@ -411,26 +437,12 @@ class PerformerAttention(KernelizedAttention):
         """The bounded form's product: linear attention of the unshifted features ``phi_k = exp(lk)`` from
         ``state`` (brought to exponent 0), on ``chosen``'s kernels; the state comes back relative to the
         per-feature key maximum ``max(hi, m)`` (``hi (B, H, M)``, the segment's largest key exponents)."""
-        if state is None:
-            S0 = z0 = None
-            ref = hi
-        else:
-            S0r, z0r, m0 = state
-            m0 = m0.detach()
-            seen = m0 > NO_KEY / 2
-            scale = torch.where(seen, torch.exp(torch.where(seen, m0, torch.zeros_like(m0))),
-                                torch.zeros_like(m0))                    # the state relative to exponent 0
-            S0, z0 = S0r * scale.unsqueeze(-1), z0r * scale
-            ref = torch.maximum(hi, m0)
+        S0, z0, m0 = _state_at_zero(state)
         if not (chosen == "triton" and v.dtype == torch.float16):    # float16: float32 features (above)
             phi_q, phi_k, v = kernel_inputs(chosen, phi_q, phi_k, v)
         out, S, z = backend_module("linear", chosen).linear_attention(phi_q, phi_k, v, S0, z0, causal=True,
                                                                      chunk=self.chunk_size)
-        seen_end = ref > NO_KEY / 2                                      # a real key seen, in the past or here
-        ref = torch.where(seen_end, ref, torch.full_like(ref, NO_KEY))
-        back = torch.where(seen_end, torch.exp(-torch.where(seen_end, ref, torch.zeros_like(ref))),
-                           torch.zeros_like(ref))
-        return out, (S * back.unsqueeze(-1), z * back, ref)
+        return out, _state_at_reference(S, z, hi, m0)
 
     def _cp_combine(self, a: Any, b: Any) -> tuple[Tensor, ...]:
         """Two chunks' states: sums for the ``generalized`` map; in log space (``S``, ``z`` relative to the
@@ -449,3 +461,42 @@ class PerformerAttention(KernelizedAttention):
         st = self._state_in(state, q, v)
         out, st = self._log_space_causal(q, k, v, None, st, 1)      # chunk 1: the recurrent form
         return out, dict(zip(self.state_keys, st))
+
+
+# ------------------------------------------------------- the bounded form's state
+def _state_bounded(m0: Tensor, bound: float) -> bool:
+    """Whether a state's reference ``m0 (B, H, M)`` allows the bounded form: every feature that has seen a key
+    within ``[-bound, bound]`` (:data:`NO_KEY`: none seen yet)."""
+    m0 = m0.detach()
+    return bool(((m0.abs() <= bound) | (m0 <= NO_KEY / 2)).all())
+
+
+def _features_bounded(hi: Tensor, lo: Tensor, bound: float) -> bool:
+    """Whether a segment's key exponents (``hi (B, H, M)`` the largest per feature, ``lo (B, H)`` the smallest
+    of each sequence, over its real keys) lie within ``[-bound, bound]``."""
+    ok = bool(lo.amin() >= -bound) if lo.numel() else True
+    return ok and bool(hi.amax() <= bound) if hi.numel() else ok
+
+
+def _state_at_zero(state: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(S0, z0, m0)``: a log-space state ``(S, z, m)`` brought to exponent 0 (``S e^m``, ``z e^m``; 0 for a
+    feature with no key yet), its reference ``m0`` detached; ``(None, None, None)`` for None."""
+    if state is None:
+        return None, None, None
+    S0r, z0r, m0 = state
+    m0 = m0.detach()
+    seen = m0 > NO_KEY / 2
+    scale = torch.where(seen, torch.exp(torch.where(seen, m0, torch.zeros_like(m0))), torch.zeros_like(m0))
+    return S0r * scale.unsqueeze(-1), z0r * scale, m0
+
+
+def _state_at_reference(S: Tensor, z: Tensor, hi: Tensor, m0: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The state ``(S, z)`` at exponent 0 after a segment brought back to log space: relative to the per-feature
+    key maximum ``ref = max(hi, m0)`` (``hi`` the segment's largest key exponents; :data:`NO_KEY` where no key
+    has been seen), ``(S e^-ref, z e^-ref, ref)``."""
+    ref = hi if m0 is None else torch.maximum(hi, m0)
+    seen_end = ref > NO_KEY / 2                                      # a real key seen, in the past or here
+    ref = torch.where(seen_end, ref, torch.full_like(ref, NO_KEY))
+    back = torch.where(seen_end, torch.exp(-torch.where(seen_end, ref, torch.zeros_like(ref))),
+                       torch.zeros_like(ref))
+    return S * back.unsqueeze(-1), z * back, ref
