@@ -91,18 +91,20 @@ def _key_block(yb, X, WT, T, pad, s2h, h, low, zero):  # pragma: no cover - comp
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _fused_rows(Q, K, V, WT, pad, s2h, cst, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, n0,
+def _fused_rows(Q, K, V, WT, pad, s2h, cst, chunk, bound, S0, z0, out, S_out, z_out, hi, lo, PQ, PK, den, n0,
                 n1):  # pragma: no cover - compiled
     """Sequences ``n0 <= n < n1`` of ``Q, K (N, L, D)``, ``V (N, L, E)``: ``out[n]`` the normalised causal linear
     attention of ``phi_q = exp(Q WT - rowmax)``, ``phi_k = exp(K WT - s2h |K|^2)`` (0 where ``pad[n, t]``; ``pad``
     may be ``(N, 0)``) and V from the state ``(S0[n], z0[n])``; the final state into ``S_out[n], z_out[n]``, the
     largest key exponent per feature into ``hi[n]`` and the smallest into ``lo[n]`` (-inf / +inf: no real key).
     A sequence stops at the first block whose key exponents leave ``[-bound, bound]``: its ``hi``/``lo`` then
-    show it, and the caller discards the result."""
+    show it, and the caller discards the result. With ``PQ``, ``PK (N, L, M)`` and ``den (N, L)`` of length ``L``
+    (not 0), the features and the denominators are written there too (what a backward needs)."""
     N, L, D = Q.shape
     M = WT.shape[1]
     E = V.shape[2]
     has_pad = pad.shape[1] > 0
+    keep = PQ.shape[1] > 0
     zero = cst[HALF] - cst[HALF]
     ninf = -np.inf * cst[HALF] * 2   # typed -inf
     xb = empty_aligned(chunk, M, Q)   # the block's query features
@@ -131,6 +133,13 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, chunk, bound, S0, z0, out, S_out, z_
             if low < -bound or row_max(h) > bound:
                 break               # the caller discards the result (hi, lo show why)
             causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero)
+            if keep:
+                for t in range(T):
+                    a_ = xb[t]; b_ = yb[t]; pa = PQ[n, c0 + t]; pb = PK[n, c0 + t]
+                    for j in range(M):
+                        pa[j] = a_[j]
+                        pb[j] = b_[j]
+                    den[n, c0 + t] = db[t]
         S_out[n] = S
         z_out[n] = z
         lo[n] = low
@@ -139,6 +148,14 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, chunk, bound, S0, z0, out, S_out, z_
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
            z0: Tensor | None, chunk: int, bound: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return run_fused(q, k, v, w, scale, pad, S0, z0, chunk, bound, False)[:5]
+
+
+def run_fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
+              z0: Tensor | None, chunk: int, bound: float, keep: bool) -> tuple[Tensor, ...]:
+    """The kernel on tensors: ``(out, S, z, hi, lo)`` as :func:`fused_causal` returns them, and with ``keep`` also
+    ``(phi_q (B, H, L, M), phi_k (B, H, L, M), den (B, H, L))`` (the training operator's forward,
+    :mod:`.numba_train`; no autograd here)."""
     B, H, L, D = q.shape
     M, E, N = w.shape[0], v.shape[-1], B * H
     dt = q.dtype
@@ -157,11 +174,18 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor
     z = np.empty((N, M), dtype=npdt)
     hi = np.empty((N, M), dtype=npdt)
     lo = np.empty(N, dtype=npdt)
+    Lk = L if keep else 0
+    PQ, PK = output((N, Lk, M), npdt), output((N, Lk, M), npdt)
+    den = output((N, Lk), npdt)
     args = (X, Kx, V, arr(w.to(dt).t()), padn, npdt.type(0.5 * scale), constants(npdt),
-            max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a, outa, S, z, hi, lo)
+            max(1, min(int(chunk), MAX_BLOCK)), npdt.type(bound), S0a, z0a, outa, S, z, hi, lo, PQ, PK, den)
     rows(_fused_rows, N, *args)
-    return (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, M, E),
-            torch.from_numpy(z).view(B, H, M), torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H))
+    res = (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, M, E),
+           torch.from_numpy(z).view(B, H, M), torch.from_numpy(hi).view(B, H, M), torch.from_numpy(lo).view(B, H))
+    if keep:
+        res += (torch.from_numpy(PQ).view(B, H, L, M), torch.from_numpy(PK).view(B, H, L, M),
+                torch.from_numpy(den).view(B, H, L))
+    return res
 
 
 def _fused_fake(q, k, v, w, scale, pad, S0, z0, chunk, bound):

@@ -31,29 +31,16 @@ from torch import Tensor
 
 from .._busy import busy_threads
 from .._ops import _seq, define
-from ..linear.numba_ops import (
-    MAX_BLOCK,
-    _product,
-    numba_linear_backward_inputs,
-    numba_linear_product,
-    numba_linear_product_features,
-)
-from .numba_features import _key_features, _query_features
+from ..linear.numba_ops import numba_linear_backward_inputs, numba_linear_product, numba_linear_product_features
+from .numba_fused import run_fused
 
 __all__ = ["numba_performer_causal", "performer_causal"]
 
 
 def _causal(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Tensor | None, S0: Tensor, z0: Tensor,
             chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    B, H, L, _ = q.shape
-    M = w.shape[0]
-    E = v.shape[-1]
-    N = B * H
-    phi_q = _query_features(q, w)
-    phi_k, hi, lo, _ = _key_features(k, w, scale, pad, chunk)
-    out, den, S, z = _product(_seq(phi_q), _seq(phi_k), _seq(v), S0.reshape(N, M, E).contiguous(),
-                              z0.reshape(N, M).contiguous(), "causal", min(chunk, MAX_BLOCK), True, True)
-    return (out.view(B, H, L, E), den.view(B, H, L), S.view(B, H, M, E), z.view(B, H, M), phi_q, phi_k, hi, lo)
+    out, S, z, hi, lo, phi_q, phi_k, den = run_fused(q, k, v, w, scale, pad, S0, z0, chunk, float("inf"), True)
+    return out, den, S, z, phi_q, phi_k, hi, lo
 
 
 def _causal_fake(q, k, v, w, scale, pad, S0, z0, chunk):
