@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from torch import Tensor
 
+from attnkit import cpu_buffers
 from attnkit.numba_pool import kernel_threads, run_ranges
 
 from ._busy import kernel_thread_count
@@ -29,12 +30,13 @@ FASTMATH = {"reassoc", "contract", "nsz"}
 def output(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array for a kernel's output, to hand to torch with ``torch.from_numpy``.
 
-    Allocated by NumPy, not ``torch.empty``: on Linux NumPy asks the kernel for transparent huge pages
-    (``madvise``) for 4 MiB and more, torch only under ``THP_MEM_ALLOC_ENABLE=1``. An output of 32 MiB or more
-    comes from a fresh ``mmap`` on every call (glibc), and its first touch faulted 8,192 4-KiB pages: linear's
-    fused forward at L = 16,384 (H = 8, D = 64, float32, 2 threads) took 44 ms with a torch output and 34 ms with
-    this one (528 faults; session 37, docs/benchmarks.md)."""
-    return np.empty(shape, dtype=dtype)
+    From :func:`attnkit.cpu_buffers.empty`: 4 MiB and more reuse a buffer of an earlier call that nothing refers
+    to any more (a training step's features, denominators and gradients come back every step; fresh ones were
+    faulted in again each time, session 62), else NumPy's memory, not ``torch.empty``: on Linux NumPy asks the
+    kernel for transparent huge pages (``madvise``) for 4 MiB and more, torch only under
+    ``THP_MEM_ALLOC_ENABLE=1`` (linear's fused forward at L = 16,384: 44 ms with a torch output, 34 ms with a NumPy
+    one; session 37, docs/benchmarks.md)."""
+    return cpu_buffers.empty(shape, dtype)
 
 
 def threads() -> int:

@@ -279,7 +279,7 @@ def _product(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, mode: str,
     chunk = min(int(chunk), MAX_BLOCK)
     check_float(xa, ya, wa, S0a, z0a)
     dt = xa.dtype
-    out = np.empty((N, L, DW), dtype=dt)
+    out = output((N, L, DW), dt)
     den = np.zeros((N, L if with_den else 0), dtype=dt)
     S_ = np.empty((N, DX, DW), dtype=dt)
     z = np.empty((N, DX), dtype=dt)
