@@ -171,7 +171,8 @@ class KernelizedAttention(Attention):
         :meth:`segment_length_for` the inputs' device)."""
         L = q.shape[2]
         seg = self.segment_length_for(q.device) if seg is None else seg
-        if symbolic(L):  # a dynamic length in torch.export: one segment of any length
+        if symbolic(L) or L <= seg:  # a dynamic length in torch.export (one segment of any length), or one segment:
+            # no split (a split into one part still costs its backward a concatenation: a copy of each gradient)
             return self._causal_segment(q, k, v, kpm, state, backend)
         outs = []
         # torch.split, not slicing: under autograd one backward node per input concatenates the segments'
