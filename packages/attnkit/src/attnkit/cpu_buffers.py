@@ -20,6 +20,10 @@ Whether a buffer is free is read from its reference count: every NumPy view of i
 (NumPy points a view of a view at the array that owns the memory), and a tensor from ``torch.from_numpy`` holds
 the array it was made from, so the pool's own reference is the only one left exactly when nothing can read or
 write the memory. That is CPython's reference counting, which numba requires anyway.
+
+Needs NumPy, which the core does not depend on: the plugins whose numba kernels use this module bring it (numba
+requires it); ``import attnkit`` does not import this module. Tested in the kernelized plugin
+(``plugins/attnkit-kernelized/tests/test_cpu_buffers.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""attnkit.cpu_buffers: a buffer is handed out again only when nothing refers to it (no array, view or tensor made
-from it), the limit holds (least recently used free buffers dropped first), small requests and a limit of 0 bypass
-the pool, and bad limits are refused."""
+"""attnkit.cpu_buffers (a core module, tested here: this plugin's kernels use it and bring NumPy): a buffer is
+handed out again only when nothing refers to it (no array, view or tensor made from it), the limit holds (least
+recently used free buffers dropped first), small requests and a limit of 0 bypass the pool, and bad limits are
+refused."""
 
 from __future__ import annotations
 
