@@ -204,3 +204,27 @@ def test_the_training_operator_segments_by_its_own_length(monkeypatch, grad):
     monkeypatch.setattr(PerformerAttention, "_fused_causal", lambda *args: None)
     m(q, k, v, causal=True)
     assert seen == ([16, 16, 8] if grad else [8] * 5)
+
+
+def test_opcheck():
+    """The operators' schemas, fake (meta) functions and autograd registrations agree with what they do
+    (``torch.library.opcheck``: also traced by AOT autograd with dynamic shapes)."""
+    from attnkit_kernelized.linear.numba_ops import numba_linear_product_features
+    from attnkit_kernelized.performer.numba_train import numba_performer_causal
+
+    q, k, v, w, kpm, S0, z0 = _inputs(torch.float64, 13, True)
+    pad = padded(kpm)
+    v = v.masked_fill(pad, 0.0)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(numba_performer_causal, (*ins, w, 0.5, pad, S0.clone().requires_grad_(),
+                                                   z0.clone().requires_grad_(), 4))
+    torch.library.opcheck(numba_performer_causal, (q, k, v, w, 0.5, None, S0, z0, 4))
+    N, L, M, E = 6, 13, w.shape[0], v.shape[-1]
+    x = torch.randn(N, L, E + 1, dtype=torch.float64)
+    f = torch.rand(N, L, M, dtype=torch.float64)
+    torch.library.opcheck(numba_linear_product_features,
+                          (x, x.flip(1), f, torch.rand(N, E + 1, M, dtype=torch.float64),
+                           torch.zeros(N, E + 1, dtype=torch.float64), True, 4, f.flip(1), w,
+                           k.reshape(N, L, -1), kpm.repeat_interleave(3, 0), 0.5))
+    den = torch.rand(N, L, dtype=torch.float64)
+    torch.library.opcheck(numba_linear_backward_inputs, (x[..., :E], x[..., 1:], den, x[..., :E].flip(1)))
