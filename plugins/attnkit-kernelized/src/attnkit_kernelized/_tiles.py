@@ -25,7 +25,7 @@ from attnkit.numba_panel import axpy_rows, transpose
 
 from ._numba import FASTMATH
 
-__all__ = ["axpy_rows", "transpose", "divide_row", "causal_block", "causal_block_normalised"]
+__all__ = ["axpy_rows", "transpose", "divide_row", "feature_grad_row", "causal_block", "causal_block_normalised"]
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -38,6 +38,28 @@ def divide_row(row, s, E, zero):  # pragma: no cover - compiled
         rr = 1 / s
         for e in range(E):
             row[e] *= rr
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, inline="always")
+def feature_grad_row(out, acc, g, X, p, padded, scale, zero):  # pragma: no cover - compiled
+    """One row of the performer features' gradient: ``out = acc - scale · sum(g) · X[p]`` (``acc = (g ⊙ phi) W'``
+    of the row, ``g`` its ``g ⊙ phi``; ``scale`` 0: the queries' form, ``out = acc``, ``X`` unread), 0 where
+    ``padded`` whatever ``X[p]`` holds."""
+    D = out.shape[0]
+    if padded:
+        for d in range(D):
+            out[d] = zero
+    elif scale != 0:
+        s = zero
+        for m in range(g.shape[0]):
+            s += g[m]
+        s = s * scale
+        xr = X[p]
+        for d in range(D):
+            out[d] = acc[d] - s * xr[d]
+    else:
+        for d in range(D):
+            out[d] = acc[d]
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)

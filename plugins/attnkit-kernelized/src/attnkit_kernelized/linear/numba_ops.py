@@ -57,7 +57,7 @@ from attnkit.numba_panel import empty_aligned
 
 from .._numba import FASTMATH, arr, check_float, output, rows
 from .._ops import call_linear_attention, define, define_linear_attention
-from .._tiles import axpy_rows, causal_block, divide_row, transpose
+from .._tiles import axpy_rows, causal_block, divide_row, feature_grad_row, transpose
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
@@ -145,22 +145,7 @@ def _features_back_block(ob, gb, dxb, T, c0, c1, reverse, phin, W, Xn, padn, sca
     axpy_rows(dxb, gb, W, T, M, D)
     for t in range(T):
         p = c1 - 1 - t if reverse else c0 + t
-        d_ = dxb[t]; o_ = outn[p]
-        if has_pad and padn[p]:
-            for d in range(D):
-                o_[d] = zero
-        elif scale != 0:
-            g = gb[t]
-            s = zero
-            for m in range(M):
-                s += g[m]
-            s = s * scale
-            xr = Xn[p]
-            for d in range(D):
-                o_[d] = d_[d] - s * xr[d]
-        else:
-            for d in range(D):
-                o_[d] = d_[d]
+        feature_grad_row(outn[p], dxb[t], gb[t], Xn, p, has_pad and padn[p], scale, zero)
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)

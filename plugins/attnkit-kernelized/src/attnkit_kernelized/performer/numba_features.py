@@ -46,7 +46,7 @@ from attnkit.numba_vreduce import row_max, row_min
 
 from .._numba import FASTMATH, arr, output, rows
 from .._ops import define
-from .._tiles import axpy_rows
+from .._tiles import axpy_rows, feature_grad_row
 from .._vexp import HALF, constants, exp_row
 
 # the plugin's flags (reassoc lets the row maximum and the norms vectorise); the exp (.._vexp) is compiled apart
@@ -164,23 +164,7 @@ def _back_rows(G, PHI, W, X, pad, scale, DX, r0, r1):  # pragma: no cover - comp
                 o[d] = zero
         axpy_rows(ob, gb, W, nb, M, D)
         for i in range(nb):
-            o = ob[i]; out = DX[b0 + i]
-            if has_pad and pad[b0 + i]:
-                for d in range(D):
-                    out[d] = zero
-                continue
-            if scale != 0:
-                row = gb[i]
-                s = zero
-                for j in range(M):
-                    s += row[j]
-                s = s * scale
-                x = X[b0 + i]
-                for d in range(D):
-                    out[d] = o[d] - s * x[d]
-            else:
-                for d in range(D):
-                    out[d] = o[d]
+            feature_grad_row(DX[b0 + i], ob[i], gb[i], X, b0 + i, has_pad and pad[b0 + i], scale, zero)
 
 
 def _row_pad(pad: Tensor | None, B: int, H: int, L: int) -> np.ndarray:
