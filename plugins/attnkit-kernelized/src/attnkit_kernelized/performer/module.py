@@ -111,7 +111,8 @@ class PerformerAttention(KernelizedAttention):
     #: are saved for the backward whatever the segment, so a longer one adds only the backward's transients.
     #: Session 62 (2 vCPUs, L = 8,192, B = 1, H = 8, D = 64, M = 256, medians of alternated rounds): a training step
     #: 176-187 ms in one 8,192-position segment against 197-214 in 2,048-position ones (glibc keeping freed memory;
-    #: 200-254 against 217-256 without), and at L = 65,536 a peak 15% above 2,048's (one segment: twice it)
+    #: 200-254 against 217-256 without); at L = 65,536 a step's peak 10% above 2,048's (1,456 against 1,328 MiB
+    #: before the output buffers of attnkit.cpu_buffers; one 65,536-position segment: 1,924)
     trained_segment_length: ClassVar[int] = 8192
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
