@@ -83,7 +83,16 @@ def test_outputs_and_gradients_equal_the_torch_expressions(dtype, tol, L, chunk,
 
 
 def test_gradcheck():
-    q, k, v, w, kpm, S0, z0 = _inputs(torch.float64, 11, True)
+    """Small sizes (B = 1, H = 2, L = 7, D = 4, M = 6, E = 3: gradcheck calls the operator twice per input
+    element), a padded key, a state in, blocks of 4."""
+    g = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(1, 2, 7, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, 7, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64) * 0.6
+    S0 = torch.rand(1, 2, 6, 3, generator=g, dtype=torch.float64)
+    z0 = torch.rand(1, 2, 6, generator=g, dtype=torch.float64) + 0.5
+    kpm = torch.ones(1, 7, dtype=torch.bool)
+    kpm[0, 5] = False
     pad = padded(kpm)
     v = v.masked_fill(pad, 0.0)
 
