@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit import cpu_buffers
 from attnkit.first_order import first_order
 
 from ..base import spread_evenly
@@ -78,7 +79,7 @@ class _Fused(torch.autograd.Function):
         qa, ka, va, pa = _np(q), _np(kh), _np(v), _np(perm)
         real, padded = _real(kpm)
         cst = constants(qa.dtype, scale)
-        out = np.empty((N, L, va.shape[-1]), dtype=qa.dtype)
+        out = cpu_buffers.empty((N, L, va.shape[-1]), qa.dtype)     # reused once nothing refers to it (no faults)
         m, l_, lse = (np.empty((N, L), dtype=qa.dtype) for _ in range(3))
         args = (qa, ka, va, pa, real, H, bool(causal), bool(padded), cs, cst)
         _items(forward_items, args, (out, m, l_, lse), N, R, nq)
@@ -104,8 +105,8 @@ class _Fused(torch.autograd.Function):
         qa = _np(q)
         real, padded = _real(ctx.kpm)
         cst = constants(qa.dtype, ctx.scale)
-        dq, dk = np.empty((N, L, D), dtype=qa.dtype), np.empty((N, L, D), dtype=qa.dtype)
-        dv = np.empty((N, L, E), dtype=qa.dtype)
+        dq, dk = cpu_buffers.empty((N, L, D), qa.dtype), cpu_buffers.empty((N, L, D), qa.dtype)
+        dv = cpu_buffers.empty((N, L, E), qa.dtype)
         from attnkit.numba_pool import kernel_threads
         edge = _blocks(N, nq, kernel_threads()) > 1
         dk_e = np.zeros((N, L, D) if edge else (N, 0, D), dtype=qa.dtype)
