@@ -157,12 +157,27 @@ def linear_attention_backward(product: Product, ctx: Any, g_out: Tensor | None, 
     # give strides that differ between tracing (fake tensors) and running, and the reshapes below
     # would then be traced as views that do not apply at run time
     phi_q, phi_k, v, S0, z0, out, den = (t.contiguous() for t in ctx.saved_tensors)
+    grads = backward_products(product, phi_q, phi_k, v, S0, z0, out, den, ctx.needs_input_grad[:5], ctx.causal,
+                              ctx.chunk, g_out, g_den, g_S, g_z, prep)
+    return (*grads, None, None)
+
+
+def backward_products(product: Product, phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Tensor, z0: Tensor,
+                      out: Tensor, den: Tensor, needs: Any, causal: bool, chunk: int, g_out: Tensor | None,
+                      g_den: Tensor | None, g_S: Tensor | None, g_z: Tensor | None,
+                      prep: Callable[..., Any] | None = None, dq_of: Callable[..., Tensor] | None = None,
+                      dk_of: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor | None, ...]:
+    """:func:`linear_attention_backward` on tensors: ``(d phi_q, d phi_k, dv, dS0, dz0)`` (None where ``needs``,
+    five flags, says no). ``dq_of(g', w', S'_0^T, z)`` and ``dk_of(w', g', G^T, z)`` (``(N, L, .)`` sequences)
+    replace the first two products (``dk_of`` returns the gradient and the final state): the performer's training
+    operator runs its features' backward on their blocks there (:mod:`.performer.numba_train`), and the first
+    two results are then the gradients of whatever those functions differentiate (``(B, H, L, .)``)."""
     g_out = None if g_out is None else g_out.contiguous()
-    need_q, need_k, need_v, need_S0, need_z0 = ctx.needs_input_grad[:5]
+    need_q, need_k, need_v, need_S0, need_z0 = needs
     B, H, L, M = phi_q.shape
     E = v.shape[-1]
     N = B * H
-    fwd, rev = ("causal", "reverse") if ctx.causal else ("full", "full")
+    fwd, rev = ("causal", "reverse") if causal else ("full", "full")
     if prep is not None and g_den is None and v.shape[2] == L:
         gp, vp, g_num = prep(None if g_out is None else _seq(g_out), _seq(out), den.reshape(N, L), _seq(v))
     else:
@@ -175,28 +190,33 @@ def linear_attention_backward(product: Product, ctx: Any, g_out: Tensor | None, 
             g_d = g_d + g_den
         gp = torch.cat([g_num, g_d.unsqueeze(-1)], dim=-1)                   # (B, H, L, E+1)
         vp = with_ones_column(v)                                              # (B, H, S, E+1)
+    gp, vp = _seq(gp), _seq(vp)
     G_S = torch.zeros_like(S0) if g_S is None else g_S
     G_z = torch.zeros_like(z0) if g_z is None else g_z
     no_z = phi_q.new_zeros(N, E + 1)
     dq = dk = dv = dS0 = dz0 = None
     if need_q:
-        Sp0T = torch.cat([S0, z0.unsqueeze(-1)], dim=-1).transpose(-1, -2).reshape(N, E + 1, M)
-        dq = product(_seq(gp), _seq(vp), _seq(phi_k), Sp0T.contiguous(), no_z, fwd, ctx.chunk, False,
-                     False)[0].view(phi_q.shape)
+        Sp0T = torch.cat([S0, z0.unsqueeze(-1)], dim=-1).transpose(-1, -2).reshape(N, E + 1, M).contiguous()
+        if dq_of is None:
+            dq = product(gp, vp, _seq(phi_k), Sp0T, no_z, fwd, chunk, False, False)[0]
+        else:
+            dq = dq_of(gp, vp, Sp0T, no_z)
+        dq = dq.view(B, H, L, -1)
     if need_k or need_S0 or need_z0:
-        GT = torch.cat([G_S, G_z.unsqueeze(-1)], dim=-1).transpose(-1, -2).reshape(N, E + 1, M)
-        dk_, _, dSpT, _ = product(_seq(vp), _seq(gp), _seq(phi_q), GT.contiguous(), no_z, rev, ctx.chunk, False,
-                                  False)
-        dk = dk_.view(phi_k.shape)
+        GT = torch.cat([G_S, G_z.unsqueeze(-1)], dim=-1).transpose(-1, -2).reshape(N, E + 1, M).contiguous()
+        if dk_of is None:
+            dk_, _, dSpT, _ = product(vp, gp, _seq(phi_q), GT, no_z, rev, chunk, False, False)
+        else:
+            dk_, dSpT = dk_of(vp, gp, GT, no_z)
+        dk = dk_.view(B, H, phi_k.shape[2], -1)
         dSp0 = dSpT.view(B, H, E + 1, M).transpose(-1, -2)
         dS0, dz0 = dSp0[..., :E].contiguous(), dSp0[..., E].contiguous()
     if need_v:
         dv = product(_seq(phi_k), _seq(phi_q), _seq(g_num), G_S.reshape(N, M, E).contiguous(),
-                     phi_q.new_zeros(N, M), rev, ctx.chunk, False, False)[0].view(v.shape)
+                     phi_q.new_zeros(N, M), rev, chunk, False, False)[0].view(v.shape)
     # in the inputs' dtypes (the products return float32 for half-precision inputs; no-ops otherwise)
-    dq, dk, dv, dS0, dz0 = (None if g is None else g.to(t.dtype) for g, t in
-                            zip((dq, dk, dv, dS0, dz0), (phi_q, phi_k, v, S0, z0), strict=True))
-    return dq, dk, dv, dS0, dz0, None, None
+    return tuple(None if g is None else g.to(t.dtype) for g, t in
+                 zip((dq, dk, dv, dS0, dz0), (phi_q, phi_k, v, S0, z0), strict=True))
 
 
 def define_linear_attention(backend: str, product: Product, prep: Callable[..., Any] | None = None) -> Any:

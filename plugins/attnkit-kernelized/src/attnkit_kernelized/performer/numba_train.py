@@ -26,11 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from .._busy import busy_threads
-from .._ops import _seq, define
+from .._ops import _seq, backward_products, define
 from ..linear.numba_ops import numba_linear_backward_inputs, numba_linear_product, numba_linear_product_features
 from .numba_fused import run_fused
 
@@ -68,33 +67,27 @@ def _backward(ctx: Any, g_out: Tensor | None, _g_den: Tensor | None, g_S: Tensor
 
 def _backward_body(ctx: Any, g_out: Tensor | None, g_S: Tensor | None, g_z: Tensor | None
                    ) -> tuple[Tensor | None, ...]:
+    """The linear backward (:func:`.._ops.backward_products`, the numba products and one-pass inputs) with its
+    ``d phi_q`` and ``d phi_k`` products replaced by the features-epilogue ones: ``dq``, ``dk`` directly."""
     k, v, w, pad, S0, z0, out, den, phi_q, phi_k = ctx.saved_tensors
     need_q, need_k, need_v, _, _, _, need_S0, need_z0 = ctx.needs_input_grad[:8]
-    B, H, L, M = phi_q.shape
-    E = v.shape[-1]
+    B, H, L, _ = phi_q.shape
     N = B * H
     chunk = ctx.chunk
-    gp, vp, g_num = numba_linear_backward_inputs(None if g_out is None else _seq(g_out), _seq(out),
-                                                 den.reshape(N, L), _seq(v))
-    G_S = torch.zeros_like(S0) if g_S is None else g_S
-    G_z = torch.zeros_like(z0) if g_z is None else g_z
-    no_z = phi_q.new_zeros(N, E + 1)
-    dq = dk = dv = dS0 = dz0 = None
-    if need_q:
-        Sp0T = torch.cat([S0, z0.unsqueeze(-1)], dim=-1).transpose(-1, -2).reshape(N, E + 1, M).contiguous()
-        dq = numba_linear_product_features(gp, vp, _seq(phi_k), Sp0T, no_z, False, chunk, _seq(phi_q), w, None,
-                                           None, 0.0)[0].view(B, H, L, -1)
-    if need_k or need_S0 or need_z0:
-        GT = torch.cat([G_S, G_z.unsqueeze(-1)], dim=-1).transpose(-1, -2).reshape(N, E + 1, M).contiguous()
-        padn = None if pad is None else pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(N, L).contiguous()
-        dk_, dSpT, _ = numba_linear_product_features(vp, gp, _seq(phi_q), GT, no_z, True, chunk, _seq(phi_k), w,
-                                                     _seq(k), padn, ctx.scale)
-        dk = dk_.view(B, H, L, -1)
-        dSp0 = dSpT.view(B, H, E + 1, M).transpose(-1, -2)
-        dS0, dz0 = dSp0[..., :E].contiguous(), dSp0[..., E].contiguous()
-    if need_v:
-        dv = numba_linear_product(_seq(phi_k), _seq(phi_q), g_num, G_S.reshape(N, M, E).contiguous(),
-                                  phi_q.new_zeros(N, M), "reverse", chunk, False, False)[0].view(v.shape)
+    padn = None if pad is None else pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(N, L).contiguous()
+
+    def dq_of(gp: Tensor, vp: Tensor, Sp0T: Tensor, no_z: Tensor) -> Tensor:
+        return numba_linear_product_features(gp, vp, _seq(phi_k), Sp0T, no_z, False, chunk, _seq(phi_q), w, None,
+                                             None, 0.0)[0]
+
+    def dk_of(vp: Tensor, gp: Tensor, GT: Tensor, no_z: Tensor) -> tuple[Tensor, Tensor]:
+        dk, dSpT, _ = numba_linear_product_features(vp, gp, _seq(phi_q), GT, no_z, True, chunk, _seq(phi_k), w,
+                                                    _seq(k), padn, ctx.scale)
+        return dk, dSpT
+
+    dq, dk, dv, dS0, dz0 = backward_products(
+        numba_linear_product, phi_q, phi_k, v, S0, z0, out, den, (need_q, need_k, need_v, need_S0, need_z0), True,
+        chunk, g_out, None, g_S, g_z, numba_linear_backward_inputs, dq_of, dk_of)
     return dq, dk, dv, None, None, None, dS0, dz0, None
 
 
