@@ -201,14 +201,14 @@ def backward_products(product: Product, phi_q: Tensor, phi_k: Tensor, v: Tensor,
             dq = product(gp, vp, _seq(phi_k), Sp0T, no_z, fwd, chunk, False, False)[0]
         else:
             dq = dq_of(gp, vp, Sp0T, no_z)
-        dq = dq.view(B, H, L, -1)
+        dq = dq.view(B, H, L, dq.shape[-1])
     if need_k or need_S0 or need_z0:
         GT = torch.cat([G_S, G_z.unsqueeze(-1)], dim=-1).transpose(-1, -2).reshape(N, E + 1, M).contiguous()
         if dk_of is None:
             dk_, _, dSpT, _ = product(vp, gp, _seq(phi_q), GT, no_z, rev, chunk, False, False)
         else:
             dk_, dSpT = dk_of(vp, gp, GT, no_z)
-        dk = dk_.view(B, H, phi_k.shape[2], -1)
+        dk = dk_.view(B, H, phi_k.shape[2], dk_.shape[-1])
         dSp0 = dSpT.view(B, H, E + 1, M).transpose(-1, -2)
         dS0, dz0 = dSp0[..., :E].contiguous(), dSp0[..., E].contiguous()
     if need_v:
