@@ -35,9 +35,9 @@ def _calls(OUT, C, Y, n, wide):  # pragma: no cover - compiled
     N = Y.shape[1]
     for _ in range(n):
         if wide:
-            _panels_512(OUT, 0, N, M, C, 0, K, 1, Y, 0, N, K, N)
+            _panels_512(OUT, 0, N, M, C, 0, K, 1, Y, 0, N, K, N, 1)
         else:
-            _panels_256(OUT, 0, N, M, C, 0, K, 1, Y, 0, N, K, N)
+            _panels_256(OUT, 0, N, M, C, 0, K, 1, Y, 0, N, K, N, 1)
 
 
 def _median(f, repeats: int) -> float:  # noqa: ANN001

@@ -1,7 +1,8 @@
 """The register panels of :mod:`attnkit.numba_panel` (tested here: the core itself does not depend on numba)
-against float64 numpy products: every row and column remainder, offsets into the operands, strided
-coefficients, non-unit output strides (the plain-loop fallback), empty sums; its register-tile transpose
-against numpy's, exactly; the aligned tile buffers; the engine's row ``exp``."""
+against float64 numpy products (added to the output, or written over it: ``set_rows``): every row and column
+remainder, offsets into the operands, strided coefficients, non-unit output strides (the plain-loop fallback),
+empty sums; its register-tile transpose against numpy's, exactly; the aligned tile buffers; the engine's row
+``exp``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from attnkit.numba_panel import (
     axpy_rows,
     axpy_t,
     empty_aligned,
+    set_rows,
     transpose,
     zeros_aligned,
 )
@@ -113,6 +115,32 @@ def test_axpy_rows_matches_numpy(dt: type, shape: tuple[int, int, int]) -> None:
     np.testing.assert_allclose(OUT, ref, **_tol(dt))
 
 
+@numba.njit(cache=True)
+def _set(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
+    set_rows(OUT, C, Y, on, yn, ne)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["rows", "strided"])
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_set_rows_overwrites(dt: type, shape: tuple[int, int, int], strided: bool) -> None:
+    """:func:`set_rows` writes the product over whatever the output block held (NaN here, in the panels' columns
+    and the plain loop's, and with no terms at all: zeros), through the panels or, for an output whose rows are
+    strided, the plain loop; columns past ``ne`` and rows past ``on`` keep their values."""
+    on, K, ne = shape
+    rng = np.random.default_rng(13 + on * 100 + K * 10 + ne)
+    C = rng.standard_normal((on + 3, K + 2)).astype(dt)
+    Y = rng.standard_normal((K + 1, ne + 5)).astype(dt)
+    OUT = rng.standard_normal((on + 4, 2 * (ne + 3))).astype(dt)
+    OUT[1:1 + on, :2 * ne] = np.nan
+    ref = OUT.astype(np.float64)
+    view = OUT[1:, ::2] if strided else OUT[1:]
+    (ref[1:, ::2] if strided else ref[1:])[:on, :ne] = C[2:2 + on, :K].astype(np.float64) @ Y[:K, :ne].astype(
+        np.float64)
+    _set(view, C[2:], Y, on, K, ne)
+    np.testing.assert_allclose(OUT, ref, **_tol(dt))
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 def test_strided_operands(dt: type) -> None:
     """Coefficients read through a transposed view; an output and terms whose rows are not contiguous take the
@@ -167,35 +195,44 @@ def test_transpose_views(dt: type) -> None:
 
 
 @numba.njit(cache=True)
-def _both_widths(OUT, C, Y, on, yn, ne, wide):  # pragma: no cover - compiled
+def _both_widths(OUT, C, Y, on, yn, ne, wide, keep=1):  # pragma: no cover - compiled
     it = OUT.itemsize
     if wide:
         _panels_512(OUT, 0, OUT.strides[0] // it, on, C, 0, C.strides[0] // it, C.strides[1] // it, Y, 0,
-                    Y.strides[0] // it, yn, ne)
+                    Y.strides[0] // it, yn, ne, keep)
     else:
         _panels_256(OUT, 0, OUT.strides[0] // it, on, C, 0, C.strides[0] // it, C.strides[1] // it, Y, 0,
-                    Y.strides[0] // it, yn, ne)
+                    Y.strides[0] // it, yn, ne, keep)
 
 
+@pytest.mark.parametrize("keep", [1, 0], ids=["add", "set"])
 @pytest.mark.parametrize("wide", [False, True], ids=["256-bit", "512-bit"])
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("shape", [(4, 5, 64), (5, 9, 120), (7, 3, 56), (9, 17, 72), (3, 4, 200), (8, 6, 16),
-                                   (1, 2, 8), (6, 5, 4)])
-def test_panel_widths_cover_their_columns(wide: bool, dt: type, shape: tuple[int, int, int]) -> None:
+                                   (1, 2, 8), (6, 5, 4), (17, 3, 16)])
+def test_panel_widths_cover_their_columns(keep: int, wide: bool, dt: type, shape: tuple[int, int, int]) -> None:
     """Either width (:data:`attnkit.numba_panel.PANEL_BITS` picks one by the CPU; both run on any x86-64 CPU,
     a 512-bit one as two halves without AVX-512): each column below ``E - E % h`` (``h`` the lanes of a 256-bit
-    vector) gets its sum, through every block of 4, 2, 1 wide vectors and the half-width tail, full 4-row
-    panels and the remaining rows; the tail columns and the rows past ``on`` are left untouched."""
+    vector) gets its sum, through every block of 4, 2, 1 wide vectors (and the 16-row panel) and the half-width
+    tail, full 4-row panels and the remaining rows, added to the output (``keep`` 1) or written over it
+    (``keep`` 0: NaN there before must not survive); the tail columns and the rows past ``on`` are left
+    untouched."""
     on, K, E = shape
     h = 8 if dt == np.float32 else 4
     cover = E - E % h
     rng = np.random.default_rng(on * 1000 + K * 10 + E + wide)
-    C = rng.standard_normal((on + 2, K)).astype(dt)
+    C = np.asfortranarray(rng.standard_normal((on + 2, K)).astype(dt))   # column-major: the 16-row panel's terms
     Y = rng.standard_normal((K, E)).astype(dt)
     OUT = rng.standard_normal((on + 2, E)).astype(dt)
+    if not keep:
+        OUT[:on, :cover] = np.nan
     ref = OUT.astype(np.float64)
-    ref[:on, :cover] += C[:on].astype(np.float64) @ Y[:, :cover].astype(np.float64)
-    _both_widths(OUT, C, Y, on, K, E, wide)
+    prod = C[:on].astype(np.float64) @ Y[:, :cover].astype(np.float64)
+    if keep:
+        ref[:on, :cover] += prod
+    else:
+        ref[:on, :cover] = prod
+    _both_widths(OUT, C, Y, on, K, E, wide, keep)
     np.testing.assert_allclose(OUT, ref, **_tol(dt))
 
 

@@ -20,6 +20,10 @@ without it LLVM calls the library's ``fma`` (correct, slow).
 Used by the sparse plugin's fused ``lsh``/``routing`` tiles and by the kernelized plugin's tile
 (``attnkit_kernelized._tiles.axpy_rows``: linear's and performer's products).
 
+:func:`set_rows` is :func:`axpy_rows` writing ``OUT = C @ Y`` instead: the accumulators start at zero and the
+output block is never read, so a kernel need not zero it first (the kernelized plugin's projections and causal
+blocks: performer's and linear's causal forward 1.08x at L = 8,192, session 63, docs/benchmarks.md).
+
 A tile buffer the panels read as vectors should start on a cache line (:func:`empty_aligned`): a 512-bit load
 from an address that is not a multiple of 64 bytes touches two lines. numba's ``np.empty`` starts an array on 32
 bytes (half of them on 64, by chance, per allocation): a ``32 x 64 x 256`` float32 product ran at 110 GFLOP/s
@@ -54,8 +58,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["LANES32", "PANEL_BITS", "ALIGN", "axpy_at", "axpy_t", "axpy_rows", "transpose", "empty_aligned",
-           "zeros_aligned"]
+__all__ = ["LANES32", "PANEL_BITS", "ALIGN", "axpy_at", "axpy_t", "axpy_rows", "set_rows", "transpose",
+           "empty_aligned", "zeros_aligned"]
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -102,25 +106,26 @@ PANEL_BITS = _panel_bits()
 
 
 def _make_panel(R: int, NV: int, wide: bool = False, unit_r: bool = False):  # noqa: ANN202 - returns an intrinsic
-    """An intrinsic ``panel(OUT, o, os, C, c, crs, cjs, Y, y, ys, K)``: for ``r < R`` and the ``NV·W`` columns
-    from element offset ``o`` of ``OUT`` (``W`` = 8 float32 or 4 float64 lanes; ``wide``: 16 and 8, 512-bit
-    vectors), ``OUT[o + r·os + e] += sum_{j < K} C[c + r·crs + j·cjs] · Y[y + j·ys + e]`` (offsets and strides
-    in elements, from each array's data pointer). ``unit_r``: the coefficients of one term are adjacent
+    """An intrinsic ``panel(OUT, o, os, C, c, crs, cjs, Y, y, ys, K, keep)``: for ``r < R`` and the ``NV·W``
+    columns from element offset ``o`` of ``OUT`` (``W`` = 8 float32 or 4 float64 lanes; ``wide``: 16 and 8,
+    512-bit vectors), ``OUT[o + r·os + e] += sum_{j < K} C[c + r·crs + j·cjs] · Y[y + j·ys + e]`` (offsets and
+    strides in elements, from each array's data pointer); ``keep`` 0: ``=`` instead of ``+=`` (the accumulators
+    start at zero, ``OUT`` is not read: no pass zeroing it first). ``unit_r``: the coefficients of one term are adjacent
     (``crs`` is taken as 1, whatever is passed): their addresses are constant offsets, not ``R`` products with a
     stride known only at run time, which a tall panel has no registers left to hold."""
 
     @intrinsic
-    def panel(typingctx, OUT, o, os_, C, c, crs, cjs, Y, y, ys, K):  # noqa: ANN001, ANN202
+    def panel(typingctx, OUT, o, os_, C, c, crs, cjs, Y, y, ys, K, keep):  # noqa: ANN001, ANN202
         for a in (OUT, C, Y):
             if not isinstance(a, types.Array) or a.dtype not in (types.float32, types.float64):
                 return None
         if not (OUT.dtype == C.dtype == Y.dtype):
             return None
         sig = types.void(OUT, types.intp, types.intp, C, types.intp, types.intp, types.intp, Y, types.intp,
-                         types.intp, types.intp)
+                         types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-            aout, ov, osv, ac, cv, crsv, cjsv, ay, yv, ysv, kv = args
+            aout, ov, osv, ac, cv, crsv, cjsv, ay, yv, ysv, kv, keepv = args
             ft = context.get_value_type(signature.args[0].dtype)
             is32 = signature.args[0].dtype == types.float32
             W = (8 if is32 else 4) * (2 if wide else 1)
@@ -140,7 +145,19 @@ def _make_panel(R: int, NV: int, wide: bool = False, unit_r: bool = False):  # n
                 row = builder.gep(pout, [builder.mul(osv, _const(r))])
                 return builder.bitcast(builder.gep(row, [_const(v * W)]), pvt)
 
-            init = [builder.load(out_vec(r, v), align=1) for r in range(R) for v in range(NV)]
+            with builder.if_else(builder.icmp_signed("!=", keepv, _const(0))) as (then, otherwise):
+                with then:           # accumulate: the output block's current values
+                    loaded = [builder.load(out_vec(r, v), align=1) for r in range(R) for v in range(NV)]
+                    from_load = builder.block
+                with otherwise:      # overwrite: zeros, nothing read
+                    from_zero = builder.block
+            zeros = ir.Constant(vt, [ir.Constant(ft, 0.0)] * W)
+            init = []
+            for a in loaded:
+                ph = builder.phi(vt)
+                ph.add_incoming(a, from_load)
+                ph.add_incoming(zeros, from_zero)
+                init.append(ph)
             pre = builder.block
             head = builder.append_basic_block("panel.head")
             body = builder.append_basic_block("panel.body")
@@ -195,9 +212,10 @@ _Q16x1 = _make_panel(16, 1, wide=True, unit_r=True)
 
 
 @numba.njit(cache=True)
-def _panels_256(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: no cover - compiled
+def _panels_256(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E, keep):  # pragma: no cover - compiled
     """``OUT[o + r·os + e] += sum_{j<K} C[c + r·crs + j·cjs] · Y[y + j·ys + e]`` for ``r < rows``, ``e < E - E % W``
-    (element offsets and strides; unit stride along ``e``; ``W`` = 8 float32, 4 float64 lanes: 256-bit vectors).
+    (element offsets and strides; unit stride along ``e``; ``W`` = 8 float32, 4 float64 lanes: 256-bit vectors);
+    ``keep`` 0: ``=`` instead of ``+=``.
 
     A plain call, not inlined: inlined into every product of a kernel it added ~12 s to the compile of
     linear's fused forward (44-52 s against 32-38 s before the panels, cold cache); called, that compile
@@ -210,20 +228,20 @@ def _panels_256(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: n
         ob = o + r * os_
         cb = c + r * crs
         for e in range(0, e2, 2 * W):
-            _P4x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+            _P4x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
         if e1 > e2:
-            _P4x1(OUT, ob + e2, os_, C, cb, crs, cjs, Y, y + e2, ys, K)
+            _P4x1(OUT, ob + e2, os_, C, cb, crs, cjs, Y, y + e2, ys, K, keep)
     for r in range(r4, rows):
         ob = o + r * os_
         cb = c + r * crs
         for e in range(0, e2, 2 * W):
-            _P1x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+            _P1x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
         if e1 > e2:
-            _P1x1(OUT, ob + e2, os_, C, cb, crs, cjs, Y, y + e2, ys, K)
+            _P1x1(OUT, ob + e2, os_, C, cb, crs, cjs, Y, y + e2, ys, K, keep)
 
 
 @numba.njit(cache=True)
-def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: no cover - compiled
+def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E, keep):  # pragma: no cover - compiled
     """:func:`_panels_256` on 512-bit vectors (``W`` = 16 float32, 8 float64 lanes): columns in blocks of 4, 2
     and 1 vectors, then one 256-bit vector, so the same ``E - E % (W / 2)`` columns are covered. A last single
     vector of columns runs 16 rows at a time where the coefficients of a term are adjacent (``crs == 1``, as
@@ -238,38 +256,38 @@ def _panels_512(OUT, o, os_, rows, C, c, crs, cjs, Y, y, ys, K, E):  # pragma: n
         cb = c + r0 * crs
         if rows - r0 >= 4:
             for e in range(0, e4, 4 * W):
-                _Q4x4(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                _Q4x4(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
             e = e4
             if E - e >= 2 * W:
-                _Q4x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                _Q4x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
                 e += 2 * W
             if E - e >= W:
                 e1 = e
                 e += W
             if E - e >= h:
-                _P4x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                _P4x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
         else:
             for r in range(r0, rows):
                 ob = o + r * os_
                 cb = c + r * crs
                 for e in range(0, e4, 4 * W):
-                    _Q1x4(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                    _Q1x4(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
                 e = e4
                 if E - e >= 2 * W:
-                    _Q1x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                    _Q1x2(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
                     e += 2 * W
                 if E - e >= W:
-                    _Q1x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                    _Q1x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
                     e += W
                 if E - e >= h:
-                    _P1x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K)
+                    _P1x1(OUT, ob + e, os_, C, cb, crs, cjs, Y, y + e, ys, K, keep)
     if e1 >= 0:                 # the single vector of the rows in groups of 4
         r4 = rows - rows % 4
         r16 = r4 - r4 % 16 if crs == 1 else 0
         for r0 in range(0, r16, 16):
-            _Q16x1(OUT, o + r0 * os_ + e1, os_, C, c + r0 * crs, crs, cjs, Y, y + e1, ys, K)
+            _Q16x1(OUT, o + r0 * os_ + e1, os_, C, c + r0 * crs, crs, cjs, Y, y + e1, ys, K, keep)
         for r0 in range(r16, r4, 4):
-            _Q4x1(OUT, o + r0 * os_ + e1, os_, C, c + r0 * crs, crs, cjs, Y, y + e1, ys, K)
+            _Q4x1(OUT, o + r0 * os_ + e1, os_, C, c + r0 * crs, crs, cjs, Y, y + e1, ys, K, keep)
 
 
 #: the panels the products call (:data:`PANEL_BITS`)
@@ -281,11 +299,18 @@ LANES32 = PANEL_BITS // 32
 
 
 @numba.njit(cache=True, inline="always")
-def _axpy(OUT, o0, n, C, i0, j0, ct, Y, y0, K, E):  # pragma: no cover - compiled
+def _axpy(OUT, o0, n, C, i0, j0, ct, Y, y0, K, E, keep=1):  # pragma: no cover - compiled
     """``OUT[o0 + r, e] += sum_{k < K} c(r, k) · Y[y0 + k, e]`` for ``r < n``, ``e < E``, with the coefficient
     ``c(r, k) = C[i0 + r, j0 + k]``, or ``C[j0 + k, i0 + r]`` when ``ct`` (given transposed): the register panels,
-    a plain loop when rows of ``OUT`` or ``Y`` are strided, and the last ``E % W`` columns in a plain loop."""
-    if n <= 0 or K <= 0 or E <= 0:
+    a plain loop when rows of ``OUT`` or ``Y`` are strided, and the last ``E % W`` columns in a plain loop.
+    ``keep`` 0: ``=`` instead of ``+=`` (``OUT``'s block is not read; ``K`` = 0 then writes zeros)."""
+    if n <= 0 or E <= 0:
+        return
+    if K <= 0:
+        if not keep:
+            for r in range(n):
+                for e in range(E):
+                    OUT[o0 + r, e] = 0
         return
     it = OUT.itemsize
     sh = 2 if it == 4 else 3                   # strides in elements by a shift (``// it``: four integer divisions
@@ -295,12 +320,14 @@ def _axpy(OUT, o0, n, C, i0, j0, ct, Y, y0, K, E):  # pragma: no cover - compile
     if OUT.strides[1] == it and Y.strides[1] == it:
         os_ = OUT.strides[0] >> sh
         ys = Y.strides[0] >> sh
-        _panels(OUT, o0 * os_, os_, n, C, i0 * cr + j0 * ck, cr, ck, Y, y0 * ys, ys, K, E)
+        _panels(OUT, o0 * os_, os_, n, C, i0 * cr + j0 * ck, cr, ck, Y, y0 * ys, ys, K, E, keep)
         e0 = E - E % (8 if it == 4 else 4)
     for e in range(e0, E):
         for r in range(n):
-            acc = OUT[o0 + r, e]
-            for k in range(K):
+            acc = (C[j0, i0 + r] if ct else C[i0 + r, j0]) * Y[y0, e]     # K > 0 here
+            if keep:
+                acc = OUT[o0 + r, e] + acc
+            for k in range(1, K):
                 acc += (C[j0 + k, i0 + r] if ct else C[i0 + r, j0 + k]) * Y[y0 + k, e]
             OUT[o0 + r, e] = acc
 
@@ -325,6 +352,13 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
     ``C (>= on, >= yn)``, ``Y (>= yn, >= ne)``, one float dtype; rows of ``OUT`` and ``Y`` with unit stride,
     else a plain loop; ``OUT`` distinct from ``C`` and ``Y``)."""
     _axpy(OUT, 0, on, C, 0, 0, False, Y, 0, yn, ne)
+
+
+@numba.njit(cache=True, inline="always")
+def set_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
+    """``OUT[i, :ne] = sum_{j < yn} C[i, j] · Y[j, :ne]`` for ``i < on``: :func:`axpy_rows` with the output block
+    overwritten, not read (no pass zeroing it before the product; zeros where ``yn`` is 0)."""
+    _axpy(OUT, 0, on, C, 0, 0, False, Y, 0, yn, ne, 0)
 
 
 #: bytes a tile buffer's data is aligned to by :func:`empty_aligned` (one cache line: a 512-bit vector)
