@@ -42,7 +42,6 @@ def forward_parts(L: int, rounds: int) -> None:
         yb = empty_aligned(chunk, M, Q)
         yT = empty_aligned(M, chunk, Q)
         A = empty_aligned(chunk, chunk, Q)
-        ob = empty_aligned(chunk, E, Q)
         db = np.empty(chunk, dtype=Q.dtype)
         mb = np.empty(chunk, dtype=Q.dtype)
         h = np.empty(M, dtype=Q.dtype)
@@ -66,7 +65,7 @@ def forward_parts(L: int, rounds: int) -> None:
                 elif fk:
                     low = _key_block(yb, K[n, c0:], WT, T, pad[n], s2h, h, low, zero)
                 if fc:
-                    causal_block_normalised(xb, yb, yT, A, ob, db, V[n], out[n], S, z, c0, T, M, E, zero)
+                    causal_block_normalised(xb, yb, yT, A, db, V[n], out[n], S, z, c0, T, M, E, zero)
         return low
 
     N, D, M, E = 4, 64, 256, 64

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import numba
 
-from attnkit.numba_panel import axpy_rows, transpose
+from attnkit.numba_panel import axpy_rows, set_rows, transpose
 
 from ._numba import FASTMATH
 
-__all__ = ["axpy_rows", "transpose", "divide_row", "feature_grad_row", "causal_block", "causal_block_normalised"]
+__all__ = ["axpy_rows", "set_rows", "transpose", "divide_row", "feature_grad_row", "causal_block",
+           "causal_block_normalised"]
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -63,21 +64,19 @@ def feature_grad_row(out, acc, g, X, p, padded, scale, zero):  # pragma: no cove
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)
-def causal_block(xc, wc, yT, A, oc, db, S, z, T, M, E, zero, with_den, normalize):  # pragma: no cover - compiled
+def causal_block(xc, wc, yc, yT, A, oc, db, S, z, T, M, E, zero, with_den, normalize):  # pragma: no cover - compiled
     """One block of ``T`` positions of the causal product, the block's features ready: ``xc (T, M)`` queries,
-    ``wc (T, E)`` values, ``yT (M, >= T)`` the keys transposed; ``(S, z)`` the state of the earlier blocks.
+    ``wc (T, E)`` values, ``yc (T, M)`` the keys and ``yT (M, >= T)`` the same keys transposed; ``(S, z)`` the
+    state of the earlier blocks.
 
-    Writes ``oc[:T] = x S + tril(x yᵀ) w`` and, with ``with_den``, ``db[:T] = x z + rowsum tril(x yᵀ)``; with
-    ``normalize`` too, ``oc`` is divided by it (0 where it is 0, NaN stays NaN). Then ``S += yᵀ w`` and, with
-    ``with_den``, ``z += Σ y``. ``A (>= T, >= T)`` is scratch. The causal triangle is taken four query rows at a
-    time over whole 16-column blocks up to the group's last row (so its rows vectorise), the group's diagonal
-    block cut to its lower triangle, then ``out += A w`` over the visible keys.
+    Writes ``oc[:T] = x S + tril(x yᵀ) w`` (``oc`` is not read first) and, with ``with_den``,
+    ``db[:T] = x z + rowsum tril(x yᵀ)``; with ``normalize`` too, ``oc`` is divided by it (0 where it is 0, NaN
+    stays NaN). Then ``S += yᵀ w`` and, with ``with_den``, ``z += Σ y`` (a key row at a time: along ``z``'s vector,
+    not ``M`` row sums of ``yT``, which took twice as long). ``A (>= T, >= T)`` is scratch. The causal triangle
+    is taken four query rows at a time over whole 16-column blocks up to the group's last row (so its rows
+    vectorise), the group's diagonal block cut to its lower triangle, then ``out += A w`` over the visible keys.
     """
-    for t in range(T):
-        o_ = oc[t]
-        for e in range(E):
-            o_[e] = zero
-    axpy_rows(oc, xc, S, T, M, E)                  # inter: the earlier blocks' state
+    set_rows(oc, xc, S, T, M, E)                   # inter: the earlier blocks' state (no zeroing pass first)
     for i in range(0, T, 4):
         r = min(4, T - i)
         n16 = min(T, (i + r + 15) // 16 * 16)
@@ -105,24 +104,18 @@ def causal_block(xc, wc, yT, A, oc, db, S, z, T, M, E, zero, with_den, normalize
                     divide_row(oc[i + t], s, E, zero)
     axpy_rows(S, yT, wc, M, T, E)                  # the state: S += yᵀ w over the block, z += Σ y
     if with_den:
-        for m in range(M):
-            yr = yT[m]
-            s = zero
-            for t in range(T):
-                s += yr[t]
-            z[m] += s
+        for t in range(T):
+            yr = yc[t]
+            for m in range(M):
+                z[m] += yr[m]
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)
-def causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero):  # pragma: no cover - compiled
+def causal_block_normalised(xb, yb, yT, A, db, vn, outn, S, z, c0, T, M, E, zero):  # pragma: no cover - compiled
     """:func:`causal_block` of the fused no-grad kernels of ``linear`` and ``performer``: the features ready in
-    ``xb`` / ``yb`` ``(>= T, M)``, ``yb`` transposed into ``yT``, the normalised output written to
-    ``outn[c0:c0+T]``. ``ob (>= T, E)`` and ``db (>= T)`` are scratch."""
+    ``xb`` / ``yb`` ``(>= T, M)``, ``yb`` transposed into ``yT``, the normalised output written straight to
+    ``outn[c0:c0+T]`` (the products are register panels, which do not care whose array they store to; a block
+    in ``ob`` copied out cost ~0.5 us of a ~25 us performer block). ``db (>= T)`` is scratch."""
     transpose(yT, yb, T, M)
     c1 = c0 + T
-    causal_block(xb[:T], vn[c0:c1], yT, A, ob, db, S, z, T, M, E, zero, True, True)
-    for t in range(T):
-        o_ = ob[t]
-        d_ = outn[c0 + t]
-        for e in range(E):
-            d_[e] = o_[e]
+    causal_block(xb[:T], vn[c0:c1], yb[:T], yT, A, outn[c0:c1], db, S, z, T, M, E, zero, True, True)

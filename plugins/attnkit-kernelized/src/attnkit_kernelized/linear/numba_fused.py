@@ -55,7 +55,6 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
     Kf = K.reshape((N, L * M))
     yT = empty_aligned(M, chunk, Q)   # ... transposed
     A = empty_aligned(chunk, chunk, Q)
-    ob = empty_aligned(chunk, E, Q)
     db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
     nbuf = np.empty(8, dtype=np.int32)        # elu1_row's scratch
     for n in range(n0, n1):
@@ -75,7 +74,7 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
                         row = yb[t]
                         for j in range(M):
                             row[j] = zero
-            causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero)
+            causal_block_normalised(xb, yb, yT, A, db, vn, outn, S, z, c0, T, M, E, zero)
         S_out[n] = S
         z_out[n] = z
 

@@ -57,7 +57,7 @@ from attnkit.numba_panel import empty_aligned
 
 from .._numba import FASTMATH, arr, check_float, output, rows
 from .._ops import call_linear_attention, define, define_linear_attention
-from .._tiles import axpy_rows, causal_block, divide_row, feature_grad_row, transpose
+from .._tiles import axpy_rows, causal_block, divide_row, feature_grad_row, set_rows, transpose
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
@@ -101,13 +101,14 @@ def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den,
                     ws = wn[c1 - 1 - t]; wd = wb[t]
                     for e in range(E):
                         wd[e] = ws[e]
-                transpose(yT, yn[c0:c1][::-1], T, M)
+                yc = yn[c0:c1][::-1]
+                transpose(yT, yc, T, M)
                 xc = xb[:T]; wc = wb[:T]
             else:
-                xc = xn[c0:c1]; wc = wn[c0:c1]
-                transpose(yT, yn[c0:c1], T, M)
+                xc = xn[c0:c1]; wc = wn[c0:c1]; yc = yn[c0:c1]
+                transpose(yT, yc, T, M)
             # ---- out = x S + the causal triangle (normalised with ``normalize``), den, then the state
-            causal_block(xc, wc, yT, A, ob, db, S, z, T, M, E, zero, with_den, normalize)
+            causal_block(xc, wc, yc, yT, A, ob, db, S, z, T, M, E, zero, with_den, normalize)
             # ---- the chunk's results out (back in position order in reverse mode)
             if feat_on:
                 _features_back_block(ob, gb, dxb, T, c0, c1, reverse, phi[n], W, X[n], pad[n], scale, outn, zero)
@@ -137,12 +138,10 @@ def _features_back_block(ob, gb, dxb, T, c0, c1, reverse, phin, W, Xn, padn, sca
     has_pad = padn.shape[0] > 0
     for t in range(T):
         p = c1 - 1 - t if reverse else c0 + t
-        o_ = ob[t]; f = phin[p]; g = gb[t]; d_ = dxb[t]
+        o_ = ob[t]; f = phin[p]; g = gb[t]
         for m in range(M):
             g[m] = o_[m] * f[m]
-        for d in range(D):
-            d_[d] = zero
-    axpy_rows(dxb, gb, W, T, M, D)
+    set_rows(dxb, gb, W, T, M, D)
     for t in range(T):
         p = c1 - 1 - t if reverse else c0 + t
         feature_grad_row(outn[p], dxb[t], gb[t], Xn, p, has_pad and padn[p], scale, zero)
@@ -201,22 +200,16 @@ def _full_rows(x, y, w, chunk, with_den, normalize, S0, z0, out, den, S_out, z_o
             transpose(yT, yn[c0:c1], T, M)
             axpy_rows(S, yT, wn[c0:c1], M, T, E)
             if with_den:
-                for m in range(M):
-                    yr = yT[m]
-                    s = zero
-                    for t in range(T):
-                        s += yr[t]
-                    z[m] += s
+                for t in range(c0, c1):            # along z's vector (as _tiles.causal_block)
+                    yr = yn[t]
+                    for m in range(M):
+                        z[m] += yr[m]
         # ---- out = x S, a chunk of queries at a time (into a buffer, copied out: see _causal_rows)
         for c0 in range(0, L, chunk):
             c1 = min(c0 + chunk, L)
             T = c1 - c0
             xc = xn[c0:c1]; oc = ob[:T]
-            for t in range(T):
-                o_ = oc[t]
-                for e in range(E):
-                    o_[e] = zero
-            axpy_rows(oc, xc, S, T, M, E)
+            set_rows(oc, xc, S, T, M, E)
             for t in range(T):
                 ot = oc[t]
                 if with_den:

@@ -8,7 +8,7 @@ queries; the shift, ``exp``, a maximum and a minimum over the keys), each a fres
 tensor, plus their autograd nodes. At M = 256 they took about 2.5x the time of the
 linear-attention kernel they feed (measured, session 25 in docs/benchmarks.md).
 Here each tensor gets **one** numba pass over blocks of 16 rows: the projection
-``X W'^T`` of the block (:func:`attnkit_kernelized._tiles.axpy_rows`, into a buffer
+``X W'^T`` of the block (:func:`attnkit_kernelized._tiles.set_rows`, into a buffer
 that stays in cache), the shift, the bounds and ``exp`` there, and one write of the
 features; the backward likewise forms ``g * phi`` a block at a time and multiplies it
 by ``W'`` in the same pass (no ``(B, H, L, M)`` temporary). Custom operators wrap them
@@ -46,7 +46,7 @@ from attnkit.numba_vreduce import row_max, row_min
 
 from .._numba import FASTMATH, arr, output, rows
 from .._ops import define
-from .._tiles import axpy_rows, feature_grad_row
+from .._tiles import feature_grad_row, set_rows
 from .._vexp import HALF, constants, exp_row
 
 # the plugin's flags (reassoc lets the row maximum and the norms vectorise); the exp (.._vexp) is compiled apart
@@ -58,19 +58,16 @@ _ITEM = 64    # rows per work item of the row-wise kernels (rows hands out range
 
 @numba.njit(cache=True, fastmath=_FM, inline="always")
 def _project(buf, X, WT, nb, zero):  # pragma: no cover - compiled
-    """``buf[:nb] = X[:nb] WT`` (``X (>= nb, D)``, ``WT (D, M)``, ``buf (>= nb, M)``) through :func:`axpy_rows`."""
+    """``buf[:nb] = X[:nb] WT`` (``X (>= nb, D)``, ``WT (D, M)``, ``buf (>= nb, M)``) through :func:`set_rows`
+    (the register panels start from zero: no pass zeroing ``buf`` first)."""
     D, M = WT.shape
-    for i in range(nb):
-        row = buf[i]
-        for j in range(M):
-            row[j] = zero
-    axpy_rows(buf, X, WT, nb, D, M)
+    set_rows(buf, X, WT, nb, D, M)
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
 def _query_rows(X, WT, P, cst, r0, r1):  # pragma: no cover - compiled
     """``P[r] = exp(p - max p)`` with ``p = X[r] WT`` for the rows ``r0 <= r < r1`` (``X (R, D)``, ``WT (D, M)``,
-    ``P (R, M)``). Each block of rows is projected into a buffer of its own (:func:`axpy_rows`), exponentiated
+    ``P (R, M)``). Each block of rows is projected into a buffer of its own (:func:`set_rows`), exponentiated
     there and copied out (writes into argument arrays vectorise less: LLVM must assume they alias the inputs)."""
     M = WT.shape[1]
     zero = cst[HALF] - cst[HALF]
@@ -157,12 +154,10 @@ def _back_rows(G, PHI, W, X, pad, scale, DX, r0, r1):  # pragma: no cover - comp
     for b0 in range(r0, r1, _BLOCK):
         nb = min(_BLOCK, r1 - b0)
         for i in range(nb):
-            g = G[b0 + i]; f = PHI[b0 + i]; row = gb[i]; o = ob[i]
+            g = G[b0 + i]; f = PHI[b0 + i]; row = gb[i]
             for j in range(M):
                 row[j] = g[j] * f[j]
-            for d in range(D):
-                o[d] = zero
-        axpy_rows(ob, gb, W, nb, M, D)
+        set_rows(ob, gb, W, nb, M, D)
         for i in range(nb):
             feature_grad_row(DX[b0 + i], ob[i], gb[i], X, b0 + i, has_pad and pad[b0 + i], scale, zero)
 

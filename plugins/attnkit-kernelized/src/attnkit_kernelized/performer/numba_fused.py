@@ -111,7 +111,6 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, chunk, bound, S0, z0, out, S_out, z_
     yb = empty_aligned(chunk, M, Q)   # the block's key features
     yT = empty_aligned(M, chunk, Q)   # ... transposed
     A = empty_aligned(chunk, chunk, Q)
-    ob = empty_aligned(chunk, E, Q)
     db = np.empty(chunk, dtype=Q.dtype)        # the block's denominators (scratch)
     mb = np.empty(chunk, dtype=Q.dtype)        # the block's query maxima (scratch)
     hb = np.empty(M, dtype=Q.dtype)      # hi[n] (a local buffer: updates of an argument array vectorise less)
@@ -132,7 +131,7 @@ def _fused_rows(Q, K, V, WT, pad, s2h, cst, chunk, bound, S0, z0, out, S_out, z_
             low = _key_block(yb, kn[c0:], WT, T, pad[n, c0:] if has_pad else pad[n], s2h, h, low, zero)
             if low < -bound or row_max(h) > bound:
                 break               # the caller discards the result (hi, lo show why)
-            causal_block_normalised(xb, yb, yT, A, ob, db, vn, outn, S, z, c0, T, M, E, zero)
+            causal_block_normalised(xb, yb, yT, A, db, vn, outn, S, z, c0, T, M, E, zero)
             if keep:
                 for t in range(T):
                     a_ = xb[t]; b_ = yb[t]; pa = PQ[n, c0 + t]; pb = PK[n, c0 + t]
