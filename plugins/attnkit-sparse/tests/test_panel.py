@@ -18,7 +18,9 @@ from attnkit.numba_panel import (
     axpy_rows,
     axpy_t,
     empty_aligned,
+    set_at,
     set_rows,
+    set_t,
     transpose,
     zeros_aligned,
 )
@@ -138,6 +140,40 @@ def test_set_rows_overwrites(dt: type, shape: tuple[int, int, int], strided: boo
     (ref[1:, ::2] if strided else ref[1:])[:on, :ne] = C[2:2 + on, :K].astype(np.float64) @ Y[:K, :ne].astype(
         np.float64)
     _set(view, C[2:], Y, on, K, ne)
+    np.testing.assert_allclose(OUT, ref, **_tol(dt))
+
+
+@numba.njit(cache=True)
+def _set_at(OUT, on, C, c0, Y, y0, yn):  # pragma: no cover - compiled
+    set_at(OUT, on, C, c0, Y, y0, yn)
+
+
+@numba.njit(cache=True)
+def _set_t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
+    set_t(OUT, o0, n, CT, Y, y0, j0, j1)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_set_at_and_set_t_overwrite(dt: type, shape: tuple[int, int, int]) -> None:
+    """:func:`set_at` and :func:`set_t` (coefficients key-major: the 16-row panels for one vector of columns)
+    write over NaN; no terms write zeros; rows outside the block keep their values."""
+    on, K, E = shape
+    rng = np.random.default_rng(17 + on * 100 + K * 10 + E)
+    C = rng.standard_normal((on + 2, K + 5)).astype(dt)
+    Y = rng.standard_normal((K + 6, E)).astype(dt)
+    OUT = rng.standard_normal((on + 1, E)).astype(dt)
+    OUT[:on] = np.nan
+    ref = OUT.astype(np.float64)
+    ref[:on] = C[:on, 2:2 + K].astype(np.float64) @ Y[3:3 + K].astype(np.float64)
+    _set_at(OUT, on, C, 2, Y, 3, K)
+    np.testing.assert_allclose(OUT, ref, **_tol(dt))
+    CT = rng.standard_normal((K + 3, on + 4)).astype(dt)
+    OUT = rng.standard_normal((on + 3, E)).astype(dt)
+    OUT[2:2 + on] = np.nan
+    ref = OUT.astype(np.float64)
+    ref[2:2 + on] = CT[1:1 + K, 2:2 + on].T.astype(np.float64) @ Y[1 + 1:1 + 1 + K].astype(np.float64)
+    _set_t(OUT, 2, on, CT, Y, 1, 1, 1 + K)
     np.testing.assert_allclose(OUT, ref, **_tol(dt))
 
 

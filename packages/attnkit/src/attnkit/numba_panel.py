@@ -20,7 +20,8 @@ without it LLVM calls the library's ``fma`` (correct, slow).
 Used by the sparse plugin's fused ``lsh``/``routing`` tiles and by the kernelized plugin's tile
 (``attnkit_kernelized._tiles.axpy_rows``: linear's and performer's products).
 
-:func:`set_rows` is :func:`axpy_rows` writing ``OUT = C @ Y`` instead: the accumulators start at zero and the
+:func:`set_rows` (:func:`set_at`, :func:`set_t`) is :func:`axpy_rows` (:func:`axpy_at`, :func:`axpy_t`) writing
+``OUT = C @ Y`` instead: the accumulators start at zero and the
 output block is never read, so a kernel need not zero it first (the kernelized plugin's projections and causal
 blocks: performer's and linear's causal forward 1.08x at L = 8,192, session 63, docs/benchmarks.md).
 
@@ -58,8 +59,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["LANES32", "PANEL_BITS", "ALIGN", "axpy_at", "axpy_t", "axpy_rows", "set_rows", "transpose",
-           "empty_aligned", "zeros_aligned"]
+__all__ = ["LANES32", "PANEL_BITS", "ALIGN", "axpy_at", "axpy_t", "axpy_rows", "set_at", "set_t", "set_rows",
+           "transpose", "empty_aligned", "zeros_aligned"]
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -352,6 +353,20 @@ def axpy_rows(OUT, C, Y, on, yn, ne):  # pragma: no cover - compiled
     ``C (>= on, >= yn)``, ``Y (>= yn, >= ne)``, one float dtype; rows of ``OUT`` and ``Y`` with unit stride,
     else a plain loop; ``OUT`` distinct from ``C`` and ``Y``)."""
     _axpy(OUT, 0, on, C, 0, 0, False, Y, 0, yn, ne)
+
+
+@numba.njit(cache=True, inline="always")
+def set_at(OUT, on, C, c0, Y, y0, yn):  # pragma: no cover - compiled
+    """:func:`axpy_at` writing ``OUT[i, e] = sum_{j < yn} C[i, c0 + j] · Y[y0 + j, e]`` (the output block not read;
+    zeros where ``yn`` is 0)."""
+    _axpy(OUT, 0, on, C, 0, c0, False, Y, y0, yn, Y.shape[1], 0)
+
+
+@numba.njit(cache=True, inline="always")
+def set_t(OUT, o0, n, CT, Y, y0, j0, j1):  # pragma: no cover - compiled
+    """:func:`axpy_t` writing ``OUT[o0 + r, e] = sum_{j0 <= j < j1} CT[j, o0 + r] · Y[y0 + j, e]`` (the output block
+    not read; zeros where ``j1 <= j0``)."""
+    _axpy(OUT, o0, n, CT, o0, j0, True, Y, y0 + j0, j1 - j0, Y.shape[1], 0)
 
 
 @numba.njit(cache=True, inline="always")
