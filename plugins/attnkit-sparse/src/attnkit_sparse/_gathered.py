@@ -32,7 +32,7 @@ import math
 import numba
 import numpy as np
 
-from attnkit.numba_panel import axpy_at, axpy_t, transpose
+from attnkit.numba_panel import axpy_at, set_at, set_t, transpose
 
 from .engine._numba_kernels import FASTMATH, _exp_sub
 
@@ -92,12 +92,9 @@ def transpose_columns(XT, Xb, qn, zero):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
 def tile_scores(ST, kn, width, Kb, QT, D, zero):  # pragma: no cover - compiled
-    """``ST[:kn] = Kb[:kn] QT`` ``(kn, width)``: the key-major scores of the gathered keys and queries."""
-    for j in range(kn):
-        row = ST[j]
-        for i in range(width):
-            row[i] = zero
-    axpy_at(ST, kn, Kb, 0, QT, 0, D)
+    """``ST[:kn] = Kb[:kn] QT`` ``(kn, width)``: the key-major scores of the gathered keys and queries (written
+    over, not zeroed first: :func:`attnkit.numba_panel.set_at`)."""
+    set_at(ST, kn, Kb, 0, QT[:, :width], 0, D)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)
@@ -105,7 +102,6 @@ def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, zero, one, ninf):
     """Masked scores ``ST[:kn]`` to unnormalised probabilities in place, per query column ``i``: ``mx[i]`` the
     maximum (``-inf`` for an all-masked column, whose probabilities are then 0), ``csum[i]`` the sum, and
     ``O[:qn] = P V`` over the ``kn`` keys of ``Vb``."""
-    E = Vb.shape[1]
     for i in range(width):
         mx[i] = ninf
     for j in range(kn):
@@ -121,11 +117,7 @@ def tile_softmax_pv(ST, kn, width, qn, Vb, O, mx, shift, csum, zero, one, ninf):
         _exp_sub(row, one, shift)
         for i in range(width):
             csum[i] += row[i]
-    for i in range(qn):
-        oi = O[i]
-        for e in range(E):
-            oi[e] = zero
-    axpy_t(O, 0, qn, ST, Vb, 0, 0, kn)
+    set_t(O, 0, qn, ST, Vb, 0, 0, kn)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -216,11 +208,6 @@ def tile_backward_saved(PT, fac, ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow
 def _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero):  # pragma: no cover - compiled
     """From ``P`` (``ST``) and ``dS`` (``DT``), key-major: ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)``,
     ``dQb[:qn] = dS K`` (unscaled)."""
-    D = Kb.shape[1]
     axpy_at(dVb, kn, ST, 0, Gb, 0, qn)                 # dV += Pᵀ dO
     axpy_at(dKb, kn, DT, 0, Qb, 0, qn)                 # dK += dSᵀ (scale·Q)
-    for i in range(qn):
-        qd = dQb[i]
-        for d in range(D):
-            qd[d] = zero
-    axpy_t(dQb, 0, qn, DT, Kb, 0, 0, kn)          # dQ = dS K
+    set_t(dQb, 0, qn, DT, Kb, 0, 0, kn)           # dQ = dS K

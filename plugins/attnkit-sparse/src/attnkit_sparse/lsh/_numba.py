@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from attnkit.numba_panel import axpy_t, empty_aligned, transpose, zeros_aligned
+from attnkit.numba_panel import empty_aligned, set_t, transpose, zeros_aligned
 from attnkit.numba_vreduce import column_max_min
 
 from ..engine._numba_kernels import FASTMATH
@@ -41,11 +41,7 @@ def hash_rows(x, rot, C, L, out, g0, g1):  # pragma: no cover - compiled
         bn = min(nb, g1 - b0)
         transpose(XT, x[b0:b0 + bn], bn, D)     # (a short last block: the lanes past bn hold earlier rows)
         for r in range(R):
-            for c in range(half):
-                pc = PT[c]
-                for i in range(nb):
-                    pc[i] = 0
-            axpy_t(PT, 0, half, rot[r], XT, 0, 0, D)
+            set_t(PT, 0, half, rot[r], XT, 0, 0, D)
             column_max_min(PT, half, mx, ix, mn, jx)
             for i in range(bn):
                 g = b0 + i
