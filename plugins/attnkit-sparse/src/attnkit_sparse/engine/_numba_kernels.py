@@ -58,6 +58,7 @@ import numpy as np
 from attnkit.numba_panel import axpy_at as _panel_axpy_at
 from attnkit.numba_panel import axpy_t as _panel_axpy_t
 from attnkit.numba_panel import empty_aligned, transpose, zeros_aligned
+from attnkit.numba_panel import set_at as _panel_set_at
 from attnkit.numba_vexp import LANES32, exp_sub_at, exp_sub_item
 
 # reassociation lets LLVM vectorise the reductions; no NaN/inf assumptions (masked scores are -inf)
@@ -95,12 +96,13 @@ def _exp_sub(row, scl, sub):  # pragma: no cover - compiled
 def _dots(X, x0, xn, YT, OUT, zero):  # pragma: no cover - compiled
     """``OUT[i, :] = sum_d X[x0 + i, d] · YT[d, :]`` for ``i < xn``: the products of a tile of rows with
     another tile given transposed (``(D, block)``), as axpy rows (:func:`_axpy`), which keep the
-    vector units busier than dot-product tiles with their horizontal sums (measured)."""
+    vector units busier than dot-product tiles with their horizontal sums (measured), written over ``OUT``
+    (:func:`attnkit.numba_panel.set_at`: no zeroing pass first); columns past ``YT``'s are set to 0."""
+    _panel_set_at(OUT, xn, X[x0:x0 + xn], 0, YT, 0, YT.shape[0])
     for i in range(xn):
         o = OUT[i]
-        for j in range(o.shape[0]):
+        for j in range(YT.shape[1], o.shape[0]):
             o[j] = zero
-    _axpy(OUT, xn, X[x0:x0 + xn], YT, 0, YT.shape[0])
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
