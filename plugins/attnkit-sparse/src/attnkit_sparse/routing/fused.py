@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit import cpu_buffers
 from attnkit.first_order import first_order
 
 from ..base import spread_evenly
@@ -90,7 +91,7 @@ class _Fused(torch.autograd.Function):
         qa, ka, va = _np(q), _np(k), _np(v)
         qia, kia, nqa, nka = _np(qi), _np(ki), _np(nq), _np(nk)
         cst = constants(qa.dtype, scale)
-        out = np.empty((N, L, va.shape[-1]), dtype=qa.dtype)
+        out = cpu_buffers.empty((N, L, va.shape[-1]), qa.dtype)     # reused once nothing refers to it (no faults)
         m, l_, lse = (np.empty((N, L), dtype=qa.dtype) for _ in range(3))
         # torch's allocation, not NumPy's: NumPy asks for transparent huge pages (madvise) for 4 MiB and more, and
         # where memory is fragmented (a process that has freed gigabytes) the kernel then compacts memory on the
@@ -116,8 +117,8 @@ class _Fused(torch.autograd.Function):
         qa, ka, va, ga = _np(q), _np(k), _np(v), _np(g)
         qia, kia, nqa, nka, la, oa, psa = _np(qi), _np(ki), _np(nq), _np(nk), _np(lse), _np(out), _np(ps)
         cst = constants(qa.dtype, ctx.scale)
-        dq, dk = np.empty((N, L, D), dtype=qa.dtype), np.empty((N, L, D), dtype=qa.dtype)
-        dv = np.empty((N, L, E), dtype=qa.dtype)
+        dq, dk = cpu_buffers.empty((N, L, D), qa.dtype), cpu_buffers.empty((N, L, D), qa.dtype)
+        dv = cpu_buffers.empty((N, L, E), qa.dtype)
         _items(lambda n: backward_seq(qa, ka, va, ga, oa, qia, kia, nqa, nka, la, bool(ctx.causal), cst, n,
                                       dq, dk, dv, ctx.saved, psa), N)
         return (torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, None, None,
