@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnkit import cpu_buffers
 from attnkit.first_order import first_order
 from attnkit.numba_panel import transpose
 from attnkit.numba_pool import run_ranges
@@ -73,7 +74,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, kv_count: Tensor, kv_idx: Tensor, 
     nq = kv_count.shape[-1]
     cst = K.constants(_arr(q).dtype, scale)
     qa = _seq(q)
-    out = np.empty((B * H, L, E), dtype=qa.dtype)
+    out = cpu_buffers.empty((B * H, L, E), qa.dtype)     # buffers reused once nothing refers to them (no faults)
     lse = np.empty((B * H, L), dtype=qa.dtype)
     run_ranges(K.forward, B * H * nq, qa, _seq(k), _seq(v), H, _arr(kv_count), _arr(kv_idx), _arr(kv_tile),
                _arr(bank), _arr(span), bq, bk, cst, out, lse)
@@ -101,10 +102,10 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     bank_a = _arr(bank)
     nq = kv_idx.shape[-2]
     if _fused(B * H):
-        dq = np.empty((B * H, L, D), dtype=qa.dtype)
-        dk = np.empty((B * H, S, D), dtype=qa.dtype)
-        dv = np.empty((B * H, S, E), dtype=qa.dtype)
-        qT, gT = np.empty((B * H, D, L), dtype=qa.dtype), np.empty((B * H, E, L), dtype=qa.dtype)
+        dq = cpu_buffers.empty((B * H, L, D), qa.dtype)
+        dk = cpu_buffers.empty((B * H, S, D), qa.dtype)
+        dv = cpu_buffers.empty((B * H, S, E), qa.dtype)
+        qT, gT = cpu_buffers.empty((B * H, D, L), qa.dtype), cpu_buffers.empty((B * H, E, L), qa.dtype)
         lse_a = stats[0]
         qc_a, qi_a, qt_a = _arr(q_count), _arr(q_idx), _arr(q_tile)
         bp, hp = qc_a.shape[:2]
@@ -123,7 +124,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
         run_ranges(sequences, B * H)
         return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, S, D),
                 torch.from_numpy(dv).view(B, H, S, E))
-    qT, gT = np.empty((B * H, D, L), dtype=qa.dtype), np.empty((B * H, E, L), dtype=qa.dtype)
+    qT, gT = cpu_buffers.empty((B * H, D, L), qa.dtype), cpu_buffers.empty((B * H, E, L), qa.dtype)
 
     def transposes(n0: int, n1: int) -> None:    # per sequence on the threads, in registers (as above), and Δ
         for n in range(n0, n1):
@@ -139,7 +140,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, g: Tens
     ds_off = (counts.cumsum(-1) - counts).contiguous()
     off_a, kvc_a, kvi_a = _arr(ds_off), _arr(kv_count), _arr(kv_idx)
     qc_a, qi_a, qt_a, qs_a = _arr(q_count), _arr(q_idx), _arr(q_tile), _arr(q_slot)
-    dq = np.empty((B * H, L, D), dtype=qa.dtype)  # every query block's rows are written by its pass
+    dq = cpu_buffers.empty((B * H, L, D), qa.dtype)  # every query block's rows are written by its pass
     dk = np.zeros((B * H, S, D), dtype=qa.dtype)
     dv = np.zeros((B * H, S, E), dtype=qa.dtype)
     tile_bytes = B * H * bq * bk * q.element_size()
