@@ -57,11 +57,11 @@ def forward_parts(L: int, rounds: int) -> None:
             for c0 in range(0, L, chunk):
                 T = min(c0 + chunk, L) - c0
                 if fq == 2:
-                    _project(xb, Q[n, c0:], WT, T, zero)
+                    _project(xb, Q[n, c0:], WT, T)
                 elif fq:
                     _query_block(xb, Q[n, c0:], WT, T, mb, zero)
                 if fk == 2:
-                    _project(yb, K[n, c0:], WT, T, zero)
+                    _project(yb, K[n, c0:], WT, T)
                 elif fk:
                     low = _key_block(yb, K[n, c0:], WT, T, pad[n], s2h, h, low, zero)
                 if fc:

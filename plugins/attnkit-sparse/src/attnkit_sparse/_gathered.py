@@ -91,7 +91,7 @@ def transpose_columns(XT, Xb, qn, zero):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=FASTMATH, inline="always")
-def tile_scores(ST, kn, width, Kb, QT, D, zero):  # pragma: no cover - compiled
+def tile_scores(ST, kn, width, Kb, QT, D):  # pragma: no cover - compiled
     """``ST[:kn] = Kb[:kn] QT`` ``(kn, width)``: the key-major scores of the gathered keys and queries (written
     over, not zeroed first: :func:`attnkit.numba_panel.set_at`)."""
     set_at(ST, kn, Kb, 0, QT[:, :width], 0, D)
@@ -174,13 +174,13 @@ def tile_backward(ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dV
     ``DT = V dOᵀ`` then ``dS = P (dP − Δ)`` in ``DT``, ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)`` and
     ``dQb[:qn] = dS K`` (unscaled). ``lrow``, ``drow``: each query column's ``lse`` and ``Δ`` (``+inf`` and 0 on
     the unused columns); ``GT``/``Gb``, ``Qb``: ``dO`` transposed/row-major and the scaled queries."""
-    tile_scores(DT, kn, width, Vb, GT, Vb.shape[1], zero)     # dPᵀ = V dOᵀ, key-major
+    tile_scores(DT, kn, width, Vb, GT, Vb.shape[1])     # dPᵀ = V dOᵀ, key-major
     for j in range(kn):
         row = ST[j]; drw = DT[j]
         _exp_sub(row, one, lrow)     # P = exp(S − lse)
         for i in range(width):
             drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
-    _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)
+    _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)
@@ -196,16 +196,16 @@ def tile_backward_saved(PT, fac, ST, DT, kn, width, qn, Kb, Vb, GT, Gb, Qb, lrow
         src = PT[j]; row = ST[j]
         for i in range(width):
             row[i] = src[i] * fac[i]
-    tile_scores(DT, kn, width, Vb, GT, Vb.shape[1], zero)     # dPᵀ = V dOᵀ, key-major
+    tile_scores(DT, kn, width, Vb, GT, Vb.shape[1])     # dPᵀ = V dOᵀ, key-major
     for j in range(kn):
         row = ST[j]; drw = DT[j]
         for i in range(width):
             drw[i] = row[i] * (drw[i] - drow[i])                  # dS = P (dP − Δ)
-    _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero)
+    _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb)
 
 
 @numba.njit(cache=True, fastmath=FASTMATH)
-def _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb, zero):  # pragma: no cover - compiled
+def _grad_products(ST, DT, kn, qn, Kb, Gb, Qb, dKb, dVb, dQb):  # pragma: no cover - compiled
     """From ``P`` (``ST``) and ``dS`` (``DT``), key-major: ``dVb[:kn] += Pᵀ dO``, ``dKb[:kn] += dSᵀ (scale·Q)``,
     ``dQb[:qn] = dS K`` (unscaled)."""
     axpy_at(dVb, kn, ST, 0, Gb, 0, qn)                 # dV += Pᵀ dO

@@ -57,7 +57,7 @@ _ITEM = 64    # rows per work item of the row-wise kernels (rows hands out range
 
 
 @numba.njit(cache=True, fastmath=_FM, inline="always")
-def _project(buf, X, WT, nb, zero):  # pragma: no cover - compiled
+def _project(buf, X, WT, nb):  # pragma: no cover - compiled
     """``buf[:nb] = X[:nb] WT`` (``X (>= nb, D)``, ``WT (D, M)``, ``buf (>= nb, M)``) through :func:`set_rows`
     (the register panels start from zero: no pass zeroing ``buf`` first)."""
     D, M = WT.shape
@@ -65,17 +65,16 @@ def _project(buf, X, WT, nb, zero):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _query_rows(X, WT, P, cst, r0, r1):  # pragma: no cover - compiled
+def _query_rows(X, WT, P, r0, r1):  # pragma: no cover - compiled
     """``P[r] = exp(p - max p)`` with ``p = X[r] WT`` for the rows ``r0 <= r < r1`` (``X (R, D)``, ``WT (D, M)``,
     ``P (R, M)``). Each block of rows is projected into a buffer of its own (:func:`set_rows`), exponentiated
     there and copied out (writes into argument arrays vectorise less: LLVM must assume they alias the inputs)."""
     M = WT.shape[1]
-    zero = cst[HALF] - cst[HALF]
     buf = empty_aligned(_BLOCK, M, P)
     mb = np.empty(_BLOCK, dtype=P.dtype)
     for b0 in range(r0, r1, _BLOCK):
         nb = min(_BLOCK, r1 - b0)
-        _project(buf, X[b0:], WT, nb, zero)
+        _project(buf, X[b0:], WT, nb)
         for i in range(nb):         # the maxima first, then the exponentials (as numba_fused._query_block)
             mb[i] = row_max(buf[i])
         for i in range(nb):
@@ -111,7 +110,7 @@ def _key_rows(X, WT, pad, s2h, cst, chunk, P, hi, lo, grow, n0, n1):  # pragma: 
         g = zero
         for b0 in range(0, L, _BLOCK):
             nb = min(_BLOCK, L - b0)
-            _project(buf, Xn[b0:], WT, nb, zero)
+            _project(buf, Xn[b0:], WT, nb)
             for i in range(nb):
                 t = b0 + i
                 row = buf[i]
@@ -174,7 +173,7 @@ def _query_features(q: Tensor, w: Tensor) -> Tensor:
     M = w.shape[0]
     X = arr(q).reshape(B * H * L, D)
     P = output((B * H * L, M), X.dtype)
-    rows(_query_rows, X.shape[0], X, arr(w.t()), P, constants(X.dtype), item=_ITEM)
+    rows(_query_rows, X.shape[0], X, arr(w.t()), P, item=_ITEM)
     return torch.from_numpy(P).view(B, H, L, M)
 
 

@@ -56,7 +56,7 @@ def _query_block(xb, X, WT, T, mb, zero):  # pragma: no cover - compiled
     of ``T`` floats). Every row's maximum first, then the exponentials: a row's ``exp`` waits for its maximum,
     and with the two interleaved row by row the maxima's reductions did not overlap the exponentials (0.7 us of
     a 3.1 us block of 32 x 256; docs/benchmarks.md, "Session 61")."""
-    _project(xb, X, WT, T, zero)
+    _project(xb, X, WT, T)
     for t in range(T):
         mb[t] = row_max(xb[t])
     for t in range(T):
@@ -71,7 +71,7 @@ def _key_block(yb, X, WT, T, pad, s2h, h, low, zero):  # pragma: no cover - comp
     D = X.shape[1]
     M = WT.shape[1]
     has_pad = pad.shape[0] > 0
-    _project(yb, X, WT, T, zero)
+    _project(yb, X, WT, T)
     for t in range(T):
         row = yb[t]
         if has_pad and pad[t]:

@@ -123,7 +123,7 @@ def forward_items(q, kh, v, perm, real, H, causal, padded, cs, cst, n, r0, r1, c
                 gather_query(Qr, i, qs[p], sc)
                 gather_kv(Kb, Vb, kp + i, ks[p], vs[p])
             transpose_columns(QT, Qr, qn, zero)
-            tile_scores(ST, kn, cs, Kb, QT, D, zero)
+            tile_scores(ST, kn, cs, Kb, QT, D)
             _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf)
             tile_softmax_pv(ST, kn, cs, qn, Vb, O, mx, shift, csum, zero, one, ninf)
             for i in range(qn):    # merge into the position's running (m, l, out)
@@ -203,7 +203,7 @@ def backward_items(q, kh, v, g, perm, real, lse, delta, H, causal, padded, cs, c
                 drow[i] = zero
             transpose_columns(QT, Qb, qn, zero)
             transpose_columns(GT, Gb, qn, zero)
-            tile_scores(ST, kn, cs, Kb, QT, D, zero)      # scores, key-major
+            tile_scores(ST, kn, cs, Kb, QT, D)      # scores, key-major
             _mask(ST, pk, pq, kp, kn, qn, real, bi, causal, padded, ninf)
             tile_backward(ST, DT, kn, cs, qn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb,
                           zero, one)

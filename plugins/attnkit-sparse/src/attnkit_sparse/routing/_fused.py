@@ -132,7 +132,7 @@ def forward_seq(q, k, v, qi, ki, nq, nk, causal, cst, n, out, m, l, lse, save, P
             transpose_columns(QT, Qr, bn, zero)
             kb = _seen(pk, kn, pb[bn - 1]) if causal else kn
             ST = PS[n, c, q0 // BQ] if save else ST0
-            tile_scores(ST, kb, BQ, Kb, QT, D, zero)
+            tile_scores(ST, kb, BQ, Kb, QT, D)
             if causal:
                 _causal(ST, pk, pb, kb, bn, ninf)
             tile_softmax_pv(ST, kb, BQ, bn, Vb, O, mx, shift, csum, zero, one, ninf)
@@ -220,7 +220,7 @@ def backward_seq(q, k, v, g, out, qi, ki, nq, nk, lse, causal, cst, n,
                                     dKb, dVb, dQb, zero)
             else:
                 transpose_columns(QT, Qb, bn, zero)
-                tile_scores(ST, kb, BQ, Kb, QT, D, zero)      # scores, key-major
+                tile_scores(ST, kb, BQ, Kb, QT, D)      # scores, key-major
                 if causal:
                     _causal(ST, pk, pb, kb, bn, ninf)
                 tile_backward(ST, DT, kb, BQ, bn, Kb, Vb, GT, Gb, Qb, lrow, drow, dKb, dVb, dQb,

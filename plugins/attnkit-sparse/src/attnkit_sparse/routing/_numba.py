@@ -575,7 +575,7 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
             _tile_in(XT, xs, l0, 1, tn, rl, ivt, zero)
             for i in range(tn):
                 iv[l0 + i] = ivt[i]                  # the masked scale (NaN at padded positions)
-            tile_scores(ST, C, TILE, mh, XT, D, zero)       # ST = μ_h XTᵀ: the fused paths' zeroed product
+            tile_scores(ST, C, TILE, mh, XT, D)       # ST = μ_h XTᵀ: the fused paths' product
             for c in range(C):
                 row = ST[c]
                 dst = sn[c, l0:l0 + tn]
@@ -596,7 +596,7 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
     for j0 in range(0, ms, TILE):
         tn = min(TILE, ms - j0)
         _tile_in(XT, xs, j0 * st, st, tn, rl, ivt, zero)
-        tile_scores(ST, C, TILE, mh, XT, D, zero)
+        tile_scores(ST, C, TILE, mh, XT, D)
         for c in range(C):
             row = ST[c]
             dst = SM[c]
@@ -618,7 +618,7 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
         _tile_in(XT, xs, l0, 1, tn, rl, ivt, zero)     # NaN scale past tn: those columns never pass
         for i in range(tn):
             iv[l0 + i] = ivt[i]
-        tile_scores(ST, C, TILE, mh, XT, D, zero)
+        tile_scores(ST, C, TILE, mh, XT, D)
         if want:
             a = _nearest_tile(ST, C, best, best2, arg, arg2)
             for i in range(tn):
@@ -661,7 +661,7 @@ def route_seq(x, mu, real, H, widths, W, n, s, inv, near, idx, ok):  # pragma: n
     for l0 in range(0, L, TILE):
         tn = min(TILE, L - l0)
         _tile_in(XT, xs, l0, 1, tn, rl, ivt, zero)
-        tile_scores(SF, nfb, TILE, Kf, XT, D, zero)
+        tile_scores(SF, nfb, TILE, Kf, XT, D)
         for f in range(nfb):
             row = SF[f]
             dst = FB[f, l0:l0 + tn]
