@@ -11,6 +11,7 @@ tree's for both sides: a change to the core is not measured here.
     python plugins/attnkit-kernelized/benchmarks/ab_revision.py --rev 3dd7472 --mechanism linear \\
         --length 8192 --mode fwd --threads 2 --rounds 61 [--fused-only] [--keep-freed-memory]
 
+``--mechanism fast-weight`` runs the module with its defaults (DPFP, 128 features, a learned beta).
 ``--fused-only`` calls the fused no-grad forward kernel (``linear`` or ``performer``'s ``numba_fused``)
 directly instead of the module. ``--keep-freed-memory`` calls :func:`attnkit.cpu_memory.keep_freed_memory` first
 (both sides alike: glibc then reuses a step's pages instead of faulting them in again).
@@ -38,7 +39,7 @@ PKG = "plugins/attnkit-kernelized/src/attnkit_kernelized"
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rev", required=True)
-    p.add_argument("--mechanism", choices=["linear", "performer"], default="linear")
+    p.add_argument("--mechanism", choices=["linear", "performer", "fast-weight"], default="linear")
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwd")
     p.add_argument("--threads", type=int, default=2)
@@ -46,6 +47,8 @@ def main() -> None:
     p.add_argument("--fused-only", action="store_true")
     p.add_argument("--keep-freed-memory", action="store_true")
     args = p.parse_args()
+    if args.fused_only and args.mechanism == "fast-weight":
+        p.error("--fused-only: linear and performer only (fast-weight's fused kernel is new in session 64)")
     if args.keep_freed_memory:
         from attnkit.cpu_memory import keep_freed_memory
         keep_freed_memory()
@@ -67,8 +70,9 @@ def main() -> None:
             else:
                 calls[side] = (lambda f: lambda: f(q, k, v, w, 0.125, None, None, None, 32)[0])(fused)
             continue
-        mod = importlib.import_module(f"{pkg}.{mech}.module")
-        cls = mod.PerformerAttention if mech == "performer" else mod.LinearAttention
+        mod = importlib.import_module(f"{pkg}.{mech.replace('-', '_')}.module")
+        cls = {"performer": "PerformerAttention", "linear": "LinearAttention", "fast-weight": "FastWeightAttention"}
+        cls = getattr(mod, cls[mech])
         torch.manual_seed(0)
         kw = {"num_features": 256} if mech == "performer" else {}
         m = cls(num_heads=8, head_dim=64, backend="numba", **kw)

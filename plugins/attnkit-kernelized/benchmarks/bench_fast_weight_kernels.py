@@ -1,9 +1,11 @@
 """Time ``fast-weight``'s parts below the module: the numba forward and backward kernels, the torch form's
 ``delta_rule`` and the DPFP feature map, on fixed inputs (CPU, float32).
 
-* ``numba-fwd`` / ``numba-bwd``: ``_delta_forward`` / ``_delta_backward`` of
+* ``numba-fwd`` / ``numba-bwd``: ``_delta_chunked`` / ``_delta_backward`` of
   :mod:`attnkit_kernelized.fast_weight.numba_ops` on ``--seqs`` sequences of ``--length`` positions,
-  M = 128 features, E = 64, checkpoints every 64 (numba's thread count: ``--threads``);
+  M = 128 features, E = 64, checkpoints every 64, one thread (the kernels' own range: no thread pool);
+* ``fused-fwd``: :func:`attnkit_kernelized.fast_weight.numba_fused.fused_causal` (DPFP of ``(1, seqs, length,
+  64)`` q and k and the delta rule in one kernel, on ``--threads`` threads);
 * ``torch-fwd``: :func:`attnkit_kernelized.fast_weight.chunk.delta_rule` under ``no_grad``, B = 1, H =
   ``--seqs``, chunk ``--chunk``;
 * ``dpfp``: :func:`attnkit_kernelized.feature_maps.dpfp_feature_map` then the sum normalisation on a
@@ -31,7 +33,8 @@ import torch
 
 import attnkit_kernelized
 from attnkit_kernelized.fast_weight import chunk
-from attnkit_kernelized.fast_weight.numba_ops import _delta_backward, _delta_forward
+from attnkit_kernelized.fast_weight.numba_fused import fused_causal
+from attnkit_kernelized.fast_weight.numba_ops import BLOCK, _delta_backward, _delta_chunked
 from attnkit_kernelized.feature_maps import dpfp_feature_map, sum_normalized
 
 
@@ -65,16 +68,20 @@ def main() -> None:
     beta = rng.random((N, L), dtype=np.float32)
     S0 = np.zeros((N, M, E), np.float32)
     dSL = rng.standard_normal((N, M, E), dtype=np.float32)
-    out, ckpt = _delta_forward(q, k, v, beta, 64, S0)
+    out = np.empty((N, L, E), np.float32)
+    ckpt = np.empty((N, -(-L // 64) + 1, M, E), np.float32)
+    _delta_chunked(q, k, v, beta, 64, BLOCK, S0, out, ckpt, 0, N)
     dout = rng.standard_normal(out.shape, dtype=np.float32)
+    grads = [np.empty_like(a) for a in (q, k, v, beta, dSL)]
     tq, tk, tv, tb = (torch.from_numpy(a)[None] for a in (q, k, v, beta))
-    x = torch.randn(1, N, L, 64)
+    x, y, w = torch.randn(1, N, L, 64), torch.randn(1, N, L, 64), torch.randn(1, N, L, E)
     print(f"# attnkit_kernelized from {attnkit_kernelized.__file__}; {args.threads} thread(s), "
           f"{N} x {L} positions, M = {M}, E = {E}")
     with torch.no_grad():
         rows = {
-            "numba-fwd": lambda: _delta_forward(q, k, v, beta, 64, S0),
-            "numba-bwd": lambda: _delta_backward(q, k, v, beta, ckpt, dout, dSL, 64),
+            "numba-fwd": lambda: _delta_chunked(q, k, v, beta, 64, BLOCK, S0, out, ckpt, 0, N),
+            "numba-bwd": lambda: _delta_backward(q, k, v, beta, ckpt, dout, dSL, 64, *grads, 0, N),
+            "fused-fwd": lambda: fused_causal(x, y, w, tb, None, None),
             "torch-fwd": lambda: chunk.delta_rule(tq, tk, tv, tb, chunk=args.chunk),
             "dpfp": lambda: sum_normalized(dpfp_feature_map(x)),
         }

@@ -36,9 +36,13 @@ def _delta_inputs(L, dtype, M=6, E=3):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("L,block", [(1, 4), (9, 4), (37, 16)])
-def test_numba_operator_matches_torch_chunk(dtype, L, block):
-    ins = _delta_inputs(L, dtype)
+@pytest.mark.parametrize("L,block,M,E", [(1, 4, 6, 3), (9, 4, 6, 3), (37, 16, 6, 3), (100, 64, 20, 19),
+                                         (70, 24, 33, 17)])
+def test_numba_operator_matches_torch_chunk(dtype, L, block, M, E):
+    """The chunked forward in blocks of at most ``BLOCK`` positions that never cross a checkpoint (``block``: the
+    checkpoint interval), and the backward recomputing from those checkpoints; widths that are not multiples of
+    the vector width."""
+    ins = _delta_inputs(L, dtype, M=M, E=E)
     want = chunk.delta_rule(*ins, chunk=5)
     got = backend_module("fast_weight", "numba").delta_rule(*ins, chunk=block)
     agree(got, want, ins, dtype)

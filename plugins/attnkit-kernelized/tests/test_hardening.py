@@ -103,13 +103,15 @@ def test_later_garbage_stays_in_the_future_gated(backend, fill):
 @pytest.mark.parametrize("grad", [False, True])
 def test_nan_query_gives_nan_in_its_own_row_only(backend, name, opts, pad, grad):
     """NaN in, NaN out for that row only, other rows bitwise unchanged, on every backend, with or without
-    padding and autograd (also a NaN query that sees no key: NaN, not 0)."""
+    padding and autograd (also a NaN query that sees no key: NaN, not 0). The rows are compared within one path:
+    a call without autograd may take a fused kernel whose rounding differs from the autograd path's
+    (``tests/test_*_numba_fused.py`` hold the two paths to each other)."""
     for causal in _cases(name, backend):
         attn = build(name, backend=backend, **opts)
         q, k, v = (torch.randn(2, 2, 9, 4 if i < 2 else 3, dtype=torch.float64) for i in range(3))
         kpm = padding(2, 9) if pad else None
-        with torch.no_grad():
-            base = attn(q, k, v, causal=causal, key_padding_mask=kpm)
+        with torch.set_grad_enabled(grad):
+            base = attn(q.clone().requires_grad_(grad), k, v, causal=causal, key_padding_mask=kpm).detach()
         for b, i in ((0, 4), (1, 0)):
             q2 = q.clone()
             q2[b, 0, i] = float("nan")
@@ -224,3 +226,16 @@ def test_auto_picks_numba_for_causal_cpu_calls_and_matmuls_for_non_causal():
             # the kernel for bounded exponents (these inputs), the log-space form beyond
             log_space = name == "performer" and opts.get("feature_map") == "trig"
             assert numba_ran == (causal and not log_space), (name, causal, ran)
+
+
+@pytest.mark.parametrize("fill", [float("inf"), float("nan")])
+def test_later_garbage_stays_in_the_future_delta_numba(fill):
+    """The numba delta rule (its chunked operator, and the fused kernel on raw keys) reads, for each query, only
+    the keys up to its own: the chunked torch and triton forms let such a key reach its chunk's earlier outputs
+    (docs/mechanisms/fast-weight.md, "What bad input gets")."""
+    from attnkit_kernelized.fast_weight.numba_fused import fused_causal
+
+    delta = backend_module("fast_weight", "numba")
+    beta = torch.rand(1, 2, 9, dtype=torch.float64)
+    _later_position_garbage(lambda q, k, v: delta.delta_rule(q, k, v, beta, chunk=16)[0], fill)
+    _later_position_garbage(lambda q, k, v: fused_causal(q, k, v, beta, None, None)[0], fill)

@@ -46,10 +46,11 @@ class FastWeightAttention(KernelizedAttention):
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` ->
     ``(B, H, L, E)``; ``causal=True`` is required (``causal=False`` and L != S
-    are refused). Backends: ``numba`` (CPU kernels: the per-position
-    recurrence, checkpointed backward), ``triton`` (CUDA kernels of the chunked
-    UT-transform form, forward and backward) and ``torch`` (the chunked
-    UT-transform form). Streams exactly through ``init_state``/``step`` and
+    are refused). Backends: ``numba`` (CPU kernels: the chunked UT-transform
+    forward on register panels, fused with the feature map when no gradient is
+    needed; the backward by the per-position recurrence from checkpoints),
+    ``triton`` (CUDA kernels of the chunked UT-transform form, forward and
+    backward) and ``torch`` (the chunked UT-transform form). Streams exactly through ``init_state``/``step`` and
     ``forward(..., state=..., return_state=True)`` (state ``{"S": (B, H, M, E)}``).
 
     Args:
@@ -59,10 +60,10 @@ class FastWeightAttention(KernelizedAttention):
             float multiplies the output (queries are sum-normalised, so a query
             scale would cancel).
         backend: ``"auto"`` (triton for CUDA tensors, numba for CPU tensors), or one of ``"torch"``,
-            ``"numba"``, ``"triton"`` (always that backend, or an error). On CPU the numba token loop
-            measured faster than the chunked torch form (``benchmarks/bench_fast_weight.py``: 0.5-0.9x at
-            L = 2K-8K on a 2-core EPYC), so ``auto`` keeps numba there; triton runs on CUDA, the torch
-            form on other devices, under ``torch.func`` transforms and ``torch.compile``.
+            ``"numba"``, ``"triton"`` (always that backend, or an error). On CPU the numba kernels
+            measured faster than the chunked torch form (``benchmarks/bench_fast_weight.py`` at L = 8K on a
+            2-core EPYC; docs/benchmarks.md, "Session 64"), so ``auto`` keeps numba there; triton runs on
+            CUDA, the torch form on other devices, under ``torch.func`` transforms and ``torch.compile``.
         feature_map: ``"dpfp"`` (the paper's DPFP-nu, 2·D·dpfp_nu features),
             ``"elu"``, ``"relu"`` or ``"softplus"`` (D features).
         dpfp_nu: rolls of the ``"dpfp"`` map (must stay 1 with the other maps).
@@ -72,8 +73,9 @@ class FastWeightAttention(KernelizedAttention):
             paper's; a float in (0, 1] fixes beta for every position.
         chunk_size: positions per chunk of the torch form and of the triton
             kernels (there rounded to a power of two in [16, 64] for half inputs,
-            [16, 32] otherwise), and checkpoint interval of the numba backward; on
-            CPU the torch form measured fastest at 32.
+            [16, 32] otherwise), and checkpoint interval of the numba backward (the
+            numba forward runs blocks of 16 positions within it); on CPU the torch
+            form measured fastest at 32.
 
     Raises:
         InvalidInputError: an option of the wrong type or out of range (named in the message).
@@ -155,6 +157,31 @@ class FastWeightAttention(KernelizedAttention):
         S0 = None if state is None else state[0]
         phi_q, phi_k, v = kernel_inputs(backend, phi_q, phi_k, v)     # beta stays float32
         out, S = backend_module("fast_weight", backend).delta_rule(phi_q, phi_k, v, beta, S0, chunk=self.chunk_size)
+        return self._scale_out(out), (S,)
+
+    def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                  backend: str) -> tuple[Tensor, Any]:
+        out = self._fused_causal(q, k, v, kpm, state, backend)
+        return out if out is not None else super()._segments(q, k, v, kpm, state, backend)
+
+    def _fused_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                      backend: str) -> tuple[Tensor, Any] | None:
+        """The causal form without autograd on the numba backend: the whole sequence in one kernel call that forms
+        each block's features in cache and never writes them (:mod:`.numba_fused`), or None (the unfused path).
+        Taken when no input (state and parameters included) needs a gradient."""
+        if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64)
+                or q.shape[2] == 0):
+            return None
+        tensors = (q, k, v, *self.parameters()) if state is None else (q, k, v, *state, *self.parameters())
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None
+        if runnable_backend(backend, q, k, v) != "numba":
+            return None
+        from .numba_fused import fused_causal
+
+        beta = self.betas(k)
+        out, S = fused_causal(q, k, v, beta, padded(kpm), None if state is None else state[0],
+                              feature_map=self.feature_map, nu=self.dpfp_nu, normalize=self.normalize)
         return self._scale_out(out), (S,)
 
     def _state_shapes(self, B: int, H: int, M: int, E: int) -> dict[str, tuple[int, ...]]:

@@ -1,14 +1,15 @@
-# ruff: noqa: E702  -- four rows of the state at a time read best one group per line
+# ruff: noqa: E702  -- a sequence's views read best one group per line
 """numba CPU kernels of the delta rule (``fast-weight``) and their operators.
 
-:func:`_delta_forward` runs ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``,
-``out_t = S_t^T q_t`` position by position from a state ``S0`` (one pass over
-the M x E state per position) for a range of the B*H sequences
-(:func:`attnkit_kernelized._numba.rows` runs ranges on threads), saving the
-state every ``chunk`` positions; :func:`_delta_backward` walks the positions in
-reverse, recomputing each chunk's states from its checkpoint (memory
-O(L/chunk · M·E) instead of O(L·M·E)), and returns the gradients of q, k, v,
-beta and the initial state.
+:func:`_delta_chunked` runs ``S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T``, ``out_t = S_t^T q_t`` from a
+state ``S0`` in the chunked UT-transform form (DeltaNet, Yang et al. 2024), blocks of :data:`BLOCK` positions whose
+products are register panels (:func:`_delta_block`), for a range of the B*H sequences
+(:func:`attnkit_kernelized._numba.rows` runs ranges on threads), saving the state every ``chunk`` positions.
+It replaced a per-position loop (one pass over the ``M x E`` state per position, which reads and writes the whole
+state for every position): one thread, 8 x 2,048 positions, M = 128, E = 64, 18-22 against 26-38 ms
+(docs/benchmarks.md, "Session 64"). :func:`_delta_backward` walks the positions in reverse, recomputing each
+chunk's states from its checkpoint by the per-position recurrence (memory O(L/chunk · M·E) instead of
+O(L·M·E)), and returns the gradients of q, k, v, beta and the initial state.
 
 Operators (``torch.library``, namespace ``attnkit_kernelized``):
 ``numba_delta_rule`` (differentiable) and ``numba_delta_backward``.
@@ -21,8 +22,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._numba import FASTMATH, arr, check_float, rows
+from attnkit.numba_panel import empty_aligned
+
+from .._numba import FASTMATH, arr, check_float, output, rows
 from .._ops import define
+from .._tiles import axpy_rows, set_rows, transpose
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
@@ -40,74 +44,76 @@ def _residual(r, vt, kt, S):  # pragma: no cover - compiled
             r[e] -= km * S[m, e]
 
 
-@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
-def _delta_forward(q, k, v, beta, chunk, S0, i0, i1):  # pragma: no cover - compiled
-    """Delta rule per position from S0 for the sequences ``i0 <= n < i1``; returns their out (i1 - i0, L, E) and
-    states at chunk starts and at the end (i1 - i0, C+1, M, E), arrays of its own: writing into arrays the caller
-    passed in (even only a copy at each sequence's end) ran this loop 3x slower (session 41, 8 x 512 positions,
-    M = 128, E = 64, one thread: 26 against 7 ms), so the caller copies them into place.
+#: positions per block of the chunked forward (:func:`_delta_chunked`); a checkpoint interval is cut into blocks
+#: of at most this many positions
+BLOCK = 16
 
-    One pass over the state per position: while row m of S takes position t's write, the same row gives
-    t's read-out and ``r`` of position t + 1 (``v_{t+1} - S_t^T k_{t+1}``), four rows at a time (independent
-    accumulations). Two passes (``r``, then the write and read-out) measured 23.3 against 18.5 ms for
-    8 x 2048 positions, M = 128, E = 64, one thread."""
+
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _delta_block(qb, kb, vb, bb, ob, S, KT, U, G, T, M, E):  # pragma: no cover - compiled
+    """One block of ``T`` positions of the chunked (UT-transform) delta rule from the state ``S (M, E)`` (updated
+    in place): ``qb, kb (>= T, M)``, ``vb (>= T, E)``, ``bb (>= T)`` the block's features, values and betas; writes
+    ``ob[:T]`` (not read first). ``KT (M, >= T)``, ``U (>= T, E)``, ``G (>= T, >= T)``: scratch.
+
+    ``u = (I + tril(diag(b) K K^T, -1))^{-1} diag(b) (V - K S)`` by forward substitution (row ``i`` reads only the
+    rows before it), ``out = Q S + tril(Q K^T) u``, ``S += K^T u``: the products are register panels
+    (:mod:`attnkit.numba_panel`), so the state is read three times per block instead of once per position."""
+    transpose(KT, kb, T, M)
+    set_rows(U, kb, S, T, M, E)                   # K S
+    set_rows(G, kb, KT, T, M, T)                  # K K^T (its strict lower triangle is read)
+    for i in range(T):
+        b = bb[i]
+        ui = U[i]
+        vi = vb[i]
+        gi = G[i]
+        for e in range(E):
+            ui[e] = vi[e] - ui[e]
+        for j in range(i):
+            g = gi[j]
+            uj = U[j]
+            for e in range(E):
+                ui[e] -= g * uj[e]
+        for e in range(E):
+            ui[e] *= b
+    set_rows(ob, qb, S, T, M, E)                  # Q S (the state before the block)
+    set_rows(G, qb, KT, T, M, T)                  # Q K^T, into G (K K^T is no longer needed)
+    # the causal triangle a query row at a time over the keys up to its own: a row never reads a later key's u
+    # (a 0 of a mask times a non-finite u would be NaN), so a non-finite key stays in its future
+    for i in range(T):
+        axpy_rows(ob[i:], G[i:], U, 1, i + 1, E)
+    axpy_rows(S, KT, U, M, T, E)                  # S += K^T u
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _delta_chunked(q, k, v, beta, chunk, block, S0, out, ckpt, i0, i1):  # pragma: no cover - compiled
+    """The delta rule from ``S0`` for the sequences ``i0 <= n < i1`` of ``q, k (N, L, M)``, ``v (N, L, E)``,
+    ``beta (N, L)``, in blocks of at most ``block`` positions (:func:`_delta_block`): ``out[n] (L, E)``, and the
+    state at every ``chunk``-th position and at the end in ``ckpt[n] (ceil(L / chunk) + 1, M, E)`` (what
+    :func:`_delta_backward` recomputes from). A block never crosses a checkpoint."""
     N, L, M = q.shape
     E = v.shape[2]
     n_chunks = (L + chunk - 1) // chunk
-    out = np.empty((i1 - i0, L, E), dtype=q.dtype)
-    ckpt = np.empty((i1 - i0, n_chunks + 1, M, E), dtype=q.dtype)
-    M4 = M - M % 4
+    B = max(1, min(block, chunk))
+    KT = empty_aligned(M, B, q)
+    U = empty_aligned(B, E, q)
+    G = empty_aligned(B, B, q)
     for n in range(i0, i1):
-        S = S0[n].copy()
-        r = np.empty(E, dtype=q.dtype)           # r_t = v_t - S_{t-1}^T k_t
-        rn = np.empty(E, dtype=q.dtype)          # r_{t+1}, accumulated during position t's pass
-        if L > 0:
-            _residual(r, v[n, 0], k[n, 0], S)
-        for t in range(L):
-            if t % chunk == 0:
-                ckpt[n - i0, t // chunk] = S
-            kt = k[n, t]
-            qt = q[n, t]
-            b = beta[n, t]
-            ot = out[n - i0, t]
-            tn = min(t + 1, L - 1)                # past the last position: computed, never used
-            kn = k[n, tn]
-            for e in range(E):
-                rn[e] = v[n, tn, e]
-            for e in range(E):
-                ot[e] = 0.0
-            # S += b k r^T; out = S^T q; r_{t+1} -= S^T k_{t+1}
-            for m in range(0, M4, 4):
-                c0 = b * kt[m]; c1 = b * kt[m + 1]; c2 = b * kt[m + 2]; c3 = b * kt[m + 3]
-                q0 = qt[m]; q1 = qt[m + 1]; q2 = qt[m + 2]; q3 = qt[m + 3]
-                n0 = kn[m]; n1 = kn[m + 1]; n2 = kn[m + 2]; n3 = kn[m + 3]
-                s0 = S[m]; s1 = S[m + 1]; s2 = S[m + 2]; s3 = S[m + 3]
-                for e in range(E):
-                    re = r[e]
-                    a0 = s0[e] + c0 * re; a1 = s1[e] + c1 * re
-                    a2 = s2[e] + c2 * re; a3 = s3[e] + c3 * re
-                    s0[e] = a0; s1[e] = a1; s2[e] = a2; s3[e] = a3
-                    ot[e] += (q0 * a0 + q1 * a1) + (q2 * a2 + q3 * a3)
-                    rn[e] -= (n0 * a0 + n1 * a1) + (n2 * a2 + n3 * a3)
-            for m in range(M4, M):
-                c = b * kt[m]
-                qm = qt[m]
-                nm = kn[m]
-                Sm = S[m]
-                for e in range(E):
-                    a = Sm[e] + c * r[e]
-                    Sm[e] = a
-                    ot[e] += qm * a
-                    rn[e] -= nm * a
-            r, rn = rn, r
-        ckpt[n - i0, n_chunks] = S
-    return out, ckpt
+        S = empty_aligned(M, E, q)
+        S[:] = S0[n]
+        qn = q[n]; kn = k[n]; vn = v[n]; bn = beta[n]; on = out[n]
+        for ci in range(n_chunks):
+            ckpt[n, ci] = S
+            c1 = min((ci + 1) * chunk, L)
+            for p0 in range(ci * chunk, c1, B):
+                p1 = min(p0 + B, c1)
+                _delta_block(qn[p0:p1], kn[p0:p1], vn[p0:p1], bn[p0:p1], on[p0:p1], S, KT, U, G, p1 - p0, M, E)
+        ckpt[n, n_chunks] = S
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
 def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk, dq, dk, dv, db, dS0, i0,
                     i1):  # pragma: no cover - compiled
-    """Gradients of :func:`_delta_forward` w.r.t. q, k, v, beta and S0 of the sequences ``i0 <= n < i1``, given
+    """Gradients of :func:`_delta_chunked` w.r.t. q, k, v, beta and S0 of the sequences ``i0 <= n < i1``, given
     those of the output and of the final state (dSL), written into dq, dk, dv, db, dS0: a reverse sweep recomputing
     each chunk's states from its checkpoint."""
     N, L, M = q.shape
@@ -203,12 +209,8 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, S0: Tensor,
     check_float(*arrays)
     q, k, w, b, S0n = arrays
     N, nc, dt = B * H, -(-L // int(chunk)) + 1, q.dtype
-    out, ckpt = np.empty((N, L, E), dtype=dt), np.empty((N, nc, M, E), dtype=dt)
-
-    def part(i0: int, i1: int) -> None:
-        out[i0:i1], ckpt[i0:i1] = _delta_forward(q, k, w, b, int(chunk), S0n, i0, i1)
-
-    rows(part, N)
+    out, ckpt = output((N, L, E), dt), np.empty((N, nc, M, E), dtype=dt)
+    rows(_delta_chunked, N, q, k, w, b, int(chunk), BLOCK, S0n, out, ckpt)
     return (torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(ckpt[:, -1].copy()).view(B, H, M, E),
             torch.from_numpy(ckpt).view(B, H, nc, M, E))
 
