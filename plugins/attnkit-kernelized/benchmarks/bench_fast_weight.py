@@ -6,8 +6,9 @@ forward+backward (``out.sum().backward()``), for
 
 * ``chunked-C<n>``: the module on the ``torch`` backend (chunked UT-transform
   form, :mod:`attnkit_kernelized.fast_weight.chunk`) with ``chunk_size = n``,
-* ``loop-numba``: the module on the ``numba`` backend (the per-position
-  recurrence compiled, checkpointed backward),
+* ``numba``: the module on the ``numba`` backend (the chunked form on register panels, fused with the
+  feature map without autograd; the backward by the per-position recurrence from checkpoints; called
+  ``loop-numba`` before session 64, when its forward was that recurrence too),
 * ``loop-torch``: the module's step form (:func:`recurrent.delta_rule_step`, a
   Python loop over positions of torch operations, autograd backward),
 * ``auto``: the module with ``backend="auto"`` (what a user gets),
@@ -72,7 +73,7 @@ def methods(args: argparse.Namespace) -> dict:
         mod = module("torch", chunk_size=c)
         out[f"chunked-C{c}"] = (lambda m: lambda q, k, v: m(q, k, v, causal=True))(mod)
     numba_mod = module("numba")
-    out["loop-numba"] = lambda q, k, v: numba_mod(q, k, v, causal=True)
+    out["numba"] = lambda q, k, v: numba_mod(q, k, v, causal=True)
     step_mod = module("torch")
 
     def loop_torch(q, k, v):
@@ -143,7 +144,7 @@ def main() -> int:
             results.append({"mode": mode, "L": L, "median_s": med, "all_s": times})
             print(f"\n{mode} L={L}: median seconds ({args.repeats} rounds, {args.warmup} warm-up dropped)", flush=True)
             for n in names:
-                ratios = "  ".join(f"{b}/this={med[b] / med[n]:.2f}x" for b in ("loop-numba", "loop-torch", "sdpa")
+                ratios = "  ".join(f"{b}/this={med[b] / med[n]:.2f}x" for b in ("numba", "loop-torch", "sdpa")
                                    if b in med and b != n)
                 print(f"  {n:12s} {med[n]:9.4f}  {ratios}", flush=True)
     info["uptime_after"] = uptime()
