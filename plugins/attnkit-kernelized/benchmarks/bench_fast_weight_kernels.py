@@ -1,7 +1,7 @@
 """Time ``fast-weight``'s parts below the module: the numba forward and backward kernels, the torch form's
 ``delta_rule`` and the DPFP feature map, on fixed inputs (CPU, float32).
 
-* ``numba-fwd`` / ``numba-bwd``: ``_delta_chunked`` / ``_delta_backward`` of
+* ``numba-fwd`` / ``numba-bwd``: ``_delta_chunked`` / ``_delta_chunked_backward`` of
   :mod:`attnkit_kernelized.fast_weight.numba_ops` on ``--seqs`` sequences of ``--length`` positions,
   M = 128 features, E = 64, checkpoints every 64, one thread (the kernels' own range: no thread pool);
 * ``fused-fwd``: :func:`attnkit_kernelized.fast_weight.numba_fused.fused_causal` (DPFP of ``(1, seqs, length,
@@ -34,7 +34,7 @@ import torch
 import attnkit_kernelized
 from attnkit_kernelized.fast_weight import chunk
 from attnkit_kernelized.fast_weight.numba_fused import fused_causal
-from attnkit_kernelized.fast_weight.numba_ops import BLOCK, _delta_backward, _delta_chunked
+from attnkit_kernelized.fast_weight.numba_ops import BLOCK, _delta_chunked, _delta_chunked_backward
 from attnkit_kernelized.feature_maps import dpfp_feature_map, sum_normalized
 
 
@@ -80,7 +80,7 @@ def main() -> None:
     with torch.no_grad():
         rows = {
             "numba-fwd": lambda: _delta_chunked(q, k, v, beta, 64, BLOCK, S0, out, ckpt, 0, N),
-            "numba-bwd": lambda: _delta_backward(q, k, v, beta, ckpt, dout, dSL, 64, *grads, 0, N),
+            "numba-bwd": lambda: _delta_chunked_backward(q, k, v, beta, ckpt, dout, dSL, 64, BLOCK, *grads, 0, N),
             "fused-fwd": lambda: fused_causal(x, y, w, tb, None, None),
             "torch-fwd": lambda: chunk.delta_rule(tq, tk, tv, tb, chunk=args.chunk),
             "dpfp": lambda: sum_normalized(dpfp_feature_map(x)),

@@ -5,11 +5,13 @@
 state ``S0`` in the chunked UT-transform form (DeltaNet, Yang et al. 2024), blocks of :data:`BLOCK` positions whose
 products are register panels (:func:`_delta_block`), for a range of the B*H sequences
 (:func:`attnkit_kernelized._numba.rows` runs ranges on threads), saving the state every ``chunk`` positions.
-It replaced a per-position loop (one pass over the ``M x E`` state per position, which reads and writes the whole
-state for every position): one thread, 8 x 2,048 positions, M = 128, E = 64, 18-22 against 26-38 ms
-(docs/benchmarks.md, "Session 64"). :func:`_delta_backward` walks the positions in reverse, recomputing each
-chunk's states from its checkpoint by the per-position recurrence (memory O(L/chunk · M·E) instead of
-O(L·M·E)), and returns the gradients of q, k, v, beta and the initial state.
+:func:`_delta_chunked_backward` walks the checkpoint intervals in reverse: it recomputes an interval's blocks from
+its checkpoint (:func:`_block_keep`, memory O(L/chunk · M·E) instead of O(L·M·E)), then runs their backward in
+reverse (:func:`_block_backward`, panels too), and returns the gradients of q, k, v, beta and the initial state.
+
+Both replaced per-position loops (one pass over the whole ``M x E`` state per position, forward and backward):
+one thread, 8 x 2,048 positions, M = 128, E = 64, the forward 18-22 against 26-38 ms, the backward 76 against
+112 ms (docs/benchmarks.md, "Session 64").
 
 Operators (``torch.library``, namespace ``attnkit_kernelized``):
 ``numba_delta_rule`` (differentiable) and ``numba_delta_backward``.
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.numba_panel import empty_aligned
+from attnkit.numba_panel import axpy_t, empty_aligned
 
 from .._numba import FASTMATH, arr, check_float, output, rows
 from .._ops import define
@@ -30,18 +32,6 @@ from .._tiles import axpy_rows, set_rows, transpose
 from ..common import DEFAULT_CHUNK
 
 _FASTMATH = FASTMATH
-
-
-@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-def _residual(r, vt, kt, S):  # pragma: no cover - compiled
-    """``r = v_t - S^T k_t`` (``S`` ``(M, E)``): a position's correction before its write, from the state before it."""
-    M, E = S.shape
-    for e in range(E):
-        r[e] = vt[e]
-    for m in range(M):
-        km = kt[m]
-        for e in range(E):
-            r[e] -= km * S[m, e]
 
 
 #: positions per block of the chunked forward (:func:`_delta_chunked`); a checkpoint interval is cut into blocks
@@ -89,7 +79,7 @@ def _delta_chunked(q, k, v, beta, chunk, block, S0, out, ckpt, i0, i1):  # pragm
     """The delta rule from ``S0`` for the sequences ``i0 <= n < i1`` of ``q, k (N, L, M)``, ``v (N, L, E)``,
     ``beta (N, L)``, in blocks of at most ``block`` positions (:func:`_delta_block`): ``out[n] (L, E)``, and the
     state at every ``chunk``-th position and at the end in ``ckpt[n] (ceil(L / chunk) + 1, M, E)`` (what
-    :func:`_delta_backward` recomputes from). A block never crosses a checkpoint."""
+    :func:`_delta_chunked_backward` recomputes from). A block never crosses a checkpoint."""
     N, L, M = q.shape
     E = v.shape[2]
     n_chunks = (L + chunk - 1) // chunk
@@ -111,87 +101,159 @@ def _delta_chunked(q, k, v, beta, chunk, block, S0, out, ckpt, i0, i1):  # pragm
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
-def _delta_backward(q, k, v, beta, ckpt, dout, dSL, chunk, dq, dk, dv, db, dS0, i0,
-                    i1):  # pragma: no cover - compiled
+def _block_keep(qb, kb, vb, bb, S, KT, U, R, KK, QK, T, M, E):  # pragma: no cover - compiled
+    """:func:`_delta_block` without the output, keeping what the block's backward reads: ``KT (M, >= T)`` the keys
+    transposed, ``R = V - K S`` and ``U = u`` ``(>= T, E)``, ``KK = K Kᵀ`` and ``QK = Q Kᵀ`` ``(>= T, >= T)``;
+    ``S`` updated in place."""
+    transpose(KT, kb, T, M)
+    set_rows(R, kb, S, T, M, E)
+    set_rows(KK, kb, KT, T, M, T)
+    set_rows(QK, qb, KT, T, M, T)
+    for i in range(T):
+        ri = R[i]
+        vi = vb[i]
+        for e in range(E):
+            ri[e] = vi[e] - ri[e]
+    for i in range(T):
+        b = bb[i]
+        ui = U[i]
+        ri = R[i]
+        ki = KK[i]
+        for e in range(E):
+            ui[e] = ri[e]
+        for j in range(i):
+            g = ki[j]
+            uj = U[j]
+            for e in range(E):
+                ui[e] -= g * uj[e]
+        for e in range(E):
+            ui[e] *= b
+    axpy_rows(S, KT, U, M, T, E)
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _block_backward(qb, kb, bb, dob, S0, G, U, R, KK, QK, dqb, dkb, dvb, dbb, ST, GT, UT, W, D, C, T, M,
+                    E):  # pragma: no cover - compiled
+    """Gradients of one block of :func:`_delta_block` from ``G`` (the loss's gradient w.r.t. the state after the
+    block, updated in place to the one before it) and ``dob`` (the block's output gradient), with what
+    :func:`_block_keep` kept (``S0`` the state before the block): writes ``dqb``, ``dkb (>= T, M)``,
+    ``dvb (>= T, E)``, ``dbb (>= T)``. ``ST``, ``GT (E, M)``, ``UT (E, >= T)``, ``W (>= T, E)``,
+    ``D``, ``C (>= T, >= T)``: scratch.
+
+    With ``A = I + tril(diag(b) K Kᵀ, -1)``, ``u = A⁻¹ diag(b) R``, ``R = V - K S0``, ``out = Q S0 + tril(Q Kᵀ) u``,
+    ``S1 = S0 + Kᵀ u``: ``du = tril(Q Kᵀ)ᵀ dout + K G``; ``w = A⁻ᵀ du`` (back substitution); ``dV = b w``
+    (``dR``); ``db_i = w_i · R_i - sum_{j<i} (w_i · u_j) (K Kᵀ)_ij``; ``dQ = dout S0ᵀ + C K`` with
+    ``C = tril(dout uᵀ)``; ``dK = u Gᵀ - dR S0ᵀ + Cᵀ Q + (P + Pᵀ) K`` with ``P_ij = -b_i (w_i · u_j)`` below the
+    diagonal; ``G <- G + Qᵀ dout - Kᵀ dR``."""
+    transpose(ST, S0, M, E)
+    transpose(GT, G, M, E)
+    transpose(UT, U, T, E)
+    # du = K G + tril(Q K^T)^T dout, into W
+    set_rows(W, kb, G, T, M, E)
+    for i in range(T):
+        wi = W[i]
+        for j in range(i, T):
+            c = QK[j, i]
+            dj = dob[j]
+            for e in range(E):
+                wi[e] += c * dj[e]
+    # w = A^-T du: row i takes the rows after it (A_ji = b_j KK_ji, j > i)
+    for i in range(T - 1, -1, -1):
+        wi = W[i]
+        for j in range(i + 1, T):
+            c = bb[j] * KK[j, i]
+            wj = W[j]
+            for e in range(E):
+                wi[e] -= c * wj[e]
+    # D = w u^T, C = dout u^T (only their lower triangles are read)
+    set_rows(D, W, UT, T, E, T)
+    set_rows(C, dob, UT, T, E, T)
+    for i in range(T):
+        b = bb[i]
+        wi = W[i]
+        ri = R[i]
+        s = wi[0] * ri[0]
+        for e in range(1, E):
+            s += wi[e] * ri[e]
+        Di = D[i]
+        KKi = KK[i]
+        for j in range(i):
+            s -= Di[j] * KKi[j]
+        dbb[i] = s
+        dvi = dvb[i]
+        for e in range(E):
+            dvi[e] = b * wi[e]           # dR = b w = dV
+        for j in range(i + 1, T):
+            C[i, j] = 0                  # C: the inclusive lower triangle
+    for i in range(T):                   # D <- P + P^T, P_ij = -b_i D_ij below the diagonal
+        D[i, i] = 0
+        for j in range(i):
+            p = -bb[i] * D[i, j]
+            D[i, j] = p
+            D[j, i] = p
+    # dQ = dout S0^T + C K
+    set_rows(dqb, dob, ST, T, E, M)
+    axpy_rows(dqb, C, kb, T, T, M)
+    # dK = u G^T - dR S0^T + C^T Q + (P + P^T) K; W <- -dR
+    set_rows(dkb, U, GT, T, E, M)
+    for i in range(T):
+        wi = W[i]
+        c = -bb[i]
+        for e in range(E):
+            wi[e] *= c
+    axpy_rows(dkb, W, ST, T, E, M)
+    axpy_t(dkb, 0, T, C, qb, 0, 0, T)
+    axpy_rows(dkb, D, kb, T, T, M)
+    # G <- G + Q^T dout - K^T dR
+    axpy_t(G, 0, M, qb, dob, 0, 0, T)
+    axpy_t(G, 0, M, kb, W, 0, 0, T)
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def _delta_chunked_backward(q, k, v, beta, ckpt, dout, dSL, chunk, block, dq, dk, dv, db, dS0, i0,
+                            i1):  # pragma: no cover - compiled
     """Gradients of :func:`_delta_chunked` w.r.t. q, k, v, beta and S0 of the sequences ``i0 <= n < i1``, given
-    those of the output and of the final state (dSL), written into dq, dk, dv, db, dS0: a reverse sweep recomputing
-    each chunk's states from its checkpoint."""
+    those of the output and of the final state (``dSL``), written into dq, dk, dv, db, dS0: per checkpoint, in
+    reverse, the forward's blocks recomputed from the checkpoint (:func:`_block_keep`), then their backward in
+    reverse (:func:`_block_backward`)."""
     N, L, M = q.shape
     E = v.shape[2]
     n_chunks = (L + chunk - 1) // chunk
+    B = max(1, min(block, chunk))
+    nb = (chunk + B - 1) // B                      # blocks per checkpoint interval
+    Sb = np.empty((nb, M, E), dtype=q.dtype)      # each block's starting state
+    Ub = np.empty((nb, B, E), dtype=q.dtype)
+    Rb = np.empty((nb, B, E), dtype=q.dtype)
+    KKb = np.empty((nb, B, B), dtype=q.dtype)
+    QKb = np.empty((nb, B, B), dtype=q.dtype)
+    KT = empty_aligned(M, B, q)
+    S = empty_aligned(M, E, q)
+    G = empty_aligned(M, E, q)
+    ST = empty_aligned(E, M, q)
+    GT = empty_aligned(E, M, q)
+    UT = empty_aligned(E, B, q)
+    W = empty_aligned(B, E, q)
+    D = empty_aligned(B, B, q)
+    C = empty_aligned(B, B, q)
     for n in range(i0, i1):
-        G = dSL[n].copy()                                 # dLoss/dS_t
-        states = np.empty((chunk + 1, M, E), dtype=q.dtype)  # S_{c0-1} .. S_{c1-1} of one chunk
-        R = np.empty((chunk + 1, E), dtype=q.dtype)       # r_t of the chunk (and one past its end)
-        gk = np.empty(E, dtype=q.dtype)
-        zero = np.zeros(1, dtype=q.dtype)
+        qn = q[n]; kn = k[n]; vn = v[n]; bn = beta[n]; don = dout[n]
+        G[:] = dSL[n]
         for ci in range(n_chunks - 1, -1, -1):
             c0 = ci * chunk
             c1 = min(c0 + chunk, L)
-            T = c1 - c0
-            # recompute the chunk's states from its checkpoint, one pass per position as in the forward: the
-            # rows written for position t also give r of position t + 1 (past the end: unused)
-            states[0] = ckpt[n, ci]
-            _residual(R[0], v[n, c0], k[n, c0], states[0])
-            for i in range(T):
-                t = c0 + i
-                tn = min(t + 1, L - 1)
-                b = beta[n, t]
-                Sp = states[i]
-                Sn = states[i + 1]
-                rt = R[i]
-                rn = R[i + 1]
-                for e in range(E):
-                    rn[e] = v[n, tn, e]
-                for m in range(M):
-                    c = b * k[n, t, m]
-                    kn = k[n, tn, m]
-                    for e in range(E):
-                        a = Sp[m, e] + c * rt[e]
-                        Sn[m, e] = a
-                        rn[e] -= kn * a
-            for i in range(T - 1, -1, -1):
-                t = c0 + i
-                kt = k[n, t]
-                qt = q[n, t]
-                b = beta[n, t]
-                Sp = states[i]
-                Sn = states[i + 1]
-                rt = R[i]
-                do = dout[n, t]
-                # out_t = S_t^T q_t
-                for m in range(M):
-                    s = zero[0]
-                    for e in range(E):
-                        s += Sn[m, e] * do[e]
-                    dq[n, t, m] = s
-                # G += q do^T (now dLoss/dS_t) and, from the same rows, gk = G^T k: S_t = S_{t-1} + b k r^T,
-                # r = v - S_{t-1}^T k
-                for e in range(E):
-                    gk[e] = 0.0
-                for m in range(M):
-                    qm = qt[m]
-                    km = kt[m]
-                    for e in range(E):
-                        g = G[m, e] + qm * do[e]
-                        G[m, e] = g
-                        gk[e] += km * g
-                s = zero[0]
-                for e in range(E):
-                    dv[n, t, e] = b * gk[e]
-                    s += gk[e] * rt[e]
-                db[n, t] = s
-                # dk = b (G r - S_{t-1} gk), then dS_{t-1} = (I - b k k^T) G, row by row
-                for m in range(M):
-                    c = b * kt[m]
-                    s1 = zero[0]
-                    s2 = zero[0]
-                    for e in range(E):
-                        g = G[m, e]
-                        s1 += g * rt[e]
-                        s2 += Sp[m, e] * gk[e]
-                        G[m, e] = g - c * gk[e]
-                    dk[n, t, m] = b * (s1 - s2)
+            S[:] = ckpt[n, ci]
+            for bi in range((c1 - c0 + B - 1) // B):
+                p0 = c0 + bi * B
+                p1 = min(p0 + B, c1)
+                Sb[bi] = S
+                _block_keep(qn[p0:p1], kn[p0:p1], vn[p0:p1], bn[p0:p1], S, KT, Ub[bi], Rb[bi], KKb[bi], QKb[bi],
+                            p1 - p0, M, E)
+            for bi in range((c1 - c0 + B - 1) // B - 1, -1, -1):
+                p0 = c0 + bi * B
+                p1 = min(p0 + B, c1)
+                _block_backward(qn[p0:p1], kn[p0:p1], bn[p0:p1], don[p0:p1], Sb[bi], G, Ub[bi], Rb[bi], KKb[bi],
+                                QKb[bi], dq[n, p0:p1], dk[n, p0:p1], dv[n, p0:p1], db[n, p0:p1], ST, GT, UT, W, D,
+                                C, p1 - p0, M, E)
         dS0[n] = G
 
 
@@ -227,7 +289,7 @@ def _backward_impl(phi_q: Tensor, phi_k: Tensor, v: Tensor, beta: Tensor, ckpt: 
     check_float(*arrays)
     q, k, w, b, *_, dSL = arrays
     grads = [np.empty_like(a) for a in (q, k, w, b, dSL)]   # dq, dk, dv, dbeta, dS0
-    rows(_delta_backward, q.shape[0], *arrays, int(chunk), *grads)
+    rows(_delta_chunked_backward, q.shape[0], *arrays, int(chunk), BLOCK, *grads)
     return tuple(torch.from_numpy(a).view(t.shape) for a, t in zip(grads, (phi_q, phi_k, v, beta, dS)))
 
 
