@@ -148,3 +148,53 @@ def test_streaming_without_autograd_continues_a_state():
         a, st = fast(q[:, :, :23], k[:, :, :23], v[:, :, :23], causal=True, return_state=True)
         b, _ = fast(q[:, :, 23:], k[:, :, 23:], v[:, :, 23:], causal=True, state=st, return_state=True)
     torch.testing.assert_close(torch.cat([a, b], dim=2), full, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("name,nu,normalize", MAPS, ids=str)
+def test_the_numba_feature_map_and_its_gradient_equal_torch(name, nu, normalize):
+    """:func:`.numba_features.phi` (the numba backend's features under autograd) against torch's map and
+    normalisation in float64, values and gradients; zeros (a DPFP row of zeros sums to 0) and ties at 0."""
+    from attnkit_kernelized.fast_weight.numba_features import phi
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 11, 5, generator=g, dtype=torch.float64)
+    x[0, 0, 0] = 0.0                        # a row whose features are all 0 (DPFP, relu): its sum is 0
+    x[1, 2, 3, 1] = 0.0
+    x.requires_grad_()
+    want_map = deterministic_feature_map(name, nu=nu)
+    want = want_map(x)
+    if normalize:
+        want = sum_normalized(want)
+    got = phi(x, name, nu, normalize)
+    torch.testing.assert_close(got, want, atol=1e-14, rtol=1e-12)
+    w = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    (gw,) = torch.autograd.grad((want * w).sum(), x)
+    (gg,) = torch.autograd.grad((got * w).sum(), x)
+    torch.testing.assert_close(gg, gw, atol=1e-13, rtol=1e-11)
+    assert torch.autograd.gradcheck(lambda t: phi(t, name, nu, normalize), (x[:1, :1, 1:4].detach().requires_grad_(),))
+
+
+def test_the_module_s_numba_path_uses_the_numba_features_and_its_two_paths_agree_to_the_bit():
+    attn = attnkit.build("fast-weight", num_heads=2, head_dim=8, backend="numba")
+    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    with torch.no_grad():
+        fused = attn(q, k, v, causal=True)
+    unfused = attn(q, k, v.requires_grad_(), causal=True)
+    torch.testing.assert_close(unfused.detach(), fused, atol=0, rtol=0)
+
+
+def test_dpfp_with_more_rolls_than_d_runs_torch_s_map_on_the_numba_backend():
+    """The kernels wrap a roll once (nu <= D): beyond, the numba backend keeps torch's features and the unfused
+    path, and the kernels refuse it by name."""
+    from attnkit_kernelized.fast_weight.numba_features import phi
+
+    fast = attnkit.build("fast-weight", num_heads=1, head_dim=2, dpfp_nu=3, backend="numba").double()
+    slow = attnkit.build("fast-weight", num_heads=1, head_dim=2, dpfp_nu=3, backend="torch").double()
+    slow.load_state_dict(fast.state_dict())
+    q, k, v = (torch.randn(1, 1, 9, 2, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(q, k, v, causal=True), slow(q, k, v, causal=True), atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match="nu must lie in"):
+        phi(q, "dpfp", 3)
+    with pytest.raises(ValueError, match="nu must lie in"):
+        fused_causal(q, k, v, torch.rand(1, 1, 9, dtype=torch.float64), None, None, nu=3)

@@ -149,9 +149,21 @@ class FastWeightAttention(KernelizedAttention):
         return out if self.scale is None else out * self.scale
 
     # ------------------------------------------------------------ forward
+    def _segment_features(self, q: Tensor, k: Tensor, kpm: Tensor | None, backend: str) -> tuple[Tensor, Tensor]:
+        """On the numba backend the feature map and its normalisation run as one numba pass per tensor
+        (:mod:`.numba_features`; torch's DPFP is five passes forward and as many backward): the values the fused
+        no-grad kernel computes. DPFP with more rolls than D stays on torch's map (the kernels wrap a roll once)."""
+        if (backend != "numba" or q.dtype not in (torch.float32, torch.float64) or q.device.type != "cpu"
+                or torch.compiler.is_compiling() or self.dpfp_nu > q.shape[-1]):
+            return self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
+        from .numba_features import phi
+
+        kw = dict(feature_map=self.feature_map, nu=self.dpfp_nu, normalize=self.normalize)
+        return phi(q, **kw), zero_padded(phi(k, **kw), padded(kpm))
+
     def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                         backend: str) -> tuple[Tensor, Any]:
-        phi_q, phi_k = self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
+        phi_q, phi_k = self._segment_features(q, k, kpm, runnable_backend(backend, q, k, v))
         beta = self.betas(k)
         backend = runnable_backend(backend, phi_q, phi_k, v, beta)
         S0 = None if state is None else state[0]
@@ -170,7 +182,7 @@ class FastWeightAttention(KernelizedAttention):
         each block's features in cache and never writes them (:mod:`.numba_fused`), or None (the unfused path).
         Taken when no input (state and parameters included) needs a gradient."""
         if (torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64)
-                or q.shape[2] == 0):
+                or q.shape[2] == 0 or self.dpfp_nu > q.shape[-1]):
             return None
         tensors = (q, k, v, *self.parameters()) if state is None else (q, k, v, *state, *self.parameters())
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

@@ -38,12 +38,13 @@ KINDS = {"dpfp": 0, "elu": 1, "relu": 2, "softplus": 3}
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _phi_rows(fb, X, T, kind, nu, normalize, pad, r, nbuf, cst, is32):  # pragma: no cover - compiled
+def _phi_rows(fb, X, T, kind, nu, normalize, pad, r, nbuf, cst, is32, sums):  # pragma: no cover - compiled
     """``fb[t] = phi(X[t])`` for ``t < T`` (``X (>= T, D)``, ``fb (>= T, M)``), divided by its sum when
     ``normalize`` (a row summing to 0 stays 0), 0 where ``pad[t]`` (``pad`` may be empty: no padding). ``kind``:
     0 DPFP-``nu`` (``r = relu([x, -x])``, ``phi = [r * roll(r, 1), ..., r * roll(r, nu)]``), 1 ``elu(x) + 1``,
     2 ``relu(x)``, 3 ``softplus(x)`` (torch's: ``x`` above 20). ``r``: scratch of ``2D`` floats. A NaN input stays
-    NaN (``relu`` keeps it, as torch's does)."""
+    NaN (``relu`` keeps it, as torch's does). With ``normalize`` and ``sums`` not empty, ``sums[t]`` gets the row's
+    sum before the division (what the backward divides by)."""
     D = X.shape[1]
     M = fb.shape[1]
     zero = cst[HALF] - cst[HALF]
@@ -83,6 +84,8 @@ def _phi_rows(fb, X, T, kind, nu, normalize, pad, r, nbuf, cst, is32):  # pragma
             s = zero
             for j in range(M):
                 s += f[j]
+            if sums.shape[0] > 0:
+                sums[t] = s
             if s != zero:
                 for j in range(M):
                     f[j] = f[j] / s
@@ -105,6 +108,7 @@ def _fused_rows(Q, K, V, beta, pad, kind, nu, normalize, M, cst, is32, S0, out, 
     G = empty_aligned(B, B, Q)
     r = np.empty(2 * D, dtype=Q.dtype)
     nbuf = np.empty(8, dtype=np.int32)        # elu1_row's scratch
+    nosum = np.empty(0, dtype=Q.dtype)
     for n in range(n0, n1):
         qn = Q[n]; kn = K[n]; vn = V[n]; bn = beta[n]; on = out[n]
         S = empty_aligned(M, E, Q)
@@ -112,9 +116,9 @@ def _fused_rows(Q, K, V, beta, pad, kind, nu, normalize, M, cst, is32, S0, out, 
         for p0 in range(0, L, B):
             p1 = min(p0 + B, L)
             T = p1 - p0
-            _phi_rows(qb, qn[p0:p1], T, kind, nu, normalize, pad[n, :0], r, nbuf, cst, is32)
+            _phi_rows(qb, qn[p0:p1], T, kind, nu, normalize, pad[n, :0], r, nbuf, cst, is32, nosum)
             _phi_rows(kb, kn[p0:p1], T, kind, nu, normalize, pad[n, p0:p1] if has_pad else pad[n], r, nbuf, cst,
-                      is32)
+                      is32, nosum)
             _delta_block(qb, kb, vn[p0:p1], bn[p0:p1], on[p0:p1], S, KT, U, G, T, M, E)
         S_out[n] = S
 
@@ -130,6 +134,8 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, pad: Tensor | None, S0
                          f"{beta.dtype} {tuple(beta.shape)}")
     if feature_map not in KINDS:
         raise ValueError(f"fused_causal: feature_map must be one of {sorted(KINDS)}; got {feature_map!r}")
+    if nu < 1 or nu > D:
+        raise ValueError(f"fused_causal: nu must lie in [1, D = {D}] (a roll wraps at most once); got {nu}")
     M = 2 * D * nu if feature_map == "dpfp" else D
     X, Kx, V = (arr(t).reshape(N, L, t.shape[-1]) for t in (q, k, v))
     bn = arr(beta).reshape(N, L)
@@ -171,7 +177,8 @@ def fused_causal(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, pad: Tensor | No
         ``(out (B, H, L, E), S (B, H, M, E))``: ``out_t = S_t^T phi(q_t)`` and the state after the last position.
 
     Raises:
-        ValueError: inputs that are not float32/float64 CPU tensors of one dtype and length, or another map.
+        ValueError: inputs that are not float32/float64 CPU tensors of one dtype and length, another map, or
+            ``nu`` outside ``[1, D]``.
     """
     with torch.no_grad():
         return numba_delta_fused_causal(q.detach(), k.detach(), v.detach(), beta.detach(), pad,
