@@ -2,8 +2,7 @@
 array views.
 
 Every kernel of the plugin is a serial ``nogil`` build that computes the work items ``i0 <= i < i1`` (sequences of
-the B*H, or blocks of elements) into outputs its caller allocated (fast-weight's forward returns its range's
-outputs instead, and the caller copies them into place: see its kernel); :func:`rows` hands ranges of them to a team of
+the B*H, or blocks of elements) into outputs its caller allocated; :func:`rows` hands ranges of them to a team of
 torch's OpenMP pool (:func:`attnkit.numba_pool.run_ranges`). A serial build compiles in about a third of the time
 of a ``parallel=True`` one (numba's parfor passes), and torch's own threads do the work instead of a second pool
 beside them (docs/benchmarks.md, "CI time, session 41"). Only the ``numba_ops`` modules import this module, on

@@ -46,9 +46,9 @@ class FastWeightAttention(KernelizedAttention):
 
     Shapes: q ``(B, H, L, D)``, k ``(B, H, L, D)``, v ``(B, H, L, E)`` ->
     ``(B, H, L, E)``; ``causal=True`` is required (``causal=False`` and L != S
-    are refused). Backends: ``numba`` (CPU kernels: the chunked UT-transform
-    forward on register panels, fused with the feature map when no gradient is
-    needed; the backward by the per-position recurrence from checkpoints),
+    are refused). Backends: ``numba`` (CPU kernels of the chunked UT-transform
+    form on register panels, forward and backward from checkpoints; fused with
+    the feature map when no gradient is needed),
     ``triton`` (CUDA kernels of the chunked UT-transform form, forward and
     backward) and ``torch`` (the chunked UT-transform form). Streams exactly through ``init_state``/``step`` and
     ``forward(..., state=..., return_state=True)`` (state ``{"S": (B, H, M, E)}``).
