@@ -39,6 +39,26 @@ _FASTMATH = FASTMATH
 BLOCK = 16
 
 
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _forward_solve(U, R, KK, bb, T, E):  # pragma: no cover - compiled
+    """``u_i = b_i (R_i - sum_{j<i} KK_ij u_j)`` for ``i < T`` into ``U`` (``R`` may be ``U`` itself): the block's
+    unit-lower-triangular solve by forward substitution, row ``i`` reading only the rows before it."""
+    for i in range(T):
+        b = bb[i]
+        ui = U[i]
+        ri = R[i]
+        ki = KK[i]
+        for e in range(E):
+            ui[e] = ri[e]
+        for j in range(i):
+            g = ki[j]
+            uj = U[j]
+            for e in range(E):
+                ui[e] -= g * uj[e]
+        for e in range(E):
+            ui[e] *= b
+
+
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
 def _delta_block(qb, kb, vb, bb, ob, S, KT, U, G, T, M, E):  # pragma: no cover - compiled
     """One block of ``T`` positions of the chunked (UT-transform) delta rule from the state ``S (M, E)`` (updated
@@ -52,19 +72,11 @@ def _delta_block(qb, kb, vb, bb, ob, S, KT, U, G, T, M, E):  # pragma: no cover 
     set_rows(U, kb, S, T, M, E)                   # K S
     set_rows(G, kb, KT, T, M, T)                  # K K^T (its strict lower triangle is read)
     for i in range(T):
-        b = bb[i]
         ui = U[i]
         vi = vb[i]
-        gi = G[i]
         for e in range(E):
             ui[e] = vi[e] - ui[e]
-        for j in range(i):
-            g = gi[j]
-            uj = U[j]
-            for e in range(E):
-                ui[e] -= g * uj[e]
-        for e in range(E):
-            ui[e] *= b
+    _forward_solve(U, U, G, bb, T, E)
     set_rows(ob, qb, S, T, M, E)                  # Q S (the state before the block)
     set_rows(G, qb, KT, T, M, T)                  # Q K^T, into G (K K^T is no longer needed)
     # the causal triangle a query row at a time over the keys up to its own: a row never reads a later key's u
@@ -114,20 +126,7 @@ def _block_keep(qb, kb, vb, bb, S, KT, U, R, KK, QK, T, M, E):  # pragma: no cov
         vi = vb[i]
         for e in range(E):
             ri[e] = vi[e] - ri[e]
-    for i in range(T):
-        b = bb[i]
-        ui = U[i]
-        ri = R[i]
-        ki = KK[i]
-        for e in range(E):
-            ui[e] = ri[e]
-        for j in range(i):
-            g = ki[j]
-            uj = U[j]
-            for e in range(E):
-                ui[e] -= g * uj[e]
-        for e in range(E):
-            ui[e] *= b
+    _forward_solve(U, R, KK, bb, T, E)
     axpy_rows(S, KT, U, M, T, E)
 
 
