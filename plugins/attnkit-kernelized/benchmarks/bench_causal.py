@@ -3,7 +3,7 @@
 CPU (always): float32, (B, H, D) = (1, 8, 64), 256 random features, lengths
 1K..64K, forward (under ``torch.no_grad``) and forward+backward, for
 
-* ``performer`` and ``linear`` (automatic backend: the numba kernels on CPU),
+* ``performer``, ``linear`` and ``fast-weight`` (automatic backend: the numba kernels on CPU),
 * ``performer-torch``: the same module forced onto the chunked torch path,
 * ``naive``: a plain-torch cumsum-of-outer-products causal linear attention on
   the same FAVOR+ features (materialises (B, H, L, M, E); capped in length),
@@ -67,9 +67,11 @@ def make_methods(args, device: str) -> dict[str, tuple[Callable, int | None, int
     torch.manual_seed(0)
     perf = attnkit.build("performer", num_features=args.features, **common).to(device)
     lin = attnkit.build("linear", **common).to(device)
+    fw = attnkit.build("fast-weight", **common).to(device)
     methods: dict[str, tuple[Callable, int | None, int | None]] = {
         "performer": (lambda q, k, v: perf(q, k, v, causal=True), None, None),
         "linear": (lambda q, k, v: lin(q, k, v, causal=True), None, None),
+        "fast-weight": (lambda q, k, v: fw(q, k, v, causal=True), None, None),
     }
     if device == "cpu":
         perf_torch = attnkit.build("performer", num_features=args.features, backend="torch", **common)
@@ -94,9 +96,10 @@ def make_methods(args, device: str) -> dict[str, tuple[Callable, int | None, int
         for backend in ("torch", "numba"):
             methods[f"linear-{backend}"] = forced("linear", backend)
             methods[f"rfa-{backend}"] = forced("rfa", backend, num_features=args.features // 2, seed=0)
-        # fast-weight: the chunked UT-transform form (torch) against the per-position recurrence (numba)
-        methods["fast-weight-chunked"] = forced("fast-weight", "torch")
-        methods["fast-weight-loop"] = forced("fast-weight", "numba", args.max_loop_len)
+        # fast-weight: the chunked UT-transform form on both backends (numba's is chunked too since session 64;
+        # these rows were called fast-weight-chunked and fast-weight-loop before session 65)
+        methods["fast-weight-torch"] = forced("fast-weight", "torch")
+        methods["fast-weight-numba"] = forced("fast-weight", "numba", args.max_loop_len)
     if args.only:
         methods = {n: m for n, m in methods.items() if n in args.only}
     return methods
@@ -304,7 +307,7 @@ def compile_times() -> dict:
 def ratio_table(rows: list[dict], args=None, rate: float | None = None) -> list[dict]:
     by = {(r["method"], r["L"], r["mode"], r["device"]): r["median_s"] for r in rows}
     out = []
-    pairs = {"fast-weight-chunked": ("fast-weight-loop",), "linear-numba": ("linear-torch",),
+    pairs = {"fast-weight-numba": ("fast-weight-torch",), "fast-weight": ("sdpa",), "linear-numba": ("linear-torch",),
              "rfa-numba": ("rfa-torch",), "performer": ("naive", "sdpa", "performer-torch"),
              "linear": ("naive", "sdpa")}
     for (method, L, mode, device), t in sorted(by.items(), key=lambda x: (x[0][3], x[0][2], x[0][0], x[0][1])):
@@ -347,7 +350,7 @@ def markdown(rows: list[dict], ratios: list[dict]) -> str:
                 load = max(r["foreign_load"] for r in sel if r["L"] == L)
                 lines.append(f"| {L} | " + " | ".join(cells) + f" | {load:.2f} |")
     lines.append("\nspeedups (baseline median / ours):\n")
-    bases = ["naive", "sdpa", "performer-torch", "linear-torch", "rfa-torch", "fast-weight-loop"]
+    bases = ["naive", "sdpa", "performer-torch", "linear-torch", "rfa-torch", "fast-weight-torch"]
     lines.append("| device | mode | method | L | " + " | ".join(f"vs {b}" for b in bases) + " | % matmul rate |")
     lines.append("|---|---|---|---:|" + "---:|" * (len(bases) + 1))
     for e in ratios:
@@ -391,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy-wait", type=float, default=30.0, help="seconds to wait before rerunning a busy block")
     p.add_argument("--backends", action=argparse.BooleanOptionalAction, default=True,
                    help="also every mechanism forced onto each backend (torch, numba) side by side")
-    p.add_argument("--max-loop-len", type=int, default=16384, help="fast-weight-loop (numba recurrence): longest L")
+    p.add_argument("--max-loop-len", type=int, default=16384, help="fast-weight-numba: longest L")
     p.add_argument("--only", nargs="+", default=None, help="run only these methods")
     p.add_argument("--contention", type=int, default=0, metavar="THREADS",
                    help="run everything beside a second process keeping THREADS cores busy (0: none)")
