@@ -162,6 +162,37 @@ def test_own_and_sorted_equals_the_cat_with_gradients(L):
         torch.testing.assert_close(a, c, **TOL)
 
 
+def test_own_and_sorted_reuses_its_cpu_buffer_only_once_nothing_refers_to_it():
+    """float32 on the CPU: the ``[x; S·blocks(x)]`` buffer (4 MiB here) comes from ``attnkit.cpu_buffers``; a result
+    still held is never written by the next call, and a dropped one's memory serves the next call; the
+    backward's ``dx`` (``out=`` a pooled buffer) equals the ``cat`` form's gradient."""
+    from attnkit import cpu_buffers
+    from attnkit_sparse.sinkhorn.sorting import own_and_sorted, pad_blocks, sorted_blocks
+    before = cpu_buffers.limit() >> 20
+    cpu_buffers.set_limit(64)
+    try:
+        b, L, F = 64, 2048, 64
+        g = torch.Generator().manual_seed(0)
+        x1, x2 = (torch.randn(1, 4, L, F, generator=g) for _ in range(2))
+        s = torch.softmax(torch.randn(1, 4, L // b, L // b, generator=g), -1)
+        first = own_and_sorted(x1, s, b)
+        kept = first.clone()
+        second = own_and_sorted(x2, s, b)
+        assert second.data_ptr() != first.data_ptr()
+        assert torch.equal(first, kept)                          # held: untouched by the second call
+        torch.testing.assert_close(second, torch.cat([x2, sorted_blocks(x2, s, b)], 2))
+        ptrs = {first.data_ptr(), second.data_ptr()}
+        del first, second
+        assert own_and_sorted(x1, s, b).data_ptr() in ptrs      # dropped: its memory reused
+        xg = x1.clone().requires_grad_()
+        w = torch.randn(1, 4, 2 * L, F, generator=g)
+        got = torch.autograd.grad((own_and_sorted(xg, s, b) * w).sum(), xg)[0]
+        want = torch.autograd.grad((torch.cat([pad_blocks(xg, b), sorted_blocks(xg, s, b)], 2) * w).sum(), xg)[0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    finally:
+        cpu_buffers.set_limit(before)
+
+
 @pytest.mark.parametrize("iters", [1, 3, 8])
 def test_sinkhorn_knopp_vectors_equal_the_elementwise_normalisations_with_gradients(iters):
     """The scaling-vector form ``diag(a) K diag(b)`` and its own backward against the plain torch expression

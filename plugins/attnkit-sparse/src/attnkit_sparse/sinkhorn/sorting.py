@@ -165,16 +165,29 @@ def sorted_blocks(x: Tensor, s: Tensor, b: int) -> Tensor:
     return torch.matmul(s, xb).view(B, H, nb * b, F)
 
 
+def _buffer(like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """An uninitialised tensor of ``like``'s dtype and device: on the CPU in float32/float64 a buffer of
+    :mod:`attnkit.cpu_buffers`, reused once nothing refers to it (these are ``2·B·H·L·D`` floats, 64 MiB at
+    L = 16,384, H = 8, D = 64: fresh from ``mmap`` on every call, their page faults took 17 of the 57 ms of
+    ``own_and_sorted`` there); else (other devices and dtypes, ``torch.compile`` tracing) ``new_empty``."""
+    if like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64) \
+            and not torch.compiler.is_compiling():
+        from attnkit import cpu_buffers
+
+        return torch.from_numpy(cpu_buffers.empty(shape, "float32" if like.dtype == torch.float32 else "float64"))
+    return like.new_empty(shape)
+
+
 class _OwnAndSorted(torch.autograd.Function):
-    """``[x (zero-padded to NB·b rows); S · blocks(x)]`` written into one buffer: no ``cat`` copy in the forward,
-    no split in the backward (``d x = g_own + Sᵀ g_sorted``, ``d S = g_sorted · blocks(x)ᵀ``)."""
+    """``[x (zero-padded to NB·b rows); S · blocks(x)]`` written into one buffer (:func:`_buffer`): no ``cat`` copy
+    in the forward, no split in the backward (``d x = g_own + Sᵀ g_sorted``, ``d S = g_sorted · blocks(x)ᵀ``)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, s: Tensor, b: int) -> Tensor:
         B, H, L, F = x.shape
         nb = s.shape[-1]
         n = nb * b
-        out = x.new_empty(B, H, 2 * n, F)
+        out = _buffer(x, (B, H, 2 * n, F))
         out[:, :, :L] = x
         if n > L:
             out[:, :, L:n] = 0
@@ -197,7 +210,7 @@ class _OwnAndSorted(torch.autograd.Function):
         gs = g[:, :, n:].reshape(B, H, nb, b * F)
         dx = ds = None
         if ctx.needs_input_grad[0]:
-            dx = torch.matmul(s.transpose(-1, -2), gs).view(B, H, n, F)
+            dx = torch.matmul(s.transpose(-1, -2), gs, out=_buffer(gs, (B, H, nb, b * F))).view(B, H, n, F)
             dx = dx.add_(g[:, :, :n])[:, :, :L]   # in place: no second (B, H, L, F) tensor
         if ctx.needs_input_grad[1]:
             ds = torch.matmul(gs, pad_blocks(x, b).reshape(B, H, nb, b * F).transpose(-1, -2))
