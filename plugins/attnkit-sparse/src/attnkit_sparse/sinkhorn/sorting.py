@@ -83,25 +83,29 @@ class _SinkhornKnopp(torch.autograd.Function):
     (``b_0 = 1``), which is ``T`` alternating row and column normalisations of ``K``. Backward through the
     vectors: with ``M = G ∘ K``, ``∂b_T = Mᵀ a_T``, ``∂a_T = M b_T``; per step, from the last,
     ``∂c_t = −∂b_t b_t²``, ``∂a_t += K ∂c_t``, ``∂r_t = −∂a_t a_t²``, ``∂b_{t−1} = Kᵀ ∂r_t``, and
-    ``∂K = G ∘ a_T b_Tᵀ + Σ_t (a_t ∂c_tᵀ + ∂r_t b_{t−1}ᵀ)`` (one batched product of ``T``-column factors),
-    ``∂z = ∂K ∘ K``. Forward returns None when a scaling vector is not finite and positive."""
+    ``∂K = G ∘ a_T b_Tᵀ + Σ_t (a_t ∂c_tᵀ + ∂r_t b_{t−1}ᵀ)`` (one batched product of ``T``-row factors),
+    ``∂z = ∂K ∘ K``. Forward returns None when a scaling vector is not finite and positive.
+
+    The vectors are carried as rows ``(..., 1, NB)``, every product a row times a matrix (``Kv = (vᵀ Kᵀ)ᵀ``):
+    torch's batched product of a matrix and a column vector took 0.40 ms at ``(8, 256, 256)``, a row vector
+    times the matrix (or its transposed view) 0.05 ms (session 65; 16 of them per forward)."""
 
     @staticmethod
     def forward(ctx: Any, z: Tensor, iters: int) -> Tensor | None:
         K = z.exp()
-        b = torch.ones(z.shape[:-1] + (1,), dtype=z.dtype, device=z.device)   # column vectors (..., NB, 1)
         KT = K.transpose(-1, -2)
+        b = torch.ones(z.shape[:-2] + (1, z.shape[-1]), dtype=z.dtype, device=z.device)   # rows (..., 1, NB)
         As, Bs = [], [b]
         for _ in range(iters):
-            a = torch.matmul(K, b).reciprocal_()
-            b = torch.matmul(KT, a).reciprocal_()
+            a = torch.matmul(b, KT).reciprocal_()        # aᵀ = 1 / (K b)ᵀ
+            b = torch.matmul(a, K).reciprocal_()         # bᵀ = 1 / (Kᵀ a)ᵀ
             As.append(a)
             Bs.append(b)
-        A, Bv = torch.cat(As, -1), torch.cat(Bs, -1)                 # (..., NB, T), (..., NB, T + 1)
+        A, Bv = torch.cat(As, -2), torch.cat(Bs, -2)               # (..., T, NB), (..., T + 1, NB)
         if not (bool(torch.isfinite(A).all()) and bool(torch.isfinite(Bv).all()) and bool((A > 0).all())
                 and bool((Bv > 0).all())):
             return None
-        p = K * a * b.transpose(-1, -2)
+        p = K * a.transpose(-1, -2) * b
         ctx.save_for_backward(K, A, Bv)
         return p
 
@@ -109,26 +113,26 @@ class _SinkhornKnopp(torch.autograd.Function):
     @first_order
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
         K, A, Bv = ctx.saved_tensors
-        T = A.shape[-1]
+        T = A.shape[-2]
         KT = K.transpose(-1, -2)
-        aT, bT = A[..., T - 1:T], Bv[..., T:T + 1]
+        aT, bT = A[..., T - 1:T, :], Bv[..., T:T + 1, :]
         M = g * K
-        db = torch.matmul(M.transpose(-1, -2), aT)
-        da_p = torch.matmul(M, bT)
+        db = torch.matmul(aT, M)                           # (Mᵀ a_T)ᵀ
+        da_p = torch.matmul(bT, M.transpose(-1, -2))       # (M b_T)ᵀ
         dC, dR = torch.empty_like(A), torch.empty_like(A)
         for t in range(T, 0, -1):
-            at, bt = A[..., t - 1:t], Bv[..., t:t + 1]
+            at, bt = A[..., t - 1:t, :], Bv[..., t:t + 1, :]
             dc = -db * bt * bt
-            da = torch.matmul(K, dc)
+            da = torch.matmul(dc, KT)                      # (K ∂c)ᵀ
             if t == T:
                 da = da + da_p
             dr = -da * at * at
-            dC[..., t - 1:t] = dc
-            dR[..., t - 1:t] = dr
+            dC[..., t - 1:t, :] = dc
+            dR[..., t - 1:t, :] = dr
             if t > 1:
-                db = torch.matmul(KT, dr)
-        low = torch.matmul(torch.cat([A, dR], -1), torch.cat([dC, Bv[..., :T]], -1).transpose(-1, -2))
-        return (g * aT * bT.transpose(-1, -2) + low) * K, None
+                db = torch.matmul(dr, K)                   # (Kᵀ ∂r)ᵀ
+        low = torch.matmul(torch.cat([A, dR], -2).transpose(-1, -2), torch.cat([dC, Bv[..., :T, :]], -2))
+        return (g * aT.transpose(-1, -2) * bT + low) * K, None
 
 
 def sort_matrix(k: Tensor, weight: Tensor, b: int, *, temperature: float, iters: int, causal: bool,
