@@ -162,6 +162,21 @@ def test_own_and_sorted_equals_the_cat_with_gradients(L):
         torch.testing.assert_close(a, c, **TOL)
 
 
+@pytest.mark.parametrize("L", [12, 10, 4096])
+def test_block_sums_equal_the_reshaped_sum_with_gradients(L):
+    """The sorting network's block sums (a backward of its own writing into a reused buffer from L = 4,096 here)
+    against ``pad_blocks(x, b).reshape(...).sum(3)``, values and gradients, L a multiple of the block or not."""
+    from attnkit_sparse.sinkhorn.sorting import block_sums, pad_blocks
+    b = 4 if L < 100 else 64
+    x = rand((2, 3, L, 5 if L < 100 else 64), 1).requires_grad_()
+    got = block_sums(x, b)
+    want = pad_blocks(x, b).reshape(2, 3, -1, b, x.shape[-1]).sum(3)
+    torch.testing.assert_close(got, want, **TOL)
+    w = rand(got.shape, 2)
+    torch.testing.assert_close(torch.autograd.grad((got * w).sum(), x)[0],
+                               torch.autograd.grad((want * w).sum(), x)[0], **TOL)
+
+
 def test_own_and_sorted_reuses_its_cpu_buffer_only_once_nothing_refers_to_it():
     """float32 on the CPU: the ``[x; S·blocks(x)]`` buffer (4 MiB here) comes from ``attnkit.cpu_buffers``; a result
     still held is never written by the next call, and a dropped one's memory serves the next call; the
