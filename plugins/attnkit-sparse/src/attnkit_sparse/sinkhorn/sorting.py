@@ -135,6 +135,24 @@ class _SinkhornKnopp(torch.autograd.Function):
         return (g * aT.transpose(-1, -2) * bT + low) * K, None
 
 
+def _buffer(like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """An uninitialised tensor of ``like``'s dtype and device: on the CPU in float32/float64 a buffer of
+    :mod:`attnkit.cpu_buffers`, reused once nothing refers to it (these are ``2·B·H·L·D`` floats, 64 MiB at
+    L = 16,384, H = 8, D = 64: fresh from ``mmap`` on every call, their page faults took 17 of the 57 ms of
+    ``own_and_sorted`` there); else (other devices and dtypes, ``torch.compile`` tracing) ``new_empty``."""
+    if like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64) \
+            and not torch.compiler.is_compiling():
+        from attnkit import cpu_buffers
+
+        return torch.from_numpy(cpu_buffers.empty(shape, "float32" if like.dtype == torch.float32 else "float64"))
+    return like.new_empty(shape)
+
+
+def _plain_block_sums(x: Tensor, b: int) -> Tensor:
+    B, H, _, F = x.shape
+    return pad_blocks(x, b).reshape(B, H, -1, b, F).sum(3)
+
+
 class _BlockSums(torch.autograd.Function):
     """``(B, H, NB, F)`` sums of the blocks of ``b`` rows of ``x (B, H, L, F)`` (zero-padded at the end); the
     backward writes each block's gradient row ``b`` times into one buffer (:func:`_buffer`). Autograd's own
@@ -143,9 +161,8 @@ class _BlockSums(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, b: int) -> Tensor:
-        B, H, L, F = x.shape
-        ctx.shape, ctx.b = (B, H, L, F), b
-        return pad_blocks(x, b).reshape(B, H, -1, b, F).sum(3)
+        ctx.shape, ctx.b = tuple(x.shape), b
+        return _plain_block_sums(x, b)
 
     @staticmethod
     @first_order
@@ -162,8 +179,7 @@ def block_sums(x: Tensor, b: int) -> Tensor:
     """``(B, H, NB, F)``: the sums of ``x``'s blocks of ``b`` rows, ``pad_blocks(x, b).reshape(B, H, NB, b, F)
     .sum(3)`` (differentiable)."""
     if transforms.plain_torch():   # torch.func / torch.export: plain torch ops
-        B, H, _, F = x.shape
-        return pad_blocks(x, b).reshape(B, H, -1, b, F).sum(3)
+        return _plain_block_sums(x, b)
     return _BlockSums.apply(x, b)
 
 
@@ -198,19 +214,6 @@ def sorted_blocks(x: Tensor, s: Tensor, b: int) -> Tensor:
     nb = s.shape[-1]
     xb = pad_blocks(x, b).reshape(B, H, nb, b * F)
     return torch.matmul(s, xb).view(B, H, nb * b, F)
-
-
-def _buffer(like: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """An uninitialised tensor of ``like``'s dtype and device: on the CPU in float32/float64 a buffer of
-    :mod:`attnkit.cpu_buffers`, reused once nothing refers to it (these are ``2·B·H·L·D`` floats, 64 MiB at
-    L = 16,384, H = 8, D = 64: fresh from ``mmap`` on every call, their page faults took 17 of the 57 ms of
-    ``own_and_sorted`` there); else (other devices and dtypes, ``torch.compile`` tracing) ``new_empty``."""
-    if like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64) \
-            and not torch.compiler.is_compiling():
-        from attnkit import cpu_buffers
-
-        return torch.from_numpy(cpu_buffers.empty(shape, "float32" if like.dtype == torch.float32 else "float64"))
-    return like.new_empty(shape)
 
 
 class _OwnAndSorted(torch.autograd.Function):
