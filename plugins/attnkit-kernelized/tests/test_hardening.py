@@ -204,13 +204,16 @@ def _ops_run(fn):
 def test_a_forced_backend_runs_its_kernel_in_every_mode(backend, name, opts, causal):
     """backend="numba" on a non-causal call used to run torch matmuls: every mode runs the backend's
     operators now (forward and backward). (Causal performer with the positive and trig maps runs its log-space
-    form on every backend: see test_performer.py; its generalized map runs the linear kernels.)"""
+    form on every backend: see test_performer.py; its generalized map runs the linear kernels. Causal linear on
+    numba trains through its one operator, map included: linear/numba_train.py.)"""
     if backend not in attnkit.get_spec(name).capabilities.backends:
         pytest.skip(f"{name} does not offer {backend}")
     attn = build(name, backend=backend, **opts)
     q, k, v = (rand((1, 2, 7, 4 if i < 2 else 3), i, torch.float64) for i in range(3))
     ran = _ops_run(lambda: attn(q, k, v, causal=causal).sum().backward())
     kernel = f"attnkit_kernelized::{backend}_{'gated' if name == 'rfa' and causal else 'linear'}_attention"
+    if name == "linear" and causal and backend == "numba":
+        kernel = "attnkit_kernelized::numba_linear_causal"
     assert kernel in ran, ran
 
 

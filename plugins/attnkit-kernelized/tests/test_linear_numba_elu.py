@@ -48,9 +48,13 @@ def test_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("scale", [None, 0.3])
-def test_the_numba_module_uses_it_and_equals_the_torch_backend(monkeypatch, scale):
+def test_the_unfused_numba_path_uses_it_and_equals_the_torch_backend(monkeypatch, scale):
+    """The module's unfused numba path (the map, then linear attention: what runs with the one-operator training
+    form switched off, the baseline of the benchmarks) computes its features here."""
     from attnkit_kernelized.linear import numba_elu
+    from attnkit_kernelized.linear.module import LinearAttention
 
+    monkeypatch.setattr(LinearAttention, "_trained_causal", lambda *args: None)
     calls = []
     real = numba_elu.elu_plus_one
     monkeypatch.setattr(numba_elu, "elu_plus_one", lambda x: calls.append(x.shape) or real(x))

@@ -87,8 +87,10 @@ class LinearAttention(KernelizedAttention):
         return self._phi(q), zero_padded(self._phi(k), padded(key_padding_mask))
 
     def _segment_features(self, q: Tensor, k: Tensor, kpm: Tensor | None, backend: str) -> tuple[Tensor, Tensor]:
-        """On the numba backend the ``elu`` map runs as one numba pass per tensor (:mod:`.numba_elu`: torch's
-        ``F.elu(x) + 1`` is two passes and its backward a third); the same values, rounding aside."""
+        """On the numba backend's unfused path the ``elu`` map runs as one numba pass per tensor (:mod:`.numba_elu`:
+        torch's ``F.elu(x) + 1`` is two passes and its backward a third); the same values, rounding aside. The module
+        takes the fused forms (:meth:`_fused_causal`, :meth:`_trained_causal`) wherever this applies; the unfused
+        path runs when they are switched off (the benchmarks' baseline, the tests' comparison)."""
         if (backend != "numba" or self.feature_map != "elu" or q.dtype not in (torch.float32, torch.float64)
                 or q.device.type != "cpu" or torch.compiler.is_compiling()):
             return super()._segment_features(q, k, kpm, backend)
@@ -98,6 +100,30 @@ class LinearAttention(KernelizedAttention):
             s = self.scale ** 0.5
             q, k = q * s, k * s
         return elu_plus_one(q), zero_padded(elu_plus_one(k), padded(kpm))
+
+    def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                        backend: str) -> tuple[Tensor, Any]:
+        out = self._trained_causal(q, k, v, kpm, state, backend)
+        return out if out is not None else super()._causal_segment(q, k, v, kpm, state, backend)
+
+    def _trained_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                        backend: str) -> tuple[Tensor, Any] | None:
+        """The ``elu`` map's causal form on the numba backend, float32/float64, as one differentiable operator:
+        the fused kernel's forward, which also keeps the features, and a backward that runs the map's backward on
+        the blocks of its products (:mod:`.numba_train`); or None (the map and linear attention as separate
+        operators). What the no-grad path (:meth:`_fused_causal`) leaves: calls under autograd, and compiled or
+        exported ones."""
+        if (self.feature_map != "elu" or q.device.type != "cpu" or q.shape[2] == 0
+                or q.dtype not in (torch.float32, torch.float64) or not k.dtype == v.dtype == q.dtype):
+            return None
+        if runnable_backend(backend, q, k, v) != "numba":
+            return None
+        from .numba_train import linear_causal
+
+        S0, z0 = (None, None) if state is None else state
+        scale = 1.0 if self.scale is None else self.scale ** 0.5
+        out, S, z = linear_causal(q, k, v, scale, padded(kpm), S0, z0, self.chunk_size)
+        return out, (S, z)
 
     def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                   backend: str) -> tuple[Tensor, Any]:

@@ -38,14 +38,17 @@ _FM = FASTMATH
 
 
 @numba.njit(cache=True, fastmath=_FM, nogil=True)
-def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out, n0,
+def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out, PQ, PK, den, n0,
                 n1):  # pragma: no cover - compiled
     """Sequences ``n0 <= n < n1`` of ``Q, K (N, L, D)``, ``V (N, L, E)``: ``out[n]`` the normalised causal linear
     attention of ``phi = elu(scale x) + 1`` (key rows 0 where ``pad[n, t]``; ``pad`` may be ``(N, 0)``) and V
-    from the state ``(S0[n], z0[n])``; the final state into ``S_out[n], z_out[n]``."""
+    from the state ``(S0[n], z0[n])``; the final state into ``S_out[n], z_out[n]``. With ``PQ``, ``PK (N, L, D)``
+    and ``den (N, L)`` of length ``L`` (not 0), the features and the denominators are written there too (what
+    the training operator's backward needs, :mod:`.numba_train`)."""
     N, L, M = Q.shape
     E = V.shape[2]
     has_pad = pad.shape[1] > 0
+    keep = PQ.shape[1] > 0
     zero = cst[HALF] - cst[HALF]
     xf = empty_aligned(1, chunk * M, Q)[0]     # the block's query features (flat, and as rows: xb)
     yf = empty_aligned(1, chunk * M, Q)[0]     # the block's key features
@@ -75,12 +78,27 @@ def _fused_rows(Q, K, V, pad, scale, cst, is32, chunk, S0, z0, out, S_out, z_out
                         for j in range(M):
                             row[j] = zero
             causal_block_normalised(xb, yb, yT, A, db, vn, outn, S, z, c0, T, M, E, zero)
+            if keep:
+                for t in range(T):
+                    a_ = xb[t]; b_ = yb[t]; pa = PQ[n, c0 + t]; pb = PK[n, c0 + t]
+                    for j in range(M):
+                        pa[j] = a_[j]
+                        pb[j] = b_[j]
+                    den[n, c0 + t] = db[t]
         S_out[n] = S
         z_out[n] = z
 
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
            z0: Tensor | None, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    return run_fused(q, k, v, scale, pad, S0, z0, chunk, False)
+
+
+def run_fused(q: Tensor, k: Tensor, v: Tensor, scale: float, pad: Tensor | None, S0: Tensor | None,
+              z0: Tensor | None, chunk: int, keep: bool) -> tuple[Tensor, ...]:
+    """The kernel on tensors: ``(out, S, z)`` as :func:`fused_causal` returns them, and with ``keep`` also
+    ``(phi_q (B, H, L, D), phi_k (B, H, L, D), den (B, H, L))`` (the training operator's forward,
+    :mod:`.numba_train`; no autograd here)."""
     B, H, L, D = q.shape
     E, N = v.shape[-1], B * H
     dt = q.dtype
@@ -98,11 +116,18 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, scale: float, pad: Tensor | None, S0
     outa = output((N, L, E), npdt)
     S = np.empty((N, D, E), dtype=npdt)
     z = np.empty((N, D), dtype=npdt)
+    Lk = L if keep else 0
+    PQ, PK = output((N, Lk, D), npdt), output((N, Lk, D), npdt)
+    den = output((N, Lk), npdt)
     args = (X, Kx, V, padn, npdt.type(scale), constants(npdt), npdt == np.float32,
-            max(1, min(int(chunk), MAX_BLOCK)), S0a, z0a, outa, S, z)
+            max(1, min(int(chunk), MAX_BLOCK)), S0a, z0a, outa, S, z, PQ, PK, den)
     rows(_fused_rows, N, *args)
-    return (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, D, E),
-            torch.from_numpy(z).view(B, H, D))
+    res = (torch.from_numpy(outa).view(B, H, L, E), torch.from_numpy(S).view(B, H, D, E),
+           torch.from_numpy(z).view(B, H, D))
+    if keep:
+        res += (torch.from_numpy(PQ).view(B, H, L, D), torch.from_numpy(PK).view(B, H, L, D),
+                torch.from_numpy(den).view(B, H, L))
+    return res
 
 
 def _fused_fake(q, k, v, scale, pad, S0, z0, chunk):

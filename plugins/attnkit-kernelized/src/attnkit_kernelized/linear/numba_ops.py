@@ -70,11 +70,14 @@ def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den,
     E = w.shape[2]
     n_chunks = (L + chunk - 1) // chunk
     zero = np.zeros(1, dtype=x.dtype)[0]           # a typed 0 (a literal 0.0 would be float64)
-    phi, W, X, pad, scale = feat                   # the features' backward (feat_on): see _features_back_block
-    feat_on = W.shape[1] > 0
+    # the features' backward on the output (feat_on): the performer's with a W of columns (_features_back_block),
+    # elu(x) + 1's without (_elu_back_block)
+    phi, W, X, pad, scale = feat
+    feat_on = phi.shape[1] > 0
     D = W.shape[1]
-    gb = empty_aligned(chunk if feat_on else 0, E, x)
-    dxb = empty_aligned(chunk if feat_on else 0, D, x)
+    perf_on = D > 0
+    gb = empty_aligned(chunk if perf_on else 0, E, x)
+    dxb = empty_aligned(chunk if perf_on else 0, D, x)
     for n in range(n0, n1):
         xn = x[n]; yn = y[n]; wn = w[n]; outn = out[n]
         S = empty_aligned(M, E, x)                 # the state S = S0 + sum_j y_j w_j^T (M x E), on a line
@@ -111,7 +114,11 @@ def _causal_rows(x, y, w, reverse, chunk, with_den, normalize, S0, z0, out, den,
             causal_block(xc, wc, yc, yT, A, ob, db, S, z, T, M, E, zero, with_den, normalize)
             # ---- the chunk's results out (back in position order in reverse mode)
             if feat_on:
-                _features_back_block(ob, gb, dxb, T, c0, c1, reverse, phi[n], W, X[n], pad[n], scale, outn, zero)
+                if perf_on:
+                    _features_back_block(ob, gb, dxb, T, c0, c1, reverse, phi[n], W, X[n], pad[n], scale, outn,
+                                         zero)
+                else:
+                    _elu_back_block(ob, T, c0, c1, reverse, phi[n], scale, outn, zero)
                 continue
             for t in range(T):
                 p = c1 - 1 - t if reverse else c0 + t
@@ -145,6 +152,22 @@ def _features_back_block(ob, gb, dxb, T, c0, c1, reverse, phin, W, Xn, padn, sca
     for t in range(T):
         p = c1 - 1 - t if reverse else c0 + t
         feature_grad_row(outn[p], dxb[t], gb[t], Xn, p, has_pad and padn[p], scale, zero)
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH)
+def _elu_back_block(ob, T, c0, c1, reverse, phin, scale, outn, zero):  # pragma: no cover - compiled
+    """``elu(s x) + 1``'s backward on a block of the product's output, in place of writing it: ``ob[:T] = dphi``
+    (buffer row t is position ``c1 - 1 - t`` in reverse mode, ``c0 + t`` else) becomes
+    ``outn[p] = scale · dphi · min(phi, 1)`` (the map's derivative: 1 where ``s x > 0``, ``exp(s x) = phi``
+    elsewhere; ``phin (L, M)`` the features). A padded key's features are 0, so its gradient is 0 too. What
+    :mod:`.numba_elu`'s backward computes from a written ``dphi``, then times ``scale``."""
+    M = ob.shape[1]
+    one = zero + 1
+    for t in range(T):
+        p = c1 - 1 - t if reverse else c0 + t
+        o_ = ob[t]; f = phin[p]; d_ = outn[p]
+        for m in range(M):
+            d_[m] = o_[m] * np.fmin(f[m], one) * scale
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
@@ -319,6 +342,36 @@ def _product_features_fake(x, y, w, S0, z0, reverse, chunk, phi, W, X, pad, scal
     return x.new_empty(*x.shape[:2], W.shape[1]), torch.empty_like(S0), torch.empty_like(z0)
 
 
+def _product_elu(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, reverse: bool, chunk: int, phi: Tensor,
+                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal (or ``reverse``) product with ``elu(s x) + 1``'s backward on its output:
+    ``dx = scale · product · min(phi, 1)``, never writing the product itself. ``x (N, L, DX)``, ``y (N, L, DX)``,
+    ``w (N, L, M)``, ``phi (N, L, M)`` the features (0 at padded keys: their ``dx`` is 0); returns
+    ``(dx (N, L, M), S, z)``, the final state as :func:`_product` returns it."""
+    N, L, DX = x.shape
+    M = w.shape[-1]
+    if not (y.shape == x.shape and w.shape == (N, L, M) and phi.shape == (N, L, M) and S0.shape == (N, DX, M)
+            and z0.shape == (N, DX)):
+        raise ValueError(f"numba_linear_product_elu: expected x, y (N, L, DX), w and phi (N, L, M), S0 (N, DX, M), "
+                         f"z0 (N, DX); got {tuple(x.shape)}, {tuple(y.shape)}, {tuple(w.shape)}, "
+                         f"{tuple(phi.shape)}, {tuple(S0.shape)}, {tuple(z0.shape)}")
+    xa, ya, wa, S0a, z0a, pa = (arr(t) for t in (x, y, w, S0, z0, phi))
+    check_float(xa, ya, wa, S0a, z0a, pa)
+    dt = xa.dtype
+    pada = np.empty((N, 0), dtype=np.bool_)           # (the performer's epilogue's; unread here)
+    dx = output((N, L, M), dt)
+    S_ = np.empty((N, DX, M), dtype=dt)
+    z = np.empty((N, DX), dtype=dt)
+    feat = (pa, np.empty((M, 0), dtype=dt), np.empty((N, 0, 0), dtype=dt), pada, dt.type(scale))
+    rows(_causal_rows, N, xa, ya, wa, bool(reverse), min(int(chunk), MAX_BLOCK), False, False, S0a, z0a, dx,
+         np.empty((N, 0), dtype=dt), S_, z, feat)
+    return torch.from_numpy(dx), torch.from_numpy(S_), torch.from_numpy(z)
+
+
+def _product_elu_fake(x, y, w, S0, z0, reverse, chunk, phi, scale):
+    return torch.empty_like(w), torch.empty_like(S0), torch.empty_like(z0)
+
+
 def _backward_inputs(g: Tensor | None, out: Tensor, den: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(gp, vp, g_num)`` of :func:`attnkit_kernelized._ops.linear_attention_backward` in one numba pass
     (``g (N, L, E)`` the output's gradient or None, ``out (N, L, E)``, ``den (N, L)``, ``v (N, L, E)``):
@@ -351,6 +404,10 @@ numba_linear_product = define("numba_linear_product", _product, _product_fake)
 #: ``attnkit_kernelized::numba_linear_product_features``: the product with the performer's features backward on
 #: its rows (:func:`_product_features`; no autograd)
 numba_linear_product_features = define("numba_linear_product_features", _product_features, _product_features_fake)
+
+#: ``attnkit_kernelized::numba_linear_product_elu``: the product with ``elu(s x) + 1``'s backward on its rows
+#: (:func:`_product_elu`; no autograd)
+numba_linear_product_elu = define("numba_linear_product_elu", _product_elu, _product_elu_fake)
 
 #: ``attnkit_kernelized::numba_linear_backward_inputs``: ``(g, out, den, v) -> (gp, vp, g_num)`` (no autograd)
 numba_linear_backward_inputs = define("numba_linear_backward_inputs", _backward_inputs, _backward_inputs_fake)
