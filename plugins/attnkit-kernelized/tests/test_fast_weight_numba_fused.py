@@ -107,7 +107,7 @@ def test_the_module_without_autograd_equals_its_autograd_path_and_the_torch_back
         a, sa = fast(q, k, v, causal=True, key_padding_mask=kpm, return_state=True)
         c, sc = slow(q, k, v, causal=True, key_padding_mask=kpm, return_state=True)
     qg = q.clone().requires_grad_()
-    b, sb = fast(qg, k, v, causal=True, key_padding_mask=kpm, return_state=True)   # the unfused path
+    b, sb = fast(qg, k, v, causal=True, key_padding_mask=kpm, return_state=True)   # the training operator
     assert torch.isfinite(a).all()
     for x in (b, c):
         torch.testing.assert_close(a, x.detach(), atol=1e-11, rtol=1e-9)
@@ -174,12 +174,25 @@ def test_the_numba_feature_map_and_its_gradient_equal_torch(name, nu, normalize)
     assert torch.autograd.gradcheck(lambda t: phi(t, name, nu, normalize), (x[:1, :1, 1:4].detach().requires_grad_(),))
 
 
-def test_the_module_s_numba_path_uses_the_numba_features_and_its_two_paths_agree_to_the_bit():
+def test_the_module_s_three_numba_paths_agree_to_the_bit(monkeypatch):
+    """The fused no-grad kernel, the training operator (fast_weight/numba_train.py) and the unfused path (the
+    numba features, then the delta rule: what runs with the training operator switched off) compute the same
+    arithmetic in the same order; the unfused path computes its features with the numba map."""
+    from attnkit_kernelized.fast_weight import numba_features
+    from attnkit_kernelized.fast_weight.module import FastWeightAttention
+
     attn = attnkit.build("fast-weight", num_heads=2, head_dim=8, backend="numba")
     q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
     with torch.no_grad():
         fused = attn(q, k, v, causal=True)
-    unfused = attn(q, k, v.requires_grad_(), causal=True)
+    trained = attn(q, k, v.requires_grad_(), causal=True)
+    calls = []
+    real = numba_features.phi
+    monkeypatch.setattr(numba_features, "phi", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(FastWeightAttention, "_trained_causal", lambda *args: None)
+    unfused = attn(q, k, v, causal=True)
+    assert len(calls) == 2                     # queries and keys
+    torch.testing.assert_close(trained.detach(), fused, atol=0, rtol=0)
     torch.testing.assert_close(unfused.detach(), fused, atol=0, rtol=0)
 
 

@@ -87,6 +87,14 @@ class FastWeightAttention(KernelizedAttention):
 
     capabilities = FAST_WEIGHT.capabilities  # the spec's one declaration; used when built without the registry
     state_keys: ClassVar[tuple[str, ...]] = ("S",)
+    #: positions per causal segment of the training operator on the CPU (:meth:`_trained_causal`, numba), in place
+    #: of :attr:`segment_length`. Each segment boundary costs copies of the segment's q, k, v and g_out and
+    #: concatenations of the output and the gradients; the features are saved for the backward whatever the
+    #: segment, so a longer one adds only the backward's transients (as the performer's, whose value this is).
+    #: Session 66 (2 vCPUs, L = 8,192, B = 1, H = 8, D = 64, DPFP, M = 128, alternated in one process): a training
+    #: step 1.11x faster in one 8,192-position segment than in 2,048-position ones, 1.41x with a second process
+    #: keeping the cores busy
+    trained_segment_length: ClassVar[int] = 8192
 
     def __init__(self, *, num_heads: int | None = None, head_dim: int | None = None,
                  scale: float | None = None, backend: str = "auto", feature_map: str = "dpfp",
@@ -150,9 +158,11 @@ class FastWeightAttention(KernelizedAttention):
 
     # ------------------------------------------------------------ forward
     def _segment_features(self, q: Tensor, k: Tensor, kpm: Tensor | None, backend: str) -> tuple[Tensor, Tensor]:
-        """On the numba backend the feature map and its normalisation run as one numba pass per tensor
-        (:mod:`.numba_features`; torch's DPFP is five passes forward and as many backward): the values the fused
-        no-grad kernel computes. DPFP with more rolls than D stays on torch's map (the kernels wrap a roll once)."""
+        """On the numba backend's unfused path the feature map and its normalisation run as one numba pass per
+        tensor (:mod:`.numba_features`; torch's DPFP is five passes forward and as many backward): the values the
+        fused kernels compute. The module takes the fused forms (:meth:`_fused_causal`, :meth:`_trained_causal`)
+        wherever this applies; the unfused path runs when they are switched off (the benchmarks' baseline, the tests'
+        comparison). DPFP with more rolls than D stays on torch's map (the kernels wrap a roll once)."""
         if (backend != "numba" or q.dtype not in (torch.float32, torch.float64) or q.device.type != "cpu"
                 or torch.compiler.is_compiling() or self.dpfp_nu > q.shape[-1]):
             return self.feature_pair(q, k, causal=True, key_padding_mask=kpm)
@@ -163,6 +173,9 @@ class FastWeightAttention(KernelizedAttention):
 
     def _causal_segment(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                         backend: str) -> tuple[Tensor, Any]:
+        trained = self._trained_causal(q, k, v, kpm, state, backend)
+        if trained is not None:
+            return trained
         phi_q, phi_k = self._segment_features(q, k, kpm, runnable_backend(backend, q, k, v))
         beta = self.betas(k)
         backend = runnable_backend(backend, phi_q, phi_k, v, beta)
@@ -171,10 +184,36 @@ class FastWeightAttention(KernelizedAttention):
         out, S = backend_module("fast_weight", backend).delta_rule(phi_q, phi_k, v, beta, S0, chunk=self.chunk_size)
         return self._scale_out(out), (S,)
 
+    def _trained_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
+                        backend: str) -> tuple[Tensor, Any] | None:
+        """A causal segment on the numba backend, float32/float64, as one differentiable operator: the map and the
+        delta rule per sequence, the map's backward after the delta rule's on each sequence's rows
+        (:mod:`.numba_train`); or None (the map and the delta rule as separate operators). What the no-grad path
+        (:meth:`_fused_causal`) leaves: calls under autograd. Not under ``torch.compile`` (the torch form runs
+        there, as with the unfused path) nor for DPFP with more rolls than D (the kernels wrap a roll once)."""
+        if not self._trains_fused(q, k, v, backend):
+            return None
+        from .numba_train import fast_weight_causal
+
+        beta = self.betas(k)
+        out, S = fast_weight_causal(q, k, v, beta, padded(kpm), None if state is None else state[0],
+                                    chunk=self.chunk_size, feature_map=self.feature_map, nu=self.dpfp_nu,
+                                    normalize=self.normalize)
+        return self._scale_out(out), (S,)
+
+    def _trains_fused(self, q: Tensor, k: Tensor, v: Tensor, backend: str) -> bool:
+        """Whether a causal segment runs as :meth:`_trained_causal`."""
+        return (not torch.compiler.is_compiling() and q.device.type == "cpu"
+                and q.dtype in (torch.float32, torch.float64) and q.shape[2] > 0 and self.dpfp_nu <= q.shape[-1]
+                and runnable_backend(backend, q, k, v) == "numba")
+
     def _segments(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                   backend: str) -> tuple[Tensor, Any]:
         out = self._fused_causal(q, k, v, kpm, state, backend)
-        return out if out is not None else super()._segments(q, k, v, kpm, state, backend)
+        if out is not None:
+            return out
+        seg = self.trained_segment_length if self._trains_fused(q, k, v, backend) else None
+        return super()._segments(q, k, v, kpm, state, backend, seg)
 
     def _fused_causal(self, q: Tensor, k: Tensor, v: Tensor, kpm: Tensor | None, state: Any,
                       backend: str) -> tuple[Tensor, Any] | None:

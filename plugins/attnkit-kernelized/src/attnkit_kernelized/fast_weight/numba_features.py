@@ -1,5 +1,6 @@
 """``fast-weight``'s feature map (sum-normalised when the module's ``normalize``) as one numba pass, for the numba
-backend under autograd.
+backend's unfused path under autograd (the training operator, :mod:`.numba_train`, calls its backward's row
+function :func:`_phi_back` on each sequence instead).
 
 torch evaluates DPFP and the normalisation as a concatenation, a ``relu``, a product, a sum and a division, each a
 fresh ``(B, H, L, 2D)`` tensor, and autograd's backward walks them again (about 40% of a training step at L =
@@ -8,7 +9,8 @@ fresh ``(B, H, L, 2D)`` tensor, and autograd's backward walks them again (about 
 to the bit) and the backward one pass per row: the normalisation's ``(g - g · f) / s`` (``g`` where the row sums to
 0, as torch's ``where`` gives), then the map's derivative from the recomputed map (DPFP: each product's two
 factors; ``elu + 1``: 1 above 0, ``exp(x)`` below; ``relu``: 1 above 0; ``softplus``: ``sigmoid(x)``, 1 above
-20 as torch's). Only the numba backend uses it (:meth:`.module.FastWeightAttention._segment_features`); the torch
+20 as torch's). Only the numba backend's unfused path uses it (:meth:`.module.FastWeightAttention._segment_features`:
+what runs when the training operator is switched off); the torch
 path and the reference keep torch's maps, against which ``tests/test_fast_weight_numba_fused.py`` checks it.
 """
 
