@@ -99,3 +99,20 @@ def against_reference(name, opts, backend, *, causal, L, S, kpm=None, segment=No
             continue
         torch.testing.assert_close(a, b, atol=tol["atol"] * 10, rtol=tol["rtol"] * 10)
     return out
+
+
+def module_run(m, q, k, v, kpm, split, *, parameters=False):
+    """A causal call of module ``m`` on ``(q, k, v)`` with ``key_padding_mask=kpm``, whole (``split`` 0) or as two
+    calls with the state carried from the first ``split`` positions to the rest; returns the output and the
+    gradients of a fixed weighting of it w.r.t. ``q``, ``k``, ``v`` (and ``m``'s parameters with ``parameters``)."""
+    if split:
+        out, st = m(q[:, :, :split], k[:, :, :split], v[:, :, :split], causal=True,
+                    key_padding_mask=kpm[:, :split], return_state=True)
+        out2, _ = m(q[:, :, split:], k[:, :, split:], v[:, :, split:], causal=True,
+                    key_padding_mask=kpm[:, split:], state=st, return_state=True)
+        out = torch.cat([out, out2], 2)
+    else:
+        out = m(q, k, v, causal=True, key_padding_mask=kpm)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    inputs = (q, k, v, *m.parameters()) if parameters else (q, k, v)
+    return out, torch.autograd.grad((out * weights).sum(), inputs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from comparisons import module_run
 
 import attnkit
 from attnkit_kernelized.common import padded
@@ -98,19 +99,6 @@ def test_gradcheck(name, nu, normalize):
     assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (q, k, v, beta, S0)])
 
 
-def _module_run(m, q, k, v, kpm, split):
-    if split:      # a state carried from the first part to the second
-        out, st = m(q[:, :, :split], k[:, :, :split], v[:, :, :split], causal=True,
-                    key_padding_mask=kpm[:, :split], return_state=True)
-        out2, _ = m(q[:, :, split:], k[:, :, split:], v[:, :, split:], causal=True,
-                    key_padding_mask=kpm[:, split:], state=st, return_state=True)
-        out = torch.cat([out, out2], 2)
-    else:
-        out = m(q, k, v, causal=True, key_padding_mask=kpm)
-    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
-    return out, torch.autograd.grad((out * weights).sum(), (q, k, v, *m.parameters()))
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("L,split", [(37, 0), (70, 0), (50, 20)])
 @pytest.mark.parametrize("opts", [{}, {"feature_map": "elu", "scale": 0.5}], ids=str)
@@ -135,17 +123,17 @@ def test_the_module_trains_through_it_with_the_unfused_operators_results(monkeyp
         return res
 
     monkeypatch.setattr(FastWeightAttention, "_trained_causal", counted)
-    out, grads = _module_run(m, q, k, v, kpm, split)
+    out, grads = module_run(m, q, k, v, kpm, split, parameters=True)
     parts = [split, L - split] if split else [L]
     assert calls == [True] * sum(-(-p // 16) for p in parts)
     monkeypatch.setattr(FastWeightAttention, "_trained_causal", lambda *args: None)
-    out_u, grads_u = _module_run(m, q, k, v, kpm, split)
+    out_u, grads_u = module_run(m, q, k, v, kpm, split, parameters=True)
     torch.testing.assert_close(out, out_u, rtol=0, atol=0)
     for a, b in zip(grads, grads_u):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     mt = attnkit.build("fast-weight", num_heads=2, head_dim=8, backend="torch", chunk_size=8, **opts).to(dtype)
     mt.load_state_dict(m.state_dict())
-    out_t, grads_t = _module_run(mt, q, k, v, kpm, split)
+    out_t, grads_t = module_run(mt, q, k, v, kpm, split, parameters=True)
     tol = 1e-10 if dtype == torch.float64 else 2e-4
     torch.testing.assert_close(out, out_t, rtol=tol, atol=tol)
     for a, b in zip(grads, grads_t):
