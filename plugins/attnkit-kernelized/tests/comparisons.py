@@ -116,3 +116,32 @@ def module_run(m, q, k, v, kpm, split, *, parameters=False):
     weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
     inputs = (q, k, v, *m.parameters()) if parameters else (q, k, v)
     return out, torch.autograd.grad((out * weights).sum(), inputs)
+
+
+def elu_linear_causal(q, k, v, scale, pad, S0, z0):
+    """The plain expressions of causal ``linear`` with the ``elu`` map: ``phi = elu(scale x) + 1`` (padded keys 0),
+    then normalised linear attention from ``(S0, z0)`` as an explicit masked product (0 where the denominator is 0,
+    with no gradient through the division there); ``(out, S, z)``."""
+    phi_q = torch.nn.functional.elu(q * scale) + 1
+    phi_k = torch.nn.functional.elu(k * scale) + 1
+    if pad is not None:
+        phi_k = phi_k.masked_fill(pad, 0.0)
+    A = (phi_q @ phi_k.transpose(-1, -2)).tril()
+    num = A @ v + phi_q @ S0
+    den = A.sum(-1) + (phi_q * z0.unsqueeze(-2)).sum(-1)
+    empty = (den == 0).unsqueeze(-1)
+    out = torch.where(empty, torch.zeros_like(num), num / torch.where(empty, torch.ones_like(num), den.unsqueeze(-1)))
+    return out, S0 + phi_k.transpose(-1, -2) @ v, z0 + phi_k.sum(-2)
+
+
+def fast_weight_features(q, k, pad, name, nu, normalize):
+    """torch's ``fast-weight`` features: the module's map, sum-normalised when asked, padded keys 0."""
+    from attnkit_kernelized.feature_maps import deterministic_feature_map, sum_normalized
+
+    phi = deterministic_feature_map(name, nu=nu)
+    fq, fk = phi(q), phi(k)
+    if normalize:
+        fq, fk = sum_normalized(fq), sum_normalized(fk)
+    if pad is not None:
+        fk = fk.masked_fill(pad, 0.0)
+    return fq, fk

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from comparisons import fast_weight_features
 
 import attnkit
 from attnkit_kernelized.common import padded
@@ -35,12 +36,7 @@ def _inputs(dtype, L, D=5, E=7, pad_tail=5, with_state=True, seed=1):
 
 def _torch_fused(q, k, v, beta, pad, S0, name, nu, normalize):
     """torch's features (the module's map, sum-normalised when asked; padded keys 0), then the torch form."""
-    phi = deterministic_feature_map(name, nu=nu)
-    fq, fk = phi(q), phi(k)
-    if normalize:
-        fq, fk = sum_normalized(fq), sum_normalized(fk)
-    if pad is not None:
-        fk = fk.masked_fill(pad, 0.0)
+    fq, fk = fast_weight_features(q, k, pad, name, nu, normalize)
     return chunk.delta_rule(fq, fk, v, beta, S0, chunk=4)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comparisons import module_run
+from comparisons import fast_weight_features, module_run
 
 import attnkit
 from attnkit_kernelized.common import padded
@@ -19,19 +19,13 @@ from attnkit_kernelized.fast_weight.module import FastWeightAttention
 from attnkit_kernelized.fast_weight.numba_ops import BLOCK
 from attnkit_kernelized.fast_weight.numba_train import fast_weight_causal
 from attnkit_kernelized.fast_weight.recurrent import delta_rule_step
-from attnkit_kernelized.feature_maps import deterministic_feature_map, sum_normalized
 
 MAPS = [("dpfp", 1, True), ("dpfp", 2, False), ("elu", 1, True), ("relu", 1, True), ("softplus", 1, False)]
 
 
 def _torch_causal(q, k, v, beta, pad, S0, name, nu, normalize):
     """torch's map (sum-normalised when asked; padded keys 0), then the delta rule one position at a time."""
-    phi = deterministic_feature_map(name, nu=nu)
-    fq, fk = phi(q), phi(k)
-    if normalize:
-        fq, fk = sum_normalized(fq), sum_normalized(fk)
-    if pad is not None:
-        fk = fk.masked_fill(pad, 0.0)
+    fq, fk = fast_weight_features(q, k, pad, name, nu, normalize)
     return delta_rule_step(fq, fk, v, beta, S0)
 
 

@@ -9,25 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from comparisons import elu_linear_causal
 
 import attnkit
 from attnkit_kernelized.common import padded
 from attnkit_kernelized.linear.numba_fused import fused_causal
-
-
-def _torch_fused(q, k, v, scale, pad, S0, z0):
-    """The plain expressions: ``phi = elu(scale x) + 1`` (padded keys 0), then causal normalised linear attention
-    from the state ``(S0, z0)`` as an explicit masked product (0 where the denominator is 0)."""
-    phi_q = F.elu(q * scale) + 1
-    phi_k = F.elu(k * scale) + 1
-    if pad is not None:
-        phi_k = phi_k.masked_fill(pad, 0.0)
-    A = (phi_q @ phi_k.transpose(-1, -2)).tril()
-    num = A @ v + phi_q @ S0
-    den = A.sum(-1) + (phi_q * z0.unsqueeze(-2)).sum(-1)
-    out = torch.where(den.unsqueeze(-1) == 0, torch.zeros_like(num), num / den.unsqueeze(-1))
-    return out, S0 + phi_k.transpose(-1, -2) @ v, z0 + phi_k.sum(-2)
 
 
 def _inputs(dtype, L, pad_tail=5, with_state=True):
@@ -56,7 +42,7 @@ def test_the_fused_kernel_equals_the_torch_expressions(dtype, L, chunk, with_sta
         k_bad[1, :, L - 2] = float("inf")
     v = v.masked_fill(pad, 0.0)
     got = fused_causal(q, k_bad, v, scale, pad, S0 if with_state else None, z0 if with_state else None, chunk)
-    want = _torch_fused(q, k.masked_fill(pad, 0.0), v, scale, pad, S0, z0)
+    want = elu_linear_causal(q, k.masked_fill(pad, 0.0), v, scale, pad, S0, z0)
     tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
     for name, a, b in zip(("out", "S", "z"), got, want, strict=True):
         torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name}: {m}")

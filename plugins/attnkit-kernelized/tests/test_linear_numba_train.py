@@ -11,28 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from comparisons import module_run
+from comparisons import elu_linear_causal, module_run
 
 import attnkit
 from attnkit_kernelized.common import padded
 from attnkit_kernelized.linear.module import LinearAttention
 from attnkit_kernelized.linear.numba_train import linear_causal
-
-
-def _torch_causal(q, k, v, scale, pad, S0, z0):
-    """``phi = elu(scale x) + 1`` (0 at padded keys) and causal normalised linear attention from ``(S0, z0)`` as an
-    explicit masked product (0 where the denominator is 0, with no gradient through the division there)."""
-    phi_q = F.elu(q * scale) + 1
-    phi_k = F.elu(k * scale) + 1
-    if pad is not None:
-        phi_k = phi_k.masked_fill(pad, 0.0)
-    A = (phi_q @ phi_k.transpose(-1, -2)).tril()
-    num = A @ v + phi_q @ S0
-    den = A.sum(-1) + (phi_q * z0.unsqueeze(-2)).sum(-1)
-    empty = (den == 0).unsqueeze(-1)
-    out = torch.where(empty, torch.zeros_like(num), num / torch.where(empty, torch.ones_like(num), den.unsqueeze(-1)))
-    return out, S0 + phi_k.transpose(-1, -2) @ v, z0 + phi_k.sum(-2)
 
 
 def _inputs(dtype, L, with_state):
@@ -67,7 +51,7 @@ def test_outputs_and_gradients_equal_the_torch_expressions(dtype, tol, L, chunk,
     grads = torch.autograd.grad((out * go).sum() + (S * gS).sum() + (z * gz).sum(), ins)
 
     ref_ins = [t.clone().requires_grad_() for t in (q, k.masked_fill(pad, 0.0), v_bad, S0, z0)]
-    r_out, r_S, r_z = _torch_causal(ref_ins[0], ref_ins[1], ref_ins[2], scale, pad, ref_ins[3], ref_ins[4])
+    r_out, r_S, r_z = elu_linear_causal(ref_ins[0], ref_ins[1], ref_ins[2], scale, pad, ref_ins[3], ref_ins[4])
     r_grads = torch.autograd.grad((r_out * go).sum() + (r_S * gS).sum() + (r_z * gz).sum(), ref_ins)
     for name, a, b in [("out", out, r_out), ("S", S, r_S), ("z", z, r_z),
                        *(("d" + n, x, y) for n, x, y in zip(("q", "k", "v", "S0", "z0"), grads, r_grads))]:

@@ -19,7 +19,7 @@ from attnkit.numba_pool import kernel_threads, run_ranges
 
 from ._busy import kernel_thread_count
 
-__all__ = ["FASTMATH", "kernel_threads", "threads", "rows", "arr", "check_float", "output"]
+__all__ = ["FASTMATH", "kernel_threads", "threads", "rows", "arr", "check_float", "output", "pad_rows"]
 
 # reassociation lets LLVM vectorise the short reductions; no NaN/inf
 # assumptions, so zeros from masked positions and NaN inputs behave exactly
@@ -69,6 +69,14 @@ def rows(kernel, n: int, *args, item: int = 1) -> None:
 def arr(x: Tensor) -> np.ndarray:
     """A contiguous NumPy view of a CPU tensor (a copy only when it is not contiguous)."""
     return x.detach().contiguous().numpy()
+
+
+def pad_rows(pad: Tensor | None, B: int, H: int, L: int) -> np.ndarray:
+    """A key padding mask ``(B, 1, L, 1)`` bool as the kernels read it, one row per sequence: ``(B·H, L)``; None
+    gives ``(B·H, 0)`` (nothing padded)."""
+    if pad is None:
+        return np.zeros((B * H, 0), dtype=np.bool_)
+    return arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(B * H, L))
 
 
 def check_float(*xs: np.ndarray) -> None:

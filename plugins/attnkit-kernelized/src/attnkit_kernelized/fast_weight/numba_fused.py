@@ -26,7 +26,7 @@ from torch import Tensor
 
 from attnkit.numba_panel import empty_aligned
 
-from .._numba import FASTMATH, arr, output, rows
+from .._numba import FASTMATH, arr, output, pad_rows, rows
 from .._ops import define
 from .._vexp import HALF, constants, elu1_row
 from .numba_ops import BLOCK, _delta_block
@@ -139,8 +139,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, pad: Tensor | None, S0
     M = 2 * D * nu if feature_map == "dpfp" else D
     X, Kx, V = (arr(t).reshape(N, L, t.shape[-1]) for t in (q, k, v))
     bn = arr(beta).reshape(N, L)
-    padn = (np.zeros((N, 0), dtype=np.bool_) if pad is None
-            else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(N, L)))
+    padn = pad_rows(pad, B, H, L)
     npdt = X.dtype
     S0a = np.zeros((N, M, E), dtype=npdt) if S0 is None else arr(S0.to(dt)).reshape(N, M, E)
     outa = output((N, L, E), npdt)

@@ -34,7 +34,7 @@ from torch import Tensor
 from attnkit.numba_panel import empty_aligned
 
 from .._busy import busy_threads
-from .._numba import FASTMATH, arr, output, rows
+from .._numba import FASTMATH, arr, output, pad_rows, rows
 from .._ops import define
 from .._vexp import HALF, constants
 from .numba_features import _phi_back
@@ -116,13 +116,6 @@ def _train_back_rows(Q, K, PQ, PK, SQ, SK, V, beta, pad, ckpt, dout, dSL, chunk,
                         row[d] = zero
 
 
-def _pad_rows(pad: Tensor | None, B: int, H: int, L: int) -> np.ndarray:
-    """``(B, 1, L, 1)`` bool -> ``(B·H, L)``; None -> ``(B·H, 0)`` (nothing padded)."""
-    if pad is None:
-        return np.zeros((B * H, 0), dtype=np.bool_)
-    return arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(B * H, L))
-
-
 def _causal(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, pad: Tensor | None, S0: Tensor, chunk: int, kind: int,
             nu: int, normalize: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, H, L, D = q.shape
@@ -142,7 +135,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, pad: Tensor | None, S
     PQ, PK = output((N, L, M), npdt), output((N, L, M), npdt)
     Ls = L if normalize else 0
     SQ, SK = np.empty((N, Ls), dtype=npdt), np.empty((N, Ls), dtype=npdt)
-    rows(_train_rows, N, X, Kx, V, arr(beta).reshape(N, L), _pad_rows(pad, B, H, L), kind, nu, normalize,
+    rows(_train_rows, N, X, Kx, V, arr(beta).reshape(N, L), pad_rows(pad, B, H, L), kind, nu, normalize,
          constants(npdt), npdt == np.float32, chunk, arr(S0).reshape(N, M, E), out, ckpt, PQ, PK, SQ, SK)
     return (torch.from_numpy(out).view(B, H, L, E), torch.from_numpy(ckpt[:, -1].copy()).view(B, H, M, E),
             torch.from_numpy(ckpt).view(B, H, nc, M, E), torch.from_numpy(PQ).view(B, H, L, M),
@@ -183,7 +176,7 @@ def _backward_impl(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, pad: Tensor | 
     dq, dk, dv = output((N, L, D), npdt), output((N, L, D), npdt), output((N, L, E), npdt)
     db, dS0 = np.empty((N, L), dtype=npdt), np.empty((N, M, E), dtype=npdt)
     rows(_train_back_rows, N, seq(q, L, D), seq(k, L, D), seq(phi_q, L, M), seq(phi_k, L, M), seq(sums_q, Ls),
-         seq(sums_k, Ls), seq(v, L, E), seq(beta, L), _pad_rows(pad, B, H, L), seq(ckpt, -(-L // chunk) + 1, M, E),
+         seq(sums_k, Ls), seq(v, L, E), seq(beta, L), pad_rows(pad, B, H, L), seq(ckpt, -(-L // chunk) + 1, M, E),
          seq(g_out, L, E), seq(g_S, M, E), chunk, kind, nu, normalize, dPQ, dPK, dq, dk, dv, db, dS0)
     return (torch.from_numpy(dq).view(B, H, L, D), torch.from_numpy(dk).view(B, H, L, D),
             torch.from_numpy(dv).view(B, H, L, E), torch.from_numpy(db).view(B, H, L),

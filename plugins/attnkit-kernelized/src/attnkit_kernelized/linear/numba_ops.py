@@ -330,11 +330,20 @@ def _product_features(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, r
     dt = xa.dtype
     Xa = np.empty((N, 0, D), dtype=dt) if X is None else arr(X.to(x.dtype))
     pada = np.empty((N, 0), dtype=np.bool_) if pad is None else arr(pad)
-    dx = output((N, L, D), dt)
-    S_ = np.empty((N, DX, M), dtype=dt)
+    return _epilogue_product(xa, ya, wa, S0a, z0a, reverse, chunk, (pa, Wa, Xa, pada, dt.type(scale)), D)
+
+
+def _epilogue_product(xa: np.ndarray, ya: np.ndarray, wa: np.ndarray, S0a: np.ndarray, z0a: np.ndarray,
+                      reverse: bool, chunk: int, feat: tuple, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_causal_rows` with a features' backward ``feat`` on its output (``width`` columns, not the
+    product's): ``(dx (N, L, width), S, z)``."""
+    N, L, DX = xa.shape
+    dt = xa.dtype
+    dx = output((N, L, width), dt)
+    S_ = np.empty((N, DX, wa.shape[2]), dtype=dt)
     z = np.empty((N, DX), dtype=dt)
     rows(_causal_rows, N, xa, ya, wa, bool(reverse), min(int(chunk), MAX_BLOCK), False, False, S0a, z0a, dx,
-         np.empty((N, 0), dtype=dt), S_, z, (pa, Wa, Xa, pada, dt.type(scale)))
+         np.empty((N, 0), dtype=dt), S_, z, feat)
     return torch.from_numpy(dx), torch.from_numpy(S_), torch.from_numpy(z)
 
 
@@ -358,14 +367,10 @@ def _product_elu(x: Tensor, y: Tensor, w: Tensor, S0: Tensor, z0: Tensor, revers
     xa, ya, wa, S0a, z0a, pa = (arr(t) for t in (x, y, w, S0, z0, phi))
     check_float(xa, ya, wa, S0a, z0a, pa)
     dt = xa.dtype
-    pada = np.empty((N, 0), dtype=np.bool_)           # (the performer's epilogue's; unread here)
-    dx = output((N, L, M), dt)
-    S_ = np.empty((N, DX, M), dtype=dt)
-    z = np.empty((N, DX), dtype=dt)
-    feat = (pa, np.empty((M, 0), dtype=dt), np.empty((N, 0, 0), dtype=dt), pada, dt.type(scale))
-    rows(_causal_rows, N, xa, ya, wa, bool(reverse), min(int(chunk), MAX_BLOCK), False, False, S0a, z0a, dx,
-         np.empty((N, 0), dtype=dt), S_, z, feat)
-    return torch.from_numpy(dx), torch.from_numpy(S_), torch.from_numpy(z)
+    # a W of no columns selects elu's epilogue; X and pad are the performer's (unread here)
+    feat = (pa, np.empty((M, 0), dtype=dt), np.empty((N, 0, 0), dtype=dt), np.empty((N, 0), dtype=np.bool_),
+            dt.type(scale))
+    return _epilogue_product(xa, ya, wa, S0a, z0a, reverse, chunk, feat, M)
 
 
 def _product_elu_fake(x, y, w, S0, z0, reverse, chunk, phi, scale):

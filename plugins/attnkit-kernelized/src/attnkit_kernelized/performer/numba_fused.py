@@ -35,7 +35,7 @@ from torch import Tensor
 from attnkit.numba_panel import empty_aligned
 from attnkit.numba_vreduce import row_max, row_min
 
-from .._numba import FASTMATH, arr, output, rows
+from .._numba import FASTMATH, arr, output, pad_rows, rows
 from .._ops import define
 from .._tiles import causal_block_normalised
 from .._vexp import HALF, constants, exp_row
@@ -163,8 +163,7 @@ def run_fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, scale: float, pad: Ten
         raise ValueError(f"fused_causal: q, k, v must be float32 or float64 CPU tensors of one dtype and length; "
                          f"got {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}")
     X, Kx, V = (arr(t).reshape(N, L, t.shape[-1]) for t in (q, k, v))
-    padn = (np.zeros((N, 0), dtype=np.bool_) if pad is None
-            else arr(pad[:, 0, :, 0].reshape(B, 1, L).expand(B, H, L).reshape(N, L)))
+    padn = pad_rows(pad, B, H, L)
     npdt = X.dtype
     S0a = np.zeros((N, M, E), dtype=npdt) if S0 is None else arr(S0.to(dt)).reshape(N, M, E)
     z0a = np.zeros((N, M), dtype=npdt) if z0 is None else arr(z0.to(dt)).reshape(N, M)
